@@ -1,0 +1,488 @@
+"""Quantized KV-cache containers: paged (block table or CSR, like FlashInfer/vLLM) and contiguous.
+
+Each sequence of ``L`` tokens is stored in three parts (``KVFormat.split_length``)::
+
+    [ sink: BF16 | quantized: packed codes + (s', z') in pages | recent: BF16 ring ]
+
+The quantized part lives in a pool of pages shared by the batch: codes ``[pages, Hkv, W]`` (int32
+words, ``W = page_size*D*bits/32``, layout ``LAYOUT_TAG``) and parameters
+``[pages, Hkv, rows, cols, 2]`` (FP32 ``(s', z')`` pairs, rows/cols from ``KVFormat.param_shape``).
+Page ``j`` of a sequence holds its quantized tokens ``[j*page_size, (j+1)*page_size)``. A contiguous
+cache is the same thing with one page per sequence (``page_size`` = capacity, identity table).
+
+The BF16 windows are per sequence: ``sink [B, Hkv, sink, D]`` holds the first tokens and
+``recent [B, Hkv, recent_capacity, D]`` is a ring: the token at position ``n_sink + r`` sits in slot
+``r % recent_capacity``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_finite, check_int, check_tensor
+from .errors import InvalidArgumentError, UnsupportedError
+from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
+from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
+
+WINDOW_DTYPES = (torch.bfloat16, torch.float16)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Pages of each sequence: ``block_table[b, :num_pages[b]]`` are indices into the page pool."""
+
+    block_table: torch.Tensor  # int32 [B, max_pages]
+    num_pages: torch.Tensor  # int32 [B]
+
+    @classmethod
+    def from_block_table(cls, block_table: torch.Tensor, num_pages: torch.Tensor | None = None) -> "PageTable":
+        """vLLM-style block table ``[B, max_pages]``; ``num_pages[b]`` valid entries (default: all)."""
+        check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
+        B = block_table.shape[0]
+        if num_pages is None:
+            num_pages = torch.full((B,), block_table.shape[1], dtype=torch.int32, device=block_table.device)
+        check_tensor("num_pages", num_pages, shape=(B,), dtypes=INDEX_DTYPES, device=block_table.device)
+        if B and (int(num_pages.min()) < 0 or int(num_pages.max()) > block_table.shape[1]):
+            raise InvalidArgumentError("num_pages", f"counts in [0, {block_table.shape[1]}]", num_pages.tolist())
+        return cls(block_table.to(torch.int32), num_pages.to(torch.int32))
+
+    @classmethod
+    def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor) -> "PageTable":
+        """FlashInfer-style CSR: pages of sequence ``b`` are ``indices[indptr[b]:indptr[b+1]]``."""
+        check_tensor("indptr", indptr, ndim=1, dtypes=INDEX_DTYPES)
+        check_tensor("indices", indices, ndim=1, dtypes=INDEX_DTYPES, device=indptr.device)
+        if indptr.numel() < 1:
+            raise InvalidArgumentError("indptr", "a tensor of B+1 offsets", "an empty tensor")
+        ip = indptr.long().cpu()
+        if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > indices.numel():
+            raise InvalidArgumentError("indptr", f"non-decreasing offsets from 0 to at most len(indices)={indices.numel()}",
+                                       ip.tolist())
+        counts = ip[1:] - ip[:-1]
+        B = counts.numel()
+        width = max(1, int(counts.max()) if B else 1)
+        col = torch.arange(width)
+        valid = col[None, :] < counts[:, None]
+        src = (ip[:-1, None] + col[None, :]).clamp(max=max(indices.numel() - 1, 0))
+        table = torch.where(valid, indices.long().cpu()[src] if indices.numel() else torch.zeros_like(src),
+                            torch.zeros_like(src))
+        dev = indptr.device
+        return cls(table.to(torch.int32).to(dev), counts.to(torch.int32).to(dev))
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    def pages_of(self, b: int) -> torch.Tensor:
+        return self.block_table[b, : int(self.num_pages[b])].long()
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class QuantKVCache:
+    """A quantized K/V cache (one attention layer). Build it with :func:`quantize_kv` or
+    :meth:`from_quantized`; read it with :meth:`dequantize`, :meth:`export` or a decode call."""
+
+    def __init__(self, fmt: KVFormat, *, k_codes, k_params, v_codes, v_params, seq_lens, page_table: PageTable,
+                 k_sink, v_sink, k_recent, v_recent, contiguous: bool = False):
+        if not isinstance(fmt, KVFormat):
+            raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
+        if not isinstance(page_table, PageTable):
+            raise InvalidArgumentError("page_table", "a foscar.PageTable", type(page_table).__name__)
+        self.fmt = fmt
+        D = fmt.head_dim
+        check_tensor("k_codes", k_codes, ndim=3, dtypes=(torch.int32,), contiguous=True)
+        P, H, W = k_codes.shape
+        dev = k_codes.device
+        page_size = W * 32 // (D * fmt.bits)
+        if page_size * D * fmt.bits != W * 32 or page_size == 0:
+            raise InvalidArgumentError("k_codes", f"a last dim that is page_size*{D}*{fmt.bits}/32", W)
+        fmt.check_page_size(page_size)
+        check_tensor("v_codes", v_codes, shape=(P, H, W), dtypes=(torch.int32,), device=dev, contiguous=True)
+        for name, t, tensor in (("k_params", k_params, "k"), ("v_params", v_params, "v")):
+            rows, cols = fmt.param_shape(tensor, page_size)
+            check_tensor(name, t, shape=(P, H, rows, cols, 2), dtypes=(torch.float32,), device=dev, contiguous=True)
+        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        B = seq_lens.shape[0]
+        if B and int(seq_lens.min()) < 0:
+            raise InvalidArgumentError("seq_lens", "lengths >= 0", seq_lens.tolist())
+        if page_table.batch_size != B:
+            raise InvalidArgumentError("page_table", f"{B} sequences (len(seq_lens))", page_table.batch_size)
+        if page_table.block_table.device != dev:
+            raise InvalidArgumentError("page_table", f"tensors on {dev}", f"tensors on {page_table.block_table.device}")
+        for name, t, n in (("k_sink", k_sink, fmt.sink), ("v_sink", v_sink, fmt.sink),
+                           ("k_recent", k_recent, fmt.recent_capacity), ("v_recent", v_recent, fmt.recent_capacity)):
+            check_tensor(name, t, shape=(B, H, n, D), dtypes=WINDOW_DTYPES, device=dev)
+        if not (k_sink.dtype == v_sink.dtype == k_recent.dtype == v_recent.dtype):
+            raise InvalidArgumentError("v_sink/k_recent/v_recent", f"the dtype of k_sink ({k_sink.dtype})",
+                                       (v_sink.dtype, k_recent.dtype, v_recent.dtype))
+        self.k_codes, self.v_codes = k_codes, v_codes
+        self.k_params, self.v_params = k_params, v_params
+        self.k_sink, self.v_sink, self.k_recent, self.v_recent = k_sink, v_sink, k_recent, v_recent
+        self.seq_lens = seq_lens.to(torch.int32)
+        self.page_table = page_table
+        self.page_size = page_size
+        self.contiguous = contiguous
+        self._check_pages()
+
+    # ---- shape facts -----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def num_pool_pages(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.fmt.head_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes.device
+
+    @property
+    def window_dtype(self) -> torch.dtype:
+        return self.k_sink.dtype
+
+    def split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(n_sink, n_quant, n_recent)``, int64 tensors of shape ``[B]``."""
+        return self.fmt.split_length(self.seq_lens.long())
+
+    def _check_pages(self) -> None:
+        pt = self.page_table
+        _, n_quant, _ = self.split()
+        need = torch.div(n_quant + self.page_size - 1, self.page_size, rounding_mode="floor").cpu()
+        have = pt.num_pages.long().cpu()
+        short = (need > have).nonzero()
+        if short.numel():
+            b = int(short[0])
+            raise InvalidArgumentError(
+                "seq_lens", f"lengths that fit the pages given (sequence {b}: {int(need[b])} pages of "
+                f"{self.page_size} for {int(n_quant[b])} quantized tokens)", f"{int(have[b])} pages")
+        table = pt.block_table.long().cpu()
+        valid = torch.arange(table.shape[1])[None, :] < need[:, None]
+        bad = valid & ((table < 0) | (table >= self.num_pool_pages))
+        if bad.any():
+            b, j = bad.nonzero()[0].tolist()
+            raise InvalidArgumentError("page_table", f"page indices in [0, {self.num_pool_pages})",
+                                       f"{int(table[b, j])} at sequence {b}, page {j}")
+
+    # ---- reading the quantized part ----------------------------------------------------------
+    def _codes(self, tensor: str) -> torch.Tensor:
+        return self.k_codes if tensor == "k" else self.v_codes
+
+    def _params(self, tensor: str) -> torch.Tensor:
+        return self.k_params if tensor == "k" else self.v_params
+
+    def quantized_pages(self, b: int) -> torch.Tensor:
+        """Pool indices of the pages sequence ``b``'s quantized tokens occupy, in token order."""
+        n_quant = int(self.split()[1][b])
+        return self.page_table.pages_of(b)[: -(-n_quant // self.page_size)]
+
+    def quantized_words(self, tensor: str, b: int) -> torch.Tensor:
+        """Packed words of sequence ``b``'s quantized tokens, pages concatenated: ``[Hkv, n_pages*W]``."""
+        pages = self.quantized_pages(b)
+        words = self._codes(tensor)[pages]  # [n, H, W]
+        return words.permute(1, 0, 2).reshape(self.num_kv_heads, -1)
+
+    def quantized_params(self, tensor: str, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 ``(s', z')`` of sequence ``b``: ``[Hkv, n_quant, D/g]`` (token-wise) or ``[Hkv, n_quant/g, D]``."""
+        fmt, page = self.fmt, self.page_size
+        n_quant = int(self.split()[1][b])
+        pages = self.quantized_pages(b)
+        par = self._params(tensor)[pages].permute(1, 0, 2, 3, 4)  # [H, n, rows, cols, 2]
+        H = self.num_kv_heads
+        if fmt.axis(tensor) == TOKEN:
+            par = par.reshape(H, -1, par.shape[-2], 2)[:, :n_quant]
+        else:
+            g = fmt.group_size
+            if page < g:  # one replicated row per page: take each group's first page
+                par = par[:, :: g // page]
+            par = par.reshape(H, -1, par.shape[-2], 2)[:, : n_quant // g]
+        return par[..., 0], par[..., 1]
+
+    def quantized_codes(self, tensor: str, b: int) -> torch.Tensor:
+        """Logical codes of sequence ``b``'s quantized tokens: int32 ``[Hkv, n_quant, D]``."""
+        n_quant = int(self.split()[1][b])
+        return unpack_codes(self.quantized_words(tensor, b), self.fmt.bits, tensor, self.head_dim)[:, :n_quant]
+
+    def windows(self, tensor: str, b: int) -> torch.Tensor:
+        """The BF16 tokens of sequence ``b`` (sink then recent, in token order): ``[Hkv, n, D]``."""
+        n_sink, n_quant, n_recent = (int(x[b]) for x in self.split())
+        sink = (self.k_sink if tensor == "k" else self.v_sink)[b, :, :n_sink]
+        ring = self.k_recent if tensor == "k" else self.v_recent
+        cap = self.fmt.recent_capacity
+        slots = (n_quant + torch.arange(n_recent, device=self.device)) % max(cap, 1)
+        return torch.cat([sink, ring[b][:, slots]], dim=1)
+
+    # ---- whole-cache views -------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``K, V [B, Hkv, max_len, D]`` in token order (zeros past each length).
+
+        A quantized value is ``s' * y + z'`` with ``y`` the operand built from its code, evaluated in
+        float64 (exact for FP32 ``s', z'``), then cast to ``dtype``.
+        """
+        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        L = int(self.seq_lens.max()) if B else 0
+        out = []
+        for tensor in ("k", "v"):
+            dense = torch.zeros(B, H, L, D, dtype=torch.float64, device=self.device)
+            for b in range(B):
+                n_sink, n_quant, n_recent = (int(x[b]) for x in self.split())
+                win = self.windows(tensor, b).double()
+                dense[b, :, :n_sink] = win[:, :n_sink]
+                dense[b, :, n_sink + n_quant: n_sink + n_quant + n_recent] = win[:, n_sink:]
+                if n_quant:
+                    dense[b, :, n_sink: n_sink + n_quant] = self._dequantize_seq(tensor, b)
+            out.append(dense.to(dtype))
+        return out[0], out[1]
+
+    def _dequantize_seq(self, tensor: str, b: int) -> torch.Tensor:
+        fmt = self.fmt
+        y = fmt.op.construct(self.quantized_codes(tensor, b))  # [H, n, D], float64
+        sp, zp = self.quantized_params(tensor, b)
+        g = fmt.group_size
+        sp, zp = sp.double(), zp.double()
+        if fmt.axis(tensor) == TOKEN:
+            sp, zp = sp.repeat_interleave(g, dim=-1), zp.repeat_interleave(g, dim=-1)
+        else:
+            sp, zp = sp.repeat_interleave(g, dim=-2), zp.repeat_interleave(g, dim=-2)
+        return sp * y + zp
+
+    def export(self) -> dict:
+        """Logical contents for interop (KIVI/OSCAR-style tensors), nothing lost.
+
+        ``{k,v}_codes``: uint8 ``[B, Hkv, Q, D]`` (``Q`` = longest quantized part, zero past each);
+        ``{k,v}_scale``/``{k,v}_offset``: the ``(s, z)`` of ``x = s*q + z``, float64 (exact from the
+        stored FP32 ``s', z'``), ``[B, Hkv, Q, D/g]`` token-wise or ``[B, Hkv, Q/g, D]`` channel-wise;
+        ``{k,v}_scale_folded``/``{k,v}_offset_folded``: the stored FP32 ``s', z'``;
+        ``{k,v}_sink``, ``{k,v}_recent``: the BF16 windows in token order (``[B, Hkv, n, D]``, zero
+        past each sequence's count); ``seq_lens``; ``format``.
+        """
+        fmt, B, H, D, g = self.fmt, self.batch_size, self.num_kv_heads, self.head_dim, self.fmt.group_size
+        n_sink, n_quant, n_recent = self.split()
+        Q = int(n_quant.max()) if B else 0
+        R = int(n_recent.max()) if B else 0
+        res = {"format": fmt, "seq_lens": self.seq_lens.clone()}
+        for tensor in ("k", "v"):
+            rows, cols = fmt.param_shape(tensor, Q) if fmt.axis(tensor) == TOKEN else (Q // g, D)
+            codes = torch.zeros(B, H, Q, D, dtype=torch.uint8, device=self.device)
+            spf = torch.zeros(B, H, rows, cols, dtype=torch.float32, device=self.device)
+            zpf = torch.zeros_like(spf)
+            recent = torch.zeros(B, H, R, D, dtype=self.window_dtype, device=self.device)
+            for b in range(B):
+                nq = int(n_quant[b])
+                codes[b, :, :nq] = self.quantized_codes(tensor, b).to(torch.uint8)
+                sp, zp = self.quantized_params(tensor, b)
+                spf[b, :, : sp.shape[1]] = sp
+                zpf[b, :, : zp.shape[1]] = zp
+                recent[b, :, : int(n_recent[b])] = self.windows(tensor, b)[:, int(n_sink[b]):]
+            s, z = fmt.op.unfold(spf, zpf)
+            res.update({f"{tensor}_codes": codes, f"{tensor}_scale": s, f"{tensor}_offset": z,
+                        f"{tensor}_scale_folded": spf, f"{tensor}_offset_folded": zpf,
+                        f"{tensor}_sink": (self.k_sink if tensor == "k" else self.v_sink).clone(),
+                        f"{tensor}_recent": recent})
+        return res
+
+    # ---- building ----------------------------------------------------------------------------
+    @classmethod
+    def _allocate(cls, fmt: KVFormat, *, seq_lens: torch.Tensor, num_kv_heads: int, page_size: int | None,
+                  page_table: PageTable | None, num_pages: int | None, window_dtype: torch.dtype,
+                  device: torch.device) -> "QuantKVCache":
+        """An all-zero cache with room for ``seq_lens``; the quantized parts are then written."""
+        B, H, D = seq_lens.shape[0], num_kv_heads, fmt.head_dim
+        _, n_quant, _ = fmt.split_length(seq_lens.long())
+        max_q = int(n_quant.max()) if B else 0
+        contiguous = page_size is None
+        if contiguous:
+            if page_table is not None or num_pages is not None:
+                raise InvalidArgumentError("page_table/num_pages", "None for a contiguous cache (page_size=None)",
+                                           "a page table")
+            align = fmt.token_alignment
+            if CHANNEL in (fmt.k_axis, fmt.v_axis):
+                align = math.lcm(align, fmt.group_size)
+            page_size = _round_up(max(max_q, 1), align)
+            page_table = PageTable.from_block_table(torch.arange(B, dtype=torch.int32, device=device)[:, None])
+            num_pages = B
+        else:
+            fmt.check_page_size(page_size)
+            need = [-(-int(n) // page_size) for n in n_quant.tolist()]
+            if page_table is None:
+                starts = torch.tensor([0] + need, dtype=torch.int64).cumsum(0)
+                width = max(need + [1])
+                table = torch.zeros(B, width, dtype=torch.int32)
+                for b in range(B):
+                    table[b, : need[b]] = torch.arange(int(starts[b]), int(starts[b + 1]), dtype=torch.int32)
+                page_table = PageTable.from_block_table(table.to(device), torch.tensor(need, dtype=torch.int32,
+                                                                                          device=device))
+                num_pages = max(int(starts[-1]), 1) if num_pages is None else num_pages
+            elif num_pages is None:
+                raise InvalidArgumentError("num_pages", "the size of the page pool when a page_table is given", None)
+            check_int("num_pages", num_pages, minimum=1)
+            used = torch.cat([page_table.pages_of(b)[: need[b]].cpu() for b in range(B)]) if B else torch.zeros(0)
+            if used.numel() != torch.unique(used).numel():
+                raise InvalidArgumentError("page_table", "distinct pages for the quantized tokens being written",
+                                           "a page used twice")
+        W = fmt.words_per_page("k", page_size)
+        kw = dict(dtype=torch.float32, device=device)
+        rk, ck = fmt.param_shape("k", page_size)
+        rv, cv = fmt.param_shape("v", page_size)
+        win = dict(dtype=window_dtype, device=device)
+        return cls(fmt, k_codes=torch.zeros(num_pages, H, W, dtype=torch.int32, device=device),
+                   v_codes=torch.zeros(num_pages, H, W, dtype=torch.int32, device=device),
+                   k_params=torch.zeros(num_pages, H, rk, ck, 2, **kw), v_params=torch.zeros(num_pages, H, rv, cv, 2, **kw),
+                   seq_lens=seq_lens.to(device=device, dtype=torch.int32), page_table=page_table,
+                   k_sink=torch.zeros(B, H, fmt.sink, D, **win), v_sink=torch.zeros(B, H, fmt.sink, D, **win),
+                   k_recent=torch.zeros(B, H, fmt.recent_capacity, D, **win),
+                   v_recent=torch.zeros(B, H, fmt.recent_capacity, D, **win), contiguous=contiguous)
+
+    def _store_quantized(self, tensor: str, b: int, codes: torch.Tensor, sp: torch.Tensor, zp: torch.Tensor) -> None:
+        """Write logical codes ``[H, n_quant, D]`` and FP32 ``s', z'`` of sequence ``b`` into its pages."""
+        fmt, page, H, D = self.fmt, self.page_size, self.num_kv_heads, self.head_dim
+        pages = self.quantized_pages(b)
+        n = pages.numel()
+        if n == 0:
+            return
+        pad = n * page - codes.shape[1]
+        codes = torch.nn.functional.pad(codes.to(torch.int32), (0, 0, 0, pad))
+        words = pack_codes(codes.reshape(H, n, page, D), fmt.bits, tensor)  # [H, n, W]
+        self._codes(tensor)[pages] = words.permute(1, 0, 2)
+        par = torch.stack([sp, zp], dim=-1).to(torch.float32)  # [H, rows_total, cols, 2]
+        rows, _ = fmt.param_shape(tensor, page)
+        if fmt.axis(tensor) == CHANNEL and page < fmt.group_size:
+            par = par.repeat_interleave(fmt.group_size // page, dim=1)  # each page keeps its group's row
+        par = torch.nn.functional.pad(par, (0, 0, 0, 0, 0, n * rows - par.shape[1]))
+        self._params(tensor)[pages] = par.reshape(H, n, rows, -1, 2).permute(1, 0, 2, 3, 4)
+
+    def _store_windows(self, b: int, k_win: torch.Tensor, v_win: torch.Tensor) -> None:
+        """Write sequence ``b``'s BF16 tokens (sink then recent, token order, ``[H, n, D]``)."""
+        n_sink, n_quant, n_recent = (int(x[b]) for x in self.split())
+        cap = max(self.fmt.recent_capacity, 1)
+        slots = (n_quant + torch.arange(n_recent, device=self.device)) % cap
+        for win, sink, ring in ((k_win, self.k_sink, self.k_recent), (v_win, self.v_sink, self.v_recent)):
+            sink[b, :, :n_sink] = win[:, :n_sink].to(sink.dtype)
+            ring[b][:, slots] = win[:, n_sink:].to(ring.dtype)
+
+    @classmethod
+    def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
+                       k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
+                       page_table: PageTable | None = None, num_pages: int | None = None) -> "QuantKVCache":
+        """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
+
+        Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),
+        ``(s, z)`` of ``x = s*q + z`` shaped ``[B, Hkv, Q, D/g]`` (token-wise) or ``[B, Hkv, Q/g, D]``
+        (channel-wise), ``Q`` at least every sequence's quantized count (``fmt.split_length``);
+        windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
+        ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``).
+        """
+        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
+        check_tensor("k_codes", k_codes, ndim=4)
+        B, H, Q, D = k_codes.shape
+        dev = k_codes.device
+        if D != fmt.head_dim:
+            raise InvalidArgumentError("k_codes", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
+        check_tensor("seq_lens", seq_lens, shape=(B,), device=dev)
+        n_sink, n_quant, n_recent = fmt.split_length(seq_lens.long())
+        if B and int(n_quant.max()) > Q:
+            raise InvalidArgumentError("k_codes", f"at least {int(n_quant.max())} quantized tokens in dim 2", Q)
+        g = fmt.group_size
+        wdtype = None
+        tensors = {}
+        for tensor, codes, s, z, sink, recent in (("k", k_codes, k_scale, k_offset, k_sink, k_recent),
+                                                  ("v", v_codes, v_scale, v_offset, v_sink, v_recent)):
+            check_tensor(f"{tensor}_codes", codes, shape=(B, H, Q, D), device=dev)
+            if codes.is_floating_point() or codes.dtype == torch.bool:
+                raise InvalidArgumentError(f"{tensor}_codes", "an integer dtype", codes.dtype)
+            if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << fmt.bits)):
+                raise InvalidArgumentError(f"{tensor}_codes", f"codes in [0, {1 << fmt.bits})",
+                                           f"values in [{int(codes.min())}, {int(codes.max())}]")
+            shp = (B, H, Q, D // g) if fmt.axis(tensor) == TOKEN else (B, H, -(-Q // g), D)
+            for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
+                check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
+                check_finite(nm, t)
+            for nm, t, need in ((f"{tensor}_sink", sink, n_sink), (f"{tensor}_recent", recent, n_recent)):
+                if t is None:
+                    if B and int(need.max()) > 0:
+                        raise InvalidArgumentError(nm, f"the BF16 tokens the format keeps ({int(need.max())} max)", None)
+                    continue
+                check_tensor(nm, t, ndim=4, dtypes=WINDOW_DTYPES, device=dev)
+                if t.shape[:2] != (B, H) or t.shape[3] != D or (B and t.shape[2] < int(need.max())):
+                    raise InvalidArgumentError(nm, f"shape ({B}, {H}, >= {int(need.max()) if B else 0}, {D})",
+                                               tuple(t.shape))
+                check_finite(nm, t)
+                if wdtype is not None and t.dtype != wdtype:
+                    raise InvalidArgumentError(nm, f"window dtype {wdtype} like the other windows", t.dtype)
+                wdtype = t.dtype
+            tensors[tensor] = (codes, *fmt.op.fold(s, z), sink, recent)
+        cache = cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size, page_table=page_table,
+                              num_pages=num_pages, window_dtype=wdtype or torch.bfloat16, device=dev)
+        for b in range(B):
+            nq, ns, nr = int(n_quant[b]), int(n_sink[b]), int(n_recent[b])
+            wins = []
+            for tensor in ("k", "v"):
+                codes, sp, zp, sink, recent = tensors[tensor]
+                rows = nq if fmt.axis(tensor) == TOKEN else nq // g
+                cache._store_quantized(tensor, b, codes[b, :, :nq], sp[b, :, :rows], zp[b, :, :rows])
+                parts = [t[b, :, :n] for t, n in ((sink, ns), (recent, nr)) if t is not None]
+                wins.append(torch.cat(parts, dim=1) if parts else torch.zeros(H, 0, D, device=dev))
+            cache._store_windows(b, *wins)
+        return cache
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
+                quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
+                page_table: PageTable | None = None, num_pages: int | None = None,
+                window_dtype: torch.dtype = torch.bfloat16) -> QuantKVCache:
+    """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
+
+    ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
+    ``page_size=None`` gives a contiguous cache; otherwise pages of ``page_size`` tokens, taken in
+    order from a fresh pool, or from ``page_table`` (a :class:`PageTable`) into a pool of
+    ``num_pages`` pages. ``quantizer``: ``"minmax"``, ``"mse"`` or ``"quantile"`` (``clip``).
+    The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``.
+    """
+    if not isinstance(fmt, KVFormat):
+        raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
+    check_tensor("k", k, ndim=4, dtypes=INPUT_DTYPES)
+    B, H, L, D = k.shape
+    if D != fmt.head_dim:
+        raise InvalidArgumentError("k", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
+    check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
+    if quantizer not in QUANTIZERS:
+        raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    if window_dtype not in WINDOW_DTYPES:
+        raise InvalidArgumentError("window_dtype", "torch.bfloat16 or torch.float16", window_dtype)
+    if seq_lens is None:
+        seq_lens = torch.full((B,), L, dtype=torch.int32, device=k.device)
+    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=INDEX_DTYPES, device=k.device)
+    if B and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > L):
+        raise InvalidArgumentError("seq_lens", f"lengths in [0, {L}] (k.shape[2])", seq_lens.tolist())
+    if page_table is not None and not isinstance(page_table, PageTable):
+        raise InvalidArgumentError("page_table", "a foscar.PageTable", type(page_table).__name__)
+    cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
+                                   page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
+                                   device=k.device)
+    n_sink, n_quant, _ = cache.split()
+    for b in range(B):
+        Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])
+        for name, x in (("k", k), ("v", v)):
+            check_finite(name, x[b, :, :Lb])
+        for tensor, x in (("k", k), ("v", v)):
+            if nq:
+                codes, sp, zp = quantize_tensor(x[b, :, ns: ns + nq], fmt.bits, fmt.axis(tensor), fmt.group_size,
+                                                fmt.op, quantizer, clip)
+                cache._store_quantized(tensor, b, codes, sp, zp)
+        keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
+        cache._store_windows(b, k[b][:, keep], v[b][:, keep])
+    return cache

@@ -1,0 +1,203 @@
+"""Affine-folded decode, literally as the paper states it: the executable spec of every kernel.
+
+Per sequence and KV head, the quantized tokens are walked in KV tiles of ``tile_tokens`` tokens,
+grouped into ``num_splits`` contiguous splits (split-KV). Inside a tile nothing computes
+``s*q + z`` per value. The tensor-core operands are built from the packed words by the bit trick
+of the cache's :class:`~foscar.format.OperandMapping` (``y = alpha*q + beta``, e.g. ``0x4300 | q``
+= ``q + 128``), and the folded constants ``s' = s/alpha``, ``z' = z - beta*s'`` are applied as in
+paper Sec. 4.1-4.2 (Fig. 5):
+
+============  ===========  ====================================================================
+cache         product      fold
+============  ===========  ====================================================================
+token-wise K  Q K^T (sum   **acc-fold**: per channel group, the group-local partial
+              over D)      ``Q[:, G] . y[t, G]`` is scaled by ``s'[t, G]``; offset correction
+                           ``z'[t, G] * sum(Q[:, G])``
+channel-wise  Q K^T        **operand-fold**: per token group, ``Q' = Q * s'[group]`` is the operand;
+K                          offset correction ``sum_c Q z'``
+token-wise V  P V (sum     **operand-fold**: per channel group, ``P' = P * s'[t, G]`` is the operand;
+              over L)      offset correction ``sum_t P z'``
+channel-wise  P V          **acc-fold**: per token group, the group-local partial ``P[:, group] .
+V                          y[group]`` is scaled by ``s'[group]``; correction ``z' * sum(P[group])``
+============  ===========  ====================================================================
+
+Ordering: K corrections land before the softmax (before ``sm_scale`` and the running max); V
+corrections land in the output accumulator, before the final division by the denominator. A
+group-local partial never crosses a group boundary unscaled: when a group spans tiles, each tile's
+piece is scaled before it joins the accumulator; when a tile spans groups, each group is separate.
+
+Numerics of the constructed operands (``../shared/docs/triton-notes.md``): with ``operand_dtype``
+(e.g. ``torch.bfloat16``) the operands the tensor core consumes (``Q``, ``Q'``, ``P'``, ``P``) are
+rounded to it, and every offset correction is computed from the *rounded* operand. For
+operand-fold this means writing ``x = s'*y + z'`` as ``s'*(y - beta) + z`` with ``z = z' + beta*s'``:
+correction ``= sum(A * z) - beta * sum(round(A * s'))``, which cancels the ``beta * round(A*s')``
+term of the product exactly. (In exact arithmetic this equals ``sum(A * z')``.) Otherwise the
+injected ``beta = 128`` multiplies the operand's rounding error about a hundredfold.
+
+Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
+(plain attention); an LSE combine merges them all.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_int
+from .cache import QuantKVCache
+from .errors import InvalidArgumentError
+from .format import TOKEN, unpack_codes
+from .reference import attend, check_decode_inputs
+
+
+def combine_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE combine of partial attentions ``out_i [..., D]`` with ``lse_i [...]`` (``-inf`` = empty)."""
+    lse = torch.stack(lses)  # [S, ...]
+    m = lse.max(dim=0).values
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # empty partials weigh 0
+    total = w.sum(0)
+    num = sum(wi[..., None] * oi for wi, oi in zip(w, outs))
+    out = torch.where(total[..., None] > 0, num / torch.where(total > 0, total, 1)[..., None], torch.zeros_like(num))
+    return out, m_safe + torch.log(total)
+
+
+class _Tile:
+    """Operands and folded constants of one KV tile (``n`` valid tokens from quantized index ``t0``)."""
+
+    def __init__(self, y_k, y_v, t0, n):
+        self.y_k, self.y_v, self.t0, self.n = y_k, y_v, t0, n
+
+
+class _FoldedSequence:
+    """Folded decode of one sequence, all KV heads at once (``[H, G, ...]`` tensors)."""
+
+    def __init__(self, cache: QuantKVCache, b: int, dtype: torch.dtype, operand_dtype: torch.dtype | None):
+        self.cache, self.fmt, self.b, self.dtype = cache, cache.fmt, b, dtype
+        self.operand_dtype = operand_dtype
+        self.n_quant = int(cache.split()[1][b])
+        self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
+        self.params = {t: tuple(p.to(dtype) for p in cache.quantized_params(t, b)) for t in ("k", "v")}
+        self.beta = self.fmt.op.beta
+
+    def rnd(self, x: torch.Tensor) -> torch.Tensor:
+        """Round to the operand format the tensor core consumes (identity in exact mode)."""
+        return x if self.operand_dtype is None else x.to(self.operand_dtype).to(self.dtype)
+
+    def tile(self, t0: int, tile_tokens: int) -> _Tile:
+        fmt, D = self.fmt, self.fmt.head_dim
+        n = min(tile_tokens, self.n_quant - t0)
+        wpt = D * fmt.bits // 32  # words per token (tiles are whole pack blocks)
+        y = {}
+        for t in ("k", "v"):
+            words = self.words[t][:, t0 * wpt: (t0 + tile_tokens) * wpt]
+            codes = unpack_codes(words, fmt.bits, t, D)[:, :n]
+            y[t] = fmt.op.construct(codes).to(self.dtype)  # the bit trick, decoded exactly
+        return _Tile(y["k"], y["v"], t0, n)
+
+    def group_segments(self, tile: _Tile):
+        """``(group index, slice of the tile)`` for each token group (channel-wise axis) the tile touches."""
+        g = self.fmt.group_size
+        t = tile.t0
+        while t < tile.t0 + tile.n:
+            end = min((t // g + 1) * g, tile.t0 + tile.n)
+            yield t // g, slice(t - tile.t0, end - tile.t0)
+            t = end
+
+    # ---- QK^T: scores with the K offset corrections (before softmax) -----------------------------
+    def scores(self, Qt: torch.Tensor, tile: _Tile) -> torch.Tensor:
+        H, G, D = Qt.shape
+        g, yk = self.fmt.group_size, tile.y_k
+        sp, zp = self.params["k"]
+        if self.fmt.k_axis == TOKEN:  # acc-fold over channel groups
+            sp, zp = sp[:, tile.t0: tile.t0 + tile.n], zp[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
+            C = D // g
+            partial = torch.einsum("hgcj,hncj->hgnc", Qt.reshape(H, G, C, g), yk.reshape(H, tile.n, C, g))
+            q_sum = Qt.reshape(H, G, C, g).sum(-1)  # sum of the consumed (rounded) Q per group
+            return (partial * sp[:, None] + zp[:, None] * q_sum[:, :, None, :]).sum(-1)
+        S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
+        for gi, seg in self.group_segments(tile):
+            s_row, z_row = sp[:, gi], zp[:, gi] + self.beta * sp[:, gi]  # [H, D]: s', z = z' + beta s'
+            Qp = self.rnd(Qt * s_row[:, None, :])  # Q' = Q s', the operand
+            corr = (Qt * z_row[:, None, :]).sum(-1) - self.beta * Qp.sum(-1)
+            S[..., seg] = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg]) + corr[..., None]
+        return S
+
+    # ---- PV: output contribution with the V offset corrections (before the division) -----------
+    def values(self, p: torch.Tensor, tile: _Tile) -> torch.Tensor:
+        H, G, n = p.shape
+        D, g, yv = self.fmt.head_dim, self.fmt.group_size, tile.y_v
+        sp, zp = self.params["v"]
+        if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
+            sp, zp = sp[:, tile.t0: tile.t0 + n], zp[:, tile.t0: tile.t0 + n]  # [H, n, C]
+            z = zp + self.beta * sp
+            Pp = self.rnd(p[..., None] * sp[:, None])  # [H, G, n, C]: P' = P s', the operand
+            C = D // g
+            prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
+            corr = torch.einsum("hgn,hnc->hgc", p, z) - self.beta * Pp.sum(2)
+            return (prod + corr[..., None]).reshape(H, G, D)
+        out = p.new_zeros(H, G, D)  # acc-fold over token groups
+        Pt = self.rnd(p)
+        for gi, seg in self.group_segments(tile):
+            partial = torch.einsum("hgn,hnd->hgd", Pt[..., seg], yv[:, seg])  # group-local partial
+            out += sp[:, gi][:, None] * partial + zp[:, gi][:, None] * Pt[..., seg].sum(-1, keepdim=True)
+        return out
+
+    def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float):
+        """Online softmax over a run of tiles: ``(acc / l, m + log l)``."""
+        H, G, D = Qt.shape
+        m = Qt.new_full((H, G), -math.inf)
+        l = Qt.new_zeros(H, G)
+        acc = Qt.new_zeros(H, G, D)
+        for i in tiles:
+            tile = self.tile(i * tile_tokens, tile_tokens)
+            s = self.scores(Qt, tile) * sm_scale  # K corrections already in
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None])
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + self.values(p, tile)  # V corrections inside, before / l
+            m = m_new
+        if l.eq(0).all():
+            return acc, m
+        return acc / l[..., None], m + torch.log(l)
+
+
+def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, tile_tokens: int = 64,
+                  num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
+                  return_lse: bool = False):
+    """Folded decode of ``q [B, Hq, D]`` over ``cache``: what every kernel computes.
+
+    ``tile_tokens``: KV tile (a multiple of the format's pack block: 16, or 32 for INT2).
+    ``num_splits``: split-KV count per sequence (tiles dealt out in contiguous runs; empty splits
+    are allowed). ``dtype``: accumulation dtype (float64 or float32). ``operand_dtype``: round the
+    tensor-core operands to this dtype (``torch.bfloat16`` emulates the Hopper/Triton kernels);
+    ``None`` keeps them exact. Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
+    """
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    fmt = cache.fmt
+    check_int("tile_tokens", tile_tokens, minimum=1, multiple_of=fmt.token_alignment)
+    check_int("num_splits", num_splits, minimum=1)
+    if operand_dtype is not None and operand_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InvalidArgumentError("operand_dtype", "None, torch.bfloat16, torch.float16 or torch.float32",
+                                   operand_dtype)
+    B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
+    lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
+    for b in range(B):
+        seq = _FoldedSequence(cache, b, dtype, operand_dtype)
+        Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
+        n_tiles = -(-seq.n_quant // tile_tokens)
+        per = -(-n_tiles // num_splits) if n_tiles else 0
+        outs, lses = [], []
+        for s in range(num_splits):
+            o, l_ = seq.split(Qt, range(s * per, min((s + 1) * per, n_tiles)), tile_tokens, sm_scale)
+            outs.append(o)
+            lses.append(l_)
+        kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
+        o, l_ = attend(Qt, kw, vw, sm_scale)
+        outs.append(o)
+        lses.append(l_)
+        o, l_ = combine_partials(outs, lses)
+        out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
+    return (out, lse) if return_lse else out

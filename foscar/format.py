@@ -1,0 +1,321 @@
+"""The quantized KV format: one definition, read by every backend.
+
+A stored value is ``x = s*q + z`` with ``q`` an unsigned ``bits``-bit code and ``(s, z)`` shared by
+a group of ``group_size`` values: token-wise (a group spans ``g`` channels of one token) or
+channel-wise (a group spans ``g`` tokens of one channel), chosen independently for K and V.
+
+Tensor cores never see ``q`` itself. A bit trick builds an operand ``y = alpha*q + beta`` straight
+from the packed word (an :class:`OperandMapping`), and the cache stores the *folded* constants of
+paper eq. 5 instead of ``(s, z)``::
+
+    s' = s / alpha,      z' = z - beta * s',      so that      x = s' * y + z'.
+
+``(s', z')`` are FP32 and are the canonical stored parameters: the value a cache holds *is*
+``s'*y + z'`` (evaluated exactly, e.g. in float64), and every backend reads the same numbers.
+
+Codes are packed into 32-bit words in the layout ``LAYOUT_TAG`` (``docs/layout.md``), chosen so that
+the Hopper kernel's wgmma register fragments are built with one shift and one masked merge per
+register, and so that every other backend reads the very same words.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_int
+from .errors import InvalidArgumentError, UnsupportedError
+
+TOKEN = "token"
+CHANNEL = "channel"
+AXES = (TOKEN, CHANNEL)
+
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_GROUPS = (32, 64, 128, 256)
+
+#: Layout tag of the packed words (bumped whenever the bit layout changes).
+LAYOUT_TAG = "foscar-wgmma-rs-v1"
+
+#: Tokens per K pack block: one warp's 16 rows of the m64 wgmma A tile.
+K_BLOCK_TOKENS = 16
+#: Page sizes must be multiples of this (the smallest unit a tile is built from).
+PAGE_QUANTUM = 16
+
+
+def v_block_tokens(bits: int) -> int:
+    """Tokens per V pack block: the k16 blocks one 32-bit word spans (16 for INT4, 32 for INT2)."""
+    return 64 // bits
+
+
+def block_tokens(bits: int, tensor: str) -> int:
+    return K_BLOCK_TOKENS if tensor == "k" else v_block_tokens(bits)
+
+
+# --------------------------------------------------------------------------------------------
+# Operand mappings (paper Table 1, eq. 5)
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OperandMapping:
+    """How a tensor-core operand ``y = alpha*q + beta`` is built from a code ``q`` by bit placement."""
+
+    name: str
+    alpha: float
+    beta: float
+    operand: str  # the operand's number format
+    how: str
+
+    def fold(self, s: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paper eq. 5 in FP32: ``s' = s/alpha``, ``z' = z - beta*s'``."""
+        s = s.to(torch.float32)
+        z = z.to(torch.float32)
+        sp = s / self.alpha  # alpha is a power of two: exact
+        zp = (z.double() - self.beta * sp.double()).to(torch.float32)  # one rounding
+        return sp, zp
+
+    def unfold(self, sp: torch.Tensor, zp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(s, z)`` that the stored ``(s', z')`` stand for, in float64 (exact)."""
+        sp = sp.double()
+        return sp * self.alpha, zp.double() + self.beta * sp
+
+    def construct(self, q: torch.Tensor) -> torch.Tensor:
+        """Build the operand from codes by the bit trick alone; returns float64 values.
+
+        ``q`` holds integer codes. The result is what the tensor core reads, decoded from the bit
+        pattern (never computed as ``alpha*q + beta``): tests compare the two.
+        """
+        q = q.to(torch.int32)
+        if self.name == "bf16":
+            bits = (q | 0x4300).to(torch.int16)
+            return bits.view(torch.bfloat16).double()
+        if self.name == "e4m3":
+            return q.to(torch.uint8).view(torch.float8_e4m3fn).double()
+        if self.name == "e2m1":
+            return e2m1_decode(q)
+        raise UnsupportedError("mapping", self.name)  # pragma: no cover
+
+
+def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:
+    """Decode 4-bit E2M1 (FP4) bit patterns (sign, 2 exponent bits, 1 mantissa bit, bias 1)."""
+    b = bits.to(torch.int64)
+    sign = torch.where((b >> 3) & 1 == 1, -1.0, 1.0).double()
+    e = (b >> 1) & 3
+    m = (b & 1).double()
+    normal = (1.0 + m / 2) * torch.pow(2.0, (e - 1).double())
+    sub = m / 2  # exponent 0: 0.m * 2^(1-bias) = m/2
+    return sign * torch.where(e == 0, sub, normal)
+
+
+BF16_INJECTION = OperandMapping("bf16", 1.0, 128.0, "bf16", "0x4300 | q  ->  q + 128 (mantissa injection, Hopper)")
+E4M3_PLACEMENT = OperandMapping("e4m3", 2.0 ** -9, 0.0, "e4m3", "q in the low bits of a byte  ->  q * 2^-9 (Blackwell)")
+E2M1_PLACEMENT = OperandMapping("e2m1", 0.5, 0.0, "e2m1", "q in the low bits of a nibble  ->  q / 2 (Blackwell, INT2)")
+MAPPINGS = {m.name: m for m in (BF16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
+
+
+def inject_pair_bf16(words: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+    """The Hopper construction of one 32-bit register: ``((w >> shift) & m) | 0x43004300``.
+
+    ``m`` keeps one ``bits``-wide field at bit 0 and one at bit 16, so the register holds two BF16
+    operands ``128 + q``. Returns the two BF16 halves, shape ``words.shape + (2,)`` (low half first).
+    """
+    mask = ((1 << bits) - 1) * 0x00010001
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    reg = ((w >> shift) & mask) | 0x43004300
+    reg = torch.where(reg >= 2 ** 31, reg - 2 ** 32, reg).to(torch.int32)
+    return reg.contiguous().view(torch.bfloat16).reshape(*words.shape, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# The packed layout (docs/layout.md)
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def block_map(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each code of one pack block lives: ``(word, shift)``, each of shape ``[tokens, head_dim]``.
+
+    K block = 16 tokens x D channels, the A operand of ``S^T = K Q^T`` (rows = tokens, k = channels).
+    V block = 64/bits tokens x D channels, the A operand of ``O^T = V^T P^T`` (rows = channels,
+    k = tokens). In the m64nNk16 register fragment, thread ``32w + l`` holds in register
+    ``4b + j`` the row ``16w + l//4 + 8(j%2)`` and the k pair ``16b + 2(l%4) + 8(j//2) + {0, 1}``
+    (low half = even k). A word holds ``16/bits`` consecutive registers of one thread: register
+    ``r`` at bits ``bits*(r % (16/bits))`` (low half) and ``16 + bits*(r % (16/bits))`` (high half).
+    """
+    if tensor == "k":
+        t, c = torch.meshgrid(torch.arange(K_BLOCK_TOKENS), torch.arange(head_dim), indexing="ij")
+        row, k = t, c  # rows = tokens, k = channels
+        warp = torch.zeros_like(t)  # a K block is one warp's 16 rows
+        lanes_words = head_dim * bits // 64  # words per lane per block
+    elif tensor == "v":
+        t, c = torch.meshgrid(torch.arange(v_block_tokens(bits)), torch.arange(head_dim), indexing="ij")
+        row, k = c % 64, t  # rows = channels (one m64 half), k = tokens
+        warp = row // 16
+        lanes_words = head_dim // 64  # one word per m64 half per thread
+    else:  # pragma: no cover - internal
+        raise ValueError(tensor)
+    r16 = row % 16
+    kb, k16 = k // 16, k % 16
+    lane = 4 * (r16 % 8) + (k16 % 8) // 2
+    half = k16 % 2
+    j = r16 // 8 + 2 * (k16 // 8)
+    reg = 4 * kb + j
+    regs_per_word = 16 // bits
+    thread = 32 * warp + lane
+    if tensor == "k":
+        word = thread * lanes_words + reg // regs_per_word
+    else:
+        word = thread * lanes_words + c // 64  # reg < regs_per_word inside one V block
+    shift = bits * (reg % regs_per_word) + 16 * half
+    return word.contiguous(), shift.contiguous()
+
+
+def words_per_block(bits: int, head_dim: int, tensor: str) -> int:
+    return block_tokens(bits, tensor) * head_dim * bits // 32
+
+
+def pack_codes(codes: torch.Tensor, bits: int, tensor: str) -> torch.Tensor:
+    """Pack codes ``[..., T, D]`` (T a multiple of the pack block) into int32 words ``[..., T*D*bits/32]``."""
+    *lead, T, D = codes.shape
+    bt = block_tokens(bits, tensor)
+    if T % bt:
+        raise InvalidArgumentError("codes", f"a token count that is a multiple of {bt}", T)
+    word, shift = block_map(bits, D, tensor)
+    nb = T // bt
+    wpb = words_per_block(bits, D, tensor)
+    c = codes.to(torch.int64).reshape(*lead, nb, bt * D) << shift.reshape(-1)
+    out = torch.zeros(*lead, nb, wpb, dtype=torch.int64, device=codes.device)
+    out.scatter_add_(-1, word.reshape(-1).to(codes.device).expand_as(c).contiguous(), c)  # disjoint fields
+    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+    return out.reshape(*lead, nb * wpb)
+
+
+def unpack_codes(words: torch.Tensor, bits: int, tensor: str, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: int32 words ``[..., W]`` -> int32 codes ``[..., T, D]``."""
+    *lead, W = words.shape
+    wpb = words_per_block(bits, head_dim, tensor)
+    bt = block_tokens(bits, tensor)
+    nb = W // wpb
+    word, shift = block_map(bits, head_dim, tensor)
+    w = words.to(torch.int64).reshape(*lead, nb, wpb) & 0xFFFFFFFF
+    idx = word.reshape(-1).to(words.device)
+    got = torch.index_select(w, -1, idx)
+    codes = (got >> shift.reshape(-1).to(words.device)) & ((1 << bits) - 1)
+    return codes.to(torch.int32).reshape(*lead, nb * bt, head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# The format
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVFormat:
+    """Everything that fixes how a K/V cache is stored; hashable, so it can key caches of compiled kernels.
+
+    bits: code width (2 or 4). head_dim: 64, 128 or 256. group_size: values sharing one (s, z):
+    token-wise groups must divide head_dim (32, 64, 128 or head_dim); channel-wise groups span
+    32, 64, 128 or 256 tokens. k_axis / v_axis: "token" or "channel". mapping: the tensor-core
+    operand the cache's folded constants are made for ("bf16" injection by default).
+    sink / recent: tokens kept unquantized (BF16) at the start / end of each sequence.
+    """
+
+    bits: int
+    head_dim: int
+    group_size: int
+    k_axis: str = TOKEN
+    v_axis: str = TOKEN
+    mapping: str = "bf16"
+    sink: int = 0
+    recent: int = 0
+    layout: str = LAYOUT_TAG
+
+    def __post_init__(self):
+        check_int("bits", self.bits, allowed=SUPPORTED_BITS)
+        check_int("head_dim", self.head_dim, allowed=SUPPORTED_HEAD_DIMS)
+        check_int("group_size", self.group_size, allowed=SUPPORTED_GROUPS)
+        for name in ("k_axis", "v_axis"):
+            if getattr(self, name) not in AXES:
+                raise InvalidArgumentError(name, f"one of {AXES}", repr(getattr(self, name)))
+        if self.mapping not in MAPPINGS:
+            raise InvalidArgumentError("mapping", f"one of {tuple(MAPPINGS)}", repr(self.mapping))
+        if self.mapping == "e2m1" and self.bits != 2:
+            raise UnsupportedError("mapping='e2m1'", f"E2M1 holds 2-bit codes only (bits={self.bits})")
+        check_int("sink", self.sink, minimum=0)
+        check_int("recent", self.recent, minimum=0)
+        if self.layout != LAYOUT_TAG:
+            raise UnsupportedError("layout", f"this foscar reads {LAYOUT_TAG!r}, not {self.layout!r}")
+        for name in ("k_axis", "v_axis"):
+            if getattr(self, name) == TOKEN and self.head_dim % self.group_size:
+                raise UnsupportedError(
+                    f"{name}='token' with group_size={self.group_size}",
+                    f"a token-wise group spans channels, so it must divide head_dim={self.head_dim}")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def op(self) -> OperandMapping:
+        return MAPPINGS[self.mapping]
+
+    def axis(self, tensor: str) -> str:
+        return self.k_axis if tensor == "k" else self.v_axis
+
+    @property
+    def flush(self) -> int:
+        """Tokens quantized at once: a whole group when either tensor groups along tokens."""
+        return self.group_size if CHANNEL in (self.k_axis, self.v_axis) else 1
+
+    @property
+    def recent_capacity(self) -> int:
+        """Slots of the BF16 recent ring: the window plus the tokens of a not yet complete group."""
+        return self.recent + self.flush - 1
+
+    @property
+    def token_alignment(self) -> int:
+        """Page sizes (and contiguous capacities) must be multiples of this."""
+        return math.lcm(PAGE_QUANTUM, v_block_tokens(self.bits))
+
+    def split_length(self, length):
+        """``(n_sink, n_quant, n_recent)`` of a sequence of ``length`` tokens (ints or int tensors).
+
+        The first ``sink`` tokens stay BF16; of the rest, all but the last ``recent`` are quantized,
+        rounded down to a multiple of :attr:`flush`; the remainder stays in the BF16 recent ring.
+        """
+        if isinstance(length, torch.Tensor):
+            n_sink = torch.clamp(length, max=self.sink)
+            rest = length - n_sink
+            n_quant = torch.div(torch.clamp(rest - self.recent, min=0), self.flush, rounding_mode="floor") * self.flush
+        else:
+            n_sink = min(length, self.sink)
+            rest = length - n_sink
+            n_quant = max(0, rest - self.recent) // self.flush * self.flush
+        return n_sink, n_quant, rest - n_quant
+
+    def param_shape(self, tensor: str, tokens: int) -> tuple[int, int]:
+        """(rows, cols) of the (s', z') table for ``tokens`` consecutive quantized tokens.
+
+        Token-wise: one row per token, one column per channel group. Channel-wise: one row per
+        token group (a page shorter than a group still holds the row of the group it lies in),
+        one column per channel.
+        """
+        g, D = self.group_size, self.head_dim
+        if self.axis(tensor) == TOKEN:
+            return tokens, D // g
+        return max(1, tokens // g), D
+
+    def check_page_size(self, page_size: int, name: str = "page_size") -> int:
+        check_int(name, page_size, minimum=1)
+        a = self.token_alignment
+        if page_size % a:
+            raise UnsupportedError(f"{name}={page_size}",
+                                   f"pages of a {self.bits}-bit cache with these axes hold multiples of {a} tokens")
+        if CHANNEL in (self.k_axis, self.v_axis):
+            g = self.group_size
+            if page_size % g and g % page_size:
+                raise UnsupportedError(f"{name}={page_size}",
+                                       f"channel-wise groups of {g} tokens need the page to divide, or be a multiple of, {g}")
+        return page_size
+
+    def words_per_page(self, tensor: str, page_size: int) -> int:
+        return page_size * self.head_dim * self.bits // 32
+
+    def bytes_per_token(self) -> float:
+        """HBM bytes one quantized token costs per KV head, K and V together (codes + s' + z')."""
+        per = self.head_dim * self.bits / 8 + 8 * self.head_dim / self.group_size
+        return 2 * per

@@ -1,0 +1,106 @@
+"""Group quantizers: values -> (codes, folded s', folded z').
+
+Asymmetric uniform quantization ``x ~ s*q + z``, ``q`` in ``[0, 2^bits - 1]``, round to nearest.
+The range ``[lo, hi]`` of each group comes from a selectable quantizer:
+
+- ``"minmax"``: the group's min and max (every value within ``s/2`` of its reconstruction);
+- ``"mse"``: the min-max range shrunk about its midpoint by the ratio (from ``MSE_RATIOS``) that
+  minimises the group's squared reconstruction error, as clipped INT2 quantizers do (OSCAR);
+- ``"quantile"``: the ``clip`` and ``1 - clip`` quantiles of the group.
+
+Codes are computed against the *stored* constants: ``(s, z)`` are folded into FP32 ``(s', z')``
+for the cache's operand mapping first, and ``q`` is rounded against ``s'*y(q) + z'``, so the
+reconstruction error is the quantizer's, not the FP32 storage's (up to FP32 resolution of ``z'``).
+A group whose values are all equal gets ``s = 0`` and reproduces its value exactly; nothing
+divides by zero.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgumentError
+from .format import OperandMapping
+
+QUANTIZERS = ("minmax", "mse", "quantile")
+#: Shrink ratios tried by the ``"mse"`` quantizer (1.0 = min-max).
+MSE_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))
+DEFAULT_QUANTILE = 0.01
+
+
+def _quantile_range(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    srt = torch.sort(x, dim=-1).values
+    g = x.shape[-1]
+
+    def at(f: float) -> torch.Tensor:
+        pos = f * (g - 1)
+        i0 = int(pos)
+        i1 = min(i0 + 1, g - 1)
+        w = pos - i0
+        return srt[..., i0] * (1 - w) + srt[..., i1] * w
+
+    return at(p), at(1 - p)
+
+
+def _codes_for(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, mapping: OperandMapping):
+    """Fold the range into FP32 (s', z') and round codes against the stored constants."""
+    qmax = (1 << bits) - 1
+    s = (hi - lo) / qmax
+    sp, zp = mapping.fold(s, lo)
+    s_eff, z_eff = mapping.unfold(sp, zp)  # float64, exactly what the cache stands for
+    s_eff_b, z_eff_b = s_eff.unsqueeze(-1), z_eff.unsqueeze(-1)
+    safe = torch.where(s_eff_b > 0, s_eff_b, torch.ones_like(s_eff_b))
+    q = torch.where(s_eff_b > 0, torch.round((x - z_eff_b) / safe), torch.zeros_like(x))
+    q = q.clamp_(0, qmax)
+    return q, sp, zp, s_eff_b, z_eff_b
+
+
+def quantize_groups(x: torch.Tensor, bits: int, mapping: OperandMapping, quantizer: str = "minmax",
+                    clip: float = DEFAULT_QUANTILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x[..., n_groups, g]`` group-wise along the last dim.
+
+    Returns ``codes`` (uint8, same shape as ``x``) and FP32 ``s'``, ``z'`` of shape ``x.shape[:-1]``.
+    """
+    if quantizer not in QUANTIZERS:
+        raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    x = x.double()
+    if quantizer == "quantile":
+        if not 0.0 <= clip < 0.5:
+            raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", clip)
+        lo, hi = _quantile_range(x, clip)
+    else:
+        lo, hi = x.amin(-1), x.amax(-1)
+    if quantizer != "mse":
+        q, sp, zp, _, _ = _codes_for(x, lo, hi, bits, mapping)
+        return q.to(torch.uint8), sp, zp
+
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    best = None
+    for r in MSE_RATIOS:
+        q, sp, zp, s_eff, z_eff = _codes_for(x, mid - r * half, mid + r * half, bits, mapping)
+        err = ((s_eff * q + z_eff - x) ** 2).sum(-1)
+        if best is None:
+            best = [err, q, sp, zp]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
+        best[2] = torch.where(better, sp, best[2])
+        best[3] = torch.where(better, zp, best[3])
+    return best[1].to(torch.uint8), best[2], best[3]
+
+
+def quantize_tensor(x: torch.Tensor, bits: int, axis: str, group_size: int, mapping: OperandMapping,
+                    quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE):
+    """Quantize ``x[..., T, D]`` token-wise (groups of ``g`` channels) or channel-wise (``g`` tokens).
+
+    Returns logical ``codes [..., T, D]`` (uint8) and ``s', z'`` shaped ``[..., T, D/g]``
+    (token-wise) or ``[..., T/g, D]`` (channel-wise).
+    """
+    *lead, T, D = x.shape
+    g = group_size
+    if axis == "token":
+        q, sp, zp = quantize_groups(x.reshape(*lead, T, D // g, g), bits, mapping, quantizer, clip)
+        return q.reshape(*lead, T, D), sp, zp
+    xt = x.reshape(*lead, T // g, g, D).transpose(-1, -2)  # [..., T/g, D, g]
+    q, sp, zp = quantize_groups(xt, bits, mapping, quantizer, clip)
+    return q.transpose(-1, -2).reshape(*lead, T, D), sp, zp

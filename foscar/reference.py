@@ -1,0 +1,75 @@
+"""The ground truth: dequantize every value, then attend in float64 (or float32).
+
+``decode_exact`` shares nothing with the folded path but the cache reader (:meth:`QuantKVCache.dequantize`,
+whose layout is tested on its own): it is the oracle every kernel and ``decode_folded`` are held to.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_finite, check_tensor
+from .cache import QuantKVCache
+from .errors import InvalidArgumentError
+
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+COMPUTE_DTYPES = (torch.float64, torch.float32)
+
+
+def check_decode_inputs(q: torch.Tensor, cache: QuantKVCache, sm_scale: float | None,
+                        dtype: torch.dtype | None = None) -> tuple[int, float]:
+    """Validate a decode call; return ``(gqa_ratio, sm_scale)``."""
+    if not isinstance(cache, QuantKVCache):
+        raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
+    B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    check_tensor("q", q, ndim=3, dtypes=QUERY_DTYPES, device=cache.device)
+    if q.shape[0] != B or q.shape[2] != D:
+        raise InvalidArgumentError("q", f"shape ({B}, Hq, {D}) for this cache", tuple(q.shape))
+    Hq = q.shape[1]
+    if Hq == 0 or Hq % Hkv:
+        raise InvalidArgumentError("q", f"a head count that is a positive multiple of num_kv_heads={Hkv}", Hq)
+    check_finite("q", q)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
+            or sm_scale <= 0:
+        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", dtype)
+    return Hq // Hkv, float(sm_scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [H, G, D]`` over ``k, v [H, n, D]`` (same dtype): ``(out [H,G,D], lse [H,G])``.
+
+    ``lse`` is the natural-log sum of exponentials of the scaled scores; with ``n = 0`` the output is
+    zero and ``lse = -inf`` (the convention every split and the combine rely on).
+    """
+    H, G, D = q.shape
+    if k.shape[1] == 0:
+        return q.new_zeros(H, G, v.shape[-1]), q.new_full((H, G), -math.inf)
+    s = torch.einsum("hgd,hnd->hgn", q, k) * sm_scale
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("hgn,hnd->hgd", p, v), lse
+
+
+def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
+                 dtype: torch.dtype = torch.float64, return_lse: bool = False):
+    """Attention of ``q [B, Hq, D]`` over the dequantized cache, in ``dtype`` (float64 by default).
+
+    GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``. Returns ``out [B, Hq, D]`` in ``dtype``
+    (and ``lse [B, Hq]``, natural log, when ``return_lse``). A sequence of length 0 gives zeros and
+    ``lse = -inf``.
+    """
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    k, v = cache.dequantize(dtype)
+    out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
+    lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
+    for b in range(B):
+        L = int(cache.seq_lens[b])
+        o, s = attend(q[b].to(dtype).reshape(Hkv, G, D), k[b, :, :L], v[b, :, :L], sm_scale)
+        out[b], lse[b] = o.reshape(Hkv * G, D), s.reshape(Hkv * G)
+    return (out, lse) if return_lse else out
