@@ -29,10 +29,12 @@ piece is scaled before it joins the accumulator; when a tile spans groups, each 
 Numerics of the constructed operands (``../shared/docs/triton-notes.md``): with ``operand_dtype``
 (e.g. ``torch.bfloat16``) the operands the tensor core consumes (``Q``, ``Q'``, ``P'``, ``P``) are
 rounded to it, and every offset correction is computed from the *rounded* operand. For
-operand-fold this means writing ``x = s'*y + z'`` as ``s'*(y - beta) + z`` with ``z = z' + beta*s'``:
-correction ``= sum(A * z) - beta * sum(round(A * s'))``, which cancels the ``beta * round(A*s')``
-term of the product exactly. (In exact arithmetic this equals ``sum(A * z')``.) Otherwise the
-injected ``beta = 128`` multiplies the operand's rounding error about a hundredfold.
+operand-fold this means writing ``x = s'*y + z'`` as ``s'*(y - c) + (z' + c*s')`` around the pivot
+``c = beta + alpha*(2^bits - 1)/2`` (:meth:`OperandMapping.pivot`): correction
+``= sum(A * (z' + c*s')) - c * sum(round(A * s'))``, which cancels the ``c * round(A*s')`` part of
+the product exactly and leaves the rounding error acting on the centred ``q - (2^bits - 1)/2``.
+(In exact arithmetic the correction equals ``sum(A * z')``.) A correction from the unrounded
+operand instead lets the injected ``beta = 128`` multiply the rounding error about a hundredfold.
 
 Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
 (plain attention); an LSE combine merges them all.
@@ -52,6 +54,12 @@ from .reference import attend, check_decode_inputs
 
 def combine_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE combine of partial attentions ``out_i [..., D]`` with ``lse_i [...]`` (``-inf`` = empty)."""
+    if not isinstance(outs, (list, tuple)) or not outs:
+        raise InvalidArgumentError("outs", "a non-empty list of tensors",
+                                   outs if isinstance(outs, (list, tuple)) else type(outs).__name__)
+    if not isinstance(lses, (list, tuple)) or len(lses) != len(outs):
+        raise InvalidArgumentError("lses", f"a list of {len(outs)} tensors (one per out)",
+                                   len(lses) if isinstance(lses, (list, tuple)) else type(lses).__name__)
     lse = torch.stack(lses)  # [S, ...]
     m = lse.max(dim=0).values
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -78,7 +86,7 @@ class _FoldedSequence:
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
         self.params = {t: tuple(p.to(dtype) for p in cache.quantized_params(t, b)) for t in ("k", "v")}
-        self.beta = self.fmt.op.beta
+        self.pivot = self.fmt.op.pivot(self.fmt.bits)  # operand-fold corrections are taken around it
 
     def rnd(self, x: torch.Tensor) -> torch.Tensor:
         """Round to the operand format the tensor core consumes (identity in exact mode)."""
@@ -117,9 +125,9 @@ class _FoldedSequence:
             return (partial * sp[:, None] + zp[:, None] * q_sum[:, :, None, :]).sum(-1)
         S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
         for gi, seg in self.group_segments(tile):
-            s_row, z_row = sp[:, gi], zp[:, gi] + self.beta * sp[:, gi]  # [H, D]: s', z = z' + beta s'
+            s_row, z_row = sp[:, gi], zp[:, gi] + self.pivot * sp[:, gi]  # [H, D]: s', z' + c s'
             Qp = self.rnd(Qt * s_row[:, None, :])  # Q' = Q s', the operand
-            corr = (Qt * z_row[:, None, :]).sum(-1) - self.beta * Qp.sum(-1)
+            corr = (Qt * z_row[:, None, :]).sum(-1) - self.pivot * Qp.sum(-1)
             S[..., seg] = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg]) + corr[..., None]
         return S
 
@@ -130,11 +138,11 @@ class _FoldedSequence:
         sp, zp = self.params["v"]
         if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
             sp, zp = sp[:, tile.t0: tile.t0 + n], zp[:, tile.t0: tile.t0 + n]  # [H, n, C]
-            z = zp + self.beta * sp
+            z = zp + self.pivot * sp
             Pp = self.rnd(p[..., None] * sp[:, None])  # [H, G, n, C]: P' = P s', the operand
             C = D // g
             prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
-            corr = torch.einsum("hgn,hnc->hgc", p, z) - self.beta * Pp.sum(2)
+            corr = torch.einsum("hgn,hnc->hgc", p, z) - self.pivot * Pp.sum(2)
             return (prod + corr[..., None]).reshape(H, G, D)
         out = p.new_zeros(H, G, D)  # acc-fold over token groups
         Pt = self.rnd(p)
@@ -175,6 +183,8 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     ``None`` keeps them exact. Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    if dtype is None:
+        raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     fmt = cache.fmt
     check_int("tile_tokens", tile_tokens, minimum=1, multiple_of=fmt.token_alignment)
     check_int("num_splits", num_splits, minimum=1)

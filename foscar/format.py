@@ -80,6 +80,15 @@ class OperandMapping:
         sp = sp.double()
         return sp * self.alpha, zp.double() + self.beta * sp
 
+    def pivot(self, bits: int) -> float:
+        """The operand value of the middle code, ``beta + alpha*(2^bits - 1)/2``.
+
+        Operand-fold corrections are taken around it (``x = s'*(y - pivot) + (z' + pivot*s')``), so the
+        tensor core's product sees ``y - pivot`` centred on zero and the rounding error of the scaled
+        operand does not act on a one-signed ``q``: about 2x less error than around ``beta``.
+        """
+        return self.beta + self.alpha * ((1 << bits) - 1) / 2
+
     def construct(self, q: torch.Tensor) -> torch.Tensor:
         """Build the operand from codes by the bit trick alone; returns float64 values.
 
@@ -114,7 +123,7 @@ E2M1_PLACEMENT = OperandMapping("e2m1", 0.5, 0.0, "e2m1", "q in the low bits of 
 MAPPINGS = {m.name: m for m in (BF16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
 
 
-def inject_pair_bf16(words: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+def inject_pair_bf16(words: torch.Tensor, shift: int | torch.Tensor, bits: int) -> torch.Tensor:
     """The Hopper construction of one 32-bit register: ``((w >> shift) & m) | 0x43004300``.
 
     ``m`` keeps one ``bits``-wide field at bit 0 and one at bit 16, so the register holds two BF16
@@ -124,7 +133,7 @@ def inject_pair_bf16(words: torch.Tensor, shift: int, bits: int) -> torch.Tensor
     w = words.to(torch.int64) & 0xFFFFFFFF
     reg = ((w >> shift) & mask) | 0x43004300
     reg = torch.where(reg >= 2 ** 31, reg - 2 ** 32, reg).to(torch.int32)
-    return reg.contiguous().view(torch.bfloat16).reshape(*words.shape, 2)
+    return reg.reshape(-1).view(torch.bfloat16).reshape(*reg.shape, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,9 +182,26 @@ def words_per_block(bits: int, head_dim: int, tensor: str) -> int:
     return block_tokens(bits, tensor) * head_dim * bits // 32
 
 
+def _check_pack_args(bits: int, tensor: str) -> None:
+    check_int("bits", bits, allowed=SUPPORTED_BITS)
+    if tensor not in ("k", "v"):
+        raise InvalidArgumentError("tensor", "'k' or 'v'", repr(tensor))
+
+
 def pack_codes(codes: torch.Tensor, bits: int, tensor: str) -> torch.Tensor:
     """Pack codes ``[..., T, D]`` (T a multiple of the pack block) into int32 words ``[..., T*D*bits/32]``."""
+    _check_pack_args(bits, tensor)
+    if not isinstance(codes, torch.Tensor) or codes.dim() < 2:
+        got = tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise InvalidArgumentError("codes", "a tensor [..., T, D]", got)
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise InvalidArgumentError("codes", "an integer dtype", codes.dtype)
     *lead, T, D = codes.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise InvalidArgumentError("codes", f"a last dim (head_dim) in {SUPPORTED_HEAD_DIMS}", D)
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
+        raise InvalidArgumentError("codes", f"codes in [0, {1 << bits})",
+                                   f"values in [{int(codes.min())}, {int(codes.max())}]")
     bt = block_tokens(bits, tensor)
     if T % bt:
         raise InvalidArgumentError("codes", f"a token count that is a multiple of {bt}", T)
@@ -191,8 +217,15 @@ def pack_codes(codes: torch.Tensor, bits: int, tensor: str) -> torch.Tensor:
 
 def unpack_codes(words: torch.Tensor, bits: int, tensor: str, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int32 words ``[..., W]`` -> int32 codes ``[..., T, D]``."""
+    _check_pack_args(bits, tensor)
+    check_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
+    if not isinstance(words, torch.Tensor) or words.dim() < 1 or words.dtype != torch.int32:
+        raise InvalidArgumentError("words", "an int32 tensor [..., W]", f"{words.dtype} shape {tuple(words.shape)}"
+                                   if isinstance(words, torch.Tensor) else type(words).__name__)
     *lead, W = words.shape
     wpb = words_per_block(bits, head_dim, tensor)
+    if W % wpb:
+        raise InvalidArgumentError("words", f"a last dim that is a multiple of {wpb} (words per pack block)", W)
     bt = block_tokens(bits, tensor)
     nb = W // wpb
     word, shift = block_map(bits, head_dim, tensor)
@@ -234,7 +267,7 @@ class KVFormat:
         for name in ("k_axis", "v_axis"):
             if getattr(self, name) not in AXES:
                 raise InvalidArgumentError(name, f"one of {AXES}", repr(getattr(self, name)))
-        if self.mapping not in MAPPINGS:
+        if not isinstance(self.mapping, str) or self.mapping not in MAPPINGS:
             raise InvalidArgumentError("mapping", f"one of {tuple(MAPPINGS)}", repr(self.mapping))
         if self.mapping == "e2m1" and self.bits != 2:
             raise UnsupportedError("mapping='e2m1'", f"E2M1 holds 2-bit codes only (bits={self.bits})")

@@ -1,0 +1,233 @@
+"""Property-based proof of the fold equivalence: decode_folded == decode_exact.
+
+Over random batch, KV heads, GQA ratio 1..32, head dim, lengths (1, odd, mid-group, mid-page,
+mid-tile, long), bits, all four axis combinations, group sizes, page sizes (and contiguous),
+block-table and CSR page tables with shuffled pages, split counts, sink/recent windows, value
+ranges 1e-3..1e3, constant groups and every operand mapping.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import foscar
+from foscar.errors import UnsupportedError
+
+AXES = ("token", "channel")
+
+
+@st.composite
+def decode_case(draw):
+    bits = draw(st.sampled_from((2, 4)))
+    D = draw(st.sampled_from((64, 128, 256)))
+    k_axis, v_axis = draw(st.sampled_from(AXES)), draw(st.sampled_from(AXES))
+    token_wise = "token" in (k_axis, v_axis)
+    g = draw(st.sampled_from([g for g in (32, 64, 128, 256) if not token_wise or D % g == 0]))
+    mapping = draw(st.sampled_from(("bf16", "e4m3") + (("e2m1",) if bits == 2 else ())))
+    sink = draw(st.sampled_from((0, 0, 1, 4)))
+    recent = draw(st.sampled_from((0, 0, 3, 16)))
+    fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, mapping=mapping,
+                          sink=sink, recent=recent)
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.sampled_from((1, 2, 3, 4, 7, 8, 16, 32)))
+    B = draw(st.integers(1, 3))
+    long = draw(st.booleans())
+    hi = 2500 if long and G * Hkv * D <= 2048 else 300
+    lens = draw(st.lists(st.one_of(st.integers(1, hi), st.sampled_from((1, 2, 17, 63, 64, 65, 127, 129))),
+                         min_size=B, max_size=B))
+    page = draw(st.sampled_from((None, 16, 32, 48, 64, 128)))
+    if page is not None:
+        try:
+            fmt.check_page_size(page)
+        except UnsupportedError:
+            page = None
+    align = fmt.token_alignment
+    tile = draw(st.sampled_from([t for t in (16, 32, 64, 128) if t % align == 0]))
+    return dict(fmt=fmt, Hkv=Hkv, G=G, lens=lens, page=page, csr=draw(st.booleans()), tile=tile,
+                splits=draw(st.integers(1, 5)), k_mag=draw(st.sampled_from((1e-3, 1.0, 1e3))),
+                v_mag=draw(st.sampled_from((1e-3, 1.0, 1e3))), offset=draw(st.sampled_from((0.0, 3.0))),
+                const_frac=draw(st.sampled_from((0.0, 0.0, 0.25))), window_dtype=draw(st.sampled_from(
+                    (torch.bfloat16, torch.float16))), quantizer=draw(st.sampled_from(("minmax", "mse"))),
+                seed=draw(st.integers(0, 2 ** 31)))
+
+
+def _values(shape, mag, offset, const_frac, gen):
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset * mag
+    if const_frac:
+        rows = torch.rand(shape[:-1], generator=gen) < const_frac  # constant tokens -> constant token groups
+        x = torch.where(rows[..., None], x[..., :1], x)
+        cols = torch.rand(shape[-1], generator=gen) < const_frac  # constant channels -> constant channel groups
+        x = torch.where(cols, x[..., :1, :], x)
+    return x.float()
+
+
+def build(case):
+    """Inputs and cache of a case: pages shuffled through the pool, with spare pages."""
+    fmt, Hkv, G, lens = case["fmt"], case["Hkv"], case["G"], case["lens"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    B, L, D = len(lens), max(lens), fmt.head_dim
+    k = _values((B, Hkv, L, D), case["k_mag"], case["offset"], case["const_frac"], gen)
+    v = _values((B, Hkv, L, D), case["v_mag"], case["offset"], case["const_frac"], gen)
+    # logits O(1): the query is scaled against K's magnitude (softmax conditioning is not under test)
+    q = (torch.randn(B, Hkv * G, D, generator=gen, dtype=torch.float64) / case["k_mag"]).float()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(seq_lens=seq_lens, quantizer=case["quantizer"], window_dtype=case["window_dtype"])
+    page = case["page"]
+    if page is not None:
+        n_quant = fmt.split_length(seq_lens.long())[1]
+        need = [-(-int(n) // page) for n in n_quant]
+        pool = sum(need) + 3
+        perm = torch.randperm(pool, generator=gen).to(torch.int32)
+        chunks = list(torch.split(perm[: sum(need)], need))
+        if case["csr"]:
+            indptr = torch.tensor([0] + need, dtype=torch.int32).cumsum(0).to(torch.int32)
+            table = foscar.PageTable.from_csr(indptr, perm[: sum(need)].contiguous())
+        else:
+            bt = torch.full((B, max(need + [1]) + 1), 10 ** 6, dtype=torch.int32)  # padding never read
+            for b, c in enumerate(chunks):
+                bt[b, : len(c)] = c
+            table = foscar.PageTable.from_block_table(bt, torch.tensor(need, dtype=torch.int32))
+        kw.update(page_size=page, page_table=table, num_pages=pool)
+    return q, foscar.quantize_kv(k, v, fmt, **kw)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PAPER = dict(fmt=foscar.KVFormat(bits=2, head_dim=128, group_size=128), Hkv=2, G=4, lens=[1000, 77], page=64,
+             csr=True, tile=64, splits=3, k_mag=1.0, v_mag=1.0, offset=0.0, const_frac=0.0,
+             window_dtype=torch.bfloat16, quantizer="minmax", seed=1)
+
+
+@SETTINGS
+@given(decode_case())
+@example(PAPER)
+@example({**PAPER, "fmt": foscar.KVFormat(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel",
+                                          sink=4, recent=16), "lens": [1, 129, 2000], "page": 32, "csr": False})
+def test_folded_equals_exact_float64(case):
+    q, cache = build(case)
+    exact, lse_e = foscar.decode_exact(q, cache, return_lse=True)
+    folded, lse_f = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"],
+                                         return_lse=True)
+    assert exact.dtype == folded.dtype == torch.float64
+    assert torch.isfinite(folded).all()
+    assert rel(folded, exact) <= 1e-10
+    assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
+
+
+def fold_amplification(cache) -> float:
+    """kappa = 1 + beta * max|s'| / max|x| over the quantized values: with an injected offset
+    (beta = 128) the MMA accumulates beta*s'*sum(A) and the offset correction cancels it, so a float
+    accumulator keeps its relative precision of that term, not of the result. kappa = 1 for beta = 0."""
+    beta = cache.fmt.op.beta
+    if beta == 0:
+        return 1.0
+    kd, vd = cache.dequantize()
+    kappa = 1.0
+    for sp, x in ((cache.k_params[..., 0], kd), (cache.v_params[..., 0], vd)):
+        if float(x.abs().max()) > 0:
+            kappa = max(kappa, 1.0 + beta * float(sp.abs().max()) / float(x.abs().max()))
+    return kappa
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_case())
+@example(PAPER)
+@example({**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=128, group_size=128, mapping="e4m3")})
+def test_folded_equals_exact_float32(case):
+    """float32 accumulation: <= 1e-5 relative for mappings without an offset (E4M3, E2M1); with
+    BF16 injection (beta = 128) the bound is 1e-5 * kappa (fold_amplification; about 1e-4 is
+    measured at L = 1000-5000, INT2)."""
+    q, cache = build(case)
+    exact = foscar.decode_exact(q, cache)
+    folded = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"],
+                                  dtype=torch.float32)
+    assert folded.dtype == torch.float32
+    assert rel(folded, exact) <= 1e-5 * fold_amplification(cache)
+
+
+@pytest.mark.parametrize("k_axis", AXES)
+@pytest.mark.parametrize("v_axis", AXES)
+@pytest.mark.parametrize("bits", (2, 4))
+def test_bf16_operands_match_bf16_attention_error(bits, k_axis, v_axis):
+    """With BF16 operands (the Hopper/Triton numerics), the folded error stays at BF16 attention's level,
+    because every offset correction is computed from the rounded operand the MMA consumed."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis=k_axis, v_axis=v_axis)
+    gen = torch.Generator().manual_seed(bits)
+    B, Hkv, G, L = 2, 2, 4, 2048
+    k = torch.randn(B, Hkv, L, 128, generator=gen)
+    v = torch.randn(B, Hkv, L, 128, generator=gen)
+    q = torch.randn(B, Hkv * G, 128, generator=gen)
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64)
+    exact = foscar.decode_exact(q, cache)
+    folded = foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16, num_splits=4)
+    kd, vd = cache.dequantize(torch.float64)
+    out_bf16 = torch.empty_like(exact)
+    for b in range(B):  # BF16 attention as FlashAttention/SDPA run it: bf16 Q, K, V and P; fp32 math
+        qb, kb, vb = (x.bfloat16().float() for x in (q[b].reshape(Hkv, G, 128), kd[b], vd[b]))
+        s = torch.einsum("hgd,hnd->hgn", qb, kb) / math.sqrt(128)
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        o = torch.einsum("hgn,hnd->hgd", p.bfloat16().float(), vb) / p.sum(-1, keepdim=True)
+        out_bf16[b] = o.reshape(Hkv * G, 128)
+    err_fold, err_bf16 = rel(folded.bfloat16(), exact), rel(out_bf16.bfloat16(), exact)  # both write BF16
+    assert err_fold <= 1.1 * err_bf16, (err_fold, err_bf16)
+
+
+def test_corrections_from_unrounded_operands_amplify_error():
+    """The numerics trap, reproduced: a V correction built from the fp32 P*s' instead of the BF16
+    operand the MMA consumed is ~100x worse. Guards the rule in decode_folded against regressions."""
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 4096, 128, generator=gen)
+    v = torch.randn(1, 1, 4096, 128, generator=gen)
+    q = torch.randn(1, 4, 128, generator=gen)
+    cache = foscar.quantize_kv(k, v, fmt)
+    exact = foscar.decode_exact(q, cache)
+    good = rel(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16), exact)
+
+    class Naive(foscar.fold._FoldedSequence):
+        def values(self, p, tile):  # correction sum(P z') from fp32 P, operand rounded: the trap
+            sp, zp = (x[:, tile.t0: tile.t0 + tile.n, 0] for x in self.params["v"])
+            Pp = self.rnd(p * sp[:, None])
+            return torch.einsum("hgn,hnd->hgd", Pp, tile.y_v) + torch.einsum("hgn,hn->hg", p, zp)[..., None]
+
+    orig = foscar.fold._FoldedSequence
+    foscar.fold._FoldedSequence = Naive
+    try:
+        bad = rel(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16), exact)
+    finally:
+        foscar.fold._FoldedSequence = orig
+    assert good < 0.01 and bad > 10 * good, (good, bad)
+
+
+def test_empty_sequence_gives_zero_and_minus_inf_lse():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, sink=2, recent=4)
+    k = torch.randn(2, 1, 40, 64)
+    q = torch.randn(2, 2, 64)
+    cache = foscar.quantize_kv(k, k, fmt, seq_lens=torch.tensor([0, 40], dtype=torch.int32))
+    for fn in (foscar.decode_exact, foscar.decode_folded):
+        out, lse = fn(q, cache, return_lse=True)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(torch.isneginf(lse[0]).all())
+        assert torch.isfinite(out[1]).all()
+
+
+def test_windows_only_and_quantized_only_sequences():
+    """Lengths that fall entirely in the sink, or make the recent ring wrap, or quantize everything."""
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=5, recent=7)
+    gen = torch.Generator().manual_seed(5)
+    lens = [3, 5, 6, 12, 43, 44, 200]
+    k = torch.randn(len(lens), 2, 200, 64, generator=gen)
+    v = torch.randn(len(lens), 2, 200, 64, generator=gen)
+    q = torch.randn(len(lens), 4, 64, generator=gen)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32), page_size=32)
+    n_sink, n_quant, n_recent = cache.split()
+    assert n_quant.tolist() == [0, 0, 0, 0, 0, 32, 160] and n_recent.tolist() == [0, 0, 1, 7, 38, 7, 35]
+    assert rel(foscar.decode_folded(q, cache, num_splits=2), foscar.decode_exact(q, cache)) <= 1e-10
+    kd, _ = cache.dequantize()
+    for b, L in enumerate(lens):  # BF16 window tokens come back exactly
+        keep = list(range(int(n_sink[b]))) + list(range(L - int(n_recent[b]), L))
+        assert torch.equal(kd[b][:, keep], k[b][:, keep].bfloat16().double())

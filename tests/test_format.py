@@ -1,0 +1,212 @@
+"""The packed layout, the operand mappings and the quantizer round trip."""
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import foscar
+from foscar.format import (BF16_INJECTION, E2M1_PLACEMENT, E4M3_PLACEMENT, MAPPINGS, block_tokens, inject_pair_bf16,
+                           pack_codes, unpack_codes)
+
+BITS = (2, 4)
+HEAD_DIMS = (64, 128, 256)
+
+
+def hopper_owner(t, r, h):
+    """The verified m64nNk16 RS fragment (../shared/docs/cute-dsl-hopper.md): thread t = 32w + l,
+    register r = 4b + j, half h -> (row, k). Works elementwise on tensors."""
+    w, l = t // 32, t % 32
+    b, j = r // 4, r % 4
+    return 16 * w + l // 4 + 8 * (j % 2), 16 * b + 2 * (l % 4) + 8 * (j // 2) + h
+
+
+@pytest.mark.parametrize("bits,D", list(itertools.product(BITS, HEAD_DIMS)))
+def test_k_tile_is_the_hopper_fragment(bits, D):
+    """A 64-token K tile: thread t's words are contiguous; register r sits in its word r // (16/bits)
+    at bits*(r % (16/bits)) and 16 + that, so one shift + one masked merge builds it."""
+    g = torch.Generator().manual_seed(bits * D)
+    codes = torch.randint(0, 1 << bits, (64, D), generator=g)
+    words = pack_codes(codes, bits, "k")
+    rpw = 16 // bits
+    wpt = D * bits // 64  # words per thread per tile
+    assert words.numel() == 128 * wpt
+    t, r = torch.meshgrid(torch.arange(128), torch.arange(D // 4), indexing="ij")  # D/4 A registers per thread
+    pair = inject_pair_bf16(words[t * wpt + r // rpw], bits * (r % rpw), bits).double()
+    for h in range(2):
+        row, k = hopper_owner(t, r, h)
+        assert torch.equal(pair[..., h], 128 + codes[row, k].double())
+
+
+@pytest.mark.parametrize("bits,D", list(itertools.product(BITS, HEAD_DIMS)))
+def test_v_tile_is_the_transposed_hopper_fragment(bits, D):
+    """A 64-token V tile is the A operand V^T (rows = channels in m64 halves, k = tokens): thread t,
+    half mh, register r lives in pack block r // (16/bits), word t*(D/64) + mh of that block."""
+    g = torch.Generator().manual_seed(7 + bits * D)
+    codes = torch.randint(0, 1 << bits, (64, D), generator=g)
+    words = pack_codes(codes, bits, "v")
+    rpw = 16 // bits
+    wpb = block_tokens(bits, "v") * D * bits // 32
+    assert wpb == 2 * D
+    t, mh, r = torch.meshgrid(torch.arange(128), torch.arange(D // 64), torch.arange(16), indexing="ij")
+    pair = inject_pair_bf16(words[(r // rpw) * wpb + t * (D // 64) + mh], bits * (r % rpw), bits).double()
+    for h in range(2):
+        row, tok = hopper_owner(t, r, h)  # 4 k16 blocks x 4 registers over the 64 tokens
+        assert torch.equal(pair[..., h], 128 + codes[tok, 64 * mh + row].double())
+
+
+@pytest.mark.parametrize("bits,D,tensor", list(itertools.product(BITS, HEAD_DIMS, "kv")))
+def test_pack_unpack_roundtrip_and_fields_disjoint(bits, D, tensor):
+    g = torch.Generator().manual_seed(bits + D)
+    T = 4 * block_tokens(bits, tensor)
+    codes = torch.randint(0, 1 << bits, (3, T, D), generator=g, dtype=torch.int32)
+    words = pack_codes(codes, bits, tensor)
+    assert words.dtype == torch.int32 and words.shape == (3, T * D * bits // 32)
+    assert torch.equal(unpack_codes(words, bits, tensor, D), codes)
+    full = torch.full_like(codes, (1 << bits) - 1)  # every field set -> every bit of every word set
+    assert bool((pack_codes(full, bits, tensor) == -1).all())
+
+
+@pytest.mark.parametrize("mapping", list(MAPPINGS.values()), ids=list(MAPPINGS))
+def test_every_code_constructs_alpha_q_plus_beta_exactly(mapping):
+    for b in (2,) if mapping.name == "e2m1" else (2, 4):
+        q = torch.arange(1 << b)
+        y = mapping.construct(q)
+        assert torch.equal(y, mapping.alpha * q.double() + mapping.beta), (mapping.name, b)
+
+
+def test_bf16_bit_patterns_and_pair_construction():
+    q = torch.arange(16, dtype=torch.int32)
+    bits = (q | 0x4300).to(torch.int16)
+    assert torch.equal(bits.view(torch.bfloat16).double(), q.double() + 128)
+    for bw in BITS:  # the pair trick: codes 16 bits apart -> two BF16 operands in one register
+        for lo, hi in itertools.product(range(1 << bw), repeat=2):
+            for slot in range(16 // bw):
+                word = torch.tensor([(lo << (bw * slot)) | (hi << (16 + bw * slot))], dtype=torch.int64)
+                word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+                pair = inject_pair_bf16(word, bw * slot, bw)[0]
+                assert pair.tolist() == [128.0 + lo, 128.0 + hi]
+
+
+def test_e2m1_decoder_matches_the_fp4_table():
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    got = foscar.format.e2m1_decode(torch.arange(16))
+    assert got[:8].tolist() == table and got[8:].tolist() == [-x for x in table]
+
+
+def test_e4m3_placement_is_subnormal_scaled():
+    q = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(q.view(torch.float8_e4m3fn).double(), q.double() * 2.0 ** -9)
+
+
+@pytest.mark.parametrize("mapping", [BF16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT], ids=lambda m: m.name)
+def test_fold_constants_eq5(mapping):
+    g = torch.Generator().manual_seed(3)
+    s = torch.rand(100, generator=g) * 10
+    z = torch.randn(100, generator=g) * 100
+    sp, zp = mapping.fold(s, z)
+    assert sp.dtype == zp.dtype == torch.float32
+    assert torch.equal(sp.double(), s.double() / mapping.alpha)  # power-of-two alpha: exact
+    ref = z.double() - mapping.beta * s.double() / mapping.alpha
+    assert torch.equal(zp, ref.float())  # one round-to-nearest
+    s2, z2 = mapping.unfold(sp, zp)
+    assert torch.equal(s2, s.double())
+
+
+# ------------------------------------------------------------------------------------------
+# Quantizer round trip: |dequantize(quantize(x)) - x| <= s/2 per element (min-max)
+# ------------------------------------------------------------------------------------------
+@st.composite
+def roundtrip_case(draw):
+    bits = draw(st.sampled_from(BITS))
+    D = draw(st.sampled_from(HEAD_DIMS))
+    k_axis = draw(st.sampled_from(("token", "channel")))
+    v_axis = draw(st.sampled_from(("token", "channel")))
+    groups = [g for g in (32, 64, 128, 256) if g <= D or "channel" in (k_axis, v_axis)]
+    g = draw(st.sampled_from(groups))
+    if k_axis == "token" or v_axis == "token":
+        g = min(g, D)
+    L = draw(st.integers(1, 300))
+    mag = draw(st.sampled_from((1e-3, 1.0, 1e3)))
+    offset = draw(st.sampled_from((0.0, 1.0, -50.0)))
+    const_frac = draw(st.sampled_from((0.0, 0.3)))
+    mapping = draw(st.sampled_from(("bf16", "e4m3") + (("e2m1",) if bits == 2 else ())))
+    seed = draw(st.integers(0, 2 ** 31))
+    return dict(bits=bits, D=D, g=g, k_axis=k_axis, v_axis=v_axis, L=L, mag=mag, offset=offset,
+                const_frac=const_frac, mapping=mapping, seed=seed)
+
+
+def _values(shape, mag, offset, const_frac, gen):
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset * mag).float()
+    if const_frac:
+        rows = torch.rand(shape[:-1], generator=gen) < const_frac  # constant tokens (token-wise groups)
+        x = torch.where(rows[..., None], x[..., :1], x)
+        cols = torch.rand(shape[-1], generator=gen) < const_frac  # constant channels (channel-wise groups)
+        x = torch.where(cols, x[..., :1, :], x)
+    return x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(roundtrip_case())
+@example(dict(bits=2, D=128, g=128, k_axis="token", v_axis="token", L=1, mag=1.0, offset=0.0, const_frac=0.0,
+              mapping="bf16", seed=1))
+@example(dict(bits=4, D=64, g=32, k_axis="channel", v_axis="channel", L=200, mag=1e3, offset=-50.0, const_frac=0.3,
+              mapping="bf16", seed=2))
+def test_minmax_roundtrip_within_half_step(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    fmt = foscar.KVFormat(bits=case["bits"], head_dim=case["D"], group_size=case["g"], k_axis=case["k_axis"],
+                          v_axis=case["v_axis"], mapping=case["mapping"])
+    L = case["L"]
+    k = _values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
+    v = _values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
+    cache = foscar.quantize_kv(k, v, fmt)
+    kd, vd = cache.dequantize(torch.float64)
+    exp = cache.export()
+    n_quant = int(cache.split()[1][0])
+    for tensor, x, xd in (("k", k, kd), ("v", v, vd)):
+        s = exp[f"{tensor}_scale"][..., :, :]
+        z = exp[f"{tensor}_offset"]
+        if fmt.axis(tensor) == "token":
+            s_el = s.repeat_interleave(fmt.group_size, -1)
+            z_el = z.repeat_interleave(fmt.group_size, -1)
+        else:
+            s_el = s.repeat_interleave(fmt.group_size, -2)
+            z_el = z.repeat_interleave(fmt.group_size, -2)
+        xq = x.double()[:, :, :n_quant]
+        err = (xd[:, :, :n_quant] - xq).abs()
+        # s/2 from rounding, plus the FP32 resolution of the stored constants (z' = z - beta s' is
+        # rounded once to FP32: half an ulp of |z'| and a few ulps of the operands' magnitude).
+        ulp = 2.0 ** -23 * (z_el.abs() + fmt.op.beta * s_el + xq.abs())
+        assert bool((err <= s_el / 2 + 2 * ulp).all()), float((err - s_el / 2).max())
+        # unquantized (BF16 window) tokens are kept exactly in the window dtype
+        assert torch.equal(xd[:, :, n_quant:], x.double()[:, :, n_quant:].to(torch.bfloat16).double())
+
+
+def test_constant_group_is_exact_and_no_division_by_zero():
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
+    k = torch.full((1, 1, 16, 64), 3.25)
+    v = torch.full((1, 1, 16, 64), -7.5)
+    cache = foscar.quantize_kv(k, v, fmt)
+    kd, vd = cache.dequantize()
+    assert torch.equal(kd, k.double()) and torch.equal(vd, v.double())
+    assert torch.isfinite(cache.k_params).all()
+
+
+@pytest.mark.parametrize("quantizer", ["mse", "quantile"])
+def test_clipped_quantizers_beat_minmax_on_outliers(quantizer):
+    """Clipping trades the outliers' error for finer steps: lower MSE on heavy-tailed groups."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 512, 128, generator=g) * torch.where(torch.rand(1, 4, 512, 128, generator=g) < 0.01, 20.0,
+                                                               1.0)
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    err = {}
+    for qz in ("minmax", quantizer):
+        kd, _ = foscar.quantize_kv(x, x, fmt, quantizer=qz).dequantize()
+        err[qz] = float(((kd - x.double()) ** 2).mean())
+    assert err[quantizer] < err["minmax"]
+
+
+def test_bytes_per_token():
+    assert foscar.KVFormat(bits=2, head_dim=128, group_size=128).bytes_per_token() == 80
+    assert foscar.KVFormat(bits=4, head_dim=128, group_size=128).bytes_per_token() == 144
