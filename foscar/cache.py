@@ -38,6 +38,11 @@ class PageTable:
     block_table: torch.Tensor  # int32 [B, max_pages]
     num_pages: torch.Tensor  # int32 [B]
 
+    def __post_init__(self):
+        check_tensor("block_table", self.block_table, ndim=2, dtypes=INDEX_DTYPES)
+        check_tensor("num_pages", self.num_pages, shape=(self.block_table.shape[0],), dtypes=INDEX_DTYPES,
+                     device=self.block_table.device)
+
     @classmethod
     def from_block_table(cls, block_table: torch.Tensor, num_pages: torch.Tensor | None = None) -> "PageTable":
         """vLLM-style block table ``[B, max_pages]``; ``num_pages[b]`` valid entries (default: all)."""
@@ -102,7 +107,7 @@ class QuantKVCache:
         page_size = W * 32 // (D * fmt.bits)
         if page_size * D * fmt.bits != W * 32 or page_size == 0:
             raise InvalidArgumentError("k_codes", f"a last dim that is page_size*{D}*{fmt.bits}/32", W)
-        fmt.check_page_size(page_size)
+        fmt.check_page_size(page_size, name="k_codes page_size")
         check_tensor("v_codes", v_codes, shape=(P, H, W), dtypes=(torch.int32,), device=dev, contiguous=True)
         for name, t, tensor in (("k_params", k_params, "k"), ("v_params", v_params, "v")):
             rows, cols = fmt.param_shape(tensor, page_size)
@@ -118,9 +123,9 @@ class QuantKVCache:
         for name, t, n in (("k_sink", k_sink, fmt.sink), ("v_sink", v_sink, fmt.sink),
                            ("k_recent", k_recent, fmt.recent_capacity), ("v_recent", v_recent, fmt.recent_capacity)):
             check_tensor(name, t, shape=(B, H, n, D), dtypes=WINDOW_DTYPES, device=dev)
-        if not (k_sink.dtype == v_sink.dtype == k_recent.dtype == v_recent.dtype):
-            raise InvalidArgumentError("v_sink/k_recent/v_recent", f"the dtype of k_sink ({k_sink.dtype})",
-                                       (v_sink.dtype, k_recent.dtype, v_recent.dtype))
+        for name, t in (("v_sink", v_sink), ("k_recent", k_recent), ("v_recent", v_recent)):
+            if t.dtype != k_sink.dtype:
+                raise InvalidArgumentError(name, f"the dtype of k_sink ({k_sink.dtype})", t.dtype)
         self.k_codes, self.v_codes = k_codes, v_codes
         self.k_params, self.v_params = k_params, v_params
         self.k_sink, self.v_sink, self.k_recent, self.v_recent = k_sink, v_sink, k_recent, v_recent
@@ -233,6 +238,8 @@ class QuantKVCache:
         A quantized value is ``s' * y + z'`` with ``y`` the operand built from its code, evaluated in
         float64 (exact for FP32 ``s', z'``), then cast to ``dtype``.
         """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidArgumentError("dtype", "a floating-point torch.dtype", dtype)
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
         L = int(self.seq_lens.max()) if B else 0
         out = []
@@ -308,7 +315,7 @@ class QuantKVCache:
         if contiguous:
             if page_table is not None or num_pages is not None:
                 raise InvalidArgumentError("page_table/num_pages", "None for a contiguous cache (page_size=None)",
-                                           "a page table")
+                                           f"page_table={type(page_table).__name__}, num_pages={num_pages!r}")
             align = fmt.token_alignment
             if CHANNEL in (fmt.k_axis, fmt.v_axis):
                 align = math.lcm(align, fmt.group_size)
@@ -329,6 +336,11 @@ class QuantKVCache:
                 num_pages = max(int(starts[-1]), 1) if num_pages is None else num_pages
             elif num_pages is None:
                 raise InvalidArgumentError("num_pages", "the size of the page pool when a page_table is given", None)
+            if page_table.batch_size != B:
+                raise InvalidArgumentError("page_table", f"{B} sequences (len(seq_lens))", page_table.batch_size)
+            if page_table.block_table.device != torch.device(device):
+                raise InvalidArgumentError("page_table", f"tensors on {device}",
+                                           f"tensors on {page_table.block_table.device}")
             check_int("num_pages", num_pages, minimum=1)
             used = torch.cat([page_table.pages_of(b)[: need[b]].cpu() for b in range(B)]) if B else torch.zeros(0)
             if used.numel() != torch.unique(used).numel():
@@ -386,6 +398,8 @@ class QuantKVCache:
         windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
         ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``).
         """
+        if not isinstance(fmt, KVFormat):
+            raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
         check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
         check_tensor("k_codes", k_codes, ndim=4)
         B, H, Q, D = k_codes.shape
@@ -461,6 +475,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
     if quantizer not in QUANTIZERS:
         raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    if quantizer == "quantile" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                    or not 0.0 <= clip < 0.5):
+        raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", repr(clip))
     if window_dtype not in WINDOW_DTYPES:
         raise InvalidArgumentError("window_dtype", "torch.bfloat16 or torch.float16", window_dtype)
     if seq_lens is None:

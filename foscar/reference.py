@@ -64,6 +64,8 @@ def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None
     ``lse = -inf``.
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    if dtype is None:
+        raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     k, v = cache.dequantize(dtype)
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)

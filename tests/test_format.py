@@ -210,3 +210,22 @@ def test_clipped_quantizers_beat_minmax_on_outliers(quantizer):
 def test_bytes_per_token():
     assert foscar.KVFormat(bits=2, head_dim=128, group_size=128).bytes_per_token() == 80
     assert foscar.KVFormat(bits=4, head_dim=128, group_size=128).bytes_per_token() == 144
+
+
+@pytest.mark.parametrize("bits,D", list(itertools.product(BITS, HEAD_DIMS)))
+def test_block_map_matches_docs_layout_md(bits, D):
+    """The closed forms written in docs/layout.md are the layout."""
+    from foscar.format import block_map
+    t, c = torch.meshgrid(torch.arange(16), torch.arange(D), indexing="ij")
+    lane = 4 * (t % 8) + (c % 8) // 2
+    r = 4 * (c // 16) + t // 8 + 2 * ((c % 16) // 8)
+    word, bit = block_map(bits, D, "k")
+    assert torch.equal(word, lane * (D * bits // 64) + r // (16 // bits))
+    assert torch.equal(bit, bits * (r % (16 // bits)) + 16 * (c % 2))
+    t, c = torch.meshgrid(torch.arange(64 // bits), torch.arange(D), indexing="ij")
+    cr = c % 64
+    thread = 32 * (cr // 16) + 4 * (cr % 8) + (t % 8) // 2
+    r = 4 * (t // 16) + (cr % 16) // 8 + 2 * ((t % 16) // 8)
+    word, bit = block_map(bits, D, "v")
+    assert torch.equal(word, thread * (D // 64) + c // 64)
+    assert torch.equal(bit, bits * r + 16 * (t % 2))

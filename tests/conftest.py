@@ -1,0 +1,22 @@
+"""Test configuration: hypothesis profiles and a GPU marker that skips with a reason."""
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+# "ci": derandomized (reproducible on a clean clone); "dev": fresh random examples each run;
+# "long": a longer fuzz run (HYPOTHESIS_PROFILE=long pytest tests/test_fold.py).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.register_profile("long", max_examples=1000, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
