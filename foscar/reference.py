@@ -40,19 +40,29 @@ def check_decode_inputs(q: torch.Tensor, cache: QuantKVCache, sm_scale: float | 
     return Hq // Hkv, float(sm_scale)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q [H, G, D]`` over ``k, v [H, n, D]`` (same dtype): ``(out [H,G,D], lse [H,G])``.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *,
+           operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [H, G, D]`` over ``k, v [H, n, D]``: ``(out [H,G,D], lse [H,G])``.
 
-    ``lse`` is the natural-log sum of exponentials of the scaled scores; with ``n = 0`` the output is
-    zero and ``lse = -inf`` (the convention every split and the combine rely on).
+    Computed in the dtype of ``q`` (``k, v`` are cast to it). ``operand_dtype=torch.bfloat16`` gives
+    BF16 attention as FlashAttention / SDPA run it: ``q, k, v`` and the unnormalised ``P`` rounded to
+    BF16, float32 math (the baseline a kernel's error is held to). ``lse`` is the natural-log sum of
+    exponentials of the scaled scores; with ``n = 0`` the output is zero and ``lse = -inf`` (the
+    convention every split and the combine rely on).
     """
     H, G, D = q.shape
+    if operand_dtype is not None:
+        q, k, v = (x.to(operand_dtype).float() for x in (q, k, v))
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if k.shape[1] == 0:
         return q.new_zeros(H, G, v.shape[-1]), q.new_full((H, G), -math.inf)
     s = torch.einsum("hgd,hnd->hgn", q, k) * sm_scale
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    return torch.einsum("hgn,hnd->hgd", p, v), lse
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1)
+    if operand_dtype is not None:
+        p = p.to(operand_dtype).float()
+    return torch.einsum("hgn,hnd->hgd", p, v) / l[..., None], m[..., 0] + torch.log(l)
 
 
 def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,

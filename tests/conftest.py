@@ -20,3 +20,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+# The references are loops of small tensor ops: extra threads only wait on each other (up to 100x
+# slower on a busy 2-core CI machine).
+torch.set_num_threads(1)

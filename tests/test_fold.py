@@ -108,6 +108,8 @@ PAPER = dict(fmt=foscar.KVFormat(bits=2, head_dim=128, group_size=128), Hkv=2, G
 @example(PAPER)
 @example({**PAPER, "fmt": foscar.KVFormat(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel",
                                           sink=4, recent=16), "lens": [1, 129, 2000], "page": 32, "csr": False})
+@example({**PAPER, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel", v_axis="token",
+                                          recent=5), "Hkv": 1, "G": 2, "lens": [20011], "page": 128, "splits": 5})
 def test_folded_equals_exact_float64(case):
     q, cache = build(case)
     exact, lse_e = foscar.decode_exact(q, cache, return_lse=True)
@@ -120,12 +122,13 @@ def test_folded_equals_exact_float64(case):
 
 
 def fold_amplification(cache) -> float:
-    """kappa = 1 + beta * max|s'| / max|x| over the quantized values: with an injected offset
-    (beta = 128) the MMA accumulates beta*s'*sum(A) and the offset correction cancels it, so a float
-    accumulator keeps its relative precision of that term, not of the result. kappa = 1 for beta = 0."""
-    beta = cache.fmt.op.beta
-    if beta == 0:
+    """kappa = 1 + c * max|s'| / max|x| over the quantized values (c the correction pivot, about beta):
+    with an injected offset (beta = 128) the MMA accumulates c*s'*sum(A) and the offset correction
+    cancels it, so a float accumulator keeps its relative precision of that term, not of the result.
+    kappa = 1 for mappings without an offset (beta = 0)."""
+    if cache.fmt.op.beta == 0:
         return 1.0
+    beta = cache.fmt.op.pivot(cache.fmt.bits)  # corrections are taken around the pivot
     kd, vd = cache.dequantize()
     kappa = 1.0
     for sp, x in ((cache.k_params[..., 0], kd), (cache.v_params[..., 0], vd)):
@@ -168,10 +171,8 @@ def test_bf16_operands_match_bf16_attention_error(bits, k_axis, v_axis):
     kd, vd = cache.dequantize(torch.float64)
     out_bf16 = torch.empty_like(exact)
     for b in range(B):  # BF16 attention as FlashAttention/SDPA run it: bf16 Q, K, V and P; fp32 math
-        qb, kb, vb = (x.bfloat16().float() for x in (q[b].reshape(Hkv, G, 128), kd[b], vd[b]))
-        s = torch.einsum("hgd,hnd->hgn", qb, kb) / math.sqrt(128)
-        p = torch.exp(s - s.amax(-1, keepdim=True))
-        o = torch.einsum("hgn,hnd->hgd", p.bfloat16().float(), vb) / p.sum(-1, keepdim=True)
+        o, _ = foscar.reference.attend(q[b].reshape(Hkv, G, 128).float(), kd[b], vd[b], 1 / math.sqrt(128),
+                                       operand_dtype=torch.bfloat16)
         out_bf16[b] = o.reshape(Hkv * G, 128)
     err_fold, err_bf16 = rel(folded.bfloat16(), exact), rel(out_bf16.bfloat16(), exact)  # both write BF16
     assert err_fold <= 1.1 * err_bf16, (err_fold, err_bf16)

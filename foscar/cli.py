@@ -1,0 +1,264 @@
+"""The ``foscar`` command line.
+
+Subcommands:
+
+``foscar demo``
+    Quantize the paper's synthetic stress input (Sec. 6.2, :func:`foscar.synthetic.stress_inputs`)
+    to INT2 and INT4, decode it on the best backend available, and print a table of bytes read per
+    token, output errors and times (``--json PATH`` also writes the numbers).
+
+Backends: only the PyTorch reference (:func:`foscar.decode_folded`, on the CPU) exists so far; the
+demo says so. GPU kernels are to be picked in :func:`_select_backend` when they land.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import quantize_kv
+from .errors import FoscarError
+from .fold import decode_folded
+from .format import AXES, SUPPORTED_BITS, KVFormat
+from .quantize import QUANTIZERS
+from .reference import attend, decode_exact
+from .synthetic import stress_inputs
+
+PROG = "foscar"
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    description: str
+    device: torch.device
+    decode: Callable  # decode(q, cache) -> out [B, Hq, D] float32
+    note: str = ""
+
+
+def _reference_decode(q: torch.Tensor, cache) -> torch.Tensor:
+    # BF16 tensor-core operands, FP32 accumulation: what the Hopper/Triton kernels compute.
+    return decode_folded(q, cache, operand_dtype=torch.bfloat16, dtype=torch.float32)
+
+
+def _select_backend() -> Backend:
+    """The best decode backend on this machine. Only the PyTorch reference exists so far."""
+    note = ""
+    if torch.cuda.is_available():
+        note = (f"CUDA device found ({torch.cuda.get_device_name(0)}), but foscar has no GPU kernel yet: "
+                "decoding with the CPU reference")
+    return Backend("torch-reference", "torch-reference (folded, CPU)", torch.device("cpu"), _reference_decode, note)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over all ``L`` tokens of ``k, v [B, Hkv, L, D]`` (GQA), ``sm_scale = 1/sqrt(D)``.
+
+    ``bf16=False``: exact, in float64. ``bf16=True``: SDPA/FlashAttention-like, ``q, k, v`` and the
+    unnormalised probabilities rounded to BF16, everything computed in float32; returns float32.
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    dt, op = (torch.float32, torch.bfloat16) if bf16 else (torch.float64, None)
+    return torch.stack([attend(q[b].to(dt).reshape(Hkv, Hq // Hkv, D), k[b], v[b], 1 / math.sqrt(D),
+                               operand_dtype=op)[0].reshape(Hq, D) for b in range(B)])
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b||_2 / ||b||_2`` over the whole tensor, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    res = fn(*args, **kwargs)
+    return res, (time.perf_counter() - t0) * 1e3
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# foscar demo
+# --------------------------------------------------------------------------------------------
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="quantize the synthetic stress input to INT2/INT4 and report bytes, errors and times",
+        description="Build the paper's synthetic stress input (Sec. 6.2: eight amplified K channels, a per-token "
+                    "K scale ramp, unit-std logits) in BF16, quantize it, decode it on the best backend "
+                    "available and compare with exact attention.")
+    p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[2, 4],
+                   help="code widths to run (default: 2 4)")
+    p.add_argument("--k-axis", choices=AXES, default="token", help="K quantization axis (default: token)")
+    p.add_argument("--v-axis", choices=AXES, default="token", help="V quantization axis (default: token)")
+    p.add_argument("--group-size", type=_positive_int, default=128, help="values per (s, z) group (default: 128)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default="minmax",
+                   help="range of each group: min-max, MSE-clipped or quantile-clipped (default: minmax)")
+    p.add_argument("--sink", type=_nonnegative_int, default=0, help="leading tokens kept in BF16 (default: 0)")
+    p.add_argument("--recent", type=_nonnegative_int, default=0, help="trailing tokens kept in BF16 (default: 0)")
+    p.add_argument("--page-size", type=_positive_int, default=None,
+                   help="tokens per page of a paged cache (default: a contiguous cache)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="sequences (default: 1)")
+    p.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens per sequence (default: 4096)")
+    p.add_argument("--qo-heads", type=_positive_int, default=32, help="query heads (default: 32)")
+    p.add_argument("--kv-heads", type=_positive_int, default=8, help="KV heads (default: 8)")
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic input (default: 0)")
+    p.add_argument("--threads", type=_nonnegative_int, default=1,
+                   help="torch CPU threads, 0 for torch's default (default: 1: the reference decode is a loop of "
+                        "small ops, which more threads slow down, by up to 100x on a busy CPU)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the numbers to PATH as JSON")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run_demo(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called in-process (tests): leave torch as it was
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    backend = _select_backend()
+    bits_list = list(dict.fromkeys(args.bits))  # de-duplicated, in the given order
+    D = args.head_dim
+    q, k, v = stress_inputs(args.batch, args.qo_heads, args.kv_heads, args.seq_len, D, seed=args.seed,
+                            dtype=torch.bfloat16, device=backend.device)
+    formats = [KVFormat(b, D, args.group_size, args.k_axis, args.v_axis, sink=args.sink, recent=args.recent)
+               for b in bits_list]  # validate every format before the slow part
+
+    exact = _attention(q, k, v)  # float64 over the unquantized (BF16) cache
+    bf16_out, bf16_ms = _timed(_attention, q, k, v, bf16=True)
+    bf16_bytes = 2 * D * 2  # K and V, D values of 2 bytes each
+    rows = [{
+        "format": "bf16", "bits": 16, "backend": "torch-bf16",  # BF16 q, k, v, P; FP32 accumulation
+        "bytes_per_token": float(bf16_bytes), "bf16_bytes_per_token": float(bf16_bytes), "compression": 1.0,
+        "err_vs_unquantized": rel_l2(bf16_out, exact), "err_vs_dequantized": None,
+        "bf16_err_vs_dequantized": None, "quantize_ms": None, "decode_ms": bf16_ms,
+    }]
+    for fmt in formats:
+        cache, quant_ms = _timed(quantize_kv, k, v, fmt, quantizer=args.quantizer, page_size=args.page_size)
+        out, decode_ms = _timed(backend.decode, q, cache)
+        oracle = decode_exact(q, cache)  # float64 over the dequantized cache
+        kd, vd = cache.dequantize(torch.float64)
+        rows.append({
+            "format": f"int{fmt.bits}", "bits": fmt.bits, "backend": backend.name,
+            "bytes_per_token": fmt.bytes_per_token(), "bf16_bytes_per_token": float(bf16_bytes),
+            "compression": bf16_bytes / fmt.bytes_per_token(),
+            "err_vs_unquantized": rel_l2(out, exact), "err_vs_dequantized": rel_l2(out, oracle),
+            "bf16_err_vs_dequantized": rel_l2(_attention(q, kd, vd, bf16=True), oracle),
+            "quantize_ms": quant_ms, "decode_ms": decode_ms,
+        })
+
+    config = {"batch": args.batch, "seq_len": args.seq_len, "num_qo_heads": args.qo_heads,
+              "num_kv_heads": args.kv_heads, "head_dim": D, "seed": args.seed, "input_dtype": "bfloat16",
+              "k_axis": args.k_axis, "v_axis": args.v_axis, "group_size": args.group_size,
+              "quantizer": args.quantizer, "sink": args.sink, "recent": args.recent, "page_size": args.page_size,
+              "threads": torch.get_num_threads()}
+    _print_demo(backend, config, rows)
+    if args.json:
+        doc = {"command": "demo", "backend": backend.name, "backend_description": backend.description,
+               "device": str(backend.device), "config": config, "results": rows}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _print_demo(backend: Backend, config: dict, rows: list[dict]) -> None:
+    c = config
+    print(f"backend: {backend.description}")
+    if backend.note:
+        print(f"note: {backend.note}")
+    print(f"input:   synthetic stress (paper Sec. 6.2), BF16, batch {c['batch']}, {c['seq_len']} tokens, "
+          f"{c['num_qo_heads']} query / {c['num_kv_heads']} KV heads, head dim {c['head_dim']}, seed {c['seed']}")
+    paging = "contiguous" if c["page_size"] is None else f"pages of {c['page_size']}"
+    print(f"cache:   K {c['k_axis']}-wise, V {c['v_axis']}-wise, g={c['group_size']}, quantizer {c['quantizer']}, "
+          f"sink {c['sink']}, recent {c['recent']}, {paging}; {c['threads']} CPU thread(s)")
+    print()
+    cols = [("format", 6, "{}"), ("backend", 16, "{}"), ("B/tok/head", 10, "{:.1f}"), ("BF16 B", 6, "{:.0f}"),
+            ("ratio", 6, "{:.2f}x"), ("err unquant", 11, "{:.3e}"), ("err dequant", 11, "{:.3e}"),
+            ("bf16 err deq", 12, "{:.3e}"), ("quant ms", 9, "{:.1f}"), ("decode ms", 9, "{:.1f}")]
+    keys = ["format", "backend", "bytes_per_token", "bf16_bytes_per_token", "compression", "err_vs_unquantized",
+            "err_vs_dequantized", "bf16_err_vs_dequantized", "quantize_ms", "decode_ms"]
+    print("  ".join(f"{name:>{w}}" if i > 1 else f"{name:<{w}}" for i, (name, w, _) in enumerate(cols)))
+    print("  ".join("-" * w for _, w, _ in cols))
+    for row in rows:
+        cells = []
+        for i, ((_, w, fmt), key) in enumerate(zip(cols, keys)):
+            val = row[key]
+            text = "-" if val is None else fmt.format(val)
+            cells.append(f"{text:>{w}}" if i > 1 else f"{text:<{w}}")
+        print("  ".join(cells))
+    print()
+    print("B/tok/head: HBM bytes per quantized token per KV head, K and V (codes + FP32 s', z'); ratio = BF16 / that.")
+    print("err unquant: relative L2 error of the output vs exact (float64) attention over the unquantized cache.")
+    print("err dequant: vs exact attention over the dequantized cache (decode_exact): the kernel's arithmetic error "
+          "(BF16 operands, FP32 accumulation).")
+    print("bf16 err deq: BF16 attention (q, k, v, P in BF16, FP32 accumulation) over the dequantized cache, vs the "
+          "same oracle.")
+    print("Times are wall-clock of the PyTorch reference implementations, not of a GPU kernel.")
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="FOSCAR: decode attention over 2-/4-bit KV caches.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``foscar``); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except FoscarError as e:  # a bad combination of options, named by the library
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. --json PATH not writable
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
