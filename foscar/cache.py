@@ -37,6 +37,10 @@ class PageTable:
 
     block_table: torch.Tensor  # int32 [B, max_pages]
     num_pages: torch.Tensor  # int32 [B]
+    #: FlashInfer's ``page_size*(pages-1) + last_page_len`` when given: the caller's quantized lengths,
+    #: checked against ``KVFormat.split_length(seq_lens)`` by the cache.
+    quantized_lens: torch.Tensor | None = None
+    page_size: int | None = None
 
     def __post_init__(self):
         check_tensor("block_table", self.block_table, ndim=2, dtypes=INDEX_DTYPES)
@@ -56,8 +60,14 @@ class PageTable:
         return cls(block_table.to(torch.int32), num_pages.to(torch.int32))
 
     @classmethod
-    def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor) -> "PageTable":
-        """FlashInfer-style CSR: pages of sequence ``b`` are ``indices[indptr[b]:indptr[b+1]]``."""
+    def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor | None = None,
+                 page_size: int | None = None) -> "PageTable":
+        """FlashInfer-style CSR: pages of sequence ``b`` are ``indices[indptr[b]:indptr[b+1]]``.
+
+        With ``last_page_len`` (and ``page_size``), the quantized length of sequence ``b`` is
+        ``page_size*(pages - 1) + last_page_len[b]`` as in FlashInfer; the cache checks it against the
+        lengths it is given (with no BF16 windows and token-wise axes it equals ``seq_lens``).
+        """
         check_tensor("indptr", indptr, ndim=1, dtypes=INDEX_DTYPES)
         check_tensor("indices", indices, ndim=1, dtypes=INDEX_DTYPES, device=indptr.device)
         if indptr.numel() < 1:
@@ -75,7 +85,20 @@ class PageTable:
         table = torch.where(valid, indices.long().cpu()[src] if indices.numel() else torch.zeros_like(src),
                             torch.zeros_like(src))
         dev = indptr.device
-        return cls(table.to(torch.int32).to(dev), counts.to(torch.int32).to(dev))
+        qlens = None
+        if last_page_len is not None:
+            check_int("page_size", page_size, minimum=1)
+            check_tensor("last_page_len", last_page_len, shape=(B,), dtypes=INDEX_DTYPES, device=dev)
+            lp = last_page_len.long().cpu()
+            bad = ((counts > 0) & ((lp < 1) | (lp > page_size))) | ((counts == 0) & (lp != 0))
+            if bad.any():
+                b = int(bad.nonzero()[0])
+                raise InvalidArgumentError("last_page_len", f"values in [1, page_size={page_size}] (0 for a "
+                                           "sequence without pages)", f"{int(lp[b])} for sequence {b}")
+            qlens = torch.where(counts > 0, page_size * (counts - 1) + lp, 0).to(torch.int32).to(dev)
+        elif page_size is not None:
+            raise InvalidArgumentError("page_size", "None unless last_page_len is given", page_size)
+        return cls(table.to(torch.int32).to(dev), counts.to(torch.int32).to(dev), qlens, page_size)
 
     @property
     def batch_size(self) -> int:
@@ -167,6 +190,11 @@ class QuantKVCache:
     def _check_pages(self) -> None:
         pt = self.page_table
         _, n_quant, _ = self.split()
+        if pt.page_size is not None and pt.page_size != self.page_size:
+            raise InvalidArgumentError("page_table", f"page_size {self.page_size} (the cache's)", pt.page_size)
+        if pt.quantized_lens is not None and not torch.equal(pt.quantized_lens.long().cpu(), n_quant.cpu()):
+            raise InvalidArgumentError("page_table", "last_page_len consistent with seq_lens (quantized lengths "
+                                       f"{n_quant.tolist()})", pt.quantized_lens.tolist())
         need = torch.div(n_quant + self.page_size - 1, self.page_size, rounding_mode="floor").cpu()
         have = pt.num_pages.long().cpu()
         short = (need > have).nonzero()

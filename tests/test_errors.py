@@ -1040,3 +1040,25 @@ def test_combine_partials():
         combine_partials([o, o], [lse])
     with bad_arg("lses"):
         combine_partials([o], lse)
+
+
+def test_csr_last_page_len_like_flashinfer():
+    """FlashInfer's (indptr, indices, last_page_len) describe the quantized lengths; the cache checks them."""
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    k = torch.randn(2, 1, 100, 64)
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32)
+    indices = torch.tensor([2, 0, 1], dtype=torch.int32)
+    ok = foscar.PageTable.from_csr(indptr, indices, torch.tensor([36, 50], dtype=torch.int32), page_size=64)
+    assert ok.quantized_lens.tolist() == [100, 50]
+    cache = foscar.quantize_kv(k, k, fmt, seq_lens=torch.tensor([100, 50]), page_size=64, page_table=ok, num_pages=3)
+    assert torch.isfinite(foscar.decode_exact(torch.randn(2, 1, 64), cache)).all()
+    wrong = foscar.PageTable.from_csr(indptr, indices, torch.tensor([36, 49], dtype=torch.int32), page_size=64)
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^page_table: expected last_page_len consistent"):
+        foscar.quantize_kv(k, k, fmt, seq_lens=torch.tensor([100, 50]), page_size=64, page_table=wrong, num_pages=3)
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^last_page_len: expected values in \[1, page_size=64\]"):
+        foscar.PageTable.from_csr(indptr, indices, torch.tensor([0, 50], dtype=torch.int32), page_size=64)
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^page_size: expected an int"):
+        foscar.PageTable.from_csr(indptr, indices, torch.tensor([36, 50], dtype=torch.int32))
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^page_table: expected page_size 64"):
+        t32 = foscar.PageTable.from_csr(indptr, indices, torch.tensor([32, 32], dtype=torch.int32), page_size=32)
+        foscar.quantize_kv(k, k, fmt, seq_lens=torch.tensor([100, 50]), page_size=64, page_table=t32, num_pages=3)
