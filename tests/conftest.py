@@ -5,6 +5,9 @@ import pytest
 import torch
 from hypothesis import settings
 
+if not torch.cuda.is_available():  # the Triton kernels run under the interpreter on CPU-only machines
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # "ci": derandomized (reproducible on a clean clone); "dev": fresh random examples each run;
 # "long": a longer fuzz run (HYPOTHESIS_PROFILE=long pytest tests/test_fold.py).
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import foscar
+from _helpers import fold_amplification, rel
 from foscar.errors import UnsupportedError
 
 AXES = ("token", "channel")
@@ -93,10 +94,6 @@ def build(case):
     return q, foscar.quantize_kv(k, v, fmt, **kw)
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAPER = dict(fmt=foscar.KVFormat(bits=2, head_dim=128, group_size=128), Hkv=2, G=4, lens=[1000, 77], page=64,
              csr=True, tile=64, splits=3, k_mag=1.0, v_mag=1.0, offset=0.0, const_frac=0.0,
@@ -119,22 +116,6 @@ def test_folded_equals_exact_float64(case):
     assert torch.isfinite(folded).all()
     assert rel(folded, exact) <= 1e-10
     assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
-
-
-def fold_amplification(cache) -> float:
-    """kappa = 1 + c * max|s'| / max|x| over the quantized values (c the correction pivot, about beta):
-    with an injected offset (beta = 128) the MMA accumulates c*s'*sum(A) and the offset correction
-    cancels it, so a float accumulator keeps its relative precision of that term, not of the result.
-    kappa = 1 for mappings without an offset (beta = 0)."""
-    if cache.fmt.op.beta == 0:
-        return 1.0
-    beta = cache.fmt.op.pivot(cache.fmt.bits)  # corrections are taken around the pivot
-    kd, vd = cache.dequantize()
-    kappa = 1.0
-    for sp, x in ((cache.k_params[..., 0], kd), (cache.v_params[..., 0], vd)):
-        if float(x.abs().max()) > 0:
-            kappa = max(kappa, 1.0 + beta * float(sp.abs().max()) / float(x.abs().max()))
-    return kappa
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,3 +1,8 @@
-"""Triton decode kernels (any CUDA GPU): the tunable baseline and fallback. They read the cache layout
-of :mod:`foscar.format` (``docs/layout.md``) and implement :func:`foscar.decode_folded`. Not written yet
-(issue 3); nothing here is imported by the rest of foscar until then."""
+"""Triton decode kernels (any CUDA GPU): the tunable baseline and fallback.
+
+They read the cache layout of :mod:`foscar.format` (``docs/layout.md``) and compute what
+:func:`foscar.decode_folded` specifies. ``TRITON_INTERPRET=1`` runs them on the CPU (tests).
+"""
+from .launch import decode, decode_bf16
+
+__all__ = ["decode", "decode_bf16"]

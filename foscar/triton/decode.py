@@ -1,0 +1,184 @@
+"""Triton split-KV decode over a foscar cache: stage 1 (one program per batch entry, KV head, split).
+
+All ``G`` query heads of one KV head share one ``tl.dot`` (padded to ``BLOCK_H >= 16`` rows). A
+program walks its split's KV tiles of ``BLOCK_N`` tokens through the page table, builds the BF16
+operands from the packed words (:mod:`foscar.triton.tiles`), and applies the folded constants
+exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
+
+- token-wise K, acc-fold: group-local partials ``Q[:, G] . y[t, G]`` (a batched dot over the
+  ``C = D/g`` channel groups), each scaled by ``s'[t, G]``, plus ``z'[t, G] * sum(Q[:, G])``;
+- channel-wise K, operand-fold: ``Q' = bf16(Q * s')`` of the tile's token group, plus the correction
+  ``sum(Q * (z' + c s')) - c * sum(Q')`` around the pivot ``c``;
+- token-wise V, operand-fold: ``P' = bf16(P * s'[t, G])`` per channel group, plus
+  ``sum_t P (z' + c s') - c * sum(P')``;
+- channel-wise V, acc-fold: ``s' * (bf16(P) . y) + z' * sum(bf16(P))`` per tile (one token group).
+
+K corrections land before the softmax, V corrections in the accumulator before the final division.
+Corrections use the BF16 operands the MMA consumed. ``FOLD=False`` gives the per-value
+reconstruction kernel of the paper's ablation: the same tiling, but every value is dequantized
+(``s*q + z`` per value) before plain BF16 dots.
+
+Each program writes its partial output ``acc / l`` and ``lse`` (base 2, scaled scores); an empty
+split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
+"""
+import triton
+import triton.language as tl
+
+from .tiles import inject_bf16, k_codes, v_codes
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _round_operand(x, INTERPRET: tl.constexpr):
+    """The tensor-core operand: BF16 on the GPU; kept in float32 under the interpreter (whose
+    float32 -> bf16 cast truncates instead of rounding, ../shared/docs/triton-notes.md)."""
+    if INTERPRET:
+        return x
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (operands upcast under the interpreter, whose bf16 dot is wrong)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def fold_decode_stage1(
+    Q, KC, VC, KP, VP, BT, NQ, OP, LP,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh,
+    stride_cp, stride_ch,  # codes pool [pages, Hkv, W]
+    stride_kpp, stride_kph,  # K params pool [pages, Hkv, rows, cols, 2]
+    stride_vpp, stride_vph,
+    stride_btb,
+    stride_opb, stride_oph, stride_ops,  # partial outputs [B, Hq, S, D]
+    stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
+    BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PIVOT: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    KC_: tl.constexpr = D // GROUP if K_TOKEN else 1  # channel groups of a token-wise K
+    VC_: tl.constexpr = D // GROUP if V_TOKEN else 1
+    KGC: tl.constexpr = D // KC_
+    VGC: tl.constexpr = D // VC_
+    WPT: tl.constexpr = D * BITS // 32  # words per token
+
+    n_quant = tl.load(NQ + b)
+    n_tiles = tl.cdiv(n_quant, BLOCK_N)
+    per = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = split * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, D)
+    tt = tl.arange(0, BLOCK_N)
+    hmask = hh < G
+    q_ptr = Q + b * stride_qb + (kvh * G + hh)[:, None] * stride_qh + dd[None, :]
+    q = tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    qf = q.to(tl.float32)
+    if K_TOKEN:  # Q split by channel group: [KC_, BLOCK_H, KGC], and its sums (from the consumed BF16 Q)
+        q3 = tl.permute(tl.reshape(q, (BLOCK_H, KC_, KGC)), (1, 0, 2))
+        q_sum3 = tl.sum(q3.to(tl.float32), axis=2)  # [KC_, BLOCK_H]
+        if INTERPRET:
+            q3 = q3.to(tl.float32)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((VC_, BLOCK_H, VGC), tl.float32)
+
+    for tile in range(t_lo, t_hi):
+        t0 = tile * BLOCK_N
+        page = tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64)
+        off = t0 % PAGE  # first token of the tile inside its page
+        valid = t0 + tt < n_quant
+        kc = k_codes(KC + page * stride_cp + kvh * stride_ch + off * WPT, BLOCK_N, D, BITS, KC_)
+        kp = KP + page * stride_kpp + kvh * stride_kph
+        # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
+        if K_TOKEN:
+            cc = tl.arange(0, KC_)
+            kp_off = ((off + tt)[None, :] * KC_ + cc[:, None]) * 2  # [KC_, BLOCK_N]
+            ks = tl.load(kp + kp_off, mask=valid[None, :], other=0.0)
+            kz = tl.load(kp + kp_off + 1, mask=valid[None, :], other=0.0)
+            if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
+                yk = inject_bf16(kc, INTERPRET)
+                part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
+                s = tl.sum(part * ks[:, None, :] + q_sum3[:, :, None] * kz[:, None, :], axis=0)
+            else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
+                x = _round_operand(ks[:, :, None] * (kc.to(tl.float32) + 128.0) + kz[:, :, None], INTERPRET)
+                s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
+        else:
+            row = off // GROUP if PAGE >= GROUP else 0
+            ks = tl.load(kp + (row * D + dd) * 2)
+            kz = tl.load(kp + (row * D + dd) * 2 + 1)
+            ck = tl.reshape(kc, (BLOCK_N, D))
+            if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
+                qs = _round_operand(qf * ks[None, :], INTERPRET)
+                corr = tl.sum(qf * (kz + PIVOT * ks)[None, :], axis=1) - PIVOT * tl.sum(qs.to(tl.float32), axis=1)
+                s = _dot(qs, tl.trans(inject_bf16(ck, INTERPRET)), INTERPRET) + corr[:, None]
+            else:
+                x = _round_operand(ks[None, :] * (ck.to(tl.float32) + 128.0) + kz[None, :], INTERPRET)
+                s = _dot(q, tl.trans(x), INTERPRET)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        # ---- online softmax (base 2) -------------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[None, :, None]
+        m_i = m_new
+        # ---- PV with the V offset corrections (before the division) ------------------------------
+        vc = v_codes(VC + page * stride_cp + kvh * stride_ch + off * WPT, BLOCK_N, D, BITS, VC_)
+        vp = VP + page * stride_vpp + kvh * stride_vph
+        if V_TOKEN:
+            cc = tl.arange(0, VC_)
+            vp_off = ((off + tt)[None, :] * VC_ + cc[:, None]) * 2  # [VC_, BLOCK_N]
+            vs = tl.load(vp + vp_off, mask=valid[None, :], other=0.0)
+            vz = tl.load(vp + vp_off + 1, mask=valid[None, :], other=0.0)
+            if FOLD:  # operand-fold: P' = bf16(P s'[t, G]); correction around the pivot
+                pv = _round_operand(p[None, :, :] * vs[:, None, :], INTERPRET)  # [VC_, BLOCK_H, BLOCK_N]
+                corr = (tl.sum(p[None, :, :] * (vz + PIVOT * vs)[:, None, :], axis=2)
+                        - PIVOT * tl.sum(pv.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
+                acc += _dot_batched(pv, inject_bf16(vc, INTERPRET), INTERPRET) + corr[:, :, None]
+            else:
+                x = _round_operand(vs[:, :, None] * (vc.to(tl.float32) + 128.0) + vz[:, :, None], INTERPRET)
+                pb = _round_operand(p, INTERPRET)
+                acc += _dot_batched(tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_H, BLOCK_N)), x, INTERPRET)
+        else:
+            row = off // GROUP if PAGE >= GROUP else 0
+            vs = tl.load(vp + (row * D + dd) * 2)
+            vz = tl.load(vp + (row * D + dd) * 2 + 1)
+            cv = tl.reshape(vc, (BLOCK_N, D))
+            pb = _round_operand(p, INTERPRET)
+            if FOLD:  # acc-fold: one token group per tile
+                part = _dot(pb, inject_bf16(cv, INTERPRET), INTERPRET)
+                upd = part * vs[None, :] + tl.sum(pb.to(tl.float32), axis=1)[:, None] * vz[None, :]
+            else:
+                x = _round_operand(vs[None, :] * (cv.to(tl.float32) + 128.0) + vz[None, :], INTERPRET)
+                upd = _dot(pb, x, INTERPRET)
+            acc += tl.reshape(upd, (VC_, BLOCK_H, VGC))
+
+    # ---- partial output and LSE of this split -------------------------------------------------------
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    cg = tl.arange(0, VC_)
+    jj = tl.arange(0, VGC)
+    o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, :, None] * stride_oph + split * stride_ops
+             + (cg[:, None, None] * VGC + jj[None, None, :]))
+    tl.store(o_ptr, out, mask=hmask[None, :, None])
+    tl.store(LP + b * stride_lpb + (kvh * G + hh) * stride_lph + split, lse, mask=hmask)
+
+
+@triton.jit
+def _dot_batched(a, b, INTERPRET: tl.constexpr):
+    """Batched ``a[c] @ b[c]`` over a leading channel-group axis; a plain 2-D dot when it has size 1."""
+    if a.shape[0] == 1:
+        r = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), INTERPRET)
+        return tl.reshape(r, (1, a.shape[1], b.shape[2]))
+    return _dot(a, b, INTERPRET)

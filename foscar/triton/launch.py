@@ -1,0 +1,187 @@
+"""Launchers of the Triton decode kernels: validation, tiling choice, split count, and the two stages."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from .._checks import check_int, check_tensor
+from ..cache import QuantKVCache
+from ..errors import InvalidArgumentError, UnsupportedError
+from ..reference import check_decode_inputs
+from .bf16 import bf16_decode_stage1
+from .combine import combine_stage2
+from .decode import LOG2E, fold_decode_stage1
+
+KERNELS = ("folded", "reconstruct")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK_N_CHOICES = (64, 32, 16)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not interpreting():
+        raise UnsupportedError("backend 'triton'", f"needs a CUDA device (q is on {q.device}); "
+                                                   "TRITON_INTERPRET=1 runs it on the CPU")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def block_n_for(cache: QuantKVCache) -> int:
+    """The KV tile: the largest of 64/32/16 tokens that is whole pack blocks, divides the page and,
+    for a channel-wise axis, divides the group (one token group per tile)."""
+    fmt = cache.fmt
+    for bn in BLOCK_N_CHOICES:
+        if bn % fmt.token_alignment or cache.page_size % bn:
+            continue
+        if "channel" in (fmt.k_axis, fmt.v_axis) and fmt.group_size % bn:
+            continue
+        return bn
+    raise UnsupportedError(f"page_size={cache.page_size}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
+    """Enough programs for about two waves over the SMs, never more splits than tiles."""
+    want = math.ceil(2 * _sm_count(device) / max(1, batch * kv_heads))
+    return max(1, min(want, max_tiles, 256))
+
+
+def _out_buffers(q, out, lse, return_lse):
+    B, Hq, D = q.shape
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=q.dtype if q.dtype in OUT_DTYPES else torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, shape=(B, Hq, D), dtypes=OUT_DTYPES, device=q.device)
+        if out.stride(-1) != 1:
+            raise InvalidArgumentError("out", "unit stride in the last dim", tuple(out.stride()))
+    if lse is not None:
+        check_tensor("lse", lse, shape=(B, Hq), dtypes=(torch.float32,), device=q.device)
+    elif return_lse:
+        lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
+           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
+
+    ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
+    reconstruction baseline of the paper's ablation (same tiling). ``out`` (``[B, Hq, D]``, BF16,
+    FP16 or FP32; default ``q``'s dtype) and ``lse`` (``[B, Hq]`` FP32, natural log) may be given.
+    ``num_splits``: KV splits per sequence (default: about two waves of programs).
+    """
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    _check_device(q)
+    fmt = cache.fmt
+    if fmt.mapping != "bf16":
+        raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
+    if kernel not in KERNELS:
+        raise InvalidArgumentError("kernel", f"one of {KERNELS}", repr(kernel))
+    if q.stride(-1) != 1:
+        raise InvalidArgumentError("q", "unit stride in the last dim", tuple(q.stride()))
+    B, Hq, D = q.shape
+    Hkv = cache.num_kv_heads
+    out, lse = _out_buffers(q, out, lse, return_lse)
+    bn = block_n_for(cache) if block_n is None else block_n
+    if bn not in BLOCK_N_CHOICES or bn % fmt.token_alignment or cache.page_size % bn or (
+            "channel" in (fmt.k_axis, fmt.v_axis) and fmt.group_size % bn):
+        raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
+    n_sink, n_quant, n_recent = cache.split()
+    n_quant32 = n_quant.to(torch.int32)
+    if num_splits is None:
+        max_tiles = -(-int(n_quant.max()) // bn) if B else 1  # host read: a plan step (issue 5) removes it
+        num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
+    check_int("num_splits", num_splits, minimum=1)
+    windows = [w for w in (("sink", fmt.sink), ("recent", fmt.recent_capacity)) if w[1] > 0]
+    parts = num_splits + len(windows)
+    o_part = torch.empty(B, Hq, parts, D, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
+    qk_scale = sm_scale * LOG2E
+    block_h = max(16, triton.next_power_of_2(G))
+    interp = interpreting()
+    kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
+    bt = cache.page_table.block_table
+    fold_decode_stage1[(B, Hkv, num_splits)](
+        q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+        bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+        BITS=fmt.bits, D=D, G=G, BLOCK_H=block_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
+        K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", NUM_SPLITS=num_splits,
+        PIVOT=fmt.op.pivot(fmt.bits), FOLD=kernel == "folded", INTERPRET=interp,
+        num_warps=num_warps, num_stages=num_stages)
+    part = num_splits
+    for name, _ in windows:  # the BF16 sink and recent ring: one more partial each
+        if name == "sink":
+            kb, vb, start, length, wrap = cache.k_sink, cache.v_sink, torch.zeros_like(n_quant32), n_sink, False
+        else:
+            kb, vb, start, length, wrap = cache.k_recent, cache.v_recent, n_quant32, n_recent, True
+        _bf16_stage1(q, kb, vb, None, start, length.to(torch.int32), o_part, l_part, qk_scale, G, block_h,
+                     page=kb.shape[2], part0=part, num_splits=1, wrap=wrap, interp=interp)
+        part += 1
+    _combine(o_part, l_part, out, lse)
+    return (out, lse) if (return_lse or lse is not None) else out
+
+
+def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,
+                 wrap, interp, block_n=16, num_warps=4, num_stages=2):
+    B, _, D = q.shape
+    identity = bt is None
+    bt_ = start if identity else bt  # unused pointer when the pages are the batch entries
+    bf16_decode_stage1[(B, kb.shape[1], num_splits)](
+        q, kb, vb, bt_, start, length, o_part, l_part, qk_scale,
+        q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
+        0 if identity else bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        l_part.stride(0), l_part.stride(1), part0,
+        D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, IDENTITY_PAGES=identity,
+        WRAP=wrap, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages)
+
+
+def _combine(o_part, l_part, out, lse):
+    B, Hq, parts, D = o_part.shape
+    combine_stage2[(B, Hq)](
+        o_part, l_part, out, lse if lse is not None else l_part,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts), D=D, WRITE_LSE=lse is not None, num_warps=4)
+
+
+def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
+                num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+    """Plain BF16 paged decode with the same tiling (the baseline): ``k_cache, v_cache [pages, Hkv, page, D]``,
+    ``block_table [B, max_pages]`` int32, ``seq_lens [B]``."""
+    _check_device(q)
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16))
+    B, Hq, D = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    P, Hkv, page, Dk = k_cache.shape
+    if Dk != D or Hq % Hkv:
+        raise InvalidArgumentError("k_cache", f"[pages, Hkv, page, {D}] with Hq={Hq} a multiple of Hkv",
+                                   tuple(k_cache.shape))
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(q.dtype,), device=q.device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
+    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=q.device)
+    if page % block_n:
+        raise InvalidArgumentError("block_n", f"a divisor of the page size {page}", block_n)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    out, _ = _out_buffers(q, out, None, False)
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, -(-int(seq_lens.max()) // block_n), q.device)
+    G = Hq // Hkv
+    o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    _bf16_stage1(q, k_cache, v_cache, block_table, torch.zeros_like(seq_lens), seq_lens, o_part, l_part,
+                 sm_scale * LOG2E, G, max(16, triton.next_power_of_2(G)), page=page, part0=0, num_splits=num_splits,
+                 wrap=False, interp=interpreting(), block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    _combine(o_part, l_part, out, None)
+    return out

@@ -1,0 +1,85 @@
+"""Reading the packed cache in Triton: codes of a KV tile, in true token and channel order.
+
+The words of a tile are loaded once, as an N-d tensor whose axes are the fragment coordinates of
+``docs/layout.md`` (K block, lane row/column, word, ...), and every code field is pulled out by one
+broadcast shift whose shift amounts form the remaining axes. Ordering those axes as the token and
+channel digits of the true coordinates makes a plain ``reshape`` give ``[C, BLOCK_N, GC]``: ``C``
+channel groups of ``GC`` channels (``C = 1`` unless a token-wise axis has groups smaller than the
+head dim), tokens and channels in their natural order. Nothing is gathered or permuted.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` K tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+
+    A K block is 16 tokens; lane ``4*l4 + lc`` of it holds token ``l4 + 8*jr`` and channels
+    ``16*b + 8*jc + 2*lc + h`` at bit ``BITS*(4*ib + 2*jc + jr) + 16*h`` of its word ``p``, where the
+    k16 block is ``b = p*(4/BITS) + ib``.
+    """
+    WPL: tl.constexpr = D * BITS // 64  # words per lane per K block
+    NF: tl.constexpr = 8 // BITS  # (ib, jc) fields of one register row
+    PG: tl.constexpr = WPL // C  # words per lane per channel group
+    NB: tl.constexpr = BLOCK_N // 16
+    c = tl.arange(0, C)
+    blk = tl.arange(0, NB)
+    l4 = tl.arange(0, 8)
+    pi = tl.arange(0, PG)
+    lc = tl.arange(0, 4)
+    # word offsets, axes (C, NB, L4, PG, LC)
+    offs = (blk[None, :, None, None, None] * (32 * WPL)
+            + (4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]) * WPL
+            + c[:, None, None, None, None] * PG + pi[None, None, None, :, None])
+    w = tl.load(base + offs)
+    # field shifts, axes (JR, F, H) with F = (ib, jc)
+    jr = tl.arange(0, 2)
+    f = tl.arange(0, NF)
+    h = tl.arange(0, 2)
+    sh = (BITS * (4 * (f[None, :, None] // 2) + 2 * (f[None, :, None] % 2) + jr[:, None, None])
+          + 16 * h[None, None, :])
+    # axes (C, NB, JR, L4, PG, F, LC, H): tokens (NB, JR, L4), channels (PG, F, LC, H)
+    codes = (w[:, :, None, :, :, None, :, None] >> sh[None, None, :, None, None, :, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (C, BLOCK_N, D // C))
+
+
+@triton.jit
+def v_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` V tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+
+    A V block is ``64/BITS`` tokens and ``2*D`` words: thread ``32*w + 4*l4 + lc`` holds, in its word
+    ``mh``, channel ``64*mh + 16*w + l4 + 8*jr`` and tokens ``16*ib + 8*jc + 2*lc + h`` at bit
+    ``BITS*(4*ib + 2*jc + jr) + 16*h``.
+    """
+    NIB: tl.constexpr = 4 // BITS  # k16 blocks (of tokens) per word
+    NB: tl.constexpr = BLOCK_N // (16 * NIB)
+    MH: tl.constexpr = D // 64
+    MG: tl.constexpr = D // 16 // C  # (mh, w) rows of 16 channels per channel group
+    c = tl.arange(0, C)
+    blk = tl.arange(0, NB)
+    lc = tl.arange(0, 4)
+    mi = tl.arange(0, MG)
+    l4 = tl.arange(0, 8)
+    m = c[:, None] * MG + mi[None, :]  # (C, MG): 16-channel row = 4*mh + w
+    thread = 32 * (m % 4)[:, None, None, :, None] + 4 * l4[None, None, None, None, :] + lc[None, None, :, None, None]
+    # word offsets, axes (C, NB, LC, MG, L4)
+    offs = blk[None, :, None, None, None] * (2 * D) + thread * MH + (m // 4)[:, None, None, :, None]
+    w = tl.load(base + offs)
+    f = tl.arange(0, 2 * NIB)  # (ib, jc)
+    h = tl.arange(0, 2)
+    jr = tl.arange(0, 2)
+    sh = (BITS * (4 * (f[:, None, None] // 2) + 2 * (f[:, None, None] % 2) + jr[None, None, :])
+          + 16 * h[None, :, None])
+    # axes (C, NB, F, LC, H, MG, JR, L4): tokens (NB, F, LC, H), channels (MG, JR, L4)
+    codes = (w[:, :, None, :, None, :, None, :] >> sh[None, None, :, None, :, None, :, None]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (C, BLOCK_N, D // C))
+
+
+@triton.jit
+def inject_bf16(codes, INTERPRET: tl.constexpr):
+    """Mantissa injection: ``0x4300 | q`` is the BF16 value ``q + 128`` (float32 under the interpreter)."""
+    y = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    if INTERPRET:
+        y = y.to(tl.float32)
+    return y

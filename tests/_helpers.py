@@ -1,0 +1,47 @@
+"""Shared test helpers: relative error, the fold's float amplification, BF16 attention's error."""
+import math
+
+import torch
+
+import foscar
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def fold_amplification(cache) -> float:
+    """kappa = 1 + c * max|s'| / max|x| over the quantized values (c the correction pivot, about beta):
+    with an injected offset (beta = 128) the MMA accumulates c*s'*sum(A) and the offset correction
+    cancels it, so a float accumulator keeps its relative precision of that term, not of the result.
+    kappa = 1 for mappings without an offset (beta = 0)."""
+    if cache.fmt.op.beta == 0:
+        return 1.0
+    beta = cache.fmt.op.pivot(cache.fmt.bits)
+    kd, vd = cache.dequantize()
+    kappa = 1.0
+    for sp, x in ((cache.k_params[..., 0], kd), (cache.v_params[..., 0], vd)):
+        if float(x.abs().max()) > 0:
+            kappa = max(kappa, 1.0 + beta * float(sp.abs().max()) / float(x.abs().max()))
+    return kappa
+
+
+def bf16_attention(q: torch.Tensor, cache, *, sdpa: bool = False) -> torch.Tensor:
+    """BF16 attention over the dequantized cache (the baseline a kernel's error is held to): q, K, V
+    cast to BF16. ``sdpa=True`` runs torch's scaled_dot_product_attention (on the GPU); otherwise the
+    emulation of :func:`foscar.reference.attend` (BF16 operands and P, FP32 math)."""
+    B, Hq, D = q.shape
+    Hkv = cache.num_kv_heads
+    kd, vd = cache.dequantize(torch.float32)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        L = int(cache.seq_lens[b])
+        if sdpa:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[b, :, None].bfloat16(), kd[b, :, :L].bfloat16(), vd[b, :, :L].bfloat16(), enable_gqa=True)
+            out[b] = o[:, 0].float()
+        else:
+            o, _ = foscar.reference.attend(q[b].float().reshape(Hkv, Hq // Hkv, D), kd[b, :, :L], vd[b, :, :L],
+                                           1 / math.sqrt(D), operand_dtype=torch.bfloat16)
+            out[b] = o.reshape(Hq, D)
+    return out

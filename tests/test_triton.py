@@ -1,0 +1,166 @@
+"""The Triton kernels against the float64 oracle.
+
+On a CPU-only machine they run under TRITON_INTERPRET=1 (set by conftest) at small shapes: the
+interpreter keeps the operands in float32 (its bf16 dot and casts are wrong, see
+../shared/docs/triton-notes.md), so the bound is the fold's float32 one. On a GPU the same cases run
+compiled, with BF16 operands, held to BF16 attention's error; the paper-shape cases run there only.
+"""
+import itertools
+
+import pytest
+import torch
+
+import foscar
+import foscar.triton as ft
+from _helpers import bf16_attention, fold_amplification, rel
+from foscar.errors import InvalidArgumentError, UnsupportedError
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+AXES = ("token", "channel")
+
+
+def make(fmt, lens, Hkv, G, *, page=None, seed=0, device=DEV, shuffle=True):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, D = len(lens), max(lens), fmt.head_dim
+    k = torch.randn(B, Hkv, L, D, generator=gen)
+    v = torch.randn(B, Hkv, L, D, generator=gen)
+    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = {}
+    if page is not None:
+        n_quant = fmt.split_length(seq_lens.long())[1]
+        need = [-(-int(n) // page) for n in n_quant]
+        pool = sum(need) + 2
+        perm = torch.randperm(pool, generator=gen) if shuffle else torch.arange(pool)
+        indptr = torch.tensor([0] + need).cumsum(0).to(torch.int32)
+        kw = dict(page_size=page, page_table=foscar.PageTable.from_csr(indptr, perm[: sum(need)].to(torch.int32)),
+                  num_pages=pool)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=seq_lens, **kw)
+    if device != "cpu":
+        cache = to_device(cache, device)
+    return q.to(device), cache
+
+
+def to_device(cache, device):
+    """The same cache on another device (tests only; the library writes caches where they live)."""
+    pt = cache.page_table
+    table = foscar.PageTable(pt.block_table.to(device), pt.num_pages.to(device))
+    return foscar.QuantKVCache(cache.fmt, k_codes=cache.k_codes.to(device), v_codes=cache.v_codes.to(device),
+                               k_params=cache.k_params.to(device), v_params=cache.v_params.to(device),
+                               seq_lens=cache.seq_lens.to(device), page_table=table, k_sink=cache.k_sink.to(device),
+                               v_sink=cache.v_sink.to(device), k_recent=cache.k_recent.to(device),
+                               v_recent=cache.v_recent.to(device), contiguous=cache.contiguous)
+
+
+def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False):
+    B, Hq, D = q.shape
+    out = torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
+    lse = torch.full((B, Hq), float("nan"), dtype=torch.float32, device=q.device)
+    ft.decode(q, cache, out=out, lse=lse, kernel=kernel, num_splits=num_splits)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "unwritten or NaN output"
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    err = rel(out, exact)
+    if GPU:  # BF16 operands: no worse than BF16 attention on the same dequantized cache
+        base = rel(bf16_attention(q, cache, sdpa=sdpa), exact)
+        assert err <= base * 1.05 + 1e-4, (err, base)
+    else:  # interpreter: float32 operands; the fold's float32 bound, plus the BF16 output rounding
+        assert err <= 1e-5 * fold_amplification(cache) + 4e-3, err
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    return err
+
+
+@pytest.mark.parametrize("bits,k_axis,v_axis", list(itertools.product((2, 4), AXES, AXES)))
+def test_every_axis_combination(bits, k_axis, v_axis):
+    """g = 32 < D exercises the group-local partials (token-wise) and 32-token groups (channel-wise);
+    lengths end mid-group, mid-page and mid-tile; one sequence has length 1; pages shuffled."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=32, k_axis=k_axis, v_axis=v_axis)
+    q, cache = make(fmt, [1, 77, 161], Hkv=2, G=4, page=64, seed=bits)
+    run_and_check(q, cache, num_splits=3)
+
+
+@pytest.mark.parametrize("bits,k_axis,v_axis", [(2, "token", "token"), (4, "channel", "token"),
+                                                (2, "channel", "channel"), (4, "token", "channel")])
+def test_windows_contiguous_and_gqa(bits, k_axis, v_axis):
+    """BF16 sink and recent ring (merged by the combine), a contiguous cache, g = head dim, GQA 8."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=64, k_axis=k_axis, v_axis=v_axis, sink=4, recent=9)
+    q, cache = make(fmt, [3, 70, 150], Hkv=1, G=8)
+    run_and_check(q, cache, num_splits=2)
+
+
+@pytest.mark.parametrize("D,G,page", [(128, 1, 32), (256, 2, 16), (128, 32, 48)])
+def test_head_dims_gqa_pages(D, G, page):
+    fmt = foscar.KVFormat(bits=4, head_dim=D, group_size=64, k_axis="token", v_axis="token")
+    q, cache = make(fmt, [40, 97], Hkv=1, G=G, page=page)
+    run_and_check(q, cache, num_splits=2)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_reconstruction_kernel(bits):
+    fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=32, k_axis="token", v_axis="channel")
+    q, cache = make(fmt, [64, 100], Hkv=2, G=2, page=32)
+    run_and_check(q, cache, kernel="reconstruct", num_splits=2)
+
+
+def test_empty_sequence_and_more_splits_than_tiles():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    q, cache = make(fmt, [0, 20], Hkv=1, G=2, page=16)
+    out, lse = ft.decode(q, cache, num_splits=5, return_lse=True)
+    assert torch.equal(out[0].float(), torch.zeros_like(out[0].float())) and bool(torch.isneginf(lse[0]).all())
+    exact = foscar.decode_exact(q, cache)
+    assert rel(out[1], exact[1]) < 1e-2
+
+
+def test_bf16_decode_kernel():
+    gen = torch.Generator().manual_seed(3)
+    P, Hkv, page, D, G = 6, 2, 16, 64, 4
+    kc = torch.randn(P, Hkv, page, D, generator=gen).bfloat16().to(DEV)
+    vc = torch.randn(P, Hkv, page, D, generator=gen).bfloat16().to(DEV)
+    bt = torch.tensor([[5, 1, 3], [0, 2, 4]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([40, 17], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, Hkv * G, D, generator=gen).bfloat16().to(DEV)
+    out = ft.decode_bf16(q, kc, vc, bt, lens, num_splits=2, block_n=16)
+    for b in range(2):
+        L = int(lens[b])
+        k = kc[bt[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :L].double()
+        v = vc[bt[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :L].double()
+        ref, _ = foscar.reference.attend(q[b].double().reshape(Hkv, G, D), k, v, D ** -0.5)
+        assert rel(out[b], ref.reshape(-1, D)) < 1e-2
+
+
+def test_triton_rejects_what_it_cannot_run():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, mapping="e4m3")
+    q, cache = make(fmt, [20], Hkv=1, G=1)
+    with pytest.raises(UnsupportedError, match="mapping='e4m3'"):
+        ft.decode(q, cache)
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    q, cache = make(fmt, [20], Hkv=1, G=1)
+    with pytest.raises(InvalidArgumentError, match="^kernel: expected"):
+        ft.decode(q, cache, kernel="fast")
+    with pytest.raises(InvalidArgumentError, match="^out: expected"):
+        ft.decode(q, cache, out=torch.empty(1, 2, 64, device=q.device))
+    with pytest.raises(InvalidArgumentError, match="^block_n: expected"):
+        ft.decode(q, cache, block_n=48)
+    with pytest.raises(InvalidArgumentError, match="^num_splits: expected"):
+        ft.decode(q, cache, num_splits=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,k_axis,v_axis", list(itertools.product((2, 4), AXES, AXES)))
+def test_paper_shape_gpu(bits, k_axis, v_axis):
+    """The paper's shape: Hq = 32, Hkv = 8, D = 128, g = 128, page 64; mixed lengths up to 8K."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis=k_axis, v_axis=v_axis)
+    q, cache = make(fmt, [8192, 4001, 129, 1], Hkv=8, G=4, page=64, seed=7)
+    run_and_check(q, cache, sdpa=True)
+    run_and_check(q, cache, num_splits=1, sdpa=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,k_axis,v_axis,D,g,G,page", [
+    (2, "channel", "token", 128, 64, 1, 128), (4, "token", "channel", 256, 128, 8, 64),
+    (2, "token", "token", 64, 32, 32, 32), (4, "channel", "channel", 128, 256, 4, 64)])
+def test_odd_shapes_gpu(bits, k_axis, v_axis, D, g, G, page):
+    fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, sink=4, recent=100)
+    q, cache = make(fmt, [3000, 1, 517, 64 * 7 + 5], Hkv=2, G=G, page=page, seed=11)
+    run_and_check(q, cache, sdpa=True)
+    run_and_check(q, cache, kernel="reconstruct", sdpa=True)
