@@ -48,7 +48,7 @@ import torch
 from ._checks import check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from .format import TOKEN, unpack_codes
+from .format import TOKEN, operand_for, unpack_codes
 from .reference import attend, check_decode_inputs
 
 
@@ -80,17 +80,34 @@ class _Tile:
 class _FoldedSequence:
     """Folded decode of one sequence, all KV heads at once (``[H, G, ...]`` tensors)."""
 
-    def __init__(self, cache: QuantKVCache, b: int, dtype: torch.dtype, operand_dtype: torch.dtype | None):
+    def __init__(self, cache: QuantKVCache, b: int, dtype: torch.dtype, operand_dtype: torch.dtype | None,
+                 pv_operand_dtype: torch.dtype | None):
         self.cache, self.fmt, self.b, self.dtype = cache, cache.fmt, b, dtype
-        self.operand_dtype = operand_dtype
+        self.operand_dtype, self.pv_operand_dtype = operand_dtype, pv_operand_dtype
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
         self.params = {t: tuple(p.to(dtype) for p in cache.quantized_params(t, b)) for t in ("k", "v")}
-        self.pivot = self.fmt.op.pivot(self.fmt.bits)  # operand-fold corrections are taken around it
+        # The mapping each product's operands are built with: the cache's, or for a PV product in FP16
+        # the FP16 injection (q + 1024), whose offset the stored z' are re-based to: z' - (1024 - 128) s'.
+        self.op = {"k": self.fmt.op, "v": self.fmt.op}
+        if pv_operand_dtype is not None and self.fmt.op.alpha == 1.0:
+            self.op["v"] = operand_for(pv_operand_dtype)
+        self.beta_shift = {t: self.op[t].beta - self.fmt.op.beta for t in ("k", "v")}
+        self.pivot = {t: self.op[t].pivot(self.fmt.bits) for t in ("k", "v")}  # operand-fold corrections' centre
 
-    def rnd(self, x: torch.Tensor) -> torch.Tensor:
+    def rnd(self, x: torch.Tensor, tensor: str = "k") -> torch.Tensor:
         """Round to the operand format the tensor core consumes (identity in exact mode)."""
-        return x if self.operand_dtype is None else x.to(self.operand_dtype).to(self.dtype)
+        dt = self.operand_dtype if tensor == "k" else self.pv_operand_dtype
+        return x if dt is None else x.to(dt).to(self.dtype)
+
+    def rnd_scaled(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """A PV operand ``P*s'``: in FP16 (5 exponent bits) it is rounded as ``x * 2^-e`` with ``2^e``
+        the power of two above the tile's largest ``|x|`` along ``dim``, then scaled back exactly."""
+        if self.pv_operand_dtype != torch.float16:
+            return self.rnd(x, "v")
+        top = x.abs().amax(dim=dim, keepdim=True)
+        scale = torch.exp2(torch.ceil(torch.log2(torch.where(top > 0, top, torch.ones_like(top)))))
+        return self.rnd(x / scale, "v") * scale
 
     def tile(self, t0: int, tile_tokens: int) -> _Tile:
         fmt, D = self.fmt, self.fmt.head_dim
@@ -100,7 +117,7 @@ class _FoldedSequence:
         for t in ("k", "v"):
             words = self.words[t][:, t0 * wpt: (t0 + tile_tokens) * wpt]
             codes = unpack_codes(words, fmt.bits, t, D)[:, :n]
-            y[t] = fmt.op.construct(codes).to(self.dtype)  # the bit trick, decoded exactly
+            y[t] = self.op[t].construct(codes).to(self.dtype)  # the bit trick, decoded exactly
         return _Tile(y["k"], y["v"], t0, n)
 
     def group_segments(self, tile: _Tile):
@@ -117,6 +134,8 @@ class _FoldedSequence:
         H, G, D = Qt.shape
         g, yk = self.fmt.group_size, tile.y_k
         sp, zp = self.params["k"]
+        if self.beta_shift["k"]:
+            zp = zp - self.beta_shift["k"] * sp
         if self.fmt.k_axis == TOKEN:  # acc-fold over channel groups
             sp, zp = sp[:, tile.t0: tile.t0 + tile.n], zp[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
             C = D // g
@@ -125,9 +144,10 @@ class _FoldedSequence:
             return (partial * sp[:, None] + zp[:, None] * q_sum[:, :, None, :]).sum(-1)
         S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
         for gi, seg in self.group_segments(tile):
-            s_row, z_row = sp[:, gi], zp[:, gi] + self.pivot * sp[:, gi]  # [H, D]: s', z' + c s'
+            c = self.pivot["k"]
+            s_row, z_row = sp[:, gi], zp[:, gi] + c * sp[:, gi]  # [H, D]: s', z' + c s'
             Qp = self.rnd(Qt * s_row[:, None, :])  # Q' = Q s', the operand
-            corr = (Qt * z_row[:, None, :]).sum(-1) - self.pivot * Qp.sum(-1)
+            corr = (Qt * z_row[:, None, :]).sum(-1) - c * Qp.sum(-1)
             S[..., seg] = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg]) + corr[..., None]
         return S
 
@@ -136,16 +156,19 @@ class _FoldedSequence:
         H, G, n = p.shape
         D, g, yv = self.fmt.head_dim, self.fmt.group_size, tile.y_v
         sp, zp = self.params["v"]
+        if self.beta_shift["v"]:
+            zp = zp - self.beta_shift["v"] * sp
         if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
+            c = self.pivot["v"]
             sp, zp = sp[:, tile.t0: tile.t0 + n], zp[:, tile.t0: tile.t0 + n]  # [H, n, C]
-            z = zp + self.pivot * sp
-            Pp = self.rnd(p[..., None] * sp[:, None])  # [H, G, n, C]: P' = P s', the operand
+            z = zp + c * sp
+            Pp = self.rnd_scaled(p[..., None] * sp[:, None], dim=2)  # [H, G, n, C]: P' = P s', the operand
             C = D // g
             prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
-            corr = torch.einsum("hgn,hnc->hgc", p, z) - self.pivot * Pp.sum(2)
+            corr = torch.einsum("hgn,hnc->hgc", p, z) - c * Pp.sum(2)
             return (prod + corr[..., None]).reshape(H, G, D)
         out = p.new_zeros(H, G, D)  # acc-fold over token groups
-        Pt = self.rnd(p)
+        Pt = self.rnd(p, "v")
         for gi, seg in self.group_segments(tile):
             partial = torch.einsum("hgn,hnd->hgd", Pt[..., seg], yv[:, seg])  # group-local partial
             out += sp[:, gi][:, None] * partial + zp[:, gi][:, None] * Pt[..., seg].sum(-1, keepdim=True)
@@ -173,14 +196,17 @@ class _FoldedSequence:
 
 def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, tile_tokens: int = 64,
                   num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
-                  return_lse: bool = False):
+                  pv_operand_dtype: torch.dtype | None = None, return_lse: bool = False):
     """Folded decode of ``q [B, Hq, D]`` over ``cache``: what every kernel computes.
 
     ``tile_tokens``: KV tile (a multiple of the format's pack block: 16, or 32 for INT2).
     ``num_splits``: split-KV count per sequence (tiles dealt out in contiguous runs; empty splits
     are allowed). ``dtype``: accumulation dtype (float64 or float32). ``operand_dtype``: round the
     tensor-core operands to this dtype (``torch.bfloat16`` emulates the Hopper/Triton kernels);
-    ``None`` keeps them exact. Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
+    ``None`` keeps them exact. ``pv_operand_dtype`` (default: ``operand_dtype``): the PV product's
+    operands; ``torch.float16`` builds V as ``0x6400 | q`` = ``q + 1024`` and rounds ``P s'`` to FP16
+    after scaling it by a power of two per tile (what the Triton kernel does on the GPU: 8x finer
+    than BF16). Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
     if dtype is None:
@@ -188,14 +214,16 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     fmt = cache.fmt
     check_int("tile_tokens", tile_tokens, minimum=1, multiple_of=fmt.token_alignment)
     check_int("num_splits", num_splits, minimum=1)
-    if operand_dtype is not None and operand_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InvalidArgumentError("operand_dtype", "None, torch.bfloat16, torch.float16 or torch.float32",
-                                   operand_dtype)
+    for name, dt in (("operand_dtype", operand_dtype), ("pv_operand_dtype", pv_operand_dtype)):
+        if dt is not None and dt not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidArgumentError(name, "None, torch.bfloat16, torch.float16 or torch.float32", dt)
+    if pv_operand_dtype is None:
+        pv_operand_dtype = operand_dtype
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
-        seq = _FoldedSequence(cache, b, dtype, operand_dtype)
+        seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype)
         Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
         n_tiles = -(-seq.n_quant // tile_tokens)
         per = -(-n_tiles // num_splits) if n_tiles else 0

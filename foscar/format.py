@@ -99,6 +99,9 @@ class OperandMapping:
         if self.name == "bf16":
             bits = (q | 0x4300).to(torch.int16)
             return bits.view(torch.bfloat16).double()
+        if self.name == "f16":
+            bits = (q | 0x6400).to(torch.int16)
+            return bits.view(torch.float16).double()
         if self.name == "e4m3":
             return q.to(torch.uint8).view(torch.float8_e4m3fn).double()
         if self.name == "e2m1":
@@ -118,9 +121,15 @@ def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:
 
 
 BF16_INJECTION = OperandMapping("bf16", 1.0, 128.0, "bf16", "0x4300 | q  ->  q + 128 (mantissa injection, Hopper)")
+F16_INJECTION = OperandMapping("f16", 1.0, 1024.0, "f16", "0x6400 | q  ->  q + 1024 (FP16 mantissa injection)")
 E4M3_PLACEMENT = OperandMapping("e4m3", 2.0 ** -9, 0.0, "e4m3", "q in the low bits of a byte  ->  q * 2^-9 (Blackwell)")
 E2M1_PLACEMENT = OperandMapping("e2m1", 0.5, 0.0, "e2m1", "q in the low bits of a nibble  ->  q / 2 (Blackwell, INT2)")
-MAPPINGS = {m.name: m for m in (BF16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
+MAPPINGS = {m.name: m for m in (BF16_INJECTION, F16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
+
+
+def operand_for(dtype) -> OperandMapping:
+    """The injection that builds tensor-core operands of ``dtype`` (BF16 or FP16) from codes."""
+    return F16_INJECTION if dtype == torch.float16 else BF16_INJECTION
 
 
 def inject_pair_bf16(words: torch.Tensor, shift: int | torch.Tensor, bits: int) -> torch.Tensor:

@@ -43,5 +43,5 @@ def bf16_attention(q: torch.Tensor, cache, *, sdpa: bool = False) -> torch.Tenso
         else:
             o, _ = foscar.reference.attend(q[b].float().reshape(Hkv, Hq // Hkv, D), kd[b, :, :L], vd[b, :, :L],
                                            1 / math.sqrt(D), operand_dtype=torch.bfloat16)
-            out[b] = o.reshape(Hq, D)
+            out[b] = o.reshape(Hq, D).bfloat16().float()  # a BF16 kernel writes BF16
     return out

@@ -63,6 +63,7 @@ def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False):
     err = rel(out, exact)
     if GPU:  # BF16 operands: no worse than BF16 attention on the same dequantized cache
         base = rel(bf16_attention(q, cache, sdpa=sdpa), exact)
+        print(f"\nerror {err:.3e}  BF16 attention {base:.3e}  ratio {err / base:.3f}")
         assert err <= base * 1.05 + 1e-4, (err, base)
     else:  # interpreter: float32 operands; the fold's float32 bound, plus the BF16 output rounding
         assert err <= 1e-5 * fold_amplification(cache) + 4e-3, err

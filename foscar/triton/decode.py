@@ -11,7 +11,12 @@ exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
   ``sum(Q * (z' + c s')) - c * sum(Q')`` around the pivot ``c``;
 - token-wise V, operand-fold: ``P' = bf16(P * s'[t, G])`` per channel group, plus
   ``sum_t P (z' + c s') - c * sum(P')``;
-- channel-wise V, acc-fold: ``s' * (bf16(P) . y) + z' * sum(bf16(P))`` per tile (one token group).
+- channel-wise V, acc-fold: ``s' * (P~ . y) + z' * sum(P~)`` per tile (one token group).
+
+The QK operands are BF16 (``y = 0x4300 | q = q + 128``, Q as given). The PV operands are FP16 on the
+GPU (``PV_F16``: ``y = 0x6400 | q = q + 1024``, the stored ``z'`` re-based by ``V_BETA_SHIFT = 896``;
+``P~ = fp16(P)``, and ``P s'`` scaled by a power of two per tile before rounding): 8x finer than
+BF16, which keeps the operand-fold error below BF16 attention's even for one-token sequences.
 
 K corrections land before the softmax, V corrections in the accumulator before the final division.
 Corrections use the BF16 operands the MMA consumed. ``FOLD=False`` gives the per-value
@@ -24,7 +29,7 @@ split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
 import triton
 import triton.language as tl
 
-from .tiles import inject_bf16, k_codes, v_codes
+from .tiles import inject_bf16, inject_f16, k_codes, v_codes
 
 LOG2E = 1.4426950408889634
 
@@ -36,6 +41,23 @@ def _round_operand(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return x
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _pv_operand(x, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A PV operand: FP16 (or BF16) on the GPU, float32 under the interpreter."""
+    if INTERPRET:
+        return x
+    if PV_F16:
+        return x.to(tl.float16)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _v_operand(codes, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
+    if PV_F16:
+        return inject_f16(codes, INTERPRET)
+    return inject_bf16(codes, INTERPRET)
 
 
 @triton.jit
@@ -59,7 +81,8 @@ def fold_decode_stage1(
     stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PIVOT: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PIVOT: tl.constexpr, V_PIVOT: tl.constexpr, V_BETA_SHIFT: tl.constexpr,
+    PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,27 +163,33 @@ def fold_decode_stage1(
             cc = tl.arange(0, VC_)
             vp_off = ((off + tt)[None, :] * VC_ + cc[:, None]) * 2  # [VC_, BLOCK_N]
             vs = tl.load(vp + vp_off, mask=valid[None, :], other=0.0)
-            vz = tl.load(vp + vp_off + 1, mask=valid[None, :], other=0.0)
-            if FOLD:  # operand-fold: P' = bf16(P s'[t, G]); correction around the pivot
-                pv = _round_operand(p[None, :, :] * vs[:, None, :], INTERPRET)  # [VC_, BLOCK_H, BLOCK_N]
-                corr = (tl.sum(p[None, :, :] * (vz + PIVOT * vs)[:, None, :], axis=2)
-                        - PIVOT * tl.sum(pv.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
-                acc += _dot_batched(pv, inject_bf16(vc, INTERPRET), INTERPRET) + corr[:, :, None]
+            vz = tl.load(vp + vp_off + 1, mask=valid[None, :], other=0.0) - V_BETA_SHIFT * vs
+            if FOLD:  # operand-fold: P' = P s'[t, G], rounded after a power-of-two scaling; correction around the pivot
+                pv = p[None, :, :] * vs[:, None, :]  # [VC_, BLOCK_H, BLOCK_N]
+                top = tl.max(tl.abs(pv), axis=2)
+                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [VC_, BLOCK_H]
+                pvr = _pv_operand(pv / scale[:, :, None], PV_F16, INTERPRET)
+                corr = (tl.sum(p[None, :, :] * (vz + V_PIVOT * vs)[:, None, :], axis=2)
+                        - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
+                acc += (_dot_batched(pvr, _v_operand(vc, PV_F16, INTERPRET), INTERPRET) * scale[:, :, None]
+                        + corr[:, :, None])
             else:
-                x = _round_operand(vs[:, :, None] * (vc.to(tl.float32) + 128.0) + vz[:, :, None], INTERPRET)
+                x = _round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
+                                   INTERPRET)
                 pb = _round_operand(p, INTERPRET)
                 acc += _dot_batched(tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_H, BLOCK_N)), x, INTERPRET)
         else:
             row = off // GROUP if PAGE >= GROUP else 0
             vs = tl.load(vp + (row * D + dd) * 2)
-            vz = tl.load(vp + (row * D + dd) * 2 + 1)
+            vz = tl.load(vp + (row * D + dd) * 2 + 1) - V_BETA_SHIFT * vs
             cv = tl.reshape(vc, (BLOCK_N, D))
-            pb = _round_operand(p, INTERPRET)
             if FOLD:  # acc-fold: one token group per tile
-                part = _dot(pb, inject_bf16(cv, INTERPRET), INTERPRET)
+                pb = _pv_operand(p, PV_F16, INTERPRET)
+                part = _dot(pb, _v_operand(cv, PV_F16, INTERPRET), INTERPRET)
                 upd = part * vs[None, :] + tl.sum(pb.to(tl.float32), axis=1)[:, None] * vz[None, :]
             else:
-                x = _round_operand(vs[None, :] * (cv.to(tl.float32) + 128.0) + vz[None, :], INTERPRET)
+                pb = _round_operand(p, INTERPRET)
+                x = _round_operand(vs[None, :] * (cv.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[None, :], INTERPRET)
                 upd = _dot(pb, x, INTERPRET)
             acc += tl.reshape(upd, (VC_, BLOCK_H, VGC))
 

@@ -10,6 +10,7 @@ import triton
 from .._checks import check_int, check_tensor
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..format import operand_for
 from ..reference import check_decode_inputs
 from .bf16 import bf16_decode_stage1
 from .combine import combine_stage2
@@ -72,13 +73,15 @@ def _out_buffers(q, out, lse, return_lse):
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
-           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+           pv_fp16: bool = True):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
     ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
     reconstruction baseline of the paper's ablation (same tiling). ``out`` (``[B, Hq, D]``, BF16,
     FP16 or FP32; default ``q``'s dtype) and ``lse`` (``[B, Hq]`` FP32, natural log) may be given.
-    ``num_splits``: KV splits per sequence (default: about two waves of programs).
+    ``num_splits``: KV splits per sequence (default: about two waves of programs). ``pv_fp16``:
+    FP16 PV operands (default; ``False``: BF16, as ``decode_folded(operand_dtype=torch.bfloat16)``).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_device(q)
@@ -110,6 +113,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     block_h = max(16, triton.next_power_of_2(G))
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
+    v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16)
     bt = cache.page_table.block_table
     fold_decode_stage1[(B, Hkv, num_splits)](
         q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
@@ -117,7 +121,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         BITS=fmt.bits, D=D, G=G, BLOCK_H=block_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", NUM_SPLITS=num_splits,
-        PIVOT=fmt.op.pivot(fmt.bits), FOLD=kernel == "folded", INTERPRET=interp,
+        PIVOT=fmt.op.pivot(fmt.bits), V_PIVOT=v_op.pivot(fmt.bits), V_BETA_SHIFT=v_op.beta - fmt.op.beta,
+        PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages)
     part = num_splits
     for name, _ in windows:  # the BF16 sink and recent ring: one more partial each

@@ -77,6 +77,15 @@ def v_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C:
 
 
 @triton.jit
+def inject_f16(codes, INTERPRET: tl.constexpr):
+    """FP16 mantissa injection: ``0x6400 | q`` is the FP16 value ``q + 1024`` (float32 under the interpreter)."""
+    y = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    if INTERPRET:
+        y = y.to(tl.float32)
+    return y
+
+
+@triton.jit
 def inject_bf16(codes, INTERPRET: tl.constexpr):
     """Mantissa injection: ``0x4300 | q`` is the BF16 value ``q + 128`` (float32 under the interpreter)."""
     y = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
