@@ -87,11 +87,14 @@ class _FoldedSequence:
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
         self.params = {t: tuple(p.to(dtype) for p in cache.quantized_params(t, b)) for t in ("k", "v")}
-        # The mapping each product's operands are built with: the cache's, or for a PV product in FP16
-        # the FP16 injection (q + 1024), whose offset the stored z' are re-based to: z' - (1024 - 128) s'.
+        # The mapping each product's operands are built with: the cache's (exact mode), or, when the
+        # operands are rounded to BF16/FP16 as in the kernels, the injection those kernels use
+        # (q in the top mantissa bits, y = q + 2^bits); the stored z' are re-based to its offset.
         self.op = {"k": self.fmt.op, "v": self.fmt.op}
-        if pv_operand_dtype is not None and self.fmt.op.alpha == 1.0:
-            self.op["v"] = operand_for(pv_operand_dtype)
+        if self.fmt.op.alpha == 1.0:
+            for t, dt in (("k", operand_dtype), ("v", pv_operand_dtype)):
+                if dt in (torch.bfloat16, torch.float16):
+                    self.op[t] = operand_for(dt, self.fmt.bits)
         self.beta_shift = {t: self.op[t].beta - self.fmt.op.beta for t in ("k", "v")}
         self.pivot = {t: self.op[t].pivot(self.fmt.bits) for t in ("k", "v")}  # operand-fold corrections' centre
 
@@ -203,10 +206,12 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     ``num_splits``: split-KV count per sequence (tiles dealt out in contiguous runs; empty splits
     are allowed). ``dtype``: accumulation dtype (float64 or float32). ``operand_dtype``: round the
     tensor-core operands to this dtype (``torch.bfloat16`` emulates the Hopper/Triton kernels);
-    ``None`` keeps them exact. ``pv_operand_dtype`` (default: ``operand_dtype``): the PV product's
-    operands; ``torch.float16`` builds V as ``0x6400 | q`` = ``q + 1024`` and rounds ``P s'`` to FP16
-    after scaling it by a power of two per tile (what the Triton kernel does on the GPU: 8x finer
-    than BF16). Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
+    ``None`` keeps them exact and builds them with the cache's mapping (``0x4300 | q`` = ``q + 128``).
+    With a BF16/FP16 operand dtype the codes are injected as the kernels do it, into the top mantissa
+    bits (``y = q + 2^bits``, :func:`foscar.format.operand_for`). ``pv_operand_dtype`` (default:
+    ``operand_dtype``): the PV product's operands; ``torch.float16`` rounds ``P s'`` to FP16 after
+    scaling it by a power of two per tile (the Triton kernel on the GPU: 8x finer than BF16).
+    Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
     if dtype is None:

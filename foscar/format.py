@@ -96,17 +96,34 @@ class OperandMapping:
         pattern (never computed as ``alpha*q + beta``): tests compare the two.
         """
         q = q.to(torch.int32)
-        if self.name == "bf16":
-            bits = (q | 0x4300).to(torch.int16)
-            return bits.view(torch.bfloat16).double()
-        if self.name == "f16":
-            bits = (q | 0x6400).to(torch.int16)
-            return bits.view(torch.float16).double()
+        if self.operand in INJECTION_FORMATS:
+            return self.inject_bits(q).view(INJECTION_FORMATS[self.operand][0]).double()
         if self.name == "e4m3":
             return q.to(torch.uint8).view(torch.float8_e4m3fn).double()
         if self.name == "e2m1":
             return e2m1_decode(q)
         raise UnsupportedError("mapping", self.name)  # pragma: no cover
+
+    def inject_bits(self, q: torch.Tensor) -> torch.Tensor:
+        """Mantissa injection (``alpha = 1``, ``beta = 2^e``): the 16-bit pattern of ``beta`` with ``q``
+        in the top mantissa bits it leaves integer-valued, i.e. ``exponent(beta) | (q << (M - e))``
+        (``M`` = 7 for BF16, 10 for FP16). ``beta = 128`` in BF16 is the paper's ``0x4300 | q``."""
+        dtype, mbits = INJECTION_FORMATS[self.operand]
+        e = int(math.log2(self.beta))
+        pattern = torch.tensor(self.beta, dtype=dtype).view(torch.int16).item() & 0xFFFF
+        return ((q.to(torch.int32) << (mbits - e)) | pattern).to(torch.int16)
+
+
+INJECTION_FORMATS = {"bf16": (torch.bfloat16, 7), "f16": (torch.float16, 10)}
+
+
+def injection(operand: str, beta: int) -> OperandMapping:
+    """Mantissa injection into ``operand`` ("bf16" or "f16") with offset ``beta`` (a power of two):
+    ``y = q + beta`` for codes ``q < beta``."""
+    pattern = torch.tensor(float(beta), dtype=INJECTION_FORMATS[operand][0]).view(torch.int16).item() & 0xFFFF
+    return OperandMapping(f"{operand}" if beta == {"bf16": 128, "f16": 1024}[operand] else f"{operand}+{beta}",
+                          1.0, float(beta), operand, f"0x{pattern:04X} | q << {INJECTION_FORMATS[operand][1] - int(math.log2(beta))}"
+                          f"  ->  q + {beta}")
 
 
 def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:
@@ -120,16 +137,20 @@ def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:
     return sign * torch.where(e == 0, sub, normal)
 
 
-BF16_INJECTION = OperandMapping("bf16", 1.0, 128.0, "bf16", "0x4300 | q  ->  q + 128 (mantissa injection, Hopper)")
-F16_INJECTION = OperandMapping("f16", 1.0, 1024.0, "f16", "0x6400 | q  ->  q + 1024 (FP16 mantissa injection)")
+BF16_INJECTION = injection("bf16", 128)  # 0x4300 | q -> q + 128: the paper's Hopper operand
+F16_INJECTION = injection("f16", 1024)  # 0x6400 | q -> q + 1024
 E4M3_PLACEMENT = OperandMapping("e4m3", 2.0 ** -9, 0.0, "e4m3", "q in the low bits of a byte  ->  q * 2^-9 (Blackwell)")
 E2M1_PLACEMENT = OperandMapping("e2m1", 0.5, 0.0, "e2m1", "q in the low bits of a nibble  ->  q / 2 (Blackwell, INT2)")
 MAPPINGS = {m.name: m for m in (BF16_INJECTION, F16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
 
 
-def operand_for(dtype) -> OperandMapping:
-    """The injection that builds tensor-core operands of ``dtype`` (BF16 or FP16) from codes."""
-    return F16_INJECTION if dtype == torch.float16 else BF16_INJECTION
+def operand_for(dtype, bits: int) -> OperandMapping:
+    """The injection a kernel builds ``dtype`` (BF16 or FP16) operands of ``bits``-bit codes with:
+    ``q`` in the top mantissa bits, ``y = q + 2^bits``. Same instruction count as ``0x4300 | q`` (the
+    shift moves the field to another bit), but an offset of 16 (INT4) or 4 (INT2) instead of 128:
+    the accumulators carry ``beta * s' * sum(P)`` before the correction cancels it, so a smaller
+    ``beta`` loses fewer bits to it."""
+    return injection("f16" if dtype == torch.float16 else "bf16", 1 << bits)
 
 
 def inject_pair_bf16(words: torch.Tensor, shift: int | torch.Tensor, bits: int) -> torch.Tensor:

@@ -155,8 +155,9 @@ def test_bf16_operands_match_bf16_attention_error(bits, k_axis, v_axis):
 
 
 def test_corrections_from_unrounded_operands_amplify_error():
-    """The numerics trap, reproduced: a V correction built from the fp32 P*s' instead of the BF16
-    operand the MMA consumed is ~100x worse. Guards the rule in decode_folded against regressions."""
+    """The numerics trap, reproduced with the paper's operand (0x4300 | q = q + 128): a V correction
+    built from the fp32 P*s' instead of the BF16 operand the MMA consumed is ~100x worse. Guards the
+    rule in decode_folded against regressions."""
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, 1, 4096, 128, generator=gen)
@@ -164,20 +165,29 @@ def test_corrections_from_unrounded_operands_amplify_error():
     q = torch.randn(1, 4, 128, generator=gen)
     cache = foscar.quantize_kv(k, v, fmt)
     exact = foscar.decode_exact(q, cache)
-    good = rel(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16), exact)
 
-    class Naive(foscar.fold._FoldedSequence):
+    class Paper(foscar.fold._FoldedSequence):  # build operands with the cache's mapping, q + 128
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.op = {"k": self.fmt.op, "v": self.fmt.op}
+            self.beta_shift = {"k": 0.0, "v": 0.0}
+            self.pivot = {t: self.fmt.op.pivot(self.fmt.bits) for t in ("k", "v")}
+
+    class Naive(Paper):
         def values(self, p, tile):  # correction sum(P z') from fp32 P, operand rounded: the trap
             sp, zp = (x[:, tile.t0: tile.t0 + tile.n, 0] for x in self.params["v"])
-            Pp = self.rnd(p * sp[:, None])
+            Pp = self.rnd(p * sp[:, None], "v")
             return torch.einsum("hgn,hnd->hgd", Pp, tile.y_v) + torch.einsum("hgn,hn->hg", p, zp)[..., None]
 
     orig = foscar.fold._FoldedSequence
-    foscar.fold._FoldedSequence = Naive
-    try:
-        bad = rel(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16), exact)
-    finally:
-        foscar.fold._FoldedSequence = orig
+    errs = {}
+    for cls in (Paper, Naive):
+        foscar.fold._FoldedSequence = cls
+        try:
+            errs[cls] = rel(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16), exact)
+        finally:
+            foscar.fold._FoldedSequence = orig
+    good, bad = errs[Paper], errs[Naive]
     assert good < 0.01 and bad > 10 * good, (good, bad)
 
 

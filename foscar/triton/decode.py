@@ -13,10 +13,13 @@ exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
   ``sum_t P (z' + c s') - c * sum(P')``;
 - channel-wise V, acc-fold: ``s' * (P~ . y) + z' * sum(P~)`` per tile (one token group).
 
-The QK operands are BF16 (``y = 0x4300 | q = q + 128``, Q as given). The PV operands are FP16 on the
-GPU (``PV_F16``: ``y = 0x6400 | q = q + 1024``, the stored ``z'`` re-based by ``V_BETA_SHIFT = 896``;
-``P~ = fp16(P)``, and ``P s'`` scaled by a power of two per tile before rounding): 8x finer than
-BF16, which keeps the operand-fold error below BF16 attention's even for one-token sequences.
+Codes are injected into the top mantissa bits (:func:`foscar.format.operand_for`: ``y = q + 2^bits``,
+offset 16 for INT4, 4 for INT2, instead of the paper's 128: the same two instructions per register,
+but the accumulators carry a smaller ``beta * s' * sum``); the stored ``z'`` (made for ``q + 128``)
+are re-based by ``*_BETA_SHIFT``. The QK operands are BF16 (Q as given). The PV operands are FP16 on
+the GPU (``PV_F16``; ``P~ = fp16(P)``, and ``P s'`` scaled by a power of two per tile before
+rounding): 8x finer than BF16, which keeps the operand-fold error below BF16 attention's even for
+one-token sequences.
 
 K corrections land before the softmax, V corrections in the accumulator before the final division.
 Corrections use the BF16 operands the MMA consumed. ``FOLD=False`` gives the per-value
@@ -29,7 +32,7 @@ split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
 import triton
 import triton.language as tl
 
-from .tiles import inject_bf16, inject_f16, k_codes, v_codes
+from .tiles import inject, k_codes, v_codes
 
 LOG2E = 1.4426950408889634
 
@@ -38,34 +41,33 @@ LOG2E = 1.4426950408889634
 def _round_operand(x, INTERPRET: tl.constexpr):
     """The tensor-core operand: BF16 on the GPU; kept in float32 under the interpreter (whose
     float32 -> bf16 cast truncates instead of rounding, ../shared/docs/triton-notes.md)."""
-    if INTERPRET:
-        return x
-    return x.to(tl.bfloat16)
+    y = x
+    if not INTERPRET:
+        y = x.to(tl.bfloat16)
+    return y
 
 
 @triton.jit
 def _pv_operand(x, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
-    """A PV operand: FP16 (or BF16) on the GPU, float32 under the interpreter."""
-    if INTERPRET:
-        return x
-    if PV_F16:
-        return x.to(tl.float16)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _v_operand(codes, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
-    if PV_F16:
-        return inject_f16(codes, INTERPRET)
-    return inject_bf16(codes, INTERPRET)
+    """A PV operand: FP16 (or BF16) on the GPU, float32 under the interpreter. (One return per
+    helper: Triton 3.6 rejects constexpr branches that return different types.)"""
+    y = x
+    if not INTERPRET:
+        if PV_F16:
+            y = x.to(tl.float16)
+        else:
+            y = x.to(tl.bfloat16)
+    return y
 
 
 @triton.jit
 def _dot(a, b, INTERPRET: tl.constexpr):
     """``a @ b`` with fp32 accumulation (operands upcast under the interpreter, whose bf16 dot is wrong)."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        r = tl.dot(a, b)
+    return r
 
 
 @triton.jit
@@ -81,7 +83,9 @@ def fold_decode_stage1(
     stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PIVOT: tl.constexpr, V_PIVOT: tl.constexpr, V_BETA_SHIFT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_BETA_SHIFT: tl.constexpr, K_PIVOT: tl.constexpr,
+    V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_BETA_SHIFT: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -128,25 +132,26 @@ def fold_decode_stage1(
             cc = tl.arange(0, KC_)
             kp_off = ((off + tt)[None, :] * KC_ + cc[:, None]) * 2  # [KC_, BLOCK_N]
             ks = tl.load(kp + kp_off, mask=valid[None, :], other=0.0)
-            kz = tl.load(kp + kp_off + 1, mask=valid[None, :], other=0.0)
+            kz = tl.load(kp + kp_off + 1, mask=valid[None, :], other=0.0) - K_BETA_SHIFT * ks
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
-                yk = inject_bf16(kc, INTERPRET)
+                yk = inject(kc, K_PATTERN, K_SHL, False, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
                 s = tl.sum(part * ks[:, None, :] + q_sum3[:, :, None] * kz[:, None, :], axis=0)
             else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
-                x = _round_operand(ks[:, :, None] * (kc.to(tl.float32) + 128.0) + kz[:, :, None], INTERPRET)
+                x = _round_operand(ks[:, :, None] * (kc.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[:, :, None],
+                                   INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
         else:
             row = off // GROUP if PAGE >= GROUP else 0
             ks = tl.load(kp + (row * D + dd) * 2)
-            kz = tl.load(kp + (row * D + dd) * 2 + 1)
+            kz = tl.load(kp + (row * D + dd) * 2 + 1) - K_BETA_SHIFT * ks
             ck = tl.reshape(kc, (BLOCK_N, D))
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
                 qs = _round_operand(qf * ks[None, :], INTERPRET)
-                corr = tl.sum(qf * (kz + PIVOT * ks)[None, :], axis=1) - PIVOT * tl.sum(qs.to(tl.float32), axis=1)
-                s = _dot(qs, tl.trans(inject_bf16(ck, INTERPRET)), INTERPRET) + corr[:, None]
+                corr = tl.sum(qf * (kz + K_PIVOT * ks)[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
+                s = _dot(qs, tl.trans(inject(ck, K_PATTERN, K_SHL, False, INTERPRET)), INTERPRET) + corr[:, None]
             else:
-                x = _round_operand(ks[None, :] * (ck.to(tl.float32) + 128.0) + kz[None, :], INTERPRET)
+                x = _round_operand(ks[None, :] * (ck.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[None, :], INTERPRET)
                 s = _dot(q, tl.trans(x), INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
@@ -171,7 +176,7 @@ def fold_decode_stage1(
                 pvr = _pv_operand(pv / scale[:, :, None], PV_F16, INTERPRET)
                 corr = (tl.sum(p[None, :, :] * (vz + V_PIVOT * vs)[:, None, :], axis=2)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
-                acc += (_dot_batched(pvr, _v_operand(vc, PV_F16, INTERPRET), INTERPRET) * scale[:, :, None]
+                acc += (_dot_batched(pvr, inject(vc, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET) * scale[:, :, None]
                         + corr[:, :, None])
             else:
                 x = _round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
@@ -185,7 +190,7 @@ def fold_decode_stage1(
             cv = tl.reshape(vc, (BLOCK_N, D))
             if FOLD:  # acc-fold: one token group per tile
                 pb = _pv_operand(p, PV_F16, INTERPRET)
-                part = _dot(pb, _v_operand(cv, PV_F16, INTERPRET), INTERPRET)
+                part = _dot(pb, inject(cv, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET)
                 upd = part * vs[None, :] + tl.sum(pb.to(tl.float32), axis=1)[:, None] * vz[None, :]
             else:
                 pb = _round_operand(p, INTERPRET)
@@ -209,5 +214,7 @@ def _dot_batched(a, b, INTERPRET: tl.constexpr):
     """Batched ``a[c] @ b[c]`` over a leading channel-group axis; a plain 2-D dot when it has size 1."""
     if a.shape[0] == 1:
         r = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), INTERPRET)
-        return tl.reshape(r, (1, a.shape[1], b.shape[2]))
-    return _dot(a, b, INTERPRET)
+        r = tl.reshape(r, (1, a.shape[1], b.shape[2]))
+    else:
+        r = _dot(a, b, INTERPRET)
+    return r

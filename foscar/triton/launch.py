@@ -10,7 +10,7 @@ import triton
 from .._checks import check_int, check_tensor
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import operand_for
+from ..format import INJECTION_FORMATS, operand_for
 from ..reference import check_decode_inputs
 from .bf16 import bf16_decode_stage1
 from .combine import combine_stage2
@@ -113,7 +113,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     block_h = max(16, triton.next_power_of_2(G))
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
-    v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16)
+    k_op = operand_for(torch.bfloat16, fmt.bits)
+    v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     bt = cache.page_table.block_table
     fold_decode_stage1[(B, Hkv, num_splits)](
         q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
@@ -121,7 +122,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         BITS=fmt.bits, D=D, G=G, BLOCK_H=block_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", NUM_SPLITS=num_splits,
-        PIVOT=fmt.op.pivot(fmt.bits), V_PIVOT=v_op.pivot(fmt.bits), V_BETA_SHIFT=v_op.beta - fmt.op.beta,
+        **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages)
     part = num_splits
@@ -135,6 +136,14 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         part += 1
     _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out
+
+
+def _injection_args(prefix: str, op, fmt) -> dict:
+    """Constexprs of one product's operand injection, and the re-basing of the cache's z' to it."""
+    pattern = int(op.inject_bits(torch.zeros((), dtype=torch.int32))) & 0xFFFF
+    shl = INJECTION_FORMATS[op.operand][1] - int(math.log2(op.beta))
+    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_BETA_SHIFT": op.beta - fmt.op.beta,
+            f"{prefix}_PIVOT": op.pivot(fmt.bits)}
 
 
 def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,

@@ -77,18 +77,14 @@ def v_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C:
 
 
 @triton.jit
-def inject_f16(codes, INTERPRET: tl.constexpr):
-    """FP16 mantissa injection: ``0x6400 | q`` is the FP16 value ``q + 1024`` (float32 under the interpreter)."""
-    y = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    if INTERPRET:
-        y = y.to(tl.float32)
-    return y
-
-
-@triton.jit
-def inject_bf16(codes, INTERPRET: tl.constexpr):
-    """Mantissa injection: ``0x4300 | q`` is the BF16 value ``q + 128`` (float32 under the interpreter)."""
-    y = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def inject(codes, PATTERN: tl.constexpr, SHL: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Mantissa injection (:func:`foscar.format.injection`): ``PATTERN | (q << SHL)`` read as BF16
+    (or FP16 when ``F16``) is ``q + beta``; float32 under the interpreter."""
+    bits = ((codes << SHL) | PATTERN).to(tl.int16)
+    if F16:
+        y = bits.to(tl.float16, bitcast=True)
+    else:
+        y = bits.to(tl.bfloat16, bitcast=True)
     if INTERPRET:
         y = y.to(tl.float32)
     return y
