@@ -101,8 +101,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
     n_sink, n_quant, n_recent = cache.split()
     n_quant32 = n_quant.to(torch.int32)
-    if num_splits is None:
-        max_tiles = -(-int(n_quant.max()) // bn) if B else 1  # host read: a plan step (issue 5) removes it
+    if num_splits is None:  # from the page table's capacity: known on the host, no device read
+        max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // bn
         num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
     check_int("num_splits", num_splits, minimum=1)
     windows = [w for w in (("sink", fmt.sink), ("recent", fmt.recent_capacity)) if w[1] > 0]

@@ -1,0 +1,499 @@
+"""CPU tests of benchmarks/bench_decode.py: grids, bytes, statistics, bars, Markdown, the inputs and
+references it builds, its read-ceiling kernel (Triton interpreter) and its driver end to end with
+fake CUDA timing and a fake foscar.triton. The GPU timings themselves need the GPU machine."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import foscar
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_decode"] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+bd = _load()
+K = 1024
+
+
+# ---- grids ---------------------------------------------------------------------------------
+def test_imports_without_flashinfer_or_the_kernels():
+    code = ("import sys, importlib.util\n"
+            "sys.modules['flashinfer'] = None\n"  # as on a machine without the wheel: importing it fails
+            f"spec = importlib.util.spec_from_file_location('bench_decode', {str(SCRIPT)!r})\n"
+            "bd = importlib.util.module_from_spec(spec); sys.modules['bench_decode'] = bd\n"
+            "spec.loader.exec_module(bd)\n"
+            "assert 'foscar.triton' not in sys.modules\n"
+            "print(sorted(bd.KERNELS))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "flashinfer_tc" in proc.stdout
+
+
+def test_paper_grid_has_the_13_shapes_for_each_bits():
+    cases = bd.build_grid("paper", (2, 4))
+    shapes = list(dict.fromkeys(c.shape for c in cases))
+    assert shapes == [(1, 8 * K), (1, 32 * K), (1, 128 * K), (1, 512 * K), (8, 8 * K), (8, 32 * K), (8, 128 * K),
+                      (8, 512 * K), (64, 8 * K), (64, 16 * K), (64, 32 * K), (64, 64 * K), (64, 128 * K)]
+    for bits in (2, 4):
+        mine = [c for c in cases if c.bits == bits]
+        assert len(mine) == 13 and {(c.k_axis, c.v_axis) for c in mine} == {("token", "token")}
+
+
+def test_axes_grid_is_4_shapes_by_4_axis_combinations_per_bits():
+    cases = bd.build_grid("axes", (2, 4))
+    for bits in (2, 4):
+        mine = [c for c in cases if c.bits == bits]
+        assert len(mine) == 16
+        assert {c.shape for c in mine} == {(1, 32 * K), (1, 128 * K), (8, 32 * K), (8, 128 * K)}
+        for shape in {c.shape for c in mine}:
+            combos = {(c.k_axis, c.v_axis) for c in mine if c.shape == shape}
+            assert combos == {("token", "token"), ("token", "channel"), ("channel", "token"), ("channel", "channel")}
+    assert all(c.fmt().group_size == 128 and c.fmt().head_dim == 128 for c in cases)
+
+
+def test_quick_grid_and_shape_override():
+    assert len({c.shape for c in bd.build_grid("quick", (2,))}) == 2
+    shapes = bd.parse_shapes("1:8K, 64:128k,2:4096")
+    assert shapes == ((1, 8 * K), (64, 128 * K), (2, 4096))
+    cases = bd.build_grid("axes", (4,), shapes)
+    assert [c.shape for c in cases[:4]] == [(1, 8 * K)] * 4 and len(cases) == 12
+    assert bd.parse_length("1M") == K * K
+
+
+@pytest.mark.parametrize("bad", ["8", "x:8K", "0:8K", "8:100", "8:0", "8:-128", "8:1.5K"])
+def test_bad_shapes_are_rejected(bad):
+    with pytest.raises(Exception):
+        bd.parse_shapes(bad)
+
+
+def test_group_by_shape_keeps_order():
+    groups = bd.group_by_shape(bd.build_grid("paper", (2, 4)))
+    assert list(groups) == list(bd.PAPER_SHAPES)
+    assert [c.bits for c in groups[(8, 128 * K)]] == [2, 4]
+
+
+# ---- bytes and memory ----------------------------------------------------------------------
+def test_bytes_per_token():
+    assert bd.kv_bytes_per_token(2) == 80 and bd.kv_bytes_per_token(4) == 144 and bd.kv_bytes_per_token(16) == 512
+    for bits in (2, 4):
+        for ka, va in bd.AXIS_COMBOS:
+            assert foscar.KVFormat(bits, 128, 128, ka, va).bytes_per_token() == bd.kv_bytes_per_token(bits)
+
+
+def test_bytes_read_counts_cache_q_and_out():
+    q_out = 2 * 8 * 32 * 128 * 2
+    assert bd.bytes_read(8, 128 * K, 2) == 8 * 128 * K * 8 * 80 + q_out
+    assert bd.bytes_read(8, 128 * K, 4) == 8 * 128 * K * 8 * 144 + q_out
+    assert bd.bytes_read(8, 128 * K, 16) == 8 * 128 * K * 8 * 512 + q_out
+
+
+def test_memory_guard_skips_with_a_reason():
+    need = bd.peak_bytes(64, 128 * K, (2, 4))
+    assert 2 * 64 * 128 * K * 8 * 128 * 2 < need < 40e9  # the 34 GB of BF16 KV plus workspaces
+    run, skipped = bd.plan_shapes([(1, 8 * K), (64, 128 * K)], (2, 4), 20e9)
+    assert run == [(1, 8 * K)]
+    assert skipped[0]["B"] == 64 and "GB" in skipped[0]["reason"] and "budget 20.0" in skipped[0]["reason"]
+    run, skipped = bd.plan_shapes(list(bd.PAPER_SHAPES), (2, 4), 130e9)
+    assert run == list(bd.PAPER_SHAPES) and not skipped
+
+
+# ---- statistics, bars, Markdown ------------------------------------------------------------
+def test_summarize_and_geomean():
+    s = bd.summarize_us([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert s == {"median_us": 3.0, "min_us": 1.0, "all_us": [5.0, 1.0, 3.0, 2.0, 4.0]}
+    assert bd.geomean([1.0, 4.0]) == pytest.approx(2.0) and bd.geomean([2.0] * 13) == pytest.approx(2.0)
+    assert bd.geomean([]) is None
+    with pytest.raises(ValueError):
+        bd.geomean([1.0, 0.0])
+
+
+def _rec(B, L, bits, kernel, us, status="ok", axes=("token", "token")):
+    ka, va = (None, None) if bits == 16 else axes
+    return {"B": B, "L": L, "bits": bits, "k_axis": ka, "v_axis": va, "kernel": kernel, "status": status,
+            "median_us": us, "min_us": us, "all_us": [us] * 5}
+
+
+def _synthetic(shapes, fracs, ceiling=4.0):
+    """FlashInfer-tc at 90% of the ceiling; folded at fracs[bits] of it; reconstruct 1.2x slower (INT2)."""
+    recs = []
+    for B, L in shapes:
+        recs.append(_rec(B, L, 16, "flashinfer_tc", bd.bytes_read(B, L, 16) / (0.9 * ceiling * 1e12) * 1e6))
+        for bits, frac in fracs.items():
+            us = bd.bytes_read(B, L, bits) / (frac * ceiling * 1e12) * 1e6
+            recs.append(_rec(B, L, bits, "foscar_folded", us))
+            recs.append(_rec(B, L, bits, "foscar_reconstruct", 1.2 * us))
+    bd.annotate(recs, ceiling)
+    return recs
+
+
+def test_annotate_derives_rates_fractions_and_speedups():
+    recs = _synthetic([(8, 128 * K)], {2: 0.3, 4: 0.5})
+    fi, fold2 = recs[0], recs[1]
+    assert fi["ceiling_frac"] == pytest.approx(0.9) and fi["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert fold2["tbps"] == pytest.approx(1.2) and fold2["ceiling_frac"] == pytest.approx(0.3)
+    want = fi["median_us"] / fold2["median_us"]
+    assert fold2["speedup_vs_baseline"] == pytest.approx(want)
+    assert want == pytest.approx((0.3 / 0.9) * bd.bytes_read(8, 128 * K, 16) / bd.bytes_read(8, 128 * K, 2))
+
+
+def test_bars_on_the_full_paper_grid():
+    recs = _synthetic(bd.PAPER_SHAPES, {2: 0.22, 4: 0.45})
+    bars = {b["bar"]: b for b in bd.evaluate_bars(recs)}
+    read4 = next(b for n, b in bars.items() if n.startswith("INT4 read"))
+    read2 = next(b for n, b in bars.items() if n.startswith("INT2 read"))
+    assert read4["verdict"] == "PASS" and read4["value"] == pytest.approx(0.45) and read4["shapes"] == "6/6"
+    assert read2["verdict"] == "FAIL" and read2["value"] == pytest.approx(0.22)
+    geo4 = next(b for n, b in bars.items() if n.startswith("INT4 geomean"))
+    geo2 = next(b for n, b in bars.items() if n.startswith("INT2 geomean"))
+    # speedup = (frac / 0.9) * 512/bpt, up to the tiny q/out bytes
+    assert geo4["value"] == pytest.approx(0.45 / 0.9 * 512 / 144, rel=1e-3) and geo4["verdict"] == "PASS"
+    assert geo2["value"] == pytest.approx(0.22 / 0.9 * 512 / 80, rel=1e-3) and geo2["verdict"] == "FAIL"
+    assert geo4["shapes"] == "13/13" and geo4["complete"]
+    fold = next(b for n, b in bars.items() if "reconstruct" in n)
+    assert fold["value"] == pytest.approx(1.2) and fold["verdict"] == "PASS"
+
+
+def test_bars_partial_missing_and_wrong_records():
+    recs = _synthetic([(8, 32 * K), (1, 8 * K)], {2: 0.5})
+    recs.append(_rec(8, 128 * K, 2, "foscar_folded", 10.0, status="wrong: 3 non-finite outputs"))
+    recs.append(_rec(8, 128 * K, 2, "foscar_reconstruct", None, status="missing: not written"))
+    bd.annotate(recs, 4.0)
+    bars = bd.evaluate_bars(recs)
+    by = {b["bar"].split(" ")[0] + b["bar"].split(" ")[1]: b for b in bars}
+    assert by["INT2read"]["shapes"] == "1/6" and not by["INT2read"]["complete"]
+    assert by["INT4read"]["verdict"] == "n/a" and by["INT4geomean"]["verdict"] == "n/a"
+    assert by["INT2geomean"]["shapes"] == "2/13"
+    fold = next(b for b in bars if "reconstruct" in b["bar"])
+    assert fold["verdict"] == "n/a" and fold["value"] is None  # a wrong or missing kernel proves nothing
+
+
+def _result(records, **extra):
+    result = {"meta": {"gpu": "NVIDIA H200", "timing": "eager", "command": "python3 bench_decode.py"},
+              "ceiling": {"tbps": 4.0, "source": "triton, 8 GiB"}, "checks": [], "records": records,
+              "skipped": [], "fatal": []}
+    result.update(extra)
+    bd.annotate(result["records"], 4.0)
+    result["bars"] = bd.evaluate_bars(result["records"])
+    return result
+
+
+def test_markdown_rendering():
+    recs = _synthetic([(8, 128 * K)], {2: 0.3, 4: 0.5})
+    recs.append(_rec(8, 128 * K, 16, "cudnn_sdpa", None, status="missing: No available kernel"))
+    recs.append(_rec(8, 128 * K, 16, "foscar_bf16", 777.0, status="wrong: slice error 1.0"))
+    skipped = [{"B": 64, "L": 128 * K, "reason": "needs 36.0 GB > budget 20.0 GB (--max-gb)"}]
+    checks = [{"bits": 2, "k_axis": "token", "v_axis": "token", "kernel": "foscar_folded", "status": "pass",
+               "err": 1e-3, "bf16_err": 3e-3, "ratio": 0.33}]
+    md = bd.render_markdown(_result(recs, skipped=skipped, checks=checks), detailed=True)
+    fold2 = recs[1]
+    assert f"| 8 | 128K | INT2 | tok/tok | {fold2['median_us']:.1f} | 30% | " in md
+    assert "| 8 | 128K | INT4 | tok/tok |" in md and "1.20x" in md  # recon/folded
+    assert "missing" in md and "777.0!" in md
+    assert "| 64 | 128K | skipped: needs 36.0 GB" in md
+    assert "- cudnn_sdpa: missing: No available kernel" in md
+    assert "- foscar_bf16: B=8 L=128K wrong: slice error 1.0" in md
+    assert "Read ceiling: 4.00 TB/s" in md and "| pass | 1.00e-03 |" in md
+    assert "### Every record" in md and "Command: `python3 bench_decode.py`" in md
+    compact = bd.render_markdown(_result(recs))
+    assert "### Every record" not in compact and "profiled kernel time (no host gaps" not in compact
+    recs[0]["kernel_us"], recs[1]["kernel_us"] = 900.0, 300.0  # FlashInfer-tc and folded INT2
+    timed = bd.render_markdown(_result(recs))
+    assert f"| {fold2['median_us']:.1f} (300.0) |" in timed
+    assert "by profiled kernel time (no host gaps; not what the bars use): foscar_folded INT2 3.00x (1/13)" in timed
+    table = [line for line in compact.splitlines() if line.startswith("| 8 | 128K |")]
+    assert len(table) == 2  # one row per (shape, bits)
+    assert all(line.count("|") == len(table[0].split("|")) - 1 for line in table)
+
+
+def test_failures_are_wrong_error_and_failed_checks_not_missing():
+    recs = [_rec(1, 8 * K, 2, "foscar_folded", 1.0), _rec(1, 8 * K, 16, "flashinfer", None, "missing: no wheel")]
+    assert bd.failures(_result(recs)) == []
+    recs.append(_rec(1, 8 * K, 16, "cudnn_sdpa", None, "error: first call: RuntimeError: x"))
+    recs.append(_rec(1, 8 * K, 4, "foscar_folded", 2.0, "wrong: 1 non-finite outputs"))
+    checks = [{"bits": 2, "k_axis": "token", "v_axis": "token", "kernel": "foscar_reconstruct", "status": "FAIL: x"}]
+    assert len(bd.failures(_result(recs, checks=checks, fatal=["lost"]))) == 4
+
+
+# ---- inputs and references -----------------------------------------------------------------
+def test_block_tables():
+    ident = bd.make_block_table(3, 5, "identity", 0)
+    assert ident.dtype == torch.int32 and ident.tolist()[2] == [10, 11, 12, 13, 14]
+    shuf = bd.make_block_table(3, 64, "shuffled", 7)
+    for b in range(3):
+        assert sorted(shuf[b].tolist()) == list(range(64 * b, 64 * (b + 1)))
+    assert not torch.equal(shuf, bd.make_block_table(3, 64, "identity", 7))
+    assert torch.equal(shuf, bd.make_block_table(3, 64, "shuffled", 7))
+
+
+@pytest.mark.parametrize("axes", bd.AXIS_COMBOS)
+@pytest.mark.parametrize("bits", (2, 4))
+def test_random_cache_and_its_slice_reference(bits, axes):
+    torch.manual_seed(bits)
+    case = bd.Case(2, 256, bits, *axes)
+    table = bd.make_block_table(2, 256 // bd.PAGE, "shuffled", 3)
+    cache = bd.make_random_cache(case, table)
+    assert cache.k_codes.shape == (2 * 4, bd.HKV, 64 * 128 * bits // 32)  # pool of B x 4 pages
+    k, v = cache.dequantize(torch.float64)
+    assert torch.isfinite(k).all() and torch.isfinite(v).all() and k.abs().max() <= 2.0 + 1e-6
+    assert k.std() > 0.5 and v.std() > 0.5  # min-max groups over about [-2, 2], not zeros
+    for tensor, params in (("k", cache.k_params), ("v", cache.v_params)):
+        if cache.fmt.axis(tensor) == "channel":  # a group of 128 tokens spans two pages: both hold its row
+            for b in range(2):
+                pages = table[b].long()
+                assert torch.equal(params[pages[0::2]], params[pages[1::2]])
+    q = torch.randn(2, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    ref = bd.quant_slice_reference(bd.QuantInputs(q, cache))
+    exact = foscar.decode_exact(q, cache)
+    assert (ref.b, ref.h) == (1, bd.HKV - 1)
+    assert torch.allclose(ref.exact, exact[1, 28:32], rtol=0, atol=1e-12)
+    assert 1e-4 < ref.bf16_err < 2e-2
+    one = bd.one_head_cache(cache, 1, 7)
+    assert torch.equal(one.dequantize(torch.float64)[0][0, 0], k[1, 7])
+
+
+def test_cache_to_round_trip_keeps_contents():
+    k, v = torch.randn(2, 8, 300, 128), torch.randn(2, 8, 300, 128)
+    fmt = foscar.KVFormat(2, 128, 128, "channel", "token")
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor([300, 200], dtype=torch.int32), page_size=64)
+    moved = bd.cache_to(cache, "cpu")
+    assert moved is not cache
+    for a, b in zip(cache.dequantize(), moved.dequantize()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_slice_reference_matches_the_dense_view_sdpa_reads():
+    torch.manual_seed(0)
+    table = bd.make_block_table(3, 8, "shuffled", 1)
+    q = torch.randn(3, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    inp = bd.make_bf16_inputs(q, table, 8 * bd.PAGE)
+    ref = bd.bf16_slice_reference(inp)
+    k4, v4 = (c.view(3, -1, bd.HKV, bd.HEAD_DIM).transpose(1, 2).double() for c in (inp.k_cache, inp.v_cache))
+    dense = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2).double(), k4, v4, enable_gqa=True)
+    assert bd.rel_l2(dense[2, 28:32, 0], ref.exact) < 1e-12
+    assert bd.check_output(dense.squeeze(2).to(torch.bfloat16), ref, 3.0)["status"] == "ok"
+
+
+def test_check_output_flags_unwritten_and_wrong_outputs():
+    torch.manual_seed(1)
+    case = bd.Case(2, 128, 4)
+    cache = bd.make_random_cache(case, bd.make_block_table(2, 2, "identity", 0))
+    q = torch.randn(2, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    ref = bd.quant_slice_reference(bd.QuantInputs(q, cache))
+    good = foscar.decode_exact(q, cache).to(torch.bfloat16)
+    assert bd.check_output(good, ref, 3.0)["status"] == "ok"
+    unwritten = good.clone()
+    unwritten[0, 3, 5] = float("nan")  # outside the checked slice: still caught
+    assert bd.check_output(unwritten, ref, 3.0)["status"].startswith("wrong: 1 non-finite")
+    swapped = good.flip(0)  # right values, wrong sequence
+    status = bd.check_output(swapped, ref, 3.0)["status"]
+    assert status.startswith("wrong: slice error") and "BF16 attention" in status
+
+
+# ---- the read-ceiling kernel -----------------------------------------------------------------
+def test_read_kernel_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (f"import importlib.util, sys, torch\n"
+            f"spec = importlib.util.spec_from_file_location('bench_decode', {str(SCRIPT)!r})\n"
+            "bd = importlib.util.module_from_spec(spec); sys.modules['bench_decode'] = bd\n"
+            "spec.loader.exec_module(bd)\n"
+            "chunk = 2 * 4096\n"
+            "x = torch.randint(-2**31, 2**31, (3 * chunk,), dtype=torch.int32)\n"
+            "out = torch.empty(3, dtype=torch.int32)\n"
+            "bd.read_kernel()[(3,)](x, out, chunk, BLOCK=4096)\n"
+            "want = [bd.xor_reduce(x[p * chunk:(p + 1) * chunk]) for p in range(3)]\n"
+            "assert out.tolist() == want, (out.tolist(), want)\n"
+            "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_xor_reduce():
+    x = torch.tensor([1, 2, 4, 8, 3, 3, 0, -1], dtype=torch.int32)
+    assert bd.xor_reduce(x) == (1 ^ 2 ^ 4 ^ 8 ^ -1)
+
+
+# ---- the driver, end to end on the CPU --------------------------------------------------------
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def _fake_triton_module(folded_ok=True):
+    """foscar.triton stand-in: decode = the folded reference with BF16 operands; no reconstruct kernel."""
+    mod = types.ModuleType("foscar.triton")
+
+    def decode(q, cache, *, sm_scale=None, out=None, num_splits=None, kernel="folded"):
+        if kernel != "folded":
+            raise NotImplementedError(f"kernel={kernel!r} not written yet")
+        o = foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16)
+        if not folded_ok:
+            o[-1, -1] = float("nan")  # one unwritten row
+        out.copy_(o)
+        return out
+
+    def decode_bf16(q, k_cache, v_cache, block_table, seq_lens, *, out):  # caches [pages, Hkv, page, D]
+        for b in range(q.shape[0]):
+            pages = block_table[b].long()
+            k, v = (c[pages].transpose(0, 1).reshape(bd.HKV, -1, bd.HEAD_DIM).float() for c in (k_cache, v_cache))
+            o = torch.nn.functional.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True)
+            out[b] = o.squeeze(1)
+        return out
+
+    mod.decode, mod.decode_bf16 = decode, decode_bf16
+    return mod
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(bd, "DEVICE", "cpu")
+    monkeypatch.setattr(bd, "FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake CPU device")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(multi_processor_count=0, total_memory=0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)
+
+    def no_triton_reader():
+        raise RuntimeError("no GPU for the Triton reader here")  # (its own test runs it interpreted)
+    monkeypatch.setattr(bd, "read_kernel", no_triton_reader)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as on a machine without the wheel
+
+    def use(module):
+        monkeypatch.setitem(sys.modules, "foscar.triton", module)
+        monkeypatch.setattr(foscar, "triton", module, raising=False)
+    return use
+
+
+def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
+    fake_gpu(_fake_triton_module())
+    argv = ["--shapes", "1:1K,2:2K", "--check", "--out", str(tmp_path), "--ceiling-gib", "0.01", "--max-gb", "100",
+            "--warmup", "1"]
+    assert bd.main(argv) == 0
+    result = json.loads((tmp_path / "bench_decode.json").read_text())
+    recs = result["records"]
+    assert len(recs) == 2 * (4 + 2 * 2)  # per shape: 4 BF16 kernels, then 2 quantized kernels x 2 bits
+    by = {(r["B"], r["bits"], r["kernel"]): r for r in recs}
+    for b in (1, 2):
+        assert by[(b, 16, "foscar_bf16")]["status"] == "ok"
+        assert by[(b, 16, "flashinfer_tc")]["status"].startswith("missing: import flashinfer failed")
+        assert by[(b, 16, "cudnn_sdpa")]["status"].startswith("missing:")
+        for bits in (2, 4):
+            fold = by[(b, bits, "foscar_folded")]
+            assert fold["status"] == "ok" and fold["err_ratio"] < 1.5 and len(fold["all_us"]) == 5
+            assert fold["median_us"] > 0 and fold["bytes"] == bd.bytes_read(b, fold["L"], bits)
+            assert fold["speedup_vs_baseline"] is None  # no FlashInfer here
+            assert fold["host_sync"] in (True, False)  # (everything waits on the CPU)
+            assert by[(b, bits, "foscar_reconstruct")]["status"].startswith("missing: NotImplementedError")
+    assert [c["status"] for c in result["checks"]] == ["pass", "missing: NotImplementedError: kernel='reconstruct' "
+                                                       "not written yet"] * 2
+    assert result["ceiling"]["source"].startswith("torch_sum, 0.00977 GiB")  # whole 1 MiB chunks
+    assert result["ceiling"]["triton_error"] == "RuntimeError: no GPU for the Triton reader here"
+    assert result["meta"]["command"].endswith("bench_decode.py " + " ".join(argv))
+    assert all(b["verdict"] == "n/a" for b in result["bars"])
+    out = capsys.readouterr()
+    assert "### Times" in out.out and "| bar |" in out.out and "### Every record" not in out.out
+    assert "[2/2] B=2 L=2K done" in out.err
+    assert (tmp_path / "bench_decode.md").read_text().count("### Every record") == 1
+
+
+def test_driver_fails_on_a_wrong_kernel_before_timing(fake_gpu, tmp_path, capsys):
+    fake_gpu(_fake_triton_module(folded_ok=False))
+    argv = ["--grid", "quick", "--bits", "4", "--check", "--out", str(tmp_path), "--max-gb", "100"]
+    assert bd.main(argv) == 1
+    result = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert result["records"] == [] and result["checks"][0]["status"].startswith("FAIL: ")
+    assert "--check failed" in capsys.readouterr().err
+
+
+def test_driver_flags_wrong_outputs_and_skips_loudly(fake_gpu, tmp_path):
+    fake_gpu(_fake_triton_module(folded_ok=False))
+    argv = ["--shapes", "1:1K,64:128K", "--bits", "2", "--kernels", "foscar_folded", "--out", str(tmp_path),
+            "--max-gb", "1", "--ceiling-gib", "0.01", "--warmup", "1"]
+    assert bd.main(argv) == 1
+    result = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [r["status"][:26] for r in result["records"]] == ["wrong: 128 non-finite outp"]
+    assert result["skipped"][0]["B"] == 64 and "budget 1.0 GB" in result["skipped"][0]["reason"]
+    assert math.isfinite(result["records"][0]["median_us"])
+
+
+def test_host_sync_detector(monkeypatch):
+    busy = {"until": 0.0}
+
+    def sleep(cycles):  # the "GPU" is busy for 50 ms
+        busy["until"] = time.perf_counter() + 0.05
+
+    def synchronize():
+        time.sleep(max(0.0, busy["until"] - time.perf_counter()))
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    assert bd.syncs_with_host(lambda: None) is False
+    assert bd.syncs_with_host(lambda: torch.cuda.synchronize()) is True
+    recs = [dict(_rec(1, 8 * K, 2, "foscar_folded", 5.0), host_sync=True)]
+    recs.append(dict(_rec(1, 8 * K, 4, "foscar_folded", 5.0), kernel_time_error="RuntimeError: no CUPTI"))
+    md = bd.render_markdown(_result(recs))
+    assert "- note: foscar_folded waits for the GPU inside the call" in md
+    assert "- note: foscar_folded: no profiled kernel time: RuntimeError: no CUPTI" in md
+    assert bd.failures(_result(recs)) == []  # a note, not a failure
+
+
+def test_kernel_time_sums_the_calls_gpu_events(monkeypatch):
+    from torch.autograd import DeviceType
+    import torch.profiler
+
+    def event(device, start, end, annotation=False):
+        span = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return types.SimpleNamespace(device_type=device, time_range=span, is_user_annotation=annotation)
+
+    class FakeProfile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [event(DeviceType.CPU, 0.0, 500.0), event(DeviceType.CUDA, 100.0, 130.0),
+                    event(DeviceType.CUDA, 90.0, 200.0, annotation=True), event(DeviceType.CUDA, 150.0, 160.0)]
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    got = bd.kernel_time_fn(lambda: calls.append(1), iters=5, flush=torch.empty(8, dtype=torch.uint8))
+    assert len(calls) == 5 and got["kernel_us"] == 40.0 and got["kernel_span_us"] == 60.0
+    assert got["kernels_per_call"] == 2 and got["kernel_all_us"] == [40.0] * 5
+
+
+def test_iters_below_five_are_refused():
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--iters", "3"])
+    args = bd.parse_args(["--bits", "4", "2", "2"])
+    assert args.bits == (2, 4) and args.kernels == list(bd.KERNELS) and args.grid == "paper"
