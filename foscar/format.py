@@ -238,7 +238,7 @@ def pack_codes(codes: torch.Tensor, bits: int, tensor: str) -> torch.Tensor:
     word, shift = block_map(bits, D, tensor)
     nb = T // bt
     wpb = words_per_block(bits, D, tensor)
-    c = codes.to(torch.int64).reshape(*lead, nb, bt * D) << shift.reshape(-1)
+    c = codes.to(torch.int64).reshape(*lead, nb, bt * D) << shift.reshape(-1).to(codes.device)
     out = torch.zeros(*lead, nb, wpb, dtype=torch.int64, device=codes.device)
     out.scatter_add_(-1, word.reshape(-1).to(codes.device).expand_as(c).contiguous(), c)  # disjoint fields
     out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)

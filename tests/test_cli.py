@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from foscar import cli
 from foscar.cli import main
 
 SMALL = ["--seq-len", "256", "--qo-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--group-size", "64"]
@@ -15,7 +16,7 @@ KEYS = {"format", "bits", "backend", "bytes_per_token", "bf16_bytes_per_token", 
 def test_demo_prints_both_widths_and_backend(capsys):
     assert main(["demo", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "backend: torch-reference (folded, CPU)" in out
+    assert f"backend: {cli._select_backend().description}" in out
     lines = out.splitlines()
     for fmt in ("bf16", "int2", "int4"):
         assert any(line.startswith(fmt + " ") for line in lines), fmt
@@ -25,7 +26,7 @@ def test_demo_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert main(["demo", *SMALL, "--batch", "2", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
-    assert doc["command"] == "demo" and doc["backend"] == "torch-reference"
+    assert doc["command"] == "demo" and doc["backend"] == cli._select_backend().name
     assert doc["config"]["batch"] == 2 and doc["config"]["head_dim"] == 64
     rows = {r["format"]: r for r in doc["results"]}
     assert set(rows) == {"bf16", "int2", "int4"}
@@ -35,7 +36,7 @@ def test_demo_json(tmp_path, capsys):
         assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers), row
     for bits in (2, 4):
         row = rows[f"int{bits}"]
-        assert row["bits"] == bits and row["backend"] == "torch-reference"
+        assert row["bits"] == bits and row["backend"] == cli._select_backend().name
         assert row["bytes_per_token"] == 2 * (64 * bits / 8 + 8 * 64 / 64)
         assert row["bf16_bytes_per_token"] == 2 * 64 * 2
         assert row["compression"] == pytest.approx(row["bf16_bytes_per_token"] / row["bytes_per_token"])
@@ -89,10 +90,15 @@ def test_threads_option_leaves_torch_as_it_was(threads, tmp_path):
     assert json.loads(path.read_text())["config"]["threads"] == want
 
 
-def test_cuda_machine_still_names_the_reference(monkeypatch, capsys):
+def test_cuda_machine_selects_the_triton_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    assert main(["demo", *SMALL, "--bits", "4"]) == 0
+    backend = cli._select_backend()
+    assert backend.name == "triton" and "Fake GPU" in backend.description and backend.device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_demo_on_the_gpu(capsys):
+    assert main(["demo", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "backend: torch-reference (folded, CPU)" in out
-    assert "Fake GPU" in out and "no GPU kernel yet" in out
+    assert "backend: triton" in out
