@@ -1,0 +1,78 @@
+"""Instruction counts of the Triton stage-1 decode kernel, compiled for sm_90 on any machine (no GPU).
+
+    python benchmarks/sass_stats.py --bits 4 --k-axis token --v-axis token
+
+Compiles ``foscar.triton.decode.fold_decode_stage1`` with Triton's bundled ptxas, disassembles the
+cubin with its cuobjdump, finds the KV-tile loop (the backward branch) and prints its SASS
+instruction mix per thread per tile: the cost model of ``docs/triton-perf.md``.
+"""
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from foscar.format import KVFormat
+from foscar.triton.decode import fold_decode_stage1
+from foscar.triton.launch import _injection_args, operand_for
+
+POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "NQ": "*i32",
+            "OP": "*fp32", "LP": "*fp32"}
+STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "stride_kph", "stride_vpp", "stride_vph",
+           "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph")
+
+
+def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=2, fold=True):
+    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=16, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
+                      K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", NUM_SPLITS=4, PV_F16=True,
+                      FOLD=fold, INTERPRET=False,
+                      **_injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt),
+                      **_injection_args("V", operand_for(torch.float16, fmt.bits), fmt))
+    signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                            "num_stages": num_stages})
+
+
+def loop_mix(kernel) -> tuple[int, Counter]:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    back = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", sass)
+            if int(t, 16) < int(a, 16)]
+    lo, hi = (back[0][1], back[0][0]) if back else (0, 1 << 30)
+    loop = [op for a, op in ins if lo <= a <= hi]
+    return len(ins), Counter(loop)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bits", type=int, default=4, choices=(2, 4))
+    p.add_argument("--k-axis", default="token")
+    p.add_argument("--v-axis", default="token")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--reconstruct", action="store_true", help="the per-value reconstruction kernel instead")
+    a = p.parse_args()
+    fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
+    k = compile_stage1(fmt, block_n=a.block_n, num_warps=a.num_warps, fold=not a.reconstruct)
+    total, mix = loop_mix(k)
+    print(f"kernel: {total} SASS instructions; KV-tile loop: {sum(mix.values())} per thread per tile")
+    for op, n in mix.most_common(25):
+        print(f"  {op:28s} {n}")
+
+
+if __name__ == "__main__":
+    main()
