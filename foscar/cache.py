@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_finite, check_int, check_tensor
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import InvalidArgumentError
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
 

@@ -6,6 +6,8 @@ recent ring read with wrap-around), and the BF16 baseline decode with the same t
 import triton
 import triton.language as tl
 
+from .common import dot, online_softmax, partial_result, round_operand, split_range
+
 
 @triton.jit
 def bf16_decode_stage1(
@@ -28,18 +30,13 @@ def bf16_decode_stage1(
     split = tl.program_id(2)
     n = tl.load(LEN + b)
     start = tl.load(START + b)
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    per = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_lo = split * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    t_lo, t_hi = split_range(n, BLOCK_N, NUM_SPLITS, split)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)
     hmask = hh < G
     q = tl.load(Q + b * stride_qb + (kvh * G + hh)[:, None] * stride_qh + dd[None, :], mask=hmask[:, None],
                 other=0.0).to(tl.bfloat16)
-    if INTERPRET:
-        q = q.to(tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
@@ -58,22 +55,11 @@ def bf16_decode_stage1(
                     mask=valid[:, None], other=0.0)
         v = tl.load(VB + page[:, None] * stride_vp + kvh * stride_vh + row[:, None] * stride_vt + dd[None, :],
                     mask=valid[:, None], other=0.0)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if INTERPRET:
-            pb = p
-        else:
-            pb = p.to(tl.bfloat16)
-        acc = acc * alpha[:, None] + tl.dot(pb, v)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        s = tl.where(valid[None, :], dot(q, tl.trans(k), INTERPRET) * qk_scale, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
+        acc = acc * alpha[:, None] + dot(round_operand(p, INTERPRET), v, INTERPRET)
+    den, lse = partial_result(m_i, l_i)
+    out = acc / den[:, None]
     slot = PART0 + split
     tl.store(OP + b * stride_opb + (kvh * G + hh)[:, None] * stride_oph + slot * stride_ops + dd[None, :], out,
              mask=hmask[:, None])

@@ -32,19 +32,10 @@ split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
 import triton
 import triton.language as tl
 
+from .common import dot, online_softmax, partial_result, round_operand, split_range
 from .tiles import inject, k_codes, v_codes
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _round_operand(x, INTERPRET: tl.constexpr):
-    """The tensor-core operand: BF16 on the GPU; kept in float32 under the interpreter (whose
-    float32 -> bf16 cast truncates instead of rounding, ../shared/docs/triton-notes.md)."""
-    y = x
-    if not INTERPRET:
-        y = x.to(tl.bfloat16)
-    return y
 
 
 @triton.jit
@@ -61,13 +52,24 @@ def _pv_operand(x, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, INTERPRET: tl.constexpr):
-    """``a @ b`` with fp32 accumulation (operands upcast under the interpreter, whose bf16 dot is wrong)."""
-    if INTERPRET:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        r = tl.dot(a, b)
-    return r
+def _token_params(ptr, off, tt, valid, C: tl.constexpr, BETA_SHIFT: tl.constexpr):
+    """Token-wise ``(s', z')`` of the tile's tokens, ``[C, BLOCK_N]`` each, ``z'`` re-based to the operand."""
+    cc = tl.arange(0, C)
+    o = ((off + tt)[None, :] * C + cc[:, None]) * 2
+    s = tl.load(ptr + o, mask=valid[None, :], other=0.0)
+    z = tl.load(ptr + o + 1, mask=valid[None, :], other=0.0) - BETA_SHIFT * s
+    return s, z
+
+
+@triton.jit
+def _channel_params(ptr, off, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BETA_SHIFT: tl.constexpr):
+    """Channel-wise ``(s', z')`` of the tile's token group, ``[D]`` each (a page shorter than a group keeps
+    its group's row as row 0), ``z'`` re-based to the operand."""
+    row = off // GROUP if PAGE >= GROUP else 0
+    dd = tl.arange(0, D)
+    s = tl.load(ptr + (row * D + dd) * 2)
+    z = tl.load(ptr + (row * D + dd) * 2 + 1) - BETA_SHIFT * s
+    return s, z
 
 
 @triton.jit
@@ -98,10 +100,7 @@ def fold_decode_stage1(
     WPT: tl.constexpr = D * BITS // 32  # words per token
 
     n_quant = tl.load(NQ + b)
-    n_tiles = tl.cdiv(n_quant, BLOCK_N)
-    per = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_lo = split * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    t_lo, t_hi = split_range(n_quant, BLOCK_N, NUM_SPLITS, split)
 
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
@@ -129,46 +128,34 @@ def fold_decode_stage1(
         kp = KP + page * stride_kpp + kvh * stride_kph
         # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
         if K_TOKEN:
-            cc = tl.arange(0, KC_)
-            kp_off = ((off + tt)[None, :] * KC_ + cc[:, None]) * 2  # [KC_, BLOCK_N]
-            ks = tl.load(kp + kp_off, mask=valid[None, :], other=0.0)
-            kz = tl.load(kp + kp_off + 1, mask=valid[None, :], other=0.0) - K_BETA_SHIFT * ks
+            ks, kz = _token_params(kp, off, tt, valid, KC_, K_BETA_SHIFT)
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
                 yk = inject(kc, K_PATTERN, K_SHL, False, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
                 s = tl.sum(part * ks[:, None, :] + q_sum3[:, :, None] * kz[:, None, :], axis=0)
             else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
-                x = _round_operand(ks[:, :, None] * (kc.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[:, :, None],
+                x = round_operand(ks[:, :, None] * (kc.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[:, :, None],
                                    INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
         else:
-            row = off // GROUP if PAGE >= GROUP else 0
-            ks = tl.load(kp + (row * D + dd) * 2)
-            kz = tl.load(kp + (row * D + dd) * 2 + 1) - K_BETA_SHIFT * ks
+            ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
             ck = tl.reshape(kc, (BLOCK_N, D))
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
-                qs = _round_operand(qf * ks[None, :], INTERPRET)
+                qs = round_operand(qf * ks[None, :], INTERPRET)
                 corr = tl.sum(qf * (kz + K_PIVOT * ks)[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
-                s = _dot(qs, tl.trans(inject(ck, K_PATTERN, K_SHL, False, INTERPRET)), INTERPRET) + corr[:, None]
+                s = dot(qs, tl.trans(inject(ck, K_PATTERN, K_SHL, False, INTERPRET)), INTERPRET) + corr[:, None]
             else:
-                x = _round_operand(ks[None, :] * (ck.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[None, :], INTERPRET)
-                s = _dot(q, tl.trans(x), INTERPRET)
+                x = round_operand(ks[None, :] * (ck.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[None, :], INTERPRET)
+                s = dot(q, tl.trans(x), INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
         acc = acc * alpha[None, :, None]
-        m_i = m_new
         # ---- PV with the V offset corrections (before the division) ------------------------------
         vc = v_codes(VC + page * stride_cp + kvh * stride_ch + off * WPT, BLOCK_N, D, BITS, VC_)
         vp = VP + page * stride_vpp + kvh * stride_vph
         if V_TOKEN:
-            cc = tl.arange(0, VC_)
-            vp_off = ((off + tt)[None, :] * VC_ + cc[:, None]) * 2  # [VC_, BLOCK_N]
-            vs = tl.load(vp + vp_off, mask=valid[None, :], other=0.0)
-            vz = tl.load(vp + vp_off + 1, mask=valid[None, :], other=0.0) - V_BETA_SHIFT * vs
+            vs, vz = _token_params(vp, off, tt, valid, VC_, V_BETA_SHIFT)
             if FOLD:  # operand-fold: P' = P s'[t, G], rounded after a power-of-two scaling; correction around the pivot
                 pv = p[None, :, :] * vs[:, None, :]  # [VC_, BLOCK_H, BLOCK_N]
                 top = tl.max(tl.abs(pv), axis=2)
@@ -179,28 +166,26 @@ def fold_decode_stage1(
                 acc += (_dot_batched(pvr, inject(vc, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET) * scale[:, :, None]
                         + corr[:, :, None])
             else:
-                x = _round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
+                x = round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
                                    INTERPRET)
-                pb = _round_operand(p, INTERPRET)
+                pb = round_operand(p, INTERPRET)
                 acc += _dot_batched(tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_H, BLOCK_N)), x, INTERPRET)
         else:
-            row = off // GROUP if PAGE >= GROUP else 0
-            vs = tl.load(vp + (row * D + dd) * 2)
-            vz = tl.load(vp + (row * D + dd) * 2 + 1) - V_BETA_SHIFT * vs
+            vs, vz = _channel_params(vp, off, D, GROUP, PAGE, V_BETA_SHIFT)
             cv = tl.reshape(vc, (BLOCK_N, D))
             if FOLD:  # acc-fold: one token group per tile
                 pb = _pv_operand(p, PV_F16, INTERPRET)
-                part = _dot(pb, inject(cv, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET)
+                part = dot(pb, inject(cv, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET)
                 upd = part * vs[None, :] + tl.sum(pb.to(tl.float32), axis=1)[:, None] * vz[None, :]
             else:
-                pb = _round_operand(p, INTERPRET)
-                x = _round_operand(vs[None, :] * (cv.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[None, :], INTERPRET)
-                upd = _dot(pb, x, INTERPRET)
+                pb = round_operand(p, INTERPRET)
+                x = round_operand(vs[None, :] * (cv.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[None, :], INTERPRET)
+                upd = dot(pb, x, INTERPRET)
             acc += tl.reshape(upd, (VC_, BLOCK_H, VGC))
 
     # ---- partial output and LSE of this split -------------------------------------------------------
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    den, lse = partial_result(m_i, l_i)
+    out = acc / den[None, :, None]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
     o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, :, None] * stride_oph + split * stride_ops
@@ -213,8 +198,8 @@ def fold_decode_stage1(
 def _dot_batched(a, b, INTERPRET: tl.constexpr):
     """Batched ``a[c] @ b[c]`` over a leading channel-group axis; a plain 2-D dot when it has size 1."""
     if a.shape[0] == 1:
-        r = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), INTERPRET)
+        r = dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), INTERPRET)
         r = tl.reshape(r, (1, a.shape[1], b.shape[2]))
     else:
-        r = _dot(a, b, INTERPRET)
+        r = dot(a, b, INTERPRET)
     return r

@@ -1,0 +1,54 @@
+"""Pieces shared by the Triton stage-1 kernels: split ranges, online softmax, operand handling.
+
+Under the interpreter (``INTERPRET``) operands stay in float32: its bf16 dot returns garbage and its
+float32 -> bf16 cast truncates (``../shared/docs/triton-notes.md``). Helpers have one ``return``
+each: Triton 3.6 rejects constexpr branches that return different types.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def split_range(n, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, split):
+    """Tiles ``[t_lo, t_hi)`` of split ``split`` over ``n`` tokens: contiguous runs of equal length."""
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    per = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = split * per
+    return t_lo, tl.minimum(t_lo + per, n_tiles)
+
+
+@triton.jit
+def online_softmax(m_i, l_i, s):
+    """One tile of base-2 online softmax over scores ``s [H, N]``: ``(m_new, alpha, p, l_new)``; the caller
+    rescales its accumulator by ``alpha`` and adds ``p``'s contribution."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def partial_result(m_i, l_i):
+    """``(denominator, lse)`` of a split: ``lse = m + log2(l)``, ``-inf`` (and denominator 1) when empty."""
+    nonempty = l_i > 0
+    den = tl.where(nonempty, l_i, 1.0)
+    return den, tl.where(nonempty, m_i + tl.log2(den), float("-inf"))
+
+
+@triton.jit
+def round_operand(x, INTERPRET: tl.constexpr):
+    """A BF16 tensor-core operand (float32 under the interpreter)."""
+    y = x
+    if not INTERPRET:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def dot(a, b, INTERPRET: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (operands upcast under the interpreter)."""
+    if INTERPRET:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        r = tl.dot(a, b)
+    return r
