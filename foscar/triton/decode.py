@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .common import dot, online_softmax, partial_result, round_operand, split_range
-from .tiles import inject, k_codes, v_codes
+from .tiles import k_codes, k_operand, v_codes, v_operand_t
 
 LOG2E = 1.4426950408889634
 
@@ -115,44 +115,53 @@ def fold_decode_stage1(
         if INTERPRET:
             q3 = q3.to(tl.float32)
 
+    # channel-wise K: the operand Q' = bf16(Q s') and its correction, rebuilt at each token group's first tile
+    qs = round_operand(qf, INTERPRET)
+    kcorr = tl.zeros((BLOCK_H,), tl.float32)
+
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((VC_, BLOCK_H, VGC), tl.float32)
+    acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
 
     for tile in range(t_lo, t_hi):
         t0 = tile * BLOCK_N
         page = tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64)
         off = t0 % PAGE  # first token of the tile inside its page
         valid = t0 + tt < n_quant
-        kc = k_codes(KC + page * stride_cp + kvh * stride_ch + off * WPT, BLOCK_N, D, BITS, KC_)
+        kbase = KC + page * stride_cp + kvh * stride_ch + off * WPT
         kp = KP + page * stride_kpp + kvh * stride_kph
         # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
         if K_TOKEN:
             ks, kz = _token_params(kp, off, tt, valid, KC_, K_BETA_SHIFT)
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
-                yk = inject(kc, K_PATTERN, K_SHL, False, INTERPRET)
+                yk = k_operand(kbase, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
                 s = tl.sum(part * ks[:, None, :] + q_sum3[:, :, None] * kz[:, None, :], axis=0)
             else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
+                kc = k_codes(kbase, BLOCK_N, D, BITS, KC_)
                 x = round_operand(ks[:, :, None] * (kc.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[:, :, None],
                                    INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
         else:
-            ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
-            ck = tl.reshape(kc, (BLOCK_N, D))
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
-                qs = round_operand(qf * ks[None, :], INTERPRET)
-                corr = tl.sum(qf * (kz + K_PIVOT * ks)[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
-                s = dot(qs, tl.trans(inject(ck, K_PATTERN, K_SHL, False, INTERPRET)), INTERPRET) + corr[:, None]
+                if (t0 % GROUP == 0) | (tile == t_lo):  # a new token group
+                    ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
+                    qs = round_operand(qf * ks[None, :], INTERPRET)
+                    kcorr = (tl.sum(qf * (kz + K_PIVOT * ks)[None, :], axis=1)
+                             - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1))
+                yk = tl.reshape(k_operand(kbase, BLOCK_N, D, BITS, 1, K_SHL, K_PATTERN, INTERPRET), (BLOCK_N, D))
+                s = dot(qs, tl.trans(yk), INTERPRET) + kcorr[:, None]
             else:
+                ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
+                ck = tl.reshape(k_codes(kbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 x = round_operand(ks[None, :] * (ck.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[None, :], INTERPRET)
                 s = dot(q, tl.trans(x), INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
         m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
-        acc = acc * alpha[None, :, None]
+        acc = acc * alpha[None, None, :]
         # ---- PV with the V offset corrections (before the division) ------------------------------
-        vc = v_codes(VC + page * stride_cp + kvh * stride_ch + off * WPT, BLOCK_N, D, BITS, VC_)
+        vbase = VC + page * stride_cp + kvh * stride_ch + off * WPT
         vp = VP + page * stride_vpp + kvh * stride_vph
         if V_TOKEN:
             vs, vz = _token_params(vp, off, tt, valid, VC_, V_BETA_SHIFT)
@@ -163,34 +172,39 @@ def fold_decode_stage1(
                 pvr = _pv_operand(pv / scale[:, :, None], PV_F16, INTERPRET)
                 corr = (tl.sum(p[None, :, :] * (vz + V_PIVOT * vs)[:, None, :], axis=2)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
-                acc += (_dot_batched(pvr, inject(vc, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET) * scale[:, :, None]
-                        + corr[:, :, None])
+                yv = v_operand_t(vbase, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
+                part = _dot_batched(yv, tl.permute(pvr, (0, 2, 1)), INTERPRET)  # [VC_, VGC, BLOCK_H]
+                acc += part * scale[:, None, :] + corr[:, None, :]
             else:
+                vc = v_codes(vbase, BLOCK_N, D, BITS, VC_)
                 x = round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
-                                   INTERPRET)
-                pb = round_operand(p, INTERPRET)
-                acc += _dot_batched(tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_H, BLOCK_N)), x, INTERPRET)
+                                  INTERPRET)
+                pb = round_operand(tl.trans(p), INTERPRET)
+                acc += _dot_batched(tl.permute(x, (0, 2, 1)), tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_N, BLOCK_H)),
+                                    INTERPRET)
         else:
             vs, vz = _channel_params(vp, off, D, GROUP, PAGE, V_BETA_SHIFT)
-            cv = tl.reshape(vc, (BLOCK_N, D))
             if FOLD:  # acc-fold: one token group per tile
                 pb = _pv_operand(p, PV_F16, INTERPRET)
-                part = dot(pb, inject(cv, V_PATTERN, V_SHL, PV_F16, INTERPRET), INTERPRET)
-                upd = part * vs[None, :] + tl.sum(pb.to(tl.float32), axis=1)[:, None] * vz[None, :]
+                yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
+                                (D, BLOCK_N))
+                part = dot(yv, tl.trans(pb), INTERPRET)  # [D, BLOCK_H]
+                upd = part * vs[:, None] + tl.sum(pb.to(tl.float32), axis=1)[None, :] * vz[:, None]
             else:
+                cv = tl.reshape(v_codes(vbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 pb = round_operand(p, INTERPRET)
                 x = round_operand(vs[None, :] * (cv.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[None, :], INTERPRET)
-                upd = dot(pb, x, INTERPRET)
-            acc += tl.reshape(upd, (VC_, BLOCK_H, VGC))
+                upd = dot(tl.trans(x), tl.trans(pb), INTERPRET)
+            acc += tl.reshape(upd, (VC_, VGC, BLOCK_H))
 
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, l_i)
-    out = acc / den[None, :, None]
+    out = acc / den[None, None, :]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
-    o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, :, None] * stride_oph + split * stride_ops
-             + (cg[:, None, None] * VGC + jj[None, None, :]))
-    tl.store(o_ptr, out, mask=hmask[None, :, None])
+    o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, None, :] * stride_oph + split * stride_ops
+             + (cg[:, None, None] * VGC + jj[None, :, None]))
+    tl.store(o_ptr, out, mask=hmask[None, None, :])
     tl.store(LP + b * stride_lpb + (kvh * G + hh) * stride_lph + split, lse, mask=hmask)
 
 

@@ -88,3 +88,91 @@ def inject(codes, PATTERN: tl.constexpr, SHL: tl.constexpr, F16: tl.constexpr, I
     if INTERPRET:
         y = y.to(tl.float32)
     return y
+
+
+@triton.jit
+def _inject_pairs(w, rot, BITS: tl.constexpr, SHL: tl.constexpr, PATTERN: tl.constexpr, F16: tl.constexpr):
+    """The paper's Hopper construction, one register per pair of codes: rotate the word so the pair's
+    fields (16 bits apart) sit at bit ``SHL`` of each half, then one ``lop3`` keeps them and ORs in
+    the exponent ``PATTERN`` of both halves. Returns the two operands joined on a new last axis
+    (kept in one thread), ``[..., 2]``: low half first."""
+    MASK: tl.constexpr = (((1 << BITS) - 1) << SHL) * 0x10001
+    PAT2: tl.constexpr = PATTERN * 0x10001
+    asm: tl.constexpr = (f"{{ .reg .b32 t; shf.r.wrap.b32 t, $2, $2, $3; lop3.b32 t, t, {MASK}, {PAT2}, 0xEA; "
+                         "mov.b32 {$0, $1}, t; }")
+    if F16:
+        lo, hi = tl.inline_asm_elementwise(asm, "=h,=h,r,r", [w, rot], dtype=(tl.float16, tl.float16), is_pure=True,
+                                           pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm, "=h,=h,r,r", [w, rot], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=1)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def k_operand(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, SHL: tl.constexpr,
+              PATTERN: tl.constexpr, INTERPRET: tl.constexpr):
+    """The BF16 K operand ``[C, BLOCK_N, D // C]`` (``PATTERN | q << SHL``), true token and channel order.
+
+    On the GPU: one rotate and one ``lop3`` per pair of channels (the pair axis ``h`` is the last one,
+    kept in-thread by ``tl.join``, so the tile reaches the MMA without a trip through shared memory).
+    Under the interpreter (no inline assembly): per code, from :func:`k_codes`."""
+    if INTERPRET:
+        y = inject(k_codes(base, BLOCK_N, D, BITS, C), PATTERN, SHL, False, INTERPRET)
+    else:
+        WPL: tl.constexpr = D * BITS // 64
+        NF: tl.constexpr = 8 // BITS
+        PG: tl.constexpr = WPL // C
+        NB: tl.constexpr = BLOCK_N // 16
+        c = tl.arange(0, C)
+        blk = tl.arange(0, NB)
+        l4 = tl.arange(0, 8)
+        pi = tl.arange(0, PG)
+        lc = tl.arange(0, 4)
+        offs = (blk[None, :, None, None, None] * (32 * WPL)
+                + (4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]) * WPL
+                + c[:, None, None, None, None] * PG + pi[None, None, None, :, None])
+        w = tl.load(base + offs)  # axes (C, NB, L4, PG, LC)
+        jr = tl.arange(0, 2)
+        f = tl.arange(0, NF)
+        rot = (BITS * (4 * (f[None, :] // 2) + 2 * (f[None, :] % 2) + jr[:, None]) - SHL + 32) % 32  # (JR, F)
+        w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
+        rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
+        # axes (C, NB, JR, L4, PG, F, LC, H): tokens (NB, JR, L4), channels (PG, F, LC, H)
+        y = tl.reshape(_inject_pairs(w7, rot7, BITS, SHL, PATTERN, False), (C, BLOCK_N, D // C))
+    return y
+
+
+@triton.jit
+def v_operand_t(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr,
+                SHL: tl.constexpr, PATTERN: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The transposed V operand ``V^T [C, D // C, BLOCK_N]`` (BF16, or FP16 when ``F16``), true order.
+
+    Transposed because a register holds two tokens of one channel: with tokens last (the pair axis
+    in-thread), ``V^T`` is the A operand of ``O^T = V^T P^T`` straight from registers, as the paper's
+    Hopper kernel uses it. Under the interpreter: from :func:`v_codes`."""
+    if INTERPRET:
+        y = tl.permute(inject(v_codes(base, BLOCK_N, D, BITS, C), PATTERN, SHL, F16, INTERPRET), (0, 2, 1))
+    else:
+        NIB: tl.constexpr = 4 // BITS
+        NB: tl.constexpr = BLOCK_N // (16 * NIB)
+        MH: tl.constexpr = D // 64
+        MG: tl.constexpr = D // 16 // C
+        c = tl.arange(0, C)
+        mi = tl.arange(0, MG)
+        l4 = tl.arange(0, 8)
+        blk = tl.arange(0, NB)
+        lc = tl.arange(0, 4)
+        m = c[:, None] * MG + mi[None, :]  # (C, MG): 16-channel row = 4*mh + w
+        thread = 32 * (m % 4)[:, :, None, None, None] + 4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]
+        # word offsets, axes (C, MG, L4, NB, LC)
+        offs = blk[None, None, None, :, None] * (2 * D) + thread * MH + (m // 4)[:, :, None, None, None]
+        w = tl.load(base + offs)
+        jr = tl.arange(0, 2)
+        f = tl.arange(0, 2 * NIB)  # (ib, jc)
+        rot = (BITS * (4 * (f[None, :] // 2) + 2 * (f[None, :] % 2) + jr[:, None]) - SHL + 32) % 32  # (JR, F)
+        w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
+        rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
+        # axes (C, MG, JR, L4, NB, F, LC, H): channels (MG, JR, L4), tokens (NB, F, LC, H)
+        y = tl.reshape(_inject_pairs(w7, rot7, BITS, SHL, PATTERN, F16), (C, D // C, BLOCK_N))
+    return y
