@@ -165,7 +165,19 @@ def fold_decode_stage1(
         vp = VP + page * stride_vpp + kvh * stride_vph
         if V_TOKEN:
             vs, vz = _token_params(vp, off, tt, valid, VC_, V_BETA_SHIFT)
-            if FOLD:  # operand-fold: P' = P s'[t, G], rounded after a power-of-two scaling; correction around the pivot
+            if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
+                vs1 = tl.reshape(vs, (BLOCK_N,))
+                pv = p * vs1[None, :]
+                top = tl.max(tl.abs(pv), axis=1)
+                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [BLOCK_H]
+                pvr = _pv_operand(pv / scale[:, None], PV_F16, INTERPRET)
+                corr = (tl.sum(p * (tl.reshape(vz, (BLOCK_N,)) + V_PIVOT * vs1)[None, :], axis=1)
+                        - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=1))
+                yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
+                                (D, BLOCK_N))
+                upd = dot(yv, tl.trans(pvr), INTERPRET) * scale[None, :] + corr[None, :]  # [D, BLOCK_H]
+                acc += tl.reshape(upd, (1, D, BLOCK_H))
+            elif FOLD:  # operand-fold: P' = P s'[t, G], rounded after a power-of-two scaling; correction around the pivot
                 pv = p[None, :, :] * vs[:, None, :]  # [VC_, BLOCK_H, BLOCK_N]
                 top = tl.max(tl.abs(pv), axis=2)
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [VC_, BLOCK_H]
