@@ -189,8 +189,8 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         raise InvalidArgumentError("block_n", f"a divisor of the page size {page}", block_n)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     out, _ = _out_buffers(q, out, None, False)
-    if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, -(-int(seq_lens.max()) // block_n), q.device)
+    if num_splits is None:  # from the block table's capacity: no device read
+        num_splits = default_num_splits(B, Hkv, block_table.shape[1] * page // block_n, q.device)
     G = Hq // Hkv
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)

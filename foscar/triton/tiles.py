@@ -12,15 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
-def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
-    """Codes of ``BLOCK_N`` K tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+def _field_bits(BITS: tl.constexpr, NF: tl.constexpr):
+    """Low bit of each register field of a word, ``[JR, F]`` with ``F = (ib, jc)``: register
+    ``4*ib + 2*jc + jr`` of the word sits at ``BITS * register`` (its pair partner 16 bits higher)."""
+    jr = tl.arange(0, 2)
+    f = tl.arange(0, NF)
+    return BITS * (4 * (f[None, :] // 2) + 2 * (f[None, :] % 2) + jr[:, None])
 
-    A K block is 16 tokens; lane ``4*l4 + lc`` of it holds token ``l4 + 8*jr`` and channels
-    ``16*b + 8*jc + 2*lc + h`` at bit ``BITS*(4*ib + 2*jc + jr) + 16*h`` of its word ``p``, where the
-    k16 block is ``b = p*(4/BITS) + ib``.
-    """
+
+@triton.jit
+def _k_words(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """The words of ``BLOCK_N`` K tokens, axes ``(C, NB, L4, PG, LC)``: K block, lane row ``l4``, the
+    channel group's words of the lane, lane column ``lc`` (lane = ``4*l4 + lc``)."""
     WPL: tl.constexpr = D * BITS // 64  # words per lane per K block
-    NF: tl.constexpr = 8 // BITS  # (ib, jc) fields of one register row
     PG: tl.constexpr = WPL // C  # words per lane per channel group
     NB: tl.constexpr = BLOCK_N // 16
     c = tl.arange(0, C)
@@ -28,17 +32,23 @@ def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C:
     l4 = tl.arange(0, 8)
     pi = tl.arange(0, PG)
     lc = tl.arange(0, 4)
-    # word offsets, axes (C, NB, L4, PG, LC)
     offs = (blk[None, :, None, None, None] * (32 * WPL)
             + (4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]) * WPL
             + c[:, None, None, None, None] * PG + pi[None, None, None, :, None])
-    w = tl.load(base + offs)
-    # field shifts, axes (JR, F, H) with F = (ib, jc)
-    jr = tl.arange(0, 2)
-    f = tl.arange(0, NF)
+    return tl.load(base + offs)
+
+
+@triton.jit
+def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` K tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+
+    A K block is 16 tokens; lane ``4*l4 + lc`` of it holds token ``l4 + 8*jr`` and channels
+    ``16*b + 8*jc + 2*lc + h`` at bit ``BITS*(4*ib + 2*jc + jr) + 16*h`` of its word ``p``, where the
+    k16 block is ``b = p*(4/BITS) + ib``.
+    """
+    w = _k_words(base, BLOCK_N, D, BITS, C)
     h = tl.arange(0, 2)
-    sh = (BITS * (4 * (f[None, :, None] // 2) + 2 * (f[None, :, None] % 2) + jr[:, None, None])
-          + 16 * h[None, None, :])
+    sh = _field_bits(BITS, 8 // BITS)[:, :, None] + 16 * h[None, None, :]  # (JR, F, H)
     # axes (C, NB, JR, L4, PG, F, LC, H): tokens (NB, JR, L4), channels (PG, F, LC, H)
     codes = (w[:, :, None, :, :, None, :, None] >> sh[None, None, :, None, None, :, None, :]) & ((1 << BITS) - 1)
     return tl.reshape(codes, (C, BLOCK_N, D // C))
@@ -120,22 +130,8 @@ def k_operand(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, 
     if INTERPRET:
         y = inject(k_codes(base, BLOCK_N, D, BITS, C), PATTERN, SHL, False, INTERPRET)
     else:
-        WPL: tl.constexpr = D * BITS // 64
-        NF: tl.constexpr = 8 // BITS
-        PG: tl.constexpr = WPL // C
-        NB: tl.constexpr = BLOCK_N // 16
-        c = tl.arange(0, C)
-        blk = tl.arange(0, NB)
-        l4 = tl.arange(0, 8)
-        pi = tl.arange(0, PG)
-        lc = tl.arange(0, 4)
-        offs = (blk[None, :, None, None, None] * (32 * WPL)
-                + (4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]) * WPL
-                + c[:, None, None, None, None] * PG + pi[None, None, None, :, None])
-        w = tl.load(base + offs)  # axes (C, NB, L4, PG, LC)
-        jr = tl.arange(0, 2)
-        f = tl.arange(0, NF)
-        rot = (BITS * (4 * (f[None, :] // 2) + 2 * (f[None, :] % 2) + jr[:, None]) - SHL + 32) % 32  # (JR, F)
+        w = _k_words(base, BLOCK_N, D, BITS, C)  # axes (C, NB, L4, PG, LC)
+        rot = (_field_bits(BITS, 8 // BITS) - SHL + 32) % 32  # (JR, F)
         w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
         rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
         # axes (C, NB, JR, L4, PG, F, LC, H): tokens (NB, JR, L4), channels (PG, F, LC, H)
@@ -168,9 +164,7 @@ def v_operand_t(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr
         # word offsets, axes (C, MG, L4, NB, LC)
         offs = blk[None, None, None, :, None] * (2 * D) + thread * MH + (m // 4)[:, :, None, None, None]
         w = tl.load(base + offs)
-        jr = tl.arange(0, 2)
-        f = tl.arange(0, 2 * NIB)  # (ib, jc)
-        rot = (BITS * (4 * (f[None, :] // 2) + 2 * (f[None, :] % 2) + jr[:, None]) - SHL + 32) % 32  # (JR, F)
+        rot = (_field_bits(BITS, 2 * NIB) - SHL + 32) % 32  # (JR, F)
         w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
         rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
         # axes (C, MG, JR, L4, NB, F, LC, H): channels (MG, JR, L4), tokens (NB, F, LC, H)
