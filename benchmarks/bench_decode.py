@@ -50,9 +50,9 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -60,10 +60,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the device machine runs the checkout without installing it
     sys.path.insert(0, str(REPO))
 
-from foscar import KVFormat, PageTable, QuantKVCache, decode_exact, quantize_kv  # noqa: E402
-from foscar.errors import UnsupportedError  # noqa: E402
-from foscar.reference import attend  # noqa: E402
-from foscar.synthetic import stress_inputs  # noqa: E402
+from foscar import KVFormat, PageTable, QuantKVCache, decode_exact, quantize_kv
+from foscar.errors import UnsupportedError
+from foscar.reference import attend
+from foscar.synthetic import stress_inputs
 
 # ---------------------------------------------------------------------------------------------
 # The problem and the grids
@@ -482,7 +482,7 @@ class QuantInputs:
 def _foscar_triton(name: str):
     try:
         import foscar.triton as ft
-    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason
+    except Exception as e:
         raise KernelMissing(f"import foscar.triton failed: {type(e).__name__}: {e}") from e
     fn = getattr(ft, name, None)
     if fn is None:
@@ -493,7 +493,7 @@ def _foscar_triton(name: str):
 def _flashinfer():
     try:
         import flashinfer
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise KernelMissing(f"import flashinfer failed: {type(e).__name__}: {e}") from e
     return flashinfer
 
@@ -827,7 +827,7 @@ def read_rates(x: torch.Tensor, args, flush: torch.Tensor) -> dict:
     try:
         kernel, programs = read_kernel(), n // chunk
         partial = torch.empty(programs, dtype=torch.int32, device=x.device)
-        fn = lambda: kernel[(programs,)](x, partial, chunk, BLOCK=block, num_warps=8)  # noqa: E731
+        fn = lambda: kernel[(programs,)](x, partial, chunk, BLOCK=block, num_warps=8)
         fn()
         for p in (0, programs - 1):
             want = xor_reduce(x[p * chunk: (p + 1) * chunk])
@@ -835,7 +835,7 @@ def read_rates(x: torch.Tensor, args, flush: torch.Tensor) -> dict:
                 raise RuntimeError(f"read kernel: program {p} gave {int(partial[p])}, expected {want}")
         t = time_fn(fn, iters=max(args.iters, 10), warmup=args.warmup, flush=flush)
         res["triton"] = {**t, "tbps": n * 4 / (t["median_us"] * 1e-6) / 1e12}
-    except Exception as e:  # noqa: BLE001 - reported, torch.sum still gives a ceiling
+    except Exception as e:
         res["triton_error"] = _short(e)
     t = time_fn(lambda: torch.sum(x), iters=max(args.iters, 10), warmup=args.warmup, flush=flush)
     res["torch_sum"] = {**t, "tbps": n * 4 / (t["median_us"] * 1e-6) / 1e12}
@@ -862,7 +862,7 @@ def cuda_alive() -> bool:
     try:
         torch.cuda.synchronize()
         return int(torch.ones(1, device=DEVICE).sum()) == 1
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -872,25 +872,25 @@ def measure(spec: KernelSpec, inputs, ref: SliceRef | None, args, flush: torch.T
         runner = spec.build(inputs, args)
     except KernelMissing as e:
         return {"status": f"missing: {e}"}
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": f"error: building: {_short(e)}"}
     try:
         returned = runner.fn()
         torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": f"missing: {_short(e)}" if spec.unavailable(e) else f"error: first call: {_short(e)}"}
     fields = check_output(runner.output(returned), ref, args.shape_factor) if ref is not None else {"status": "ok"}
     try:
         fields["host_sync"] = syncs_with_host(runner.fn)
         fn = as_graph(runner.fn) if args.cuda_graph else runner.fn
         fields.update(time_fn(fn, iters=args.iters, warmup=args.warmup, flush=flush))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         fields["status"] = f"error: timing: {_short(e)}"
         return fields
     if args.kernel_time:
         try:
             fields.update(kernel_time_fn(runner.fn, iters=args.iters, flush=flush))
-        except Exception as e:  # noqa: BLE001 - a diagnostic: reported, not a failure
+        except Exception as e:
             fields["kernel_time_error"] = _short(e)
     return fields
 
@@ -923,7 +923,7 @@ def run_shape(shape, cases, kernels, args, flush, block_table, records: list[dic
         bits, axes = (16, (None, None)) if case is None else (case.bits, (case.k_axis, case.v_axis))
         try:
             inputs, ref = _stage_inputs(case, q, block_table)
-        except Exception as e:  # noqa: BLE001 - out of memory, a bad cache: every kernel of the stage says so
+        except Exception as e:
             inputs = ref = None
             failed = f"error: building inputs: {_short(e)}"
         else:
@@ -965,7 +965,7 @@ def run_exact_check(bits: int, axes: tuple[str, str], kernels: list[str], args) 
         except KernelMissing as e:
             results.append({**rec, "status": f"missing: {e}"})
             continue
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             status = f"missing: {_short(e)}" if KERNELS[name].unavailable(e) else f"FAIL: {_short(e)}"
             results.append({**rec, "status": status})
             continue
@@ -1095,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
         table = make_block_table(shape[0], shape[1] // PAGE, args.page_order, args.seed + i).to(DEVICE)
         try:
             run_shape(shape, groups[shape], args.kernels, args, flush, table, result["records"])
-        except Exception as e:  # noqa: BLE001 - a lost CUDA context ends the run, with what was measured
+        except Exception as e:
             result["fatal"].append(_short(e))
             result["skipped"] += [{"B": b, "L": n, "reason": "not run: the run ended (FATAL above)"}
                                   for b, n in shapes[i + 1:]]

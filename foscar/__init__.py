@@ -2,15 +2,43 @@
 from .cache import PageTable, QuantKVCache, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
-from .format import (BF16_INJECTION, CHANNEL, E2M1_PLACEMENT, E4M3_PLACEMENT, LAYOUT_TAG, MAPPINGS, TOKEN, KVFormat,
-                     OperandMapping, pack_codes, unpack_codes)
+from .format import (
+                     BF16_INJECTION,
+                     CHANNEL,
+                     E2M1_PLACEMENT,
+                     E4M3_PLACEMENT,
+                     LAYOUT_TAG,
+                     MAPPINGS,
+                     TOKEN,
+                     KVFormat,
+                     OperandMapping,
+                     pack_codes,
+                     unpack_codes,
+)
 from .reference import decode_exact
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BF16_INJECTION", "CHANNEL", "E2M1_PLACEMENT", "E4M3_PLACEMENT", "LAYOUT_TAG", "MAPPINGS", "TOKEN",
-    "FoscarError", "InvalidArgumentError", "KVFormat", "OperandMapping", "PageTable", "QuantKVCache",
-    "UnsupportedError", "combine_partials", "decode_exact", "decode_folded", "pack_codes", "quantize_kv",
-    "unpack_codes", "__version__",
+                     "BF16_INJECTION",
+                     "CHANNEL",
+                     "E2M1_PLACEMENT",
+                     "E4M3_PLACEMENT",
+                     "LAYOUT_TAG",
+                     "MAPPINGS",
+                     "TOKEN",
+                     "FoscarError",
+                     "InvalidArgumentError",
+                     "KVFormat",
+                     "OperandMapping",
+                     "PageTable",
+                     "QuantKVCache",
+                     "UnsupportedError",
+                     "__version__",
+                     "combine_partials",
+                     "decode_exact",
+                     "decode_folded",
+                     "pack_codes",
+                     "quantize_kv",
+                     "unpack_codes",
 ]

@@ -1,7 +1,7 @@
 """Argument checks shared by every public function (one home for the wording)."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -48,7 +48,7 @@ class PageTable:
                      device=self.block_table.device)
 
     @classmethod
-    def from_block_table(cls, block_table: torch.Tensor, num_pages: torch.Tensor | None = None) -> "PageTable":
+    def from_block_table(cls, block_table: torch.Tensor, num_pages: torch.Tensor | None = None) -> PageTable:
         """vLLM-style block table ``[B, max_pages]``; ``num_pages[b]`` valid entries (default: all)."""
         check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
         B = block_table.shape[0]
@@ -61,7 +61,7 @@ class PageTable:
 
     @classmethod
     def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor | None = None,
-                 page_size: int | None = None) -> "PageTable":
+                 page_size: int | None = None) -> PageTable:
         """FlashInfer-style CSR: pages of sequence ``b`` are ``indices[indptr[b]:indptr[b+1]]``.
 
         With ``last_page_len`` (and ``page_size``), the quantized length of sequence ``b`` is
@@ -334,7 +334,7 @@ class QuantKVCache:
     @classmethod
     def _allocate(cls, fmt: KVFormat, *, seq_lens: torch.Tensor, num_kv_heads: int, page_size: int | None,
                   page_table: PageTable | None, num_pages: int | None, window_dtype: torch.dtype,
-                  device: torch.device) -> "QuantKVCache":
+                  device: torch.device) -> QuantKVCache:
         """An all-zero cache with room for ``seq_lens``; the quantized parts are then written."""
         B, H, D = seq_lens.shape[0], num_kv_heads, fmt.head_dim
         _, n_quant, _ = fmt.split_length(seq_lens.long())
@@ -417,7 +417,7 @@ class QuantKVCache:
     @classmethod
     def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
                        k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
-                       page_table: PageTable | None = None, num_pages: int | None = None) -> "QuantKVCache":
+                       page_table: PageTable | None = None, num_pages: int | None = None) -> QuantKVCache:
         """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
 
         Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),

@@ -169,7 +169,7 @@ def inject_pair_bf16(words: torch.Tensor, shift: int | torch.Tensor, bits: int) 
 # --------------------------------------------------------------------------------------------
 # The packed layout (docs/layout.md)
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def block_map(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each code of one pack block lives: ``(word, shift)``, each of shape ``[tokens, head_dim]``.
 

@@ -51,7 +51,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *
     exponentials of the scaled scores; with ``n = 0`` the output is zero and ``lse = -inf`` (the
     convention every split and the combine rely on).
     """
-    H, G, D = q.shape
+    H, G, _ = q.shape
     if operand_dtype is not None:
         q, k, v = (x.to(operand_dtype).float() for x in (q, k, v))
     k, v = k.to(q.dtype), v.to(q.dtype)

@@ -464,8 +464,8 @@ def test_host_sync_detector(monkeypatch):
 
 
 def test_kernel_time_sums_the_calls_gpu_events(monkeypatch):
-    from torch.autograd import DeviceType
     import torch.profiler
+    from torch.autograd import DeviceType
 
     def event(device, start, end, annotation=False):
         span = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)

@@ -16,8 +16,19 @@ import pytest
 import torch
 
 import foscar
-from foscar import (InvalidArgumentError, KVFormat, PageTable, QuantKVCache, UnsupportedError, combine_partials,
-                    decode_exact, decode_folded, pack_codes, quantize_kv, unpack_codes)
+from foscar import (
+    InvalidArgumentError,
+    KVFormat,
+    PageTable,
+    QuantKVCache,
+    UnsupportedError,
+    combine_partials,
+    decode_exact,
+    decode_folded,
+    pack_codes,
+    quantize_kv,
+    unpack_codes,
+)
 
 D = 64
 B, HKV, L = 2, 2, 40

@@ -8,11 +8,11 @@ ranges 1e-3..1e3, constant groups and every operand mapping.
 
 import pytest
 import torch
+from _helpers import bf16_attention, fold_amplification, rel
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import foscar
-from _helpers import bf16_attention, fold_amplification, rel
 from foscar.errors import UnsupportedError
 
 AXES = ("token", "channel")

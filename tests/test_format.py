@@ -7,8 +7,16 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import foscar
-from foscar.format import (BF16_INJECTION, E2M1_PLACEMENT, E4M3_PLACEMENT, MAPPINGS, block_tokens, inject_pair_bf16,
-                           pack_codes, unpack_codes)
+from foscar.format import (
+    BF16_INJECTION,
+    E2M1_PLACEMENT,
+    E4M3_PLACEMENT,
+    MAPPINGS,
+    block_tokens,
+    inject_pair_bf16,
+    pack_codes,
+    unpack_codes,
+)
 
 BITS = (2, 4)
 HEAD_DIMS = (64, 128, 256)

@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 import torch
+from _helpers import bf16_attention, fold_amplification, rel
 
 import foscar
 import foscar.triton as ft
-from _helpers import bf16_attention, fold_amplification, rel
 from foscar.errors import InvalidArgumentError, UnsupportedError
 
 GPU = torch.cuda.is_available()

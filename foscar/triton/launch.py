@@ -178,7 +178,7 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16))
     B, Hq, D = q.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
-    P, Hkv, page, Dk = k_cache.shape
+    _, Hkv, page, Dk = k_cache.shape
     if Dk != D or Hq % Hkv:
         raise InvalidArgumentError("k_cache", f"[pages, Hkv, page, {D}] with Hq={Hq} a multiple of Hkv",
                                    tuple(k_cache.shape))
