@@ -35,6 +35,9 @@ operand-fold this means writing ``x = s'*y + z'`` as ``s'*(y - c) + (z' + c*s')`
 the product exactly and leaves the rounding error acting on the centred ``q - (2^bits - 1)/2``.
 (In exact arithmetic the correction equals ``sum(A * z')``.) A correction from the unrounded
 operand instead lets the injected ``beta = 128`` multiply the rounding error about a hundredfold.
+Acc-fold is centred the same way, ``s' (partial - c sum A) + (z' + c s') sum A``: ``z' + c s'`` is
+the group's midpoint, so for centred data the correction no longer cancels a large ``z * sum A``
+(in float32 accumulation this is what keeps long sequences within 1e-5).
 
 Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
 (plain attention); an LSE combine merges them all.
@@ -86,17 +89,25 @@ class _FoldedSequence:
         self.operand_dtype, self.pv_operand_dtype = operand_dtype, pv_operand_dtype
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
-        self.params = {t: tuple(p.to(dtype) for p in cache.quantized_params(t, b)) for t in ("k", "v")}
-        # The mapping each product's operands are built with: the cache's (exact mode), or, when the
-        # operands are rounded to BF16/FP16 as in the kernels, the injection those kernels use
-        # (q in the top mantissa bits, y = q + 2^bits); the stored z' are re-based to its offset.
+        raw = {t: cache.quantized_params(t, b) for t in ("k", "v")}
+        # The operands are built as the kernels build them: codes injected into the top mantissa bits
+        # (y = q + 2^bits; FP16 for a PV product in FP16, BF16 otherwise) and the stored z' (made for
+        # the cache's mapping) re-based to that offset. Caches for a mapping with alpha != 1 (E4M3,
+        # E2M1 placement) use their own mapping.
         self.op = {"k": self.fmt.op, "v": self.fmt.op}
         if self.fmt.op.alpha == 1.0:
-            for t, dt in (("k", operand_dtype), ("v", pv_operand_dtype)):
-                if dt in (torch.bfloat16, torch.float16):
-                    self.op[t] = operand_for(dt, self.fmt.bits)
-        self.beta_shift = {t: self.op[t].beta - self.fmt.op.beta for t in ("k", "v")}
-        self.pivot = {t: self.op[t].pivot(self.fmt.bits) for t in ("k", "v")}  # operand-fold corrections' centre
+            self.op["k"] = operand_for(torch.bfloat16, self.fmt.bits)
+            self.op["v"] = operand_for(pv_operand_dtype if pv_operand_dtype == torch.float16 else torch.bfloat16,
+                                       self.fmt.bits)
+        self.pivot = {t: self.op[t].pivot(self.fmt.bits) for t in ("k", "v")}  # operand value of the middle code
+        # Every fold takes its offset term around the pivot c: x = s' (y - c) + mid, where
+        # mid = z' + (c - (beta_op - beta_cache)) s' is the group's middle value, formed from the stored
+        # FP32 constants in float64 and rounded once to the compute dtype.
+        self.params = {}
+        for t in ("k", "v"):
+            sp, zp = (x.double() for x in raw[t])
+            mid = zp + (self.pivot[t] - (self.op[t].beta - self.fmt.op.beta)) * sp
+            self.params[t] = (sp.to(dtype), mid.to(dtype))
 
     def rnd(self, x: torch.Tensor, tensor: str = "k") -> torch.Tensor:
         """Round to the operand format the tensor core consumes (identity in exact mode)."""
@@ -136,21 +147,18 @@ class _FoldedSequence:
     def scores(self, Qt: torch.Tensor, tile: _Tile) -> torch.Tensor:
         H, G, D = Qt.shape
         g, yk = self.fmt.group_size, tile.y_k
-        sp, zp = self.params["k"]
-        if self.beta_shift["k"]:
-            zp = zp - self.beta_shift["k"] * sp
+        sp, mid = self.params["k"]
+        c = self.pivot["k"]
         if self.fmt.k_axis == TOKEN:  # acc-fold over channel groups
-            sp, zp = sp[:, tile.t0: tile.t0 + tile.n], zp[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
+            sp, mid = sp[:, tile.t0: tile.t0 + tile.n], mid[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
             C = D // g
             partial = torch.einsum("hgcj,hncj->hgnc", Qt.reshape(H, G, C, g), yk.reshape(H, tile.n, C, g))
-            q_sum = Qt.reshape(H, G, C, g).sum(-1)  # sum of the consumed (rounded) Q per group
-            return (partial * sp[:, None] + zp[:, None] * q_sum[:, :, None, :]).sum(-1)
+            q_sum = Qt.reshape(H, G, C, g).sum(-1)[:, :, None, :]  # sum of the consumed (rounded) Q per group
+            return ((partial - c * q_sum) * sp[:, None] + mid[:, None] * q_sum).sum(-1)
         S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
         for gi, seg in self.group_segments(tile):
-            c = self.pivot["k"]
-            s_row, z_row = sp[:, gi], zp[:, gi] + c * sp[:, gi]  # [H, D]: s', z' + c s'
-            Qp = self.rnd(Qt * s_row[:, None, :])  # Q' = Q s', the operand
-            corr = (Qt * z_row[:, None, :]).sum(-1) - c * Qp.sum(-1)
+            Qp = self.rnd(Qt * sp[:, gi][:, None, :])  # Q' = Q s', the operand
+            corr = (Qt * mid[:, gi][:, None, :]).sum(-1) - c * Qp.sum(-1)
             S[..., seg] = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg]) + corr[..., None]
         return S
 
@@ -158,23 +166,21 @@ class _FoldedSequence:
     def values(self, p: torch.Tensor, tile: _Tile) -> torch.Tensor:
         H, G, n = p.shape
         D, g, yv = self.fmt.head_dim, self.fmt.group_size, tile.y_v
-        sp, zp = self.params["v"]
-        if self.beta_shift["v"]:
-            zp = zp - self.beta_shift["v"] * sp
+        sp, mid = self.params["v"]
+        c = self.pivot["v"]
         if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
-            c = self.pivot["v"]
-            sp, zp = sp[:, tile.t0: tile.t0 + n], zp[:, tile.t0: tile.t0 + n]  # [H, n, C]
-            z = zp + c * sp
+            sp, mid = sp[:, tile.t0: tile.t0 + n], mid[:, tile.t0: tile.t0 + n]  # [H, n, C]
             Pp = self.rnd_scaled(p[..., None] * sp[:, None], dim=2)  # [H, G, n, C]: P' = P s', the operand
             C = D // g
             prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
-            corr = torch.einsum("hgn,hnc->hgc", p, z) - c * Pp.sum(2)
+            corr = torch.einsum("hgn,hnc->hgc", p, mid) - c * Pp.sum(2)
             return (prod + corr[..., None]).reshape(H, G, D)
         out = p.new_zeros(H, G, D)  # acc-fold over token groups
         Pt = self.rnd(p, "v")
         for gi, seg in self.group_segments(tile):
             partial = torch.einsum("hgn,hnd->hgd", Pt[..., seg], yv[:, seg])  # group-local partial
-            out += sp[:, gi][:, None] * partial + zp[:, gi][:, None] * Pt[..., seg].sum(-1, keepdim=True)
+            p_sum = Pt[..., seg].sum(-1, keepdim=True)
+            out += sp[:, gi][:, None] * (partial - c * p_sum) + mid[:, gi][:, None] * p_sum
         return out
 
     def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float):

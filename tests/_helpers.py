@@ -1,4 +1,4 @@
-"""Shared test helpers: relative error, the fold's float amplification, BF16 attention's error."""
+"""Shared test helpers: relative error and BF16 attention's error."""
 import math
 
 import torch
@@ -8,22 +8,6 @@ import foscar
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def fold_amplification(cache) -> float:
-    """kappa = 1 + c * max|s'| / max|x| over the quantized values (c the correction pivot, about beta):
-    with an injected offset (beta = 128) the MMA accumulates c*s'*sum(A) and the offset correction
-    cancels it, so a float accumulator keeps its relative precision of that term, not of the result.
-    kappa = 1 for mappings without an offset (beta = 0)."""
-    if cache.fmt.op.beta == 0:
-        return 1.0
-    beta = cache.fmt.op.pivot(cache.fmt.bits)
-    kd, vd = cache.dequantize()
-    kappa = 1.0
-    for sp, x in ((cache.k_params[..., 0], kd), (cache.v_params[..., 0], vd)):
-        if float(x.abs().max()) > 0:
-            kappa = max(kappa, 1.0 + beta * float(sp.abs().max()) / float(x.abs().max()))
-    return kappa
 
 
 def bf16_attention(q: torch.Tensor, cache, *, sdpa: bool = False) -> torch.Tensor:

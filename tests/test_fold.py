@@ -8,7 +8,7 @@ ranges 1e-3..1e3, constant groups and every operand mapping.
 
 import pytest
 import torch
-from _helpers import bf16_attention, fold_amplification, rel
+from _helpers import bf16_attention, rel
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -121,16 +121,17 @@ def test_folded_equals_exact_float64(case):
 @given(decode_case())
 @example(PAPER)
 @example({**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=128, group_size=128, mapping="e4m3")})
+@example({**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="token", v_axis="channel"),
+          "lens": [5000]})
 def test_folded_equals_exact_float32(case):
-    """float32 accumulation: <= 1e-5 relative for mappings without an offset (E4M3, E2M1); with
-    BF16 injection (beta = 128) the bound is 1e-5 * kappa (fold_amplification; about 1e-4 is
-    measured at L = 1000-5000, INT2)."""
+    """float32 accumulation: <= 1e-5 relative. (With the paper's operand, q + 128, and offsets not
+    taken around the group's middle value, this was 1e-4 at L = 1000-5000: see docs/results.md.)"""
     q, cache = build(case)
     exact = foscar.decode_exact(q, cache)
     folded = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"],
                                   dtype=torch.float32)
     assert folded.dtype == torch.float32
-    assert rel(folded, exact) <= 1e-5 * fold_amplification(cache)
+    assert rel(folded, exact) <= 1e-5
 
 
 @pytest.mark.parametrize("k_axis", AXES)

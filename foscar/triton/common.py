@@ -46,9 +46,9 @@ def round_operand(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def dot(a, b, INTERPRET: tl.constexpr):
-    """``a @ b`` with fp32 accumulation (operands upcast under the interpreter)."""
+    """``a @ b`` with fp32 accumulation (operands upcast to exact float32 under the interpreter)."""
     if INTERPRET:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         r = tl.dot(a, b)
     return r

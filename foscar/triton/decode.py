@@ -6,7 +6,8 @@ operands from the packed words (:mod:`foscar.triton.tiles`), and applies the fol
 exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
 
 - token-wise K, acc-fold: group-local partials ``Q[:, G] . y[t, G]`` (a batched dot over the
-  ``C = D/g`` channel groups), each scaled by ``s'[t, G]``, plus ``z'[t, G] * sum(Q[:, G])``;
+  ``C = D/g`` channel groups), each scaled by ``s'[t, G]``, plus ``z'[t, G] * sum(Q[:, G])`` (both
+  taken around the pivot ``c``, as :func:`foscar.decode_folded` does);
 - channel-wise K, operand-fold: ``Q' = bf16(Q * s')`` of the tile's token group, plus the correction
   ``sum(Q * (z' + c s')) - c * sum(Q')`` around the pivot ``c``;
 - token-wise V, operand-fold: ``P' = bf16(P * s'[t, G])`` per channel group, plus
@@ -15,8 +16,9 @@ exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
 
 Codes are injected into the top mantissa bits (:func:`foscar.format.operand_for`: ``y = q + 2^bits``,
 offset 16 for INT4, 4 for INT2, instead of the paper's 128: the same two instructions per register,
-but the accumulators carry a smaller ``beta * s' * sum``); the stored ``z'`` (made for ``q + 128``)
-are re-based by ``*_BETA_SHIFT``. The QK operands are BF16 (Q as given). The PV operands are FP16 on
+but the accumulators carry a smaller ``beta * s' * sum``). Every offset term is taken around the
+pivot ``c`` (the operand of the middle code): ``x = s' (y - c) + mid``, with ``mid = z' + *_MID * s'``
+the group's middle value, formed from the stored ``z'`` (made for ``q + 128``) in one FMA. The QK operands are BF16 (Q as given). The PV operands are FP16 on
 the GPU (``PV_F16``; ``P~ = fp16(P)``, and ``P s'`` scaled by a power of two per tile before
 rounding): 8x finer than BF16, which keeps the operand-fold error below BF16 attention's even for
 one-token sequences.
@@ -52,24 +54,37 @@ def _pv_operand(x, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _token_params(ptr, off, tt, valid, C: tl.constexpr, BETA_SHIFT: tl.constexpr):
-    """Token-wise ``(s', z')`` of the tile's tokens, ``[C, BLOCK_N]`` each, ``z'`` re-based to the operand."""
-    cc = tl.arange(0, C)
-    o = ((off + tt)[None, :] * C + cc[:, None]) * 2
-    s = tl.load(ptr + o, mask=valid[None, :], other=0.0)
-    z = tl.load(ptr + o + 1, mask=valid[None, :], other=0.0) - BETA_SHIFT * s
-    return s, z
+def _middle(s, z, MID: tl.constexpr, INTERPRET: tl.constexpr):
+    """``z' + MID * s'`` with one rounding: an FMA on the GPU, float64 under the interpreter (which has
+    no fused multiply-add). Two roundings would cost ``2^-24 * |MID * s'|``, ~100x ``ulp(mid)``."""
+    if INTERPRET:
+        r = (z.to(tl.float64) + MID * s.to(tl.float64)).to(tl.float32)
+    else:
+        r = tl.fma(s, MID, z)
+    return r
 
 
 @triton.jit
-def _channel_params(ptr, off, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, BETA_SHIFT: tl.constexpr):
-    """Channel-wise ``(s', z')`` of the tile's token group, ``[D]`` each (a page shorter than a group keeps
-    its group's row as row 0), ``z'`` re-based to the operand."""
+def _token_params(ptr, off, tt, valid, C: tl.constexpr, MID: tl.constexpr, INTERPRET: tl.constexpr):
+    """Token-wise ``(s', mid)`` of the tile's tokens, ``[C, BLOCK_N]`` each: ``mid = z' + MID * s'`` (one
+    FMA) is the group's middle value, the offset every fold uses around the pivot."""
+    cc = tl.arange(0, C)
+    o = ((off + tt)[None, :] * C + cc[:, None]) * 2
+    s = tl.load(ptr + o, mask=valid[None, :], other=0.0)
+    z = tl.load(ptr + o + 1, mask=valid[None, :], other=0.0)
+    return s, _middle(s, z, MID, INTERPRET)
+
+
+@triton.jit
+def _channel_params(ptr, off, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, MID: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Channel-wise ``(s', mid)`` of the tile's token group, ``[D]`` each (a page shorter than a group
+    keeps its group's row as row 0)."""
     row = off // GROUP if PAGE >= GROUP else 0
     dd = tl.arange(0, D)
     s = tl.load(ptr + (row * D + dd) * 2)
-    z = tl.load(ptr + (row * D + dd) * 2 + 1) - BETA_SHIFT * s
-    return s, z
+    z = tl.load(ptr + (row * D + dd) * 2 + 1)
+    return s, _middle(s, z, MID, INTERPRET)
 
 
 @triton.jit
@@ -86,8 +101,8 @@ def fold_decode_stage1(
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_BETA_SHIFT: tl.constexpr, K_PIVOT: tl.constexpr,
-    V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_BETA_SHIFT: tl.constexpr, V_PIVOT: tl.constexpr,
+    K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_MID: tl.constexpr, K_PIVOT: tl.constexpr,
+    V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -98,6 +113,7 @@ def fold_decode_stage1(
     KGC: tl.constexpr = D // KC_
     VGC: tl.constexpr = D // VC_
     WPT: tl.constexpr = D * BITS // 32  # words per token
+    HALF: tl.constexpr = ((1 << BITS) - 1) / 2  # the middle code: x = s' (q - HALF) + mid
 
     n_quant = tl.load(NQ + b)
     t_lo, t_hi = split_range(n_quant, BLOCK_N, NUM_SPLITS, split)
@@ -132,29 +148,29 @@ def fold_decode_stage1(
         kp = KP + page * stride_kpp + kvh * stride_kph
         # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
         if K_TOKEN:
-            ks, kz = _token_params(kp, off, tt, valid, KC_, K_BETA_SHIFT)
+            ks, kmid = _token_params(kp, off, tt, valid, KC_, K_MID, INTERPRET)
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
                 yk = k_operand(kbase, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
-                s = tl.sum(part * ks[:, None, :] + q_sum3[:, :, None] * kz[:, None, :], axis=0)
+                # centred on the pivot: s' (part - c sum Q) + (z' + c s') sum Q
+                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * ks[:, None, :]
+                           + q_sum3[:, :, None] * kmid[:, None, :], axis=0)
             else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
                 kc = k_codes(kbase, BLOCK_N, D, BITS, KC_)
-                x = round_operand(ks[:, :, None] * (kc.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[:, :, None],
-                                   INTERPRET)
+                x = round_operand(ks[:, :, None] * (kc.to(tl.float32) - HALF) + kmid[:, :, None], INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
         else:
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
                 if (t0 % GROUP == 0) | (tile == t_lo):  # a new token group
-                    ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
+                    ks, kmid = _channel_params(kp, off, D, GROUP, PAGE, K_MID, INTERPRET)
                     qs = round_operand(qf * ks[None, :], INTERPRET)
-                    kcorr = (tl.sum(qf * (kz + K_PIVOT * ks)[None, :], axis=1)
-                             - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1))
+                    kcorr = tl.sum(qf * kmid[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
                 yk = tl.reshape(k_operand(kbase, BLOCK_N, D, BITS, 1, K_SHL, K_PATTERN, INTERPRET), (BLOCK_N, D))
                 s = dot(qs, tl.trans(yk), INTERPRET) + kcorr[:, None]
             else:
-                ks, kz = _channel_params(kp, off, D, GROUP, PAGE, K_BETA_SHIFT)
+                ks, kmid = _channel_params(kp, off, D, GROUP, PAGE, K_MID, INTERPRET)
                 ck = tl.reshape(k_codes(kbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
-                x = round_operand(ks[None, :] * (ck.to(tl.float32) + (128.0 + K_BETA_SHIFT)) + kz[None, :], INTERPRET)
+                x = round_operand(ks[None, :] * (ck.to(tl.float32) - HALF) + kmid[None, :], INTERPRET)
                 s = dot(q, tl.trans(x), INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
@@ -164,14 +180,14 @@ def fold_decode_stage1(
         vbase = VC + page * stride_cp + kvh * stride_ch + off * WPT
         vp = VP + page * stride_vpp + kvh * stride_vph
         if V_TOKEN:
-            vs, vz = _token_params(vp, off, tt, valid, VC_, V_BETA_SHIFT)
+            vs, vmid = _token_params(vp, off, tt, valid, VC_, V_MID, INTERPRET)
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
                 pv = p * vs1[None, :]
                 top = tl.max(tl.abs(pv), axis=1)
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [BLOCK_H]
                 pvr = _pv_operand(pv / scale[:, None], PV_F16, INTERPRET)
-                corr = (tl.sum(p * (tl.reshape(vz, (BLOCK_N,)) + V_PIVOT * vs1)[None, :], axis=1)
+                corr = (tl.sum(p * tl.reshape(vmid, (BLOCK_N,))[None, :], axis=1)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=1))
                 yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
@@ -182,30 +198,30 @@ def fold_decode_stage1(
                 top = tl.max(tl.abs(pv), axis=2)
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [VC_, BLOCK_H]
                 pvr = _pv_operand(pv / scale[:, :, None], PV_F16, INTERPRET)
-                corr = (tl.sum(p[None, :, :] * (vz + V_PIVOT * vs)[:, None, :], axis=2)
+                corr = (tl.sum(p[None, :, :] * vmid[:, None, :], axis=2)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
                 yv = v_operand_t(vbase, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
                 part = _dot_batched(yv, tl.permute(pvr, (0, 2, 1)), INTERPRET)  # [VC_, VGC, BLOCK_H]
                 acc += part * scale[:, None, :] + corr[:, None, :]
             else:
                 vc = v_codes(vbase, BLOCK_N, D, BITS, VC_)
-                x = round_operand(vs[:, :, None] * (vc.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[:, :, None],
-                                  INTERPRET)
+                x = round_operand(vs[:, :, None] * (vc.to(tl.float32) - HALF) + vmid[:, :, None], INTERPRET)
                 pb = round_operand(tl.trans(p), INTERPRET)
                 acc += _dot_batched(tl.permute(x, (0, 2, 1)), tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_N, BLOCK_H)),
                                     INTERPRET)
         else:
-            vs, vz = _channel_params(vp, off, D, GROUP, PAGE, V_BETA_SHIFT)
+            vs, vmid = _channel_params(vp, off, D, GROUP, PAGE, V_MID, INTERPRET)
             if FOLD:  # acc-fold: one token group per tile
                 pb = _pv_operand(p, PV_F16, INTERPRET)
                 yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
                 part = dot(yv, tl.trans(pb), INTERPRET)  # [D, BLOCK_H]
-                upd = part * vs[:, None] + tl.sum(pb.to(tl.float32), axis=1)[None, :] * vz[:, None]
+                p_sum = tl.sum(pb.to(tl.float32), axis=1)[None, :]  # centred: s' (part - c sum P) + (z' + c s') sum P
+                upd = (part - V_PIVOT * p_sum) * vs[:, None] + p_sum * vmid[:, None]
             else:
                 cv = tl.reshape(v_codes(vbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 pb = round_operand(p, INTERPRET)
-                x = round_operand(vs[None, :] * (cv.to(tl.float32) + (128.0 + V_BETA_SHIFT)) + vz[None, :], INTERPRET)
+                x = round_operand(vs[None, :] * (cv.to(tl.float32) - HALF) + vmid[None, :], INTERPRET)
                 upd = dot(tl.trans(x), tl.trans(pb), INTERPRET)
             acc += tl.reshape(upd, (VC_, VGC, BLOCK_H))
 

@@ -139,11 +139,13 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
 
 
 def _injection_args(prefix: str, op, fmt) -> dict:
-    """Constexprs of one product's operand injection, and the re-basing of the cache's z' to it."""
+    """Constexprs of one product's operand injection, its pivot, and how the group's middle value is
+    formed from the cache's stored ``z'``."""
     pattern = int(op.inject_bits(torch.zeros((), dtype=torch.int32))) & 0xFFFF
     shl = INJECTION_FORMATS[op.operand][1] - int(math.log2(op.beta))
-    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_BETA_SHIFT": op.beta - fmt.op.beta,
-            f"{prefix}_PIVOT": op.pivot(fmt.bits)}
+    pivot = op.pivot(fmt.bits)
+    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
+            f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}  # mid = z' + MID s': the group's middle value
 
 
 def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,
