@@ -1,24 +1,27 @@
-"""Affine-folded decode, literally as the paper states it: the executable spec of every kernel.
+"""Affine-folded decode as the paper states it: the executable spec of every kernel.
 
 Per sequence and KV head, the quantized tokens are walked in KV tiles of ``tile_tokens`` tokens,
 grouped into ``num_splits`` contiguous splits (split-KV). Inside a tile nothing computes
-``s*q + z`` per value. The tensor-core operands are built from the packed words by the bit trick
-of the cache's :class:`~foscar.format.OperandMapping` (``y = alpha*q + beta``, e.g. ``0x4300 | q``
-= ``q + 128``), and the folded constants ``s' = s/alpha``, ``z' = z - beta*s'`` are applied as in
-paper Sec. 4.1-4.2 (Fig. 5):
+``s*q + z`` per value. The tensor-core operands are built from the packed words by a bit trick,
+``y = alpha*q + beta``. The kernels' injection puts ``q`` in the top mantissa bits:
+``y = q + 2^bits`` (:func:`~foscar.format.operand_for`). The paper's is ``0x4300 | q`` = ``q + 128``;
+the cache's constants are stored for it. The folded constants (paper eq. 5) are applied as in
+paper Sec. 4.1-4.2 (Fig. 5). Every offset term is taken around the pivot ``c``, the operand of the
+middle code: ``x = s' (y - c) + mid``, where ``mid = z' + (c - beta + beta_cache) s'`` is the
+group's middle value (``z + s (2^bits - 1)/2``):
 
 ============  ===========  ====================================================================
 cache         product      fold
 ============  ===========  ====================================================================
 token-wise K  Q K^T (sum   **acc-fold**: per channel group, the group-local partial
-              over D)      ``Q[:, G] . y[t, G]`` is scaled by ``s'[t, G]``; offset correction
-                           ``z'[t, G] * sum(Q[:, G])``
+              over D)      ``Q[:, G] . y[t, G]``; ``s'[t, G] (partial - c sum Q[:, G])`` plus the
+                           offset correction ``mid[t, G] * sum(Q[:, G])``
 channel-wise  Q K^T        **operand-fold**: per token group, ``Q' = Q * s'[group]`` is the operand;
-K                          offset correction ``sum_c Q z'``
+K                          offset correction ``sum_c Q mid - c sum_c Q'``
 token-wise V  P V (sum     **operand-fold**: per channel group, ``P' = P * s'[t, G]`` is the operand;
-              over L)      offset correction ``sum_t P z'``
+              over L)      offset correction ``sum_t P mid - c sum_t P'``
 channel-wise  P V          **acc-fold**: per token group, the group-local partial ``P[:, group] .
-V                          y[group]`` is scaled by ``s'[group]``; correction ``z' * sum(P[group])``
+V                          y[group]``; ``s' (partial - c sum P) + mid * sum(P[group])``
 ============  ===========  ====================================================================
 
 Ordering: K corrections land before the softmax (before ``sm_scale`` and the running max); V
@@ -28,16 +31,13 @@ piece is scaled before it joins the accumulator; when a tile spans groups, each 
 
 Numerics of the constructed operands (``../shared/docs/triton-notes.md``): with ``operand_dtype``
 (e.g. ``torch.bfloat16``) the operands the tensor core consumes (``Q``, ``Q'``, ``P'``, ``P``) are
-rounded to it, and every offset correction is computed from the *rounded* operand. For
-operand-fold this means writing ``x = s'*y + z'`` as ``s'*(y - c) + (z' + c*s')`` around the pivot
-``c = beta + alpha*(2^bits - 1)/2`` (:meth:`OperandMapping.pivot`): correction
-``= sum(A * (z' + c*s')) - c * sum(round(A * s'))``, which cancels the ``c * round(A*s')`` part of
-the product exactly and leaves the rounding error acting on the centred ``q - (2^bits - 1)/2``.
-(In exact arithmetic the correction equals ``sum(A * z')``.) A correction from the unrounded
-operand instead lets the injected ``beta = 128`` multiply the rounding error about a hundredfold.
-Acc-fold is centred the same way, ``s' (partial - c sum A) + (z' + c s') sum A``: ``z' + c s'`` is
-the group's midpoint, so for centred data the correction no longer cancels a large ``z * sum A``
-(in float32 accumulation this is what keeps long sequences within 1e-5).
+rounded to it, and every offset correction is computed from the *rounded* operand: ``- c sum(A')``
+cancels the ``c`` part of the product ``A' . y`` exactly, and the rounding error acts only on the
+centred ``q - (2^bits - 1)/2``. A correction from the unrounded operand instead lets the injected
+``beta = 128`` multiply the rounding error about a hundredfold. Centring also keeps the offset term
+``mid * sum`` from cancelling a large ``z * sum`` for centred data. With float32 accumulation this,
+the small injected offset and the single rounding of ``mid`` (formed in float64 here, by an FMA in
+the kernels) keep every configuration within 1e-5 of the exact result.
 
 Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
 (plain attention); an LSE combine merges them all.
