@@ -114,12 +114,15 @@ class _FoldedSequence:
         dt = self.operand_dtype if tensor == "k" else self.pv_operand_dtype
         return x if dt is None else x.to(dt).to(self.dtype)
 
-    def rnd_scaled(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """A PV operand ``P*s'``: in FP16 (5 exponent bits) it is rounded as ``x * 2^-e`` with ``2^e``
-        the power of two above the tile's largest ``|x|`` along ``dim``, then scaled back exactly."""
+    def rnd_scaled(self, p: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
+        """The PV operand ``P s'`` (``p [H, G, n]``, ``s' [H, n, C]`` -> ``[H, G, n, C]``). In FP16
+        (5 exponent bits) it is rounded as ``P (s' 2^-e)`` with ``2^e`` the power of two at or above
+        the tile's largest ``|s'|`` per channel group (``P <= 1``, so the operand is at most 1), then
+        scaled back exactly."""
+        x = p[..., None] * sp[:, None]
         if self.pv_operand_dtype != torch.float16:
             return self.rnd(x, "v")
-        top = x.abs().amax(dim=dim, keepdim=True)
+        top = sp.abs().amax(dim=1, keepdim=True)[:, None]  # [H, 1, 1, C]
         scale = torch.exp2(torch.ceil(torch.log2(torch.where(top > 0, top, torch.ones_like(top)))))
         return self.rnd(x / scale, "v") * scale
 
@@ -170,7 +173,7 @@ class _FoldedSequence:
         c = self.pivot["v"]
         if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
             sp, mid = sp[:, tile.t0: tile.t0 + n], mid[:, tile.t0: tile.t0 + n]  # [H, n, C]
-            Pp = self.rnd_scaled(p[..., None] * sp[:, None], dim=2)  # [H, G, n, C]: P' = P s', the operand
+            Pp = self.rnd_scaled(p, sp)  # [H, G, n, C]: P' = P s', the operand
             C = D // g
             prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
             corr = torch.einsum("hgn,hnc->hgc", p, mid) - c * Pp.sum(2)

@@ -183,26 +183,24 @@ def fold_decode_stage1(
             vs, vmid = _token_params(vp, off, tt, valid, VC_, V_MID, INTERPRET)
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
-                pv = p * vs1[None, :]
-                top = tl.max(tl.abs(pv), axis=1)
-                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [BLOCK_H]
-                pvr = _pv_operand(pv / scale[:, None], PV_F16, INTERPRET)
+                top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the tile's largest |s'| bounds the operand
+                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two
+                pvr = _pv_operand(p * (vs1 / scale)[None, :], PV_F16, INTERPRET)
                 corr = (tl.sum(p * tl.reshape(vmid, (BLOCK_N,))[None, :], axis=1)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=1))
                 yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
-                upd = dot(yv, tl.trans(pvr), INTERPRET) * scale[None, :] + corr[None, :]  # [D, BLOCK_H]
+                upd = dot(yv, tl.trans(pvr), INTERPRET) * scale + corr[None, :]  # [D, BLOCK_H]
                 acc += tl.reshape(upd, (1, D, BLOCK_H))
-            elif FOLD:  # operand-fold: P' = P s'[t, G], rounded after a power-of-two scaling; correction around the pivot
-                pv = p[None, :, :] * vs[:, None, :]  # [VC_, BLOCK_H, BLOCK_N]
-                top = tl.max(tl.abs(pv), axis=2)
-                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # [VC_, BLOCK_H]
-                pvr = _pv_operand(pv / scale[:, :, None], PV_F16, INTERPRET)
+            elif FOLD:  # operand-fold per channel group: P' = P s'[t, G] (power-of-two scaled), pivot correction
+                top = tl.max(tl.abs(vs), axis=1)  # [VC_]: P <= 1, so |s'| bounds the operand
+                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))[:, None]  # [VC_, 1]
+                pvr = _pv_operand(p[None, :, :] * (vs / scale)[:, None, :], PV_F16, INTERPRET)  # [VC_, H, N]
                 corr = (tl.sum(p[None, :, :] * vmid[:, None, :], axis=2)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
                 yv = v_operand_t(vbase, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
                 part = _dot_batched(yv, tl.permute(pvr, (0, 2, 1)), INTERPRET)  # [VC_, VGC, BLOCK_H]
-                acc += part * scale[:, None, :] + corr[:, None, :]
+                acc += part * scale[:, :, None] + corr[:, None, :]
             else:
                 vc = v_codes(vbase, BLOCK_N, D, BITS, VC_)
                 x = round_operand(vs[:, :, None] * (vc.to(tl.float32) - HALF) + vmid[:, :, None], INTERPRET)
