@@ -186,8 +186,8 @@ def fold_decode_stage1(
                 top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the tile's largest |s'| bounds the operand
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two
                 pvr = _pv_operand(p * (vs1 / scale)[None, :], PV_F16, INTERPRET)
-                corr = (tl.sum(p * tl.reshape(vmid, (BLOCK_N,))[None, :], axis=1)
-                        - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=1))
+                corr = tl.sum(p * tl.reshape(vmid, (BLOCK_N,))[None, :] - (V_PIVOT * scale) * pvr.to(tl.float32),
+                              axis=1)  # sum_t P mid - c sum_t P' in one reduction
                 yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
                 upd = dot(yv, tl.trans(pvr), INTERPRET) * scale + corr[None, :]  # [D, BLOCK_H]
