@@ -153,9 +153,10 @@ def fold_decode_stage1(
                 yk = k_operand(kbase, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
                 # centred on the pivot: s' (part - c sum Q) + (z' + c s') sum Q
-                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * ks[:, None, :]
-                           + q_sum3[:, :, None] * kmid[:, None, :], axis=0)
-            else:  # per-value reconstruction: x = s'*(q + 128) + z' = s*q + z, then a plain dot
+                # (sm_scale log2 e folded into the per-token s' and mid: no multiply per score)
+                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * (ks * qk_scale)[:, None, :]
+                           + q_sum3[:, :, None] * (kmid * qk_scale)[:, None, :], axis=0)
+            else:  # per-value reconstruction: x = s' (q - HALF) + mid = s*q + z, then a plain dot
                 kc = k_codes(kbase, BLOCK_N, D, BITS, KC_)
                 x = round_operand(ks[:, :, None] * (kc.to(tl.float32) - HALF) + kmid[:, :, None], INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
@@ -172,7 +173,9 @@ def fold_decode_stage1(
                 ck = tl.reshape(k_codes(kbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 x = round_operand(ks[None, :] * (ck.to(tl.float32) - HALF) + kmid[None, :], INTERPRET)
                 s = dot(q, tl.trans(x), INTERPRET)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        if not (K_TOKEN and FOLD):
+            s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
         m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
         acc = acc * alpha[None, None, :]
