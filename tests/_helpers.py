@@ -1,9 +1,21 @@
-"""Shared test helpers: relative error and BF16 attention's error."""
+"""Shared test helpers: random cache values, relative error and BF16 attention's error."""
 import math
 
 import torch
 
 import foscar
+
+
+def random_values(shape, mag: float, offset: float, const_frac: float, gen: torch.Generator) -> torch.Tensor:
+    """float32 values ``N(offset*mag, mag^2)``; with ``const_frac``, that share of tokens and of
+    channels made constant (constant token-wise and channel-wise groups)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset * mag
+    if const_frac:
+        rows = torch.rand(shape[:-1], generator=gen) < const_frac  # constant tokens -> constant token groups
+        x = torch.where(rows[..., None], x[..., :1], x)
+        cols = torch.rand(shape[-1], generator=gen) < const_frac  # constant channels -> constant channel groups
+        x = torch.where(cols, x[..., :1, :], x)
+    return x.float()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ ranges 1e-3..1e3, constant groups and every operand mapping.
 
 import pytest
 import torch
-from _helpers import bf16_attention, rel
+from _helpers import bf16_attention, random_values, rel
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -53,23 +53,13 @@ def decode_case(draw):
                 seed=draw(st.integers(0, 2 ** 31)))
 
 
-def _values(shape, mag, offset, const_frac, gen):
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset * mag
-    if const_frac:
-        rows = torch.rand(shape[:-1], generator=gen) < const_frac  # constant tokens -> constant token groups
-        x = torch.where(rows[..., None], x[..., :1], x)
-        cols = torch.rand(shape[-1], generator=gen) < const_frac  # constant channels -> constant channel groups
-        x = torch.where(cols, x[..., :1, :], x)
-    return x.float()
-
-
 def build(case):
     """Inputs and cache of a case: pages shuffled through the pool, with spare pages."""
     fmt, Hkv, G, lens = case["fmt"], case["Hkv"], case["G"], case["lens"]
     gen = torch.Generator().manual_seed(case["seed"])
     B, L, D = len(lens), max(lens), fmt.head_dim
-    k = _values((B, Hkv, L, D), case["k_mag"], case["offset"], case["const_frac"], gen)
-    v = _values((B, Hkv, L, D), case["v_mag"], case["offset"], case["const_frac"], gen)
+    k = random_values((B, Hkv, L, D), case["k_mag"], case["offset"], case["const_frac"], gen)
+    v = random_values((B, Hkv, L, D), case["v_mag"], case["offset"], case["const_frac"], gen)
     # logits O(1): the query is scaled against K's magnitude (softmax conditioning is not under test)
     q = (torch.randn(B, Hkv * G, D, generator=gen, dtype=torch.float64) / case["k_mag"]).float()
     seq_lens = torch.tensor(lens, dtype=torch.int32)

@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 import torch
+from _helpers import random_values
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -145,16 +146,6 @@ def roundtrip_case(draw):
                 const_frac=const_frac, mapping=mapping, seed=seed)
 
 
-def _values(shape, mag, offset, const_frac, gen):
-    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset * mag).float()
-    if const_frac:
-        rows = torch.rand(shape[:-1], generator=gen) < const_frac  # constant tokens (token-wise groups)
-        x = torch.where(rows[..., None], x[..., :1], x)
-        cols = torch.rand(shape[-1], generator=gen) < const_frac  # constant channels (channel-wise groups)
-        x = torch.where(cols, x[..., :1, :], x)
-    return x
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(roundtrip_case())
 @example(dict(bits=2, D=128, g=128, k_axis="token", v_axis="token", L=1, mag=1.0, offset=0.0, const_frac=0.0,
@@ -166,8 +157,8 @@ def test_minmax_roundtrip_within_half_step(case):
     fmt = foscar.KVFormat(bits=case["bits"], head_dim=case["D"], group_size=case["g"], k_axis=case["k_axis"],
                           v_axis=case["v_axis"], mapping=case["mapping"])
     L = case["L"]
-    k = _values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
-    v = _values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
+    k = random_values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
+    v = random_values((2, 2, L, case["D"]), case["mag"], case["offset"], case["const_frac"], gen)
     cache = foscar.quantize_kv(k, v, fmt)
     kd, vd = cache.dequantize(torch.float64)
     exp = cache.export()

@@ -37,16 +37,20 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def block_n_for(cache: QuantKVCache) -> int:
-    """The KV tile: the largest of 64/32/16 tokens that is whole pack blocks, divides the page and,
-    for a channel-wise axis, divides the group (one token group per tile)."""
+def _block_n_fits(cache: QuantKVCache, bn: int) -> bool:
+    """A KV tile of ``bn`` tokens is whole pack blocks, divides the page and, for a channel-wise axis,
+    divides the group (one token group per tile)."""
     fmt = cache.fmt
+    if bn not in BLOCK_N_CHOICES or bn % fmt.token_alignment or cache.page_size % bn:
+        return False
+    return "channel" not in (fmt.k_axis, fmt.v_axis) or fmt.group_size % bn == 0
+
+
+def block_n_for(cache: QuantKVCache) -> int:
+    """The KV tile: the largest of 64/32/16 tokens that fits the cache (:func:`_block_n_fits`)."""
     for bn in BLOCK_N_CHOICES:
-        if bn % fmt.token_alignment or cache.page_size % bn:
-            continue
-        if "channel" in (fmt.k_axis, fmt.v_axis) and fmt.group_size % bn:
-            continue
-        return bn
+        if _block_n_fits(cache, bn):
+            return bn
     raise UnsupportedError(f"page_size={cache.page_size}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
 
 
@@ -96,8 +100,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     Hkv = cache.num_kv_heads
     out, lse = _out_buffers(q, out, lse, return_lse)
     bn = block_n_for(cache) if block_n is None else block_n
-    if bn not in BLOCK_N_CHOICES or bn % fmt.token_alignment or cache.page_size % bn or (
-            "channel" in (fmt.k_axis, fmt.v_axis) and fmt.group_size % bn):
+    if not _block_n_fits(cache, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
     n_sink, n_quant, n_recent = cache.split()
     n_quant32 = n_quant.to(torch.int32)
