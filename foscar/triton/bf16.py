@@ -21,7 +21,7 @@ def bf16_decode_stage1(
     stride_lpb, stride_lph,
     PART0,  # index of the first partial slot this launch writes
     D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IDENTITY_PAGES: tl.constexpr, WRAP: tl.constexpr, INTERPRET: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr, WRAP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Token ``i < LEN[b]`` of sequence ``b`` sits at position ``START[b] + i`` (modulo ``PAGE`` when
     ``WRAP``: a ring in one page) of its pages, ``BT[b, :]`` (page ``b`` when ``IDENTITY_PAGES``)."""
@@ -30,7 +30,7 @@ def bf16_decode_stage1(
     split = tl.program_id(2)
     n = tl.load(LEN + b)
     start = tl.load(START + b)
-    t_lo, t_hi = split_range(n, BLOCK_N, NUM_SPLITS, split)
+    t_lo, t_hi = split_range(n, BLOCK_N)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)

@@ -9,11 +9,12 @@ import triton.language as tl
 
 
 @triton.jit
-def split_range(n, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, split):
-    """Tiles ``[t_lo, t_hi)`` of split ``split`` over ``n`` tokens: contiguous runs of equal length."""
+def split_range(n, BLOCK_N: tl.constexpr):
+    """Tiles ``[t_lo, t_hi)`` of this program's split (grid axis 2; the split count is the grid's size
+    there, so it costs no recompile) over ``n`` tokens: contiguous runs of equal length."""
     n_tiles = tl.cdiv(n, BLOCK_N)
-    per = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_lo = split * per
+    per = tl.cdiv(n_tiles, tl.num_programs(2))
+    t_lo = tl.program_id(2) * per
     return t_lo, tl.minimum(t_lo + per, n_tiles)
 
 
@@ -42,6 +43,16 @@ def round_operand(x, INTERPRET: tl.constexpr):
     if not INTERPRET:
         y = x.to(tl.bfloat16)
     return y
+
+
+@triton.jit
+def dot_acc(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b``, the MMA accumulating into ``acc`` (float32; operands upcast under the interpreter)."""
+    if INTERPRET:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc)
+    return r
 
 
 @triton.jit

@@ -34,8 +34,8 @@ split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
 import triton
 import triton.language as tl
 
-from .common import dot, online_softmax, partial_result, round_operand, split_range
-from .tiles import k_codes, k_operand, v_codes, v_operand_t
+from .common import dot, dot_acc, partial_result, round_operand, split_range
+from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
 
@@ -65,26 +65,52 @@ def _middle(s, z, MID: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _token_params(ptr, off, tt, valid, C: tl.constexpr, MID: tl.constexpr, INTERPRET: tl.constexpr):
-    """Token-wise ``(s', mid)`` of the tile's tokens, ``[C, BLOCK_N]`` each: ``mid = z' + MID * s'`` (one
-    FMA) is the group's middle value, the offset every fold uses around the pivot."""
+def _token_sz(ptr, off, tt, valid, C: tl.constexpr):
+    """Token-wise ``(s', z')`` of a tile's tokens, ``[C, BLOCK_N]`` each (zero where not ``valid``)."""
     cc = tl.arange(0, C)
     o = ((off + tt)[None, :] * C + cc[:, None]) * 2
-    s = tl.load(ptr + o, mask=valid[None, :], other=0.0)
-    z = tl.load(ptr + o + 1, mask=valid[None, :], other=0.0)
-    return s, _middle(s, z, MID, INTERPRET)
+    return tl.load(ptr + o, mask=valid[None, :], other=0.0), tl.load(ptr + o + 1, mask=valid[None, :], other=0.0)
 
 
 @triton.jit
-def _channel_params(ptr, off, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, MID: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """Channel-wise ``(s', mid)`` of the tile's token group, ``[D]`` each (a page shorter than a group
-    keeps its group's row as row 0)."""
+def _channel_sz(ptr, off, fresh, old_s, old_z, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr):
+    """Channel-wise ``(s', z')`` of a tile's token group, ``[D]`` each: read only when ``fresh`` (the tile
+    starts a group, or a split), else ``(old_s, old_z)`` (a page shorter than a group keeps its group's
+    row as row 0)."""
     row = off // GROUP if PAGE >= GROUP else 0
     dd = tl.arange(0, D)
-    s = tl.load(ptr + (row * D + dd) * 2)
-    z = tl.load(ptr + (row * D + dd) * 2 + 1)
-    return s, _middle(s, z, MID, INTERPRET)
+    s = tl.load(ptr + (row * D + dd) * 2, mask=fresh, other=0.0)
+    z = tl.load(ptr + (row * D + dd) * 2 + 1, mask=fresh, other=0.0)
+    return tl.where(fresh, s, old_s), tl.where(fresh, z, old_z)
+
+
+@triton.jit
+def _load_tile(KC, VC, KP, VP, page, kvh, tile, t_lo, t_hi, n_quant, tt, k_s, k_z, v_s, v_z,
+               stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+               BITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+               K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr, KC_: tl.constexpr, VC_: tl.constexpr):
+    """Issue the loads of KV tile ``tile`` (on ``page``): K and V words and the folded ``(s', z')``.
+    Nothing is read past the split (``tile >= t_hi``); channel-wise parameters are read only when the
+    tile starts a token group (``k_s, k_z, v_s, v_z`` are the current ones, kept otherwise)."""
+    ok = tile < t_hi
+    t0 = tile * BLOCK_N
+    off = t0 % PAGE  # first token of the tile inside its page
+    WPT: tl.constexpr = D * BITS // 32  # words per token
+    kw = k_words(KC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, BITS, KC_)
+    vw = v_words(VC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, BITS, VC_)
+    kp = KP + page * stride_kpp + kvh * stride_kph
+    vp = VP + page * stride_vpp + kvh * stride_vph
+    valid = (t0 + tt < n_quant) & ok
+    fresh = ok & ((t0 % GROUP == 0) | (tile == t_lo))
+    if K_TOKEN:
+        k_s, k_z = _token_sz(kp, off, tt, valid, KC_)
+    else:
+        k_s, k_z = _channel_sz(kp, off, fresh, k_s, k_z, D, GROUP, PAGE)
+    if V_TOKEN:
+        v_s, v_z = _token_sz(vp, off, tt, valid, VC_)
+    else:
+        v_s, v_z = _channel_sz(vp, off, fresh, v_s, v_z, D, GROUP, PAGE)
+    return kw, vw, k_s, k_z, v_s, v_z
 
 
 @triton.jit
@@ -100,7 +126,6 @@ def fold_decode_stage1(
     stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_MID: tl.constexpr, K_PIVOT: tl.constexpr,
     V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
@@ -112,11 +137,10 @@ def fold_decode_stage1(
     VC_: tl.constexpr = D // GROUP if V_TOKEN else 1
     KGC: tl.constexpr = D // KC_
     VGC: tl.constexpr = D // VC_
-    WPT: tl.constexpr = D * BITS // 32  # words per token
     HALF: tl.constexpr = ((1 << BITS) - 1) / 2  # the middle code: x = s' (q - HALF) + mid
 
     n_quant = tl.load(NQ + b)
-    t_lo, t_hi = split_range(n_quant, BLOCK_N, NUM_SPLITS, split)
+    t_lo, t_hi = split_range(n_quant, BLOCK_N)
 
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
@@ -136,99 +160,122 @@ def fold_decode_stage1(
     kcorr = tl.zeros((BLOCK_H,), tl.float32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    # Sums over tokens are kept per score element and reduced once, after the loop: the softmax
+    # denominator ``l_el`` and, for the token-wise V operand-fold, the offset correction ``c_el``.
+    l_el = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+    c_el = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
+    sigma = 1.0  # token-wise V, one channel group: acc is in units of sigma (a power of two)
+
+    # Software pipeline, by hand: while tile i is computed, the words and parameters of tile i+1 are in
+    # flight and the page of tile i+2 is being looked up. (Triton's pipeliner, measured on the H200,
+    # waits for a tile's copies right before using them: no overlap at all.)
+    bt_row = BT + b * stride_btb
+    page = tl.load(bt_row + (t_lo * BLOCK_N) // PAGE, mask=t_lo < t_hi, other=0).to(tl.int64)
+    kw, vw, k_s, k_z, v_s, v_z = _load_tile(
+        KC, VC, KP, VP, page, kvh, t_lo, t_lo, t_hi, n_quant, tt,
+        tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32),
+        stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+        BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
+    page = tl.load(bt_row + ((t_lo + 1) * BLOCK_N) // PAGE, mask=t_lo + 1 < t_hi, other=0).to(tl.int64)
 
     for tile in range(t_lo, t_hi):
         t0 = tile * BLOCK_N
-        page = tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64)
-        off = t0 % PAGE  # first token of the tile inside its page
         valid = t0 + tt < n_quant
-        kbase = KC + page * stride_cp + kvh * stride_ch + off * WPT
-        kp = KP + page * stride_kpp + kvh * stride_kph
+        # ---- tile+1 in flight ----------------------------------------------------------------------
+        kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n = _load_tile(
+            KC, VC, KP, VP, page, kvh, tile + 1, t_lo, t_hi, n_quant, tt, k_s, k_z, v_s, v_z,
+            stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+            BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
+        page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
         # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
+        kmid = _middle(k_s, k_z, K_MID, INTERPRET)
         if K_TOKEN:
-            ks, kmid = _token_params(kp, off, tt, valid, KC_, K_MID, INTERPRET)
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
-                yk = k_operand(kbase, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
+                yk = k_operand(kw, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
                 part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
                 # centred on the pivot: s' (part - c sum Q) + (z' + c s') sum Q
                 # (sm_scale log2 e folded into the per-token s' and mid: no multiply per score)
-                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * (ks * qk_scale)[:, None, :]
+                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * (k_s * qk_scale)[:, None, :]
                            + q_sum3[:, :, None] * (kmid * qk_scale)[:, None, :], axis=0)
             else:  # per-value reconstruction: x = s' (q - HALF) + mid = s*q + z, then a plain dot
-                kc = k_codes(kbase, BLOCK_N, D, BITS, KC_)
-                x = round_operand(ks[:, :, None] * (kc.to(tl.float32) - HALF) + kmid[:, :, None], INTERPRET)
+                kc = k_codes(kw, BLOCK_N, D, BITS, KC_)
+                x = round_operand(k_s[:, :, None] * (kc.to(tl.float32) - HALF) + kmid[:, :, None], INTERPRET)
                 s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
         else:
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
                 if (t0 % GROUP == 0) | (tile == t_lo):  # a new token group
-                    ks, kmid = _channel_params(kp, off, D, GROUP, PAGE, K_MID, INTERPRET)
-                    qs = round_operand(qf * ks[None, :], INTERPRET)
+                    qs = round_operand(qf * k_s[None, :], INTERPRET)
                     kcorr = tl.sum(qf * kmid[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
-                yk = tl.reshape(k_operand(kbase, BLOCK_N, D, BITS, 1, K_SHL, K_PATTERN, INTERPRET), (BLOCK_N, D))
+                yk = tl.reshape(k_operand(kw, BLOCK_N, D, BITS, 1, K_SHL, K_PATTERN, INTERPRET), (BLOCK_N, D))
                 s = dot(qs, tl.trans(yk), INTERPRET) + kcorr[:, None]
             else:
-                ks, kmid = _channel_params(kp, off, D, GROUP, PAGE, K_MID, INTERPRET)
-                ck = tl.reshape(k_codes(kbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
-                x = round_operand(ks[None, :] * (ck.to(tl.float32) - HALF) + kmid[None, :], INTERPRET)
+                ck = tl.reshape(k_codes(kw, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
+                x = round_operand(k_s[None, :] * (ck.to(tl.float32) - HALF) + kmid[None, :], INTERPRET)
                 s = dot(q, tl.trans(x), INTERPRET)
         if not (K_TOKEN and FOLD):
             s = s * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         # ---- online softmax (base 2) -------------------------------------------------------------
-        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
-        acc = acc * alpha[None, None, :]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        m_i = m_new
+        l_el = l_el * alpha[:, None] + p
         # ---- PV with the V offset corrections (before the division) ------------------------------
-        vbase = VC + page * stride_cp + kvh * stride_ch + off * WPT
-        vp = VP + page * stride_vpp + kvh * stride_vph
+        vs = v_s
+        vmid = _middle(v_s, v_z, V_MID, INTERPRET)
+        if not (V_TOKEN and FOLD and VC_ == 1):
+            acc = acc * alpha[None, None, :]
         if V_TOKEN:
-            vs, vmid = _token_params(vp, off, tt, valid, VC_, V_MID, INTERPRET)
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
-                top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the tile's largest |s'| bounds the operand
-                scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two
-                pvr = _pv_operand(p * (vs1 / scale)[None, :], PV_F16, INTERPRET)
-                corr = tl.sum(p * tl.reshape(vmid, (BLOCK_N,))[None, :] - (V_PIVOT * scale) * pvr.to(tl.float32),
-                              axis=1)  # sum_t P mid - c sum_t P' in one reduction
-                yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
+                top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the largest |s'| so far bounds the operand
+                sig_new = tl.maximum(sigma, tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0)))))  # power of 2
+                pvr = _pv_operand(p * (vs1 / sig_new)[None, :], PV_F16, INTERPRET)
+                # the correction sum_t P mid - c sum_t P' sig, per element (reduced after the loop)
+                c_el = c_el * alpha[:, None] + (p * tl.reshape(vmid, (BLOCK_N,))[None, :]
+                                                - (V_PIVOT * sig_new) * pvr.to(tl.float32))
+                yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
-                upd = dot(yv, tl.trans(pvr), INTERPRET) * scale + corr[None, :]  # [D, BLOCK_H]
-                acc += tl.reshape(upd, (1, D, BLOCK_H))
+                # acc (units of sigma) rescaled, then the MMA accumulates into it: [D, BLOCK_H]
+                acc2 = tl.reshape(acc, (D, BLOCK_H)) * (alpha * (sigma / sig_new))[None, :]
+                acc = tl.reshape(dot_acc(yv, tl.trans(pvr), acc2, INTERPRET), (1, D, BLOCK_H))
+                sigma = sig_new
             elif FOLD:  # operand-fold per channel group: P' = P s'[t, G] (power-of-two scaled), pivot correction
                 top = tl.max(tl.abs(vs), axis=1)  # [VC_]: P <= 1, so |s'| bounds the operand
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))[:, None]  # [VC_, 1]
                 pvr = _pv_operand(p[None, :, :] * (vs / scale)[:, None, :], PV_F16, INTERPRET)  # [VC_, H, N]
                 corr = (tl.sum(p[None, :, :] * vmid[:, None, :], axis=2)
                         - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
-                yv = v_operand_t(vbase, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
+                yv = v_operand_t(vw, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
                 part = _dot_batched(yv, tl.permute(pvr, (0, 2, 1)), INTERPRET)  # [VC_, VGC, BLOCK_H]
                 acc += part * scale[:, :, None] + corr[:, None, :]
             else:
-                vc = v_codes(vbase, BLOCK_N, D, BITS, VC_)
+                vc = v_codes(vw, BLOCK_N, D, BITS, VC_)
                 x = round_operand(vs[:, :, None] * (vc.to(tl.float32) - HALF) + vmid[:, :, None], INTERPRET)
                 pb = round_operand(tl.trans(p), INTERPRET)
                 acc += _dot_batched(tl.permute(x, (0, 2, 1)), tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_N, BLOCK_H)),
                                     INTERPRET)
         else:
-            vs, vmid = _channel_params(vp, off, D, GROUP, PAGE, V_MID, INTERPRET)
             if FOLD:  # acc-fold: one token group per tile
                 pb = _pv_operand(p, PV_F16, INTERPRET)
-                yv = tl.reshape(v_operand_t(vbase, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
+                yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
                 part = dot(yv, tl.trans(pb), INTERPRET)  # [D, BLOCK_H]
                 p_sum = tl.sum(pb.to(tl.float32), axis=1)[None, :]  # centred: s' (part - c sum P) + (z' + c s') sum P
                 upd = (part - V_PIVOT * p_sum) * vs[:, None] + p_sum * vmid[:, None]
             else:
-                cv = tl.reshape(v_codes(vbase, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
+                cv = tl.reshape(v_codes(vw, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 pb = round_operand(p, INTERPRET)
                 x = round_operand(vs[None, :] * (cv.to(tl.float32) - HALF) + vmid[None, :], INTERPRET)
                 upd = dot(tl.trans(x), tl.trans(pb), INTERPRET)
             acc += tl.reshape(upd, (VC_, VGC, BLOCK_H))
+        kw, vw, k_s, k_z, v_s, v_z = kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n
 
     # ---- partial output and LSE of this split -------------------------------------------------------
-    den, lse = partial_result(m_i, l_i)
-    out = acc / den[None, None, :]
+    den, lse = partial_result(m_i, tl.sum(l_el, axis=1))
+    out = (acc * sigma + tl.sum(c_el, axis=1)[None, None, :]) / den[None, None, :]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
     o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, None, :] * stride_oph + split * stride_ops

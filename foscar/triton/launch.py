@@ -77,7 +77,7 @@ def _out_buffers(q, out, lse, return_lse):
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
-           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
            pv_fp16: bool = True):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
@@ -124,7 +124,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         BITS=fmt.bits, D=D, G=G, BLOCK_H=block_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
-        K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", NUM_SPLITS=num_splits,
+        K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages)
@@ -161,7 +161,7 @@ def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, bloc
         q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
         0 if identity else bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         l_part.stride(0), l_part.stride(1), part0,
-        D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, IDENTITY_PAGES=identity,
+        D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, IDENTITY_PAGES=identity,
         WRAP=wrap, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages)
 
 

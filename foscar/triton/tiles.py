@@ -21,9 +21,10 @@ def _field_bits(BITS: tl.constexpr, NF: tl.constexpr):
 
 
 @triton.jit
-def _k_words(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
-    """The words of ``BLOCK_N`` K tokens, axes ``(C, NB, L4, PG, LC)``: K block, lane row ``l4``, the
-    channel group's words of the lane, lane column ``lc`` (lane = ``4*l4 + lc``)."""
+def k_words(base, ok, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """The words of ``BLOCK_N`` K tokens from pointer ``base`` (none read unless ``ok``), axes
+    ``(C, NB, L4, PG, LC)``: K block, lane row ``l4``, the channel group's words of the lane, lane column
+    ``lc`` (lane = ``4*l4 + lc``). Loading apart from decoding lets a kernel fetch the next tile early."""
     WPL: tl.constexpr = D * BITS // 64  # words per lane per K block
     PG: tl.constexpr = WPL // C  # words per lane per channel group
     NB: tl.constexpr = BLOCK_N // 16
@@ -35,18 +36,17 @@ def _k_words(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C
     offs = (blk[None, :, None, None, None] * (32 * WPL)
             + (4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]) * WPL
             + c[:, None, None, None, None] * PG + pi[None, None, None, :, None])
-    return tl.load(base + offs)
+    return tl.load(base + offs, mask=ok)
 
 
 @triton.jit
-def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
-    """Codes of ``BLOCK_N`` K tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+def k_codes(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` K tokens from their words ``w`` (:func:`k_words`): int32 ``[C, BLOCK_N, D // C]``.
 
     A K block is 16 tokens; lane ``4*l4 + lc`` of it holds token ``l4 + 8*jr`` and channels
     ``16*b + 8*jc + 2*lc + h`` at bit ``BITS*(4*ib + 2*jc + jr) + 16*h`` of its word ``p``, where the
     k16 block is ``b = p*(4/BITS) + ib``.
     """
-    w = _k_words(base, BLOCK_N, D, BITS, C)
     h = tl.arange(0, 2)
     sh = _field_bits(BITS, 8 // BITS)[:, :, None] + 16 * h[None, None, :]  # (JR, F, H)
     # axes (C, NB, JR, L4, PG, F, LC, H): tokens (NB, JR, L4), channels (PG, F, LC, H)
@@ -55,8 +55,10 @@ def k_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C:
 
 
 @triton.jit
-def v_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
-    """Codes of ``BLOCK_N`` V tokens whose words start at pointer ``base``: int32 ``[C, BLOCK_N, D // C]``.
+def v_words(base, ok, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """The words of ``BLOCK_N`` V tokens from pointer ``base`` (none read unless ``ok``), axes
+    ``(C, MG, L4, NB, LC)``: channel group, its 16-channel rows ``(mh, w)``, lane row ``l4``, V block,
+    lane column ``lc``.
 
     A V block is ``64/BITS`` tokens and ``2*D`` words: thread ``32*w + 4*l4 + lc`` holds, in its word
     ``mh``, channel ``64*mh + 16*w + l4 + 8*jr`` and tokens ``16*ib + 8*jc + 2*lc + h`` at bit
@@ -67,22 +69,28 @@ def v_codes(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C:
     MH: tl.constexpr = D // 64
     MG: tl.constexpr = D // 16 // C  # (mh, w) rows of 16 channels per channel group
     c = tl.arange(0, C)
-    blk = tl.arange(0, NB)
-    lc = tl.arange(0, 4)
     mi = tl.arange(0, MG)
     l4 = tl.arange(0, 8)
+    blk = tl.arange(0, NB)
+    lc = tl.arange(0, 4)
     m = c[:, None] * MG + mi[None, :]  # (C, MG): 16-channel row = 4*mh + w
-    thread = 32 * (m % 4)[:, None, None, :, None] + 4 * l4[None, None, None, None, :] + lc[None, None, :, None, None]
-    # word offsets, axes (C, NB, LC, MG, L4)
-    offs = blk[None, :, None, None, None] * (2 * D) + thread * MH + (m // 4)[:, None, None, :, None]
-    w = tl.load(base + offs)
+    thread = 32 * (m % 4)[:, :, None, None, None] + 4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]
+    offs = blk[None, None, None, :, None] * (2 * D) + thread * MH + (m // 4)[:, :, None, None, None]
+    return tl.load(base + offs, mask=ok)
+
+
+@triton.jit
+def v_codes(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` V tokens from their words ``w`` (:func:`v_words`): int32 ``[C, BLOCK_N, D // C]``."""
+    NIB: tl.constexpr = 4 // BITS
+    wt = tl.permute(w, (0, 3, 4, 1, 2))  # axes (C, NB, LC, MG, L4)
     f = tl.arange(0, 2 * NIB)  # (ib, jc)
     h = tl.arange(0, 2)
     jr = tl.arange(0, 2)
     sh = (BITS * (4 * (f[:, None, None] // 2) + 2 * (f[:, None, None] % 2) + jr[None, None, :])
           + 16 * h[None, :, None])
     # axes (C, NB, F, LC, H, MG, JR, L4): tokens (NB, F, LC, H), channels (MG, JR, L4)
-    codes = (w[:, :, None, :, None, :, None, :] >> sh[None, None, :, None, :, None, :, None]) & ((1 << BITS) - 1)
+    codes = (wt[:, :, None, :, None, :, None, :] >> sh[None, None, :, None, :, None, :, None]) & ((1 << BITS) - 1)
     return tl.reshape(codes, (C, BLOCK_N, D // C))
 
 
@@ -120,17 +128,17 @@ def _inject_pairs(w, rot, BITS: tl.constexpr, SHL: tl.constexpr, PATTERN: tl.con
 
 
 @triton.jit
-def k_operand(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, SHL: tl.constexpr,
+def k_operand(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, SHL: tl.constexpr,
               PATTERN: tl.constexpr, INTERPRET: tl.constexpr):
-    """The BF16 K operand ``[C, BLOCK_N, D // C]`` (``PATTERN | q << SHL``), true token and channel order.
+    """The BF16 K operand ``[C, BLOCK_N, D // C]`` (``PATTERN | q << SHL``) from the words ``w``
+    (:func:`k_words`), true token and channel order.
 
     On the GPU: one rotate and one ``lop3`` per pair of channels (the pair axis ``h`` is the last one,
     kept in-thread by ``tl.join``, so the tile reaches the MMA without a trip through shared memory).
     Under the interpreter (no inline assembly): per code, from :func:`k_codes`."""
     if INTERPRET:
-        y = inject(k_codes(base, BLOCK_N, D, BITS, C), PATTERN, SHL, False, INTERPRET)
-    else:
-        w = _k_words(base, BLOCK_N, D, BITS, C)  # axes (C, NB, L4, PG, LC)
+        y = inject(k_codes(w, BLOCK_N, D, BITS, C), PATTERN, SHL, False, INTERPRET)
+    else:  # w: axes (C, NB, L4, PG, LC)
         rot = (_field_bits(BITS, 8 // BITS) - SHL + 32) % 32  # (JR, F)
         w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
         rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
@@ -140,30 +148,18 @@ def k_operand(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, 
 
 
 @triton.jit
-def v_operand_t(base, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr,
+def v_operand_t(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr,
                 SHL: tl.constexpr, PATTERN: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The transposed V operand ``V^T [C, D // C, BLOCK_N]`` (BF16, or FP16 when ``F16``), true order.
+    """The transposed V operand ``V^T [C, D // C, BLOCK_N]`` (BF16, or FP16 when ``F16``) from the words
+    ``w`` (:func:`v_words`), true order.
 
     Transposed because a register holds two tokens of one channel: with tokens last (the pair axis
     in-thread), ``V^T`` is the A operand of ``O^T = V^T P^T`` straight from registers, as the paper's
     Hopper kernel uses it. Under the interpreter: from :func:`v_codes`."""
     if INTERPRET:
-        y = tl.permute(inject(v_codes(base, BLOCK_N, D, BITS, C), PATTERN, SHL, F16, INTERPRET), (0, 2, 1))
-    else:
+        y = tl.permute(inject(v_codes(w, BLOCK_N, D, BITS, C), PATTERN, SHL, F16, INTERPRET), (0, 2, 1))
+    else:  # w: axes (C, MG, L4, NB, LC)
         NIB: tl.constexpr = 4 // BITS
-        NB: tl.constexpr = BLOCK_N // (16 * NIB)
-        MH: tl.constexpr = D // 64
-        MG: tl.constexpr = D // 16 // C
-        c = tl.arange(0, C)
-        mi = tl.arange(0, MG)
-        l4 = tl.arange(0, 8)
-        blk = tl.arange(0, NB)
-        lc = tl.arange(0, 4)
-        m = c[:, None] * MG + mi[None, :]  # (C, MG): 16-channel row = 4*mh + w
-        thread = 32 * (m % 4)[:, :, None, None, None] + 4 * l4[None, None, :, None, None] + lc[None, None, None, None, :]
-        # word offsets, axes (C, MG, L4, NB, LC)
-        offs = blk[None, None, None, :, None] * (2 * D) + thread * MH + (m // 4)[:, :, None, None, None]
-        w = tl.load(base + offs)
         rot = (_field_bits(BITS, 2 * NIB) - SHL + 32) % 32  # (JR, F)
         w7 = w[:, :, None, :, :, None, :] + 0 * rot[None, None, :, None, None, :, None]
         rot7 = rot[None, None, :, None, None, :, None] + 0 * w7
