@@ -29,7 +29,7 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True):
-    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=16, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
+    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=8, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
                       K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", PV_F16=True,
                       FOLD=fold, INTERPRET=False,
                       **_injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt),

@@ -162,8 +162,8 @@ def fold_decode_stage1(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     # Sums over tokens are kept per score element and reduced once, after the loop: the softmax
     # denominator ``l_el`` and, for the token-wise V operand-fold, the offset correction ``c_el``.
-    l_el = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-    c_el = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+    l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
+    c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
     sigma = 1.0  # token-wise V, one channel group: acc is in units of sigma (a power of two)
 
@@ -188,41 +188,43 @@ def fold_decode_stage1(
             stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
             BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
         page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
-        # ---- QK^T with the K offset corrections (before the softmax) -----------------------------
+        # ---- S^T = K Q^T with the K offset corrections (before the softmax) -------------------------
+        # Transposed: tokens along M (all rows real), the G query heads along N (padded to 8, not 16),
+        # and K, built in registers, is the A operand.
         kmid = _middle(k_s, k_z, K_MID, INTERPRET)
         if K_TOKEN:
             if FOLD:  # acc-fold: scale each group-local partial, add z' * sum(Q)
                 yk = k_operand(kw, BLOCK_N, D, BITS, KC_, K_SHL, K_PATTERN, INTERPRET)
-                part = _dot_batched(q3, tl.permute(yk, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_H, BLOCK_N]
+                part = _dot_batched(yk, tl.permute(q3, (0, 2, 1)), INTERPRET)  # [KC_, BLOCK_N, BLOCK_H]
                 # centred on the pivot: s' (part - c sum Q) + (z' + c s') sum Q
                 # (sm_scale log2 e folded into the per-token s' and mid: no multiply per score)
-                s = tl.sum((part - K_PIVOT * q_sum3[:, :, None]) * (k_s * qk_scale)[:, None, :]
-                           + q_sum3[:, :, None] * (kmid * qk_scale)[:, None, :], axis=0)
+                st = tl.sum((part - K_PIVOT * q_sum3[:, None, :]) * (k_s * qk_scale)[:, :, None]
+                            + q_sum3[:, None, :] * (kmid * qk_scale)[:, :, None], axis=0)
             else:  # per-value reconstruction: x = s' (q - HALF) + mid = s*q + z, then a plain dot
                 kc = k_codes(kw, BLOCK_N, D, BITS, KC_)
                 x = round_operand(k_s[:, :, None] * (kc.to(tl.float32) - HALF) + kmid[:, :, None], INTERPRET)
-                s = tl.sum(_dot_batched(q3, tl.permute(x, (0, 2, 1)), INTERPRET), axis=0)
+                st = tl.sum(_dot_batched(x, tl.permute(q3, (0, 2, 1)), INTERPRET), axis=0)
         else:
             if FOLD:  # operand-fold: Q' = bf16(Q s'); correction around the pivot
                 if (t0 % GROUP == 0) | (tile == t_lo):  # a new token group
                     qs = round_operand(qf * k_s[None, :], INTERPRET)
                     kcorr = tl.sum(qf * kmid[None, :], axis=1) - K_PIVOT * tl.sum(qs.to(tl.float32), axis=1)
                 yk = tl.reshape(k_operand(kw, BLOCK_N, D, BITS, 1, K_SHL, K_PATTERN, INTERPRET), (BLOCK_N, D))
-                s = dot(qs, tl.trans(yk), INTERPRET) + kcorr[:, None]
+                st = dot(yk, tl.trans(qs), INTERPRET) + kcorr[None, :]
             else:
                 ck = tl.reshape(k_codes(kw, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 x = round_operand(k_s[None, :] * (ck.to(tl.float32) - HALF) + kmid[None, :], INTERPRET)
-                s = dot(q, tl.trans(x), INTERPRET)
+                st = dot(x, tl.trans(q), INTERPRET)
         if not (K_TOKEN and FOLD):
-            s = s * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # ---- online softmax (base 2) -------------------------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            st = st * qk_scale
+        st = tl.where(valid[:, None], st, float("-inf"))
+        # ---- online softmax (base 2) over the token axis ----------------------------------------
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(st - m_new[None, :])  # P^T [BLOCK_N, BLOCK_H]
         m_i = m_new
-        l_el = l_el * alpha[:, None] + p
-        # ---- PV with the V offset corrections (before the division) ------------------------------
+        l_el = l_el * alpha[None, :] + p
+        # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
         vs = v_s
         vmid = _middle(v_s, v_z, V_MID, INTERPRET)
         if not (V_TOKEN and FOLD and VC_ == 1):
@@ -232,29 +234,29 @@ def fold_decode_stage1(
                 vs1 = tl.reshape(vs, (BLOCK_N,))
                 top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the largest |s'| so far bounds the operand
                 sig_new = tl.maximum(sigma, tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0)))))  # power of 2
-                pvr = _pv_operand(p * (vs1 / sig_new)[None, :], PV_F16, INTERPRET)
+                pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)
                 # the correction sum_t P mid - c sum_t P' sig, per element (reduced after the loop)
-                c_el = c_el * alpha[:, None] + (p * tl.reshape(vmid, (BLOCK_N,))[None, :]
+                c_el = c_el * alpha[None, :] + (p * tl.reshape(vmid, (BLOCK_N,))[:, None]
                                                 - (V_PIVOT * sig_new) * pvr.to(tl.float32))
                 yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
                 # acc (units of sigma) rescaled, then the MMA accumulates into it: [D, BLOCK_H]
                 acc2 = tl.reshape(acc, (D, BLOCK_H)) * (alpha * (sigma / sig_new))[None, :]
-                acc = tl.reshape(dot_acc(yv, tl.trans(pvr), acc2, INTERPRET), (1, D, BLOCK_H))
+                acc = tl.reshape(dot_acc(yv, pvr, acc2, INTERPRET), (1, D, BLOCK_H))
                 sigma = sig_new
             elif FOLD:  # operand-fold per channel group: P' = P s'[t, G] (power-of-two scaled), pivot correction
                 top = tl.max(tl.abs(vs), axis=1)  # [VC_]: P <= 1, so |s'| bounds the operand
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))[:, None]  # [VC_, 1]
-                pvr = _pv_operand(p[None, :, :] * (vs / scale)[:, None, :], PV_F16, INTERPRET)  # [VC_, H, N]
-                corr = (tl.sum(p[None, :, :] * vmid[:, None, :], axis=2)
-                        - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=2))  # [VC_, BLOCK_H]
+                pvr = _pv_operand(p[None, :, :] * (vs / scale)[:, :, None], PV_F16, INTERPRET)  # [VC_, N, H]
+                corr = (tl.sum(p[None, :, :] * vmid[:, :, None], axis=1)
+                        - V_PIVOT * scale * tl.sum(pvr.to(tl.float32), axis=1))  # [VC_, BLOCK_H]
                 yv = v_operand_t(vw, BLOCK_N, D, BITS, VC_, V_SHL, V_PATTERN, PV_F16, INTERPRET)
-                part = _dot_batched(yv, tl.permute(pvr, (0, 2, 1)), INTERPRET)  # [VC_, VGC, BLOCK_H]
+                part = _dot_batched(yv, pvr, INTERPRET)  # [VC_, VGC, BLOCK_H]
                 acc += part * scale[:, :, None] + corr[:, None, :]
             else:
                 vc = v_codes(vw, BLOCK_N, D, BITS, VC_)
                 x = round_operand(vs[:, :, None] * (vc.to(tl.float32) - HALF) + vmid[:, :, None], INTERPRET)
-                pb = round_operand(tl.trans(p), INTERPRET)
+                pb = round_operand(p, INTERPRET)
                 acc += _dot_batched(tl.permute(x, (0, 2, 1)), tl.broadcast_to(pb[None, :, :], (VC_, BLOCK_N, BLOCK_H)),
                                     INTERPRET)
         else:
@@ -262,20 +264,20 @@ def fold_decode_stage1(
                 pb = _pv_operand(p, PV_F16, INTERPRET)
                 yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
-                part = dot(yv, tl.trans(pb), INTERPRET)  # [D, BLOCK_H]
-                p_sum = tl.sum(pb.to(tl.float32), axis=1)[None, :]  # centred: s' (part - c sum P) + (z' + c s') sum P
+                part = dot(yv, pb, INTERPRET)  # [D, BLOCK_H]
+                p_sum = tl.sum(pb.to(tl.float32), axis=0)[None, :]  # centred: s' (part - c sum P) + (z' + c s') sum P
                 upd = (part - V_PIVOT * p_sum) * vs[:, None] + p_sum * vmid[:, None]
             else:
                 cv = tl.reshape(v_codes(vw, BLOCK_N, D, BITS, 1), (BLOCK_N, D))
                 pb = round_operand(p, INTERPRET)
                 x = round_operand(vs[None, :] * (cv.to(tl.float32) - HALF) + vmid[None, :], INTERPRET)
-                upd = dot(tl.trans(x), tl.trans(pb), INTERPRET)
+                upd = dot(tl.trans(x), pb, INTERPRET)
             acc += tl.reshape(upd, (VC_, VGC, BLOCK_H))
         kw, vw, k_s, k_z, v_s, v_z = kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n
 
     # ---- partial output and LSE of this split -------------------------------------------------------
-    den, lse = partial_result(m_i, tl.sum(l_el, axis=1))
-    out = (acc * sigma + tl.sum(c_el, axis=1)[None, None, :]) / den[None, None, :]
+    den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
+    out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
     o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, None, :] * stride_oph + split * stride_ops

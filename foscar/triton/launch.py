@@ -55,9 +55,11 @@ def block_n_for(cache: QuantKVCache) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
-    """Enough programs for about two waves over the SMs, never more splits than tiles."""
-    want = math.ceil(2 * _sm_count(device) / max(1, batch * kv_heads))
-    return max(1, min(want, max_tiles, 256))
+    """About sixteen programs per SM (three or four resident at a time keep the tail short), at most 64
+    splits and at least four KV tiles per split (each split pays a prologue, an epilogue and a combine
+    slot). Measured on the H200 with ``benchmarks/sweep_triton.py`` (``docs/triton-perf.md``)."""
+    want = math.ceil(16 * _sm_count(device) / max(1, batch * kv_heads))
+    return max(1, min(want, 64, max_tiles // 4))
 
 
 def _out_buffers(q, out, lse, return_lse):
@@ -113,7 +115,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     o_part = torch.empty(B, Hq, parts, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
     qk_scale = sm_scale * LOG2E
-    block_h = max(16, triton.next_power_of_2(G))
+    block_h = max(16, triton.next_power_of_2(G))  # the BF16 windows' kernel: heads along M
+    fold_h = max(8, triton.next_power_of_2(G))  # the quantized kernel: heads along N (S^T = K Q^T)
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
     k_op = operand_for(torch.bfloat16, fmt.bits)
@@ -123,7 +126,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        BITS=fmt.bits, D=D, G=G, BLOCK_H=block_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
+        BITS=fmt.bits, D=D, G=G, BLOCK_H=fold_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
