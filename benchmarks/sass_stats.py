@@ -28,7 +28,8 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
            "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph")
 
 
-def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True):
+def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
+                   max_registers=None):
     constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=8, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
                       K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", PV_F16=True,
                       FOLD=fold, INTERPRET=False,
@@ -36,17 +37,29 @@ def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_
                       **_injection_args("V", operand_for(torch.float16, fmt.bits), fmt))
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                            "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def loop_mix(kernel) -> tuple[int, Counter]:
+def _cuobjdump(kernel, flag: str) -> str:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([os.path.join(bindir, "cuobjdump"), flag, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def resources(kernel) -> dict:
+    """Registers per thread and stack bytes per thread (non-zero: ptxas spilled) of the compiled kernel."""
+    usage = _cuobjdump(kernel, "-res-usage")
+    return {"registers": int(re.findall(r"REG:(\d+)", usage)[0]), "stack": int(re.findall(r"STACK:(\d+)", usage)[0])}
+
+
+def loop_mix(kernel) -> tuple[int, Counter]:
+    sass = _cuobjdump(kernel, "-sass")
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
     back = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", sass)
             if int(t, 16) < int(a, 16)]
@@ -65,11 +78,15 @@ def main():
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--reconstruct", action="store_true", help="the per-value reconstruction kernel instead")
+    p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (maxnreg)")
     a = p.parse_args()
     fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    k = compile_stage1(fmt, block_n=a.block_n, num_warps=a.num_warps, fold=not a.reconstruct)
+    k = compile_stage1(fmt, block_n=a.block_n, num_warps=a.num_warps, fold=not a.reconstruct,
+                       max_registers=a.max_registers)
     total, mix = loop_mix(k)
-    print(f"kernel: {total} SASS instructions; KV-tile loop: {sum(mix.values())} per thread per tile")
+    res = resources(k)
+    print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "
+          f"KV-tile loop: {sum(mix.values())} per thread per tile")
     for op, n in mix.most_common(25):
         print(f"  {op:28s} {n}")
 

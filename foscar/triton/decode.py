@@ -162,6 +162,8 @@ def fold_decode_stage1(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     # The softmax denominator is kept per score element and reduced once, after the loop.
     l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
+    c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
+    FLUSH: tl.constexpr = 8
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
     sigma = 1.0  # token-wise V, one channel group: acc is in units of sigma (a power of two)
 
@@ -233,18 +235,23 @@ def fold_decode_stage1(
                 top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the largest |s'| so far bounds the operand
                 sig_new = tl.maximum(sigma, tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0)))))  # power of 2
                 pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)
-                # the correction sum_t P mid / sig - c sum_t P', in units of sig; it joins acc at every tile:
-                # acc (sum P' y, y = q + beta > 0) grows with the length and only the correction
-                # brings it back to the output's size, so a correction kept apart until the end
-                # would cancel a sum of the whole split (measured: error growing with the tiles)
-                corr = tl.sum(p * (tl.reshape(vmid, (BLOCK_N,)) / sig_new)[:, None] - V_PIVOT * pvr.to(tl.float32),
-                              axis=0)
+                # the correction sum_t P mid - c sum_t P' sig, kept per element and folded into acc every
+                # FLUSH tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the
+                # correction brings it back to the output's size, so a correction kept apart to the end
+                # of the split would cancel a sum over all of it (measured: an error growing with the
+                # split's tiles, 4-50x BF16 attention's at 60-400 tiles); FLUSH tiles bound that growth
+                # at a fraction of the reduction's cost per tile
+                c_el = c_el * alpha[None, :] + (p * tl.reshape(vmid, (BLOCK_N,))[:, None]
+                                                - (V_PIVOT * sig_new) * pvr.to(tl.float32))
                 yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),
                                 (D, BLOCK_N))
                 # acc (units of sigma) rescaled, then the MMA accumulates into it: [D, BLOCK_H]
                 acc2 = tl.reshape(acc, (D, BLOCK_H)) * (alpha * (sigma / sig_new))[None, :]
-                acc = tl.reshape(dot_acc(yv, pvr, acc2, INTERPRET) + corr[None, :], (1, D, BLOCK_H))
+                acc = tl.reshape(dot_acc(yv, pvr, acc2, INTERPRET), (1, D, BLOCK_H))
                 sigma = sig_new
+                if (tile - t_lo) % FLUSH == FLUSH - 1:
+                    acc += (tl.sum(c_el, axis=0) / sigma)[None, None, :]
+                    c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
             elif FOLD:  # operand-fold per channel group: P' = P s'[t, G] (power-of-two scaled), pivot correction
                 top = tl.max(tl.abs(vs), axis=1)  # [VC_]: P <= 1, so |s'| bounds the operand
                 scale = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))[:, None]  # [VC_, 1]
@@ -278,7 +285,7 @@ def fold_decode_stage1(
 
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
-    out = acc * sigma / den[None, None, :]
+    out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
     o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, None, :] * stride_oph + split * stride_ops

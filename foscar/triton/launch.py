@@ -62,6 +62,16 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return max(1, min(want, 64, max_tiles // 4))
 
 
+def max_registers(fmt) -> int | None:
+    """The folded kernel's register cap: 128 (four 4-warp programs per SM instead of three) where ptxas
+    fits it without spilling (``benchmarks/sass_stats.py --max-registers 128``, Triton 3.8): head dim
+    <= 128, with token-wise groups spanning the head dim, or channel-wise K and V. Elsewhere: no cap."""
+    D = fmt.head_dim
+    k_fits = (fmt.k_axis == "token" and fmt.group_size >= D) or fmt.v_axis == fmt.k_axis == "channel"
+    v_fits = fmt.v_axis == "channel" or fmt.group_size >= D
+    return 128 if D <= 128 and k_fits and v_fits else None
+
+
 def _out_buffers(q, out, lse, return_lse):
     B, Hq, D = q.shape
     if out is None:
@@ -122,6 +132,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     bt = cache.page_table.block_table
+    cap = max_registers(fmt) if num_warps == 4 and kernel == "folded" else None
+    regs = {} if interp or cap is None else {"maxnreg": cap}
     fold_decode_stage1[(B, Hkv, num_splits)](
         q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
@@ -130,7 +142,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **regs)
     part = num_splits
     for name, _ in windows:  # the BF16 sink and recent ring: one more partial each
         if name == "sink":
