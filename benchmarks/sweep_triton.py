@@ -15,10 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import (Case, as_graph, bytes_read, make_block_table, make_random_cache,  # noqa: E402
-                          parse_shapes, time_fn)
+from bench_decode import Case, as_graph, bytes_read, make_block_table, make_random_cache, parse_shapes, time_fn
 
-from foscar.triton import launch  # noqa: E402
+from foscar.triton import launch
 
 
 def main():
@@ -29,6 +28,7 @@ def main():
     p.add_argument("--v-axis", default="token")
     p.add_argument("--splits", type=float, nargs="+", default=[1, 2, 4, 8],
                    help="multiples of the default split count")
+    p.add_argument("--num-splits", type=int, nargs="+", default=None, help="absolute split counts (replace --splits)")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--block-n", type=int, nargs="+", default=[64])
@@ -46,13 +46,13 @@ def main():
         q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
         base = launch.default_num_splits(B, 8, L // 64, dev)
         best = None
-        for mult, warps, stages, bn in itertools.product(a.splits, a.warps, a.stages, a.block_n):
-            splits = max(1, round(base * mult))
-            cfg = dict(num_splits=splits, num_warps=warps, num_stages=stages, block_n=bn)
+        counts = a.num_splits or sorted({max(1, round(base * m)) for m in a.splits})
+        for splits, warps, stages, bn in itertools.product(counts, a.warps, a.stages, a.block_n):
+            cfg = {"num_splits": splits, "num_warps": warps, "num_stages": stages, "block_n": bn}
             try:
-                fn = as_graph(lambda: launch.decode(q, cache, **cfg))  # replays: no host time in the figure
+                fn = as_graph(lambda q=q, cache=cache, cfg=cfg: launch.decode(q, cache, **cfg))  # replays only
                 t = time_fn(fn, iters=a.iters, warmup=3, flush=flush)["median_us"]
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+            except Exception as e:  # noqa: BLE001 -- a config that does not compile is reported, not fatal
                 print(f"B={B} L={L} INT{bits} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
             frac = bytes_read(B, L, bits) / (t * 1e-6) / (a.ceiling_tbps * 1e12)

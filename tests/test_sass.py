@@ -21,7 +21,7 @@ def compiled_resources(bits, k_axis, v_axis, group, head_dim, cap):
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sass_stats.py"), "--bits", str(bits), "--k-axis", k_axis,
            "--v-axis", v_axis, "--group-size", str(group), "--head-dim", str(head_dim), "--max-registers", str(cap)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     regs, stack = re.search(r"(\d+) registers, (\d+) stack bytes", out.stdout).groups()
     return int(regs), int(stack)

@@ -1,9 +1,13 @@
 """Triton split-KV decode over a foscar cache: stage 1 (one program per batch entry, KV head, split).
 
-All ``G`` query heads of one KV head share one ``tl.dot`` (padded to ``BLOCK_H >= 16`` rows). A
-program walks its split's KV tiles of ``BLOCK_N`` tokens through the page table, builds the BF16
-operands from the packed words (:mod:`foscar.triton.tiles`), and applies the folded constants
-exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same names):
+Both products are transposed, as in the paper's Hopper kernel: ``S^T = K Q^T`` and ``O^T = V^T P^T``.
+The KV tile's ``BLOCK_N`` tokens run along M (every row real) and the ``G`` query heads of one KV
+head along N (padded to ``BLOCK_H >= 8``), so the operand built from packed words is the register A
+operand of both MMAs. A program walks its split's KV tiles through the page table with a software
+pipeline of its own (the next tile's words and parameters in flight while a tile is computed, the
+page two tiles ahead), builds the operands from the packed words (:mod:`foscar.triton.tiles`), and
+applies the folded constants exactly as :func:`foscar.decode_folded` does (paper Sec. 4.1-4.2; same
+names):
 
 - token-wise K, acc-fold: group-local partials ``Q[:, G] . y[t, G]`` (a batched dot over the
   ``C = D/g`` channel groups), each scaled by ``s'[t, G]``, plus ``z'[t, G] * sum(Q[:, G])`` (both
@@ -18,13 +22,14 @@ Codes are injected into the top mantissa bits (:func:`foscar.format.operand_for`
 offset 16 for INT4, 4 for INT2, instead of the paper's 128: the same two instructions per register,
 but the accumulators carry a smaller ``beta * s' * sum``). Every offset term is taken around the
 pivot ``c`` (the operand of the middle code): ``x = s' (y - c) + mid``, with ``mid = z' + *_MID * s'``
-the group's middle value, formed from the stored ``z'`` (made for ``q + 128``) in one FMA. The QK operands are BF16 (Q as given). The PV operands are FP16 on
-the GPU (``PV_F16``; ``P~ = fp16(P)``, and ``P s'`` scaled by a power of two per tile before
-rounding): 8x finer than BF16, which keeps the operand-fold error below BF16 attention's even for
-one-token sequences.
+the group's middle value, formed from the stored ``z'`` (made for ``q + 128``) in one FMA. The QK
+operands are BF16 (Q as given). The PV operands are FP16 on the GPU (``PV_F16``; ``P~ = fp16(P)``,
+and ``P s'`` divided by a power of two, the largest ``|s'|`` seen so far, before rounding): 8x finer
+than BF16, which keeps the operand-fold error below BF16 attention's even for one-token sequences.
 
-K corrections land before the softmax, V corrections in the accumulator before the final division.
-Corrections use the BF16 operands the MMA consumed. ``FOLD=False`` gives the per-value
+K corrections land before the softmax, V corrections in the accumulator before the final division
+(token-wise V: every ``FLUSH`` tiles, never only at the end, see ``docs/triton-perf.md``). Corrections
+use the operands the MMA consumed. ``FOLD=False`` gives the per-value
 reconstruction kernel of the paper's ablation: the same tiling, but every value is dequantized
 (``s*q + z`` per value) before plain BF16 dots.
 
