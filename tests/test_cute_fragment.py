@@ -41,3 +41,18 @@ def test_packed_tile_feeds_the_cute_fragment(tensor, bits, head_dim):
     for t in range(word.shape[0]):
         readers[word[t].unique()] += 1
     assert bool((readers == 1).all())
+
+
+@pytest.mark.parametrize("m", (64, 128, 256))
+def test_accumulator_ownership(m):
+    """What ``foscar.cute.decode_sm90`` assumes of the C fragment (``S^T`` with m = 64, ``O^T`` with
+    m = head_dim): thread 32w + l holds in register e = v0 + 2 v1 + 4 mt the row
+    64 mt + 16 w + l // 4 + 8 v1 and the column 2 (l % 4) + v0."""
+    from foscar.cute.fragment import rs_accumulator_ownership
+    own = rs_accumulator_ownership(m)
+    t = torch.arange(128)[:, None]
+    e = torch.arange(m * 8 // 128)[None, :]
+    w, lane = t // 32, t % 32
+    v0, v1, mt = e % 2, (e // 2) % 2, e // 4
+    assert torch.equal(own[..., 0], 64 * mt + 16 * w + lane // 4 + 8 * v1)
+    assert torch.equal(own[..., 1], 2 * (lane % 4) + v0 + 0 * mt)

@@ -68,6 +68,32 @@ def rs_fragment_ownership(m: int, k: int, n: int = 8) -> torch.Tensor:
     return own
 
 
+@functools.lru_cache(maxsize=None)
+def rs_accumulator_ownership(m: int, n: int = 8) -> torch.Tensor:
+    """``own[t, e] = (row, col)``: the element of the ``m x n`` accumulator (C) held by thread ``t`` in its
+    ``e``-th fp32 register, for the ``(64, n)`` tiled MMA of one warpgroup (traced on the host)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    own = torch.full((THREADS, m * n // THREADS, 2), -1, dtype=torch.int64)
+
+    @cute.jit
+    def probe():
+        tiled_mma = _tiled_mma(n)
+        ident = cute.make_identity_tensor((m, n))
+        for t in cutlass.range_constexpr(THREADS):
+            coords = tiled_mma.get_slice(t).partition_C(ident)
+            for e in cutlass.range_constexpr(cute.size(coords)):
+                row, col = coords[e]
+                own[t, e, 0] = row
+                own[t, e, 1] = col
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cute.compile(probe)
+    return own
+
+
 def tile_register_source(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(word, shift)``, each ``[128, regs, 2]``: the word of a 64-token tile's packed codes (index into
     the tile's ``64 * head_dim * bits / 32`` words, pack blocks in token order) and the bit holding the

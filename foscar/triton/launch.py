@@ -114,18 +114,15 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     bn = block_n_for(cache) if block_n is None else block_n
     if not _block_n_fits(cache, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
-    n_sink, n_quant, n_recent = cache.split()
-    n_quant32 = n_quant.to(torch.int32)
+    n_quant32 = cache.split()[1].to(torch.int32)
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
         max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // bn
         num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
     check_int("num_splits", num_splits, minimum=1)
-    windows = [w for w in (("sink", fmt.sink), ("recent", fmt.recent_capacity)) if w[1] > 0]
-    parts = num_splits + len(windows)
+    parts = num_splits + num_window_parts(fmt)
     o_part = torch.empty(B, Hq, parts, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
     qk_scale = sm_scale * LOG2E
-    block_h = max(16, triton.next_power_of_2(G))  # the BF16 windows' kernel: heads along M
     fold_h = max(8, triton.next_power_of_2(G))  # the quantized kernel: heads along N (S^T = K Q^T)
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
@@ -143,15 +140,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages, **regs)
-    part = num_splits
-    for name, _ in windows:  # the BF16 sink and recent ring: one more partial each
-        if name == "sink":
-            kb, vb, start, length, wrap = cache.k_sink, cache.v_sink, torch.zeros_like(n_quant32), n_sink, False
-        else:
-            kb, vb, start, length, wrap = cache.k_recent, cache.v_recent, n_quant32, n_recent, True
-        _bf16_stage1(q, kb, vb, None, start, length.to(torch.int32), o_part, l_part, qk_scale, G, block_h,
-                     page=kb.shape[2], part0=part, num_splits=1, wrap=wrap, interp=interp)
-        part += 1
+    window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
     _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out
 
@@ -164,6 +153,30 @@ def _injection_args(prefix: str, op, fmt) -> dict:
     pivot = op.pivot(fmt.bits)
     return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
             f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}  # mid = z' + MID s': the group's middle value
+
+
+def num_window_parts(fmt) -> int:
+    """The partials the BF16 windows add after the KV splits: one for the sink, one for the recent ring."""
+    return int(fmt.sink > 0) + int(fmt.recent_capacity > 0)
+
+
+def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale: float, G: int,
+                    interp: bool) -> None:
+    """The BF16 sink and recent ring of ``cache`` as partials ``part0, part0 + 1, ...`` (any backend's
+    stage 1 writes the KV splits before them; the combine merges all)."""
+    block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
+    n_sink, n_quant, n_recent = cache.split()
+    n_quant32 = n_quant.to(torch.int32)
+    part = part0
+    if cache.fmt.sink > 0:
+        _bf16_stage1(q, cache.k_sink, cache.v_sink, None, torch.zeros_like(n_quant32), n_sink.to(torch.int32),
+                     o_part, l_part, qk_scale, G, block_h, page=cache.k_sink.shape[2], part0=part, num_splits=1,
+                     wrap=False, interp=interp)
+        part += 1
+    if cache.fmt.recent_capacity > 0:
+        _bf16_stage1(q, cache.k_recent, cache.v_recent, None, n_quant32, n_recent.to(torch.int32), o_part, l_part,
+                     qk_scale, G, block_h, page=cache.k_recent.shape[2], part0=part, num_splits=1, wrap=True,
+                     interp=interp)
 
 
 def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,

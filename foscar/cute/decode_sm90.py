@@ -1,0 +1,418 @@
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL, v0: one warpgroup per CTA, register prefetch.
+
+Work in progress for issue 4; compiled on the CPU by ``tests/test_cute_decode.py``, not yet run on a
+GPU, and not reachable from :mod:`foscar`'s public API. What it does, per CTA (batch entry, KV head,
+KV split), for token-wise K and V with one group per token (``g = D``):
+
+- ``S^T = K Q^T`` on ``wgmma.m64n8k16`` with A from registers: each thread builds its 32-bit A
+  registers from the packed words of the cache (:mod:`foscar.cute.fragment`: one funnel shift and
+  one ``lop3`` per register), Q^T (heads padded to 8) sits in shared memory;
+- the acc-fold of token-wise K, centred on the pivot like :func:`foscar.decode_folded`;
+- online softmax (base 2) over the token axis: per column, shuffles across the lanes holding a
+  column, then the four warps through shared memory;
+- ``O^T = V^T P'^T``, FP16 operands: ``P' = P s'_V / sigma`` (``sigma`` the largest ``|s'_V|`` so far,
+  a power of two) stored to shared memory as the B operand, V^T built in registers like K;
+  the offset correction kept per element and folded into the accumulator every ``FLUSH`` tiles;
+- the partial output and LSE of the split, in the layout :mod:`foscar.triton.combine` merges.
+
+Next steps (issue 4): TMA and a producer warpgroup, two consumer warpgroups, the other axis
+combinations, GPU validation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import BFloat16, Float16, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.memory import SmemAllocator
+
+from ..format import K_BLOCK_TOKENS, v_block_tokens, words_per_block
+
+TILE = 64  # tokens per KV tile (wgmma M of S^T)
+HEADS = 8  # query heads of one KV head, padded (wgmma N)
+THREADS = 128
+LOP_AND_OR = 0xEA  # lop3 LUT: (a & b) | c
+FLUSH = 8
+RED_SLOTS = 16  # per warp: 8 column maxima, the |s'_V| maximum, padding
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """Static configuration of one compiled kernel (the compile-cache key)."""
+
+    bits: int
+    head_dim: int
+    page: int
+    group: int  # the query heads of one KV head (G <= 8)
+    k_pattern: int  # injection of K: BF16 bits PATTERN | q << K_SHL = q + beta_K
+    k_shl: int
+    k_pivot: float
+    k_mid: float  # mid = z' + K_MID * s': the group's middle value
+    v_pattern: int  # injection of V (FP16)
+    v_shl: int
+    v_pivot: float
+    v_mid: float
+
+    @property
+    def k_words(self) -> int:  # per thread per tile
+        return self.head_dim * self.bits // 64
+
+    @property
+    def v_blocks(self) -> int:  # V pack blocks per tile
+        return TILE // v_block_tokens(self.bits)
+
+    @property
+    def mh(self) -> int:  # m64 halves of the head dim (V^T rows)
+        return self.head_dim // 64
+
+
+def _inject(w: Uint32, field: int, shl: int, bits: int, pattern: int) -> Uint32:
+    """Two operands ``pattern | q << shl`` from the codes at bits ``field`` and ``field + 16`` of ``w``."""
+    rot = (field - shl) % 32
+    x = cute.arch.shf(w, w, rot, "r") if rot else w
+    mask = (((1 << bits) - 1) << shl) * 0x00010001
+    return cute.arch.lop3(x, Uint32(mask), Uint32(pattern * 0x00010001), LOP_AND_OR)
+
+
+class FoldDecodeSm90:
+    def __init__(self, cfg: Sm90Config):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                 mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32):
+        """Stage 1 over ``num_splits`` KV splits; ``mOP``/``mLP`` may hold more partials (the BF16
+        windows', written by another kernel)."""
+        cfg = self.cfg
+        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+        sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+        batch = cute.size(mQ, mode=[0])
+        kv_heads = cute.size(mKC, mode=[1])
+        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mNQ, mOP, mLP,
+                    qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1))
+
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor,
+               mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor,
+               mLP: cute.Tensor, qk_scale: Float32):
+        cfg = self.cfg
+        D = cfg.head_dim
+        G = cfg.group
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, b, split = cute.arch.block_idx()
+        n_splits = cute.arch.grid_dim()[2]
+        warp = tidx // 32
+        lane = tidx % 32
+        quad = lane % 4  # this thread's head columns: 2*quad, 2*quad + 1
+        row0 = 16 * warp + lane // 4  # this thread's token rows in a tile: row0, row0 + 8
+
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sP = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
+        sSum = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sQsum = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+
+        # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
+        for h in cutlass.range_constexpr(HEADS):
+            for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    val = BFloat16(0.0)
+                    if h < G:
+                        val = mQ[b, kvh * G + h, d]
+                    sQ[h, d] = val
+        cute.arch.sync_threads()
+        if tidx < HEADS:
+            acc_q = Float32(0.0)
+            for d in cutlass.range(D, unroll=8):
+                acc_q += Float32(sQ[tidx, d])
+            sQsum[tidx] = acc_q
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        qsum0 = sQsum[2 * quad]
+        qsum1 = sQsum[2 * quad + 1]
+
+        # ---- the split's tiles ------------------------------------------------------------------------
+        n = mNQ[b]
+        n_tiles = (n + TILE - 1) // TILE
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = split * per
+        t_hi = cutlass.min(t_lo + per, n_tiles)
+
+        thr_qk = qk_mma.get_slice(tidx)
+        tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
+        tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
+        tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        thr_pv = pv_mma.get_slice(tidx)
+        tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
+        tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
+        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
+        accO.fill(0.0)
+
+        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+        l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        l_el.fill(0.0)
+        c_el.fill(0.0)
+        m0 = -Float32.inf
+        m1 = -Float32.inf
+        sigma = Float32(1.0)
+        kwpb = words_per_block(cfg.bits, D, "k")
+        vwpb = words_per_block(cfg.bits, D, "v")
+        per_word = 16 // cfg.bits
+        nib = 4 // cfg.bits
+
+        for tile in cutlass.range(t_lo, t_hi, unroll=1):
+            t0 = tile * TILE
+            page = mBT[b, t0 // cfg.page]
+            off = t0 % cfg.page
+            # ---- loads: this thread's words and the parameters of its two token rows -------------------
+            kbase = (off // K_BLOCK_TOKENS + warp) * kwpb + lane * cfg.k_words
+            for i in cutlass.range_constexpr(cfg.k_words):
+                kw[i] = mKC[page, kvh, kbase + i]
+            vbase = (off // v_block_tokens(cfg.bits)) * vwpb + tidx * cfg.mh
+            for vb in cutlass.range_constexpr(cfg.v_blocks):
+                for mh in cutlass.range_constexpr(cfg.mh):
+                    vw[mh, vb] = mVC[page, kvh, vbase + vb * vwpb + mh]
+            ks0 = mKP[page, kvh, off + row0, 0, 0]
+            kz0 = mKP[page, kvh, off + row0, 0, 1]
+            ks1 = mKP[page, kvh, off + row0 + 8, 0, 0]
+            kz1 = mKP[page, kvh, off + row0 + 8, 0, 1]
+            vs0 = mVP[page, kvh, off + row0, 0, 0]
+            vz0 = mVP[page, kvh, off + row0, 0, 1]
+            vs1 = mVP[page, kvh, off + row0 + 8, 0, 0]
+            vz1 = mVP[page, kvh, off + row0 + 8, 0, 1]
+            valid0 = t0 + row0 < n
+            valid1 = t0 + row0 + 8 < n
+            if not valid0:  # rows past the length: whatever the page holds there must not reach P'
+                vs0 = Float32(0.0)
+                vz0 = Float32(0.0)
+            if not valid1:
+                vs1 = Float32(0.0)
+                vz1 = Float32(0.0)
+            # ---- S^T = K Q^T: K built in registers -------------------------------------------------------
+            for r in cutlass.range_constexpr(cute.size(tSrK_u32)):
+                w = Uint32(kw[r // per_word])
+                tSrK_u32[r] = _inject(w, cfg.bits * (r % per_word), cfg.k_shl, cfg.bits, cfg.k_pattern)
+            warpgroup.fence()
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # ---- acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled) --------------
+            a0 = ks0 * qk_scale
+            a1 = ks1 * qk_scale
+            e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
+            e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
+            # accS element e: column 2*quad + e % 2, row row0 + 8 * (e // 2)
+            s00 = (accS[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0
+            s01 = (accS[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0
+            s10 = (accS[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1
+            s11 = (accS[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1
+            if not valid0:
+                s00 = -Float32.inf
+                s01 = -Float32.inf
+            if not valid1:
+                s10 = -Float32.inf
+                s11 = -Float32.inf
+            # ---- column maxima and the tile's largest |s'_V|: lanes, then warps --------------------------
+            mx0 = cute.arch.fmax(s00, s10)
+            mx1 = cute.arch.fmax(s01, s11)
+            vmx = cute.arch.fmax(cute.arch.fmax(vs0, -vs0), cute.arch.fmax(vs1, -vs1))
+            for sh in cutlass.range_constexpr(3):
+                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
+                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
+                vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
+            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
+            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
+            buf = tile % 2
+            if lane < 4:
+                sRed[buf, warp, 2 * lane] = mx0
+                sRed[buf, warp, 2 * lane + 1] = mx1
+            if lane == 0:
+                sRed[buf, warp, HEADS] = vmx
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            tm0 = sRed[buf, 0, 2 * quad]
+            tm1 = sRed[buf, 0, 2 * quad + 1]
+            tv = sRed[buf, 0, HEADS]
+            for wi in cutlass.range_constexpr(1, 4):
+                tm0 = cute.arch.fmax(tm0, sRed[buf, wi, 2 * quad])
+                tm1 = cute.arch.fmax(tm1, sRed[buf, wi, 2 * quad + 1])
+                tv = cute.arch.fmax(tv, sRed[buf, wi, HEADS])
+            mn0 = cute.arch.fmax(m0, tm0)
+            mn1 = cute.arch.fmax(m1, tm1)
+            al0 = cute.math.exp2(m0 - mn0, fastmath=True)
+            al1 = cute.math.exp2(m1 - mn1, fastmath=True)
+            m0 = mn0
+            m1 = mn1
+            # sigma: a power of two >= every |s'_V| so far (P <= 1 keeps P' = P s'/sigma within FP16)
+            sig_new = sigma
+            while sig_new < tv:
+                sig_new = sig_new * 2.0
+            p00 = cute.math.exp2(s00 - mn0, fastmath=True)
+            p01 = cute.math.exp2(s01 - mn1, fastmath=True)
+            p10 = cute.math.exp2(s10 - mn0, fastmath=True)
+            p11 = cute.math.exp2(s11 - mn1, fastmath=True)
+            l_el[0] = l_el[0] * al0 + p00
+            l_el[1] = l_el[1] * al1 + p01
+            l_el[2] = l_el[2] * al0 + p10
+            l_el[3] = l_el[3] * al1 + p11
+            # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
+            r0 = vs0 / sig_new
+            r1 = vs1 / sig_new
+            q00 = Float16(p00 * r0)
+            q01 = Float16(p01 * r0)
+            q10 = Float16(p10 * r1)
+            q11 = Float16(p11 * r1)
+            vm0 = vz0 + cfg.v_mid * vs0
+            vm1 = vz1 + cfg.v_mid * vs1
+            cs = cfg.v_pivot * sig_new
+            c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
+            c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
+            c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
+            c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
+            sP[2 * quad, row0] = q00
+            sP[2 * quad + 1, row0] = q01
+            sP[2 * quad, row0 + 8] = q10
+            sP[2 * quad + 1, row0 + 8] = q11
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            # ---- O^T = V^T P'^T (acc in units of sigma), V^T built in registers ----------------------------
+            ratio = sigma / sig_new
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * ratio)
+            sigma = sig_new
+            for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
+                j = r % 4
+                mk = r // 4
+                mh = mk % cfg.mh
+                kb = mk // cfg.mh
+                w = Uint32(vw[mh, kb // nib])
+                tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                cute.gemm(pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if (tile - t_lo) % FLUSH == FLUSH - 1:
+                self._flush(c_el, accO, sSum, sigma, warp, lane, quad)
+
+        self._flush(c_el, accO, sSum, sigma, warp, lane, quad)
+        l0, l1 = self._column_sums(l_el, sSum, warp, lane, quad)
+        # ---- the split's partial output and LSE (base 2) ---------------------------------------------------
+        inv0 = Float32(0.0)
+        inv1 = Float32(0.0)
+        if l0 > 0:
+            inv0 = sigma / l0
+        if l1 > 0:
+            inv1 = sigma / l1
+        thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            ch, h = thr_c[e]
+            if h < G:
+                mOP[b, kvh * G + h, split, ch] = accO[e] * (inv0 if e % 2 == 0 else inv1)
+        if warp == 0 and lane < 4:
+            lse0 = -Float32.inf
+            lse1 = -Float32.inf
+            if l0 > 0:
+                lse0 = m0 + cute.math.log2(l0)
+            if l1 > 0:
+                lse1 = m1 + cute.math.log2(l1)
+            if 2 * quad < G:
+                mLP[b, kvh * G + 2 * quad, split] = lse0
+            if 2 * quad + 1 < G:
+                mLP[b, kvh * G + 2 * quad + 1, split] = lse1
+
+    @cute.jit
+    def _column_sums(self, el: cute.Tensor, sSum: cute.Tensor, warp, lane, quad):
+        """Sums over a tile's 64 token rows of per-element values ``el`` (element e: column 2*quad + e%2):
+        lanes sharing the columns, then the four warps through shared memory."""
+        c0 = el[0] + el[2]
+        c1 = el[1] + el[3]
+        for sh in cutlass.range_constexpr(3):
+            c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 4 << sh)
+            c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 4 << sh)
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # earlier readers of sSum are done
+        if lane < 4:
+            sSum[warp, 2 * lane] = c0
+            sSum[warp, 2 * lane + 1] = c1
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+        t0 = sSum[0, 2 * quad] + sSum[1, 2 * quad] + sSum[2, 2 * quad] + sSum[3, 2 * quad]
+        t1 = sSum[0, 2 * quad + 1] + sSum[1, 2 * quad + 1] + sSum[2, 2 * quad + 1] + sSum[3, 2 * quad + 1]
+        return t0, t1
+
+    @cute.jit
+    def _flush(self, c_el: cute.Tensor, accO: cute.Tensor, sSum: cute.Tensor, sigma: Float32, warp, lane, quad):
+        """The offset corrections gathered per element join the accumulator (units of sigma)."""
+        c0, c1 = self._column_sums(c_el, sSum, warp, lane, quad)
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
+        c_el.fill(0.0)
+
+
+def config_for(fmt, group: int, page: int) -> Sm90Config:
+    """The static configuration for a cache format (``KVFormat``), GQA ratio and page size; the injection
+    constants are the Triton kernels' (``foscar.triton.launch._injection_args``): one home."""
+    import torch
+
+    from ..errors import UnsupportedError
+    from ..format import operand_for
+    from ..triton.launch import _injection_args
+    if fmt.k_axis != "token" or fmt.v_axis != "token" or fmt.group_size != fmt.head_dim:
+        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={fmt.group_size}",
+                               "the CuTe v0 kernel covers token-wise K and V with g = head_dim only")
+    if fmt.head_dim not in (64, 128) or group > HEADS or page % TILE or fmt.mapping != "bf16":
+        raise UnsupportedError(f"head_dim={fmt.head_dim}, G={group}, page={page}, mapping={fmt.mapping!r}",
+                               "the CuTe v0 kernel needs head_dim 64/128, G <= 8, pages of 64k tokens, bf16")
+    k = _injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt)
+    v = _injection_args("V", operand_for(torch.float16, fmt.bits), fmt)
+    return Sm90Config(fmt.bits, fmt.head_dim, page, group, k["K_PATTERN"], k["K_SHL"], float(k["K_PIVOT"]),
+                      float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]))
+
+
+def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False):
+    """Compile the kernel for ``cfg`` (on any machine: set ``CUTE_DSL_ARCH=sm_90a`` without a GPU), with
+    placeholder tensors of the right dtypes and ranks. Returns the compiled function."""
+    import torch
+
+    B, Hkv, pages, S = 2, 2, 4, 3
+    D = cfg.head_dim
+    t = {
+        "q": torch.zeros(B, Hkv * cfg.group, D, dtype=torch.bfloat16),
+        "kc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
+        "vc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
+        "kp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
+        "vp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
+        "bt": torch.zeros(B, pages, dtype=torch.int32),
+        "nq": torch.zeros(B, dtype=torch.int32),
+        "op": torch.zeros(B, Hkv * cfg.group, S, D, dtype=torch.float32),
+        "lp": torch.zeros(B, Hkv * cfg.group, S, dtype=torch.float32),
+    }
+    args = [as_cute(x) for x in t.values()]
+    fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
+    return fn(FoldDecodeSm90(cfg), *args, Float32(1.0), Int32(S))
+
+
+def as_cute(x):
+    """A torch tensor as a CuTe tensor with dynamic shape and strides (one compile serves every batch,
+    length and pool size)."""
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(x, assumed_align=16).mark_layout_dynamic()

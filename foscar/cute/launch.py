@@ -1,0 +1,53 @@
+"""Host side of the CuTe DSL Hopper kernel (v0, issue 4): validation, the compile cache keyed by static
+config, the launch of stage 1 and the LSE combine (for now :mod:`foscar.triton.combine`'s).
+
+Not part of foscar's public API yet: the kernel has been compiled (``tests/test_cute_decode.py``) but
+not yet run on a GPU."""
+from __future__ import annotations
+
+import torch
+
+from ..cache import QuantKVCache
+from ..errors import UnsupportedError
+from ..reference import check_decode_inputs
+
+_COMPILED: dict = {}
+
+
+def _compiled(cfg):
+    from .decode_sm90 import compile_stage1
+    fn = _COMPILED.get(cfg)
+    if fn is None:
+        fn = _COMPILED[cfg] = compile_stage1(cfg)
+    return fn
+
+
+def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None):
+    """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
+    :func:`foscar.triton.decode`."""
+    from cutlass import Float32, Int32
+
+    from ..triton.launch import _combine, _out_buffers, default_num_splits, num_window_parts, window_partials
+    from .decode_sm90 import TILE, as_cute, config_for
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
+    fmt = cache.fmt
+    cfg = config_for(fmt, G, cache.page_size)
+    B = q.shape[0]
+    out, lse = _out_buffers(q, out, lse, return_lse)
+    if num_splits is None:
+        max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // TILE
+        num_splits = default_num_splits(B, cache.num_kv_heads, max_tiles, q.device)
+    parts = num_splits + num_window_parts(fmt)  # the BF16 windows: partials after the splits (Triton kernel)
+    o_part = torch.empty(B, q.shape[1], parts, fmt.head_dim, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, q.shape[1], parts, dtype=torch.float32, device=q.device)
+    _, n_quant, _ = cache.split()
+    tensors = (q.contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
+               cache.page_table.block_table, n_quant.to(torch.int32), o_part, l_part)
+    qk_scale = sm_scale * 1.4426950408889634
+    _compiled(cfg)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits))
+    window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp=False)
+    _combine(o_part, l_part, out, lse)
+    return (out, lse) if (return_lse or lse is not None) else out

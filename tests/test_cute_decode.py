@@ -1,0 +1,69 @@
+"""The CuTe DSL Hopper kernel, v0 (issue 4). CPU: every supported variant compiles for sm_90a, and its
+PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
+oracle, no worse than BF16 attention on the same dequantized cache."""
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from foscar.cute.decode_sm90 import compile_stage1, config_for  # noqa: E402
+from foscar.errors import UnsupportedError  # noqa: E402
+
+WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.(bf16|f16)\.\1\s+\{[^}]*\},\s*\{([^}]*)\}")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", (2, 4))
+def test_compiles_for_sm90a(bits, head_dim):
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim), 4, 64)
+    ptx = compile_stage1(cfg, keep_ptx=True).__ptx__
+    mmas = WGMMA_RS.findall(ptx)
+    kb = head_dim // 16
+    assert sum(op == "bf16" for op, _ in mmas) == kb, "S^T = K Q^T: one wgmma per k16 block of the head dim"
+    assert sum(op == "f16" for op, _ in mmas) == (head_dim // 64) * 4, "O^T = V^T P^T: m64 halves x k16 blocks"
+    assert all(len(a.split(",")) == 4 for _, a in mmas), "A from registers: four 32-bit registers"
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(mmas)
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+    assert "fence.proxy.async" in ptx, "P^T stored to shared memory must be fenced before the wgmma reads it"
+
+
+@pytest.mark.parametrize("kw,what", [
+    ({"k_axis": "channel"}, "token-wise K and V"), ({"group_size": 64}, "g = head_dim"),
+])
+def test_unsupported_configurations_say_why(kw, what):
+    args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
+    with pytest.raises(UnsupportedError, match=what):
+        config_for(foscar.KVFormat(**args), 4, 64)
+    with pytest.raises(UnsupportedError, match="G <= 8"):
+        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 16, 64)
+    with pytest.raises(UnsupportedError, match="pages of 64k"):
+        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,windows", [([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}),
+                                                        ([300], 8, 1, {}), ([3000, 5], 4, 3, {"sink": 4, "recent": 100})])
+def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows):
+    from _helpers import bf16_attention, rel
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, **windows)
+    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+    decode(q, cache, out=out, lse=lse, num_splits=num_splits)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
+    print(f"\nerror {err:.3e}  BF16 attention {base:.3e}")
+    assert err <= base * 1.05 + 1e-4
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
