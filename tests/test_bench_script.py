@@ -496,4 +496,5 @@ def test_iters_below_five_are_refused():
     with pytest.raises(SystemExit):
         bd.parse_args(["--iters", "3"])
     args = bd.parse_args(["--bits", "4", "2", "2"])
-    assert args.bits == (2, 4) and args.kernels == list(bd.KERNELS) and args.grid == "paper"
+    assert args.bits == (2, 4) and args.grid == "paper"
+    assert args.kernels == [k for k in bd.KERNELS if k != "foscar_cute"]  # opt-in until validated on the GPU
