@@ -1,4 +1,5 @@
 """foscar: affine-folded decode attention over 2-bit and 4-bit KV caches (FOSCAR, arXiv 2611.09722)."""
+from .api import backend_status, decode, select_backend
 from .cache import PageTable, QuantKVCache, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
@@ -35,10 +36,13 @@ __all__ = [
                      "QuantKVCache",
                      "UnsupportedError",
                      "__version__",
+                     "backend_status",
                      "combine_partials",
+                     "decode",
                      "decode_exact",
                      "decode_folded",
                      "pack_codes",
                      "quantize_kv",
+                     "select_backend",
                      "unpack_codes",
 ]

@@ -240,12 +240,47 @@ def _print_demo(backend: Backend, config: dict, rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# foscar info
+# --------------------------------------------------------------------------------------------
+def _version(module: str) -> str:
+    from importlib import metadata
+    for dist in {"cutlass": ("nvidia-cutlass-dsl",)}.get(module, (module,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return "not installed"
+
+
+def _info(args: argparse.Namespace) -> int:
+    from . import __version__, backend_status
+    print(f"foscar {__version__}; python {sys.version.split()[0]}; torch {torch.__version__}; "
+          f"triton {_version('triton')}; nvidia-cutlass-dsl {_version('cutlass')}")
+    if torch.cuda.is_available():
+        dev = torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(dev)
+        print(f"GPU: {torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]}), CUDA {torch.version.cuda}")
+    else:
+        print("GPU: none (CUDA not available)")
+    print("backends (foscar.decode(..., backend='auto') takes the first usable of triton, reference):")
+    for s in backend_status():
+        print(f"  {s.name:10s} {'usable' if s.usable else 'unavailable':12s} {s.why}")
+    return 0
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="the GPU, versions, and which decode backends run here (and why not)")
+    p.set_defaults(func=_info)
+
+
+# --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="FOSCAR: decode attention over 2-/4-bit KV caches.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
+    _add_info(sub)
     return parser
 
 

@@ -29,8 +29,8 @@ def check_decode_inputs(q: torch.Tensor, cache: QuantKVCache, sm_scale: float | 
     Hq = q.shape[1]
     if Hq == 0 or Hq % Hkv:
         raise InvalidArgumentError("q", f"a head count that is a positive multiple of num_kv_heads={Hkv}", Hq)
-    if q.device.type == "cpu":  # on a GPU this check would make every decode wait for the device
-        check_finite("q", q)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_finite("q", q)  # on a GPU (or in a compiled graph) it would wait for the values
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
@@ -39,6 +39,28 @@ def check_decode_inputs(q: torch.Tensor, cache: QuantKVCache, sm_scale: float | 
     if dtype is not None and dtype not in COMPUTE_DTYPES:
         raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", dtype)
     return Hq // Hkv, float(sm_scale)
+
+
+#: dtypes a decode writes its output in
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def decode_out_buffers(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode's ``out [B, Hq, D]`` (checked when given; else ``q``'s dtype, float32 for other query
+    dtypes) and ``lse [B, Hq]`` float32 (checked when given; allocated when ``return_lse``)."""
+    B, Hq, D = q.shape
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=q.dtype if q.dtype in OUT_DTYPES else torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, shape=(B, Hq, D), dtypes=OUT_DTYPES, device=q.device)
+        if out.stride(-1) != 1:
+            raise InvalidArgumentError("out", "unit stride in the last dim", tuple(out.stride()))
+    if lse is not None:
+        check_tensor("lse", lse, shape=(B, Hq), dtypes=(torch.float32,), device=q.device)
+    elif return_lse:
+        lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    return out, lse
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *,

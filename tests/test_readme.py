@@ -1,4 +1,5 @@
-"""The README's test command is the one CI runs, and its main-job command names a real subcommand."""
+"""The README: its test command is the one CI runs, its main-job command names a real subcommand, and
+its API lines run as written."""
 import pathlib
 import re
 
@@ -20,3 +21,12 @@ def test_readme_has_exactly_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert _commands()[1] in ci
+
+
+def test_the_api_snippet_runs():
+    """The README's API lines, run as written (CPU: the reference backend)."""
+    block = re.search(r"## The API in a few lines\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    scope: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    assert scope["out"].shape == (2, 32, 128) and scope["lse"].shape == (2, 32)
+    assert scope["ref"].shape == scope["spec"].shape == (2, 32, 128)

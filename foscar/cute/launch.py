@@ -9,7 +9,7 @@ import torch
 
 from ..cache import QuantKVCache
 from ..errors import UnsupportedError
-from ..reference import check_decode_inputs
+from ..reference import check_decode_inputs, decode_out_buffers
 
 _COMPILED: dict = {}
 
@@ -28,7 +28,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.triton.decode`."""
     from cutlass import Float32, Int32
 
-    from ..triton.launch import _combine, _out_buffers, default_num_splits, num_window_parts, window_partials
+    from ..triton.launch import _combine, default_num_splits, num_window_parts, window_partials
     from .decode_sm90 import TILE, as_cute, config_for
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -36,7 +36,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     fmt = cache.fmt
     cfg = config_for(fmt, G, cache.page_size)
     B = q.shape[0]
-    out, lse = _out_buffers(q, out, lse, return_lse)
+    out, lse = decode_out_buffers(q, out, lse, return_lse)
     if num_splits is None:
         max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // TILE
         num_splits = default_num_splits(B, cache.num_kv_heads, max_tiles, q.device)

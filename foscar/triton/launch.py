@@ -11,13 +11,12 @@ from .._checks import check_int, check_tensor
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import INJECTION_FORMATS, operand_for
-from ..reference import check_decode_inputs
+from ..reference import check_decode_inputs, decode_out_buffers
 from .bf16 import bf16_decode_stage1
 from .combine import combine_stage2
 from .decode import LOG2E, fold_decode_stage1
 
 KERNELS = ("folded", "reconstruct")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_N_CHOICES = (64, 32, 16)
 
 
@@ -72,21 +71,6 @@ def max_registers(fmt) -> int | None:
     return 128 if D <= 128 and k_fits and v_fits else None
 
 
-def _out_buffers(q, out, lse, return_lse):
-    B, Hq, D = q.shape
-    if out is None:
-        out = torch.empty(B, Hq, D, dtype=q.dtype if q.dtype in OUT_DTYPES else torch.float32, device=q.device)
-    else:
-        check_tensor("out", out, shape=(B, Hq, D), dtypes=OUT_DTYPES, device=q.device)
-        if out.stride(-1) != 1:
-            raise InvalidArgumentError("out", "unit stride in the last dim", tuple(out.stride()))
-    if lse is not None:
-        check_tensor("lse", lse, shape=(B, Hq), dtypes=(torch.float32,), device=q.device)
-    elif return_lse:
-        lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    return out, lse
-
-
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
@@ -110,7 +94,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         raise InvalidArgumentError("q", "unit stride in the last dim", tuple(q.stride()))
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
-    out, lse = _out_buffers(q, out, lse, return_lse)
+    out, lse = decode_out_buffers(q, out, lse, return_lse)
     bn = block_n_for(cache) if block_n is None else block_n
     if not _block_n_fits(cache, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
@@ -221,7 +205,7 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     if page % block_n:
         raise InvalidArgumentError("block_n", f"a divisor of the page size {page}", block_n)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    out, _ = _out_buffers(q, out, None, False)
+    out, _ = decode_out_buffers(q, out, None, False)
     if num_splits is None:  # from the block table's capacity: no device read
         num_splits = default_num_splits(B, Hkv, block_table.shape[1] * page // block_n, q.device)
     G = Hq // Hkv

@@ -1,0 +1,195 @@
+"""``foscar.decode``: one call over a foscar cache, the backend chosen for the machine (issue 5).
+
+Backends, in the order ``backend="auto"`` tries them (:func:`backend_status` says which are usable here
+and why the others are not):
+
+- ``"cute"``: the CuTe DSL sm_90a kernel (:mod:`foscar.cute`). Not picked by ``auto`` until it has been
+  validated on a GPU; ``backend="cute"`` runs it.
+- ``"triton"``: the Triton kernels, on any CUDA GPU.
+- ``"reference"``: :func:`foscar.decode_folded` in PyTorch (BF16 QK and FP16 PV operands, float32
+  accumulation: the kernels' arithmetic), on any device. ``auto`` uses it on the CPU.
+
+An explicit choice (``backend=`` or the ``FOSCAR_BACKEND`` environment variable) that cannot run is an
+error that says why, never a silent switch to another backend.
+
+The call is the custom op ``torch.ops.foscar.decode`` (``torch.library``, with a fake implementation),
+so ``torch.compile`` traces a decode step without a graph break; it writes ``out`` and ``lse`` in place
+and allocates nothing else on the Triton path, so CUDA graphs capture it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .cache import PageTable, QuantKVCache
+from .errors import InvalidArgumentError, UnsupportedError
+from .format import KVFormat
+
+BACKENDS = ("cute", "triton", "reference")
+AUTO_ORDER = ("triton", "reference")  # "cute" joins once validated on the GPU (issue 4)
+ENV = "FOSCAR_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    usable: bool
+    why: str  # what it runs on, or why it cannot run here
+
+
+def backend_status(device: torch.device | str | None = None, fmt: KVFormat | None = None,
+                   gqa: int | None = None, page_size: int | None = None) -> list[BackendStatus]:
+    """Every backend, usable or not on ``device`` (default: the current CUDA device, else the CPU), and for
+    a cache of format ``fmt`` (GQA ratio ``gqa``, ``page_size``) when given."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    return [_cute_status(dev, fmt, gqa, page_size), _triton_status(dev, fmt), _reference_status(dev)]
+
+
+def _cute_status(dev, fmt, gqa, page_size) -> BackendStatus:
+    if dev.type != "cuda":
+        return BackendStatus("cute", False, f"needs an sm_90 GPU (device is {dev})")
+    cap = torch.cuda.get_device_capability(dev)
+    if cap != (9, 0):
+        return BackendStatus("cute", False, f"needs sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+                             + ("; the sm_100a kernel is not written yet" if cap[0] == 10 else ""))
+    if importlib.util.find_spec("cutlass") is None:
+        return BackendStatus("cute", False, "nvidia-cutlass-dsl is not installed (pip install 'foscar[cute]')")
+    if fmt is not None:
+        from .cute.decode_sm90 import config_for  # imports cutlass
+        try:
+            config_for(fmt, gqa or 1, page_size or 64)
+        except UnsupportedError as e:
+            return BackendStatus("cute", False, str(e))
+    return BackendStatus("cute", True, "CuTe DSL sm_90a kernel (not yet validated on a GPU: explicit choice only)")
+
+
+def _triton_status(dev, fmt) -> BackendStatus:
+    if dev.type != "cuda":
+        return BackendStatus("triton", False, f"needs a CUDA GPU (device is {dev})")
+    if importlib.util.find_spec("triton") is None:
+        return BackendStatus("triton", False, "triton is not installed")
+    if fmt is not None and fmt.mapping != "bf16":
+        return BackendStatus("triton", False, f"builds BF16 operands: needs mapping 'bf16', not {fmt.mapping!r}")
+    return BackendStatus("triton", True, f"Triton kernels on {torch.cuda.get_device_name(dev)}")
+
+
+def _reference_status(dev) -> BackendStatus:
+    return BackendStatus("reference", True, f"PyTorch reference (decode_folded) on {dev}"
+                         + ("; slow on a GPU" if dev.type == "cuda" else ""))
+
+
+def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") -> str:
+    """The backend a call runs on: ``backend`` (or ``$FOSCAR_BACKEND`` when ``backend="auto"``) if it can
+    run, else an :class:`UnsupportedError` saying why; ``"auto"``: the first usable of
+    :data:`AUTO_ORDER` (the reference only on the CPU)."""
+    G = q.shape[1] // cache.num_kv_heads
+    return _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+
+
+@torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
+def _select(device: str, fmt: KVFormat, G: int, page_size: int, backend: str, env: str) -> str:
+    choice = backend
+    source = "backend"
+    if backend == "auto" and env != "auto":
+        choice, source = env, ENV
+    if choice != "auto" and choice not in BACKENDS:
+        raise InvalidArgumentError(source, f"'auto' or one of {BACKENDS}", repr(choice))
+    dev = torch.device(device)
+    status = {s.name: s for s in backend_status(dev, fmt, G, page_size)}
+    if choice != "auto":
+        s = status[choice]
+        if not s.usable:
+            raise UnsupportedError(f"{source}={choice!r}", s.why)
+        return choice
+    for name in AUTO_ORDER:
+        if status[name].usable and (name != "reference" or dev.type == "cpu"):
+            return name
+    raise UnsupportedError(f"backend='auto' on {dev}",
+                           "; ".join(f"{s.name}: {s.why}" for s in status.values() if not s.usable))
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op: tensors and plain values in, out and lse written in place
+# --------------------------------------------------------------------------------------------
+def _cache_from_parts(fmt_args, tensors) -> QuantKVCache:
+    bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous = fmt_args
+    (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
+     k_sink, v_sink, k_recent, v_recent) = tensors
+    fmt = KVFormat(bits, head_dim, group, k_axis, v_axis, mapping, sink, recent)
+    cache = QuantKVCache.__new__(QuantKVCache)  # validated when the caller built it: no host reads here
+    cache.fmt = fmt
+    cache.k_codes, cache.v_codes, cache.k_params, cache.v_params = k_codes, v_codes, k_params, v_params
+    cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent = k_sink, v_sink, k_recent, v_recent
+    cache.seq_lens = seq_lens
+    cache.page_table = PageTable(block_table, num_pages, None, page_size)
+    cache.page_size = page_size
+    cache.contiguous = contiguous
+    return cache
+
+
+@torch.library.custom_op("foscar::decode", mutates_args=("out", "lse"))
+def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_params: torch.Tensor,
+               v_params: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_pages: torch.Tensor,
+               k_sink: torch.Tensor, v_sink: torch.Tensor, k_recent: torch.Tensor, v_recent: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, bits: int, head_dim: int, group: int, k_axis: str, v_axis: str,
+               mapping: str, sink: int, recent: int, page_size: int, contiguous: bool, sm_scale: float,
+               backend: str, num_splits: int) -> None:
+    cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous),
+                              (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
+                               k_sink, v_sink, k_recent, v_recent))
+    splits = None if num_splits <= 0 else num_splits
+    if backend == "triton":
+        from .triton import decode as triton_decode
+        triton_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=splits)
+    elif backend == "cute":
+        from .cute.launch import decode as cute_decode
+        cute_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=splits)
+    else:
+        from .fold import decode_folded
+        o, l_ = decode_folded(q, cache, sm_scale=sm_scale, operand_dtype=torch.bfloat16,
+                              pv_operand_dtype=torch.float16, dtype=torch.float32, return_lse=True)
+        out.copy_(o)
+        lse.copy_(l_)
+
+
+@_decode_op.register_fake
+def _(q, k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages, k_sink, v_sink, k_recent, v_recent,
+      out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous, sm_scale,
+      backend, num_splits) -> None:
+    return None
+
+
+def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
+    """The arguments of ``torch.ops.foscar.decode`` for a (validated) call: the cache as its tensors and
+    its format as plain values."""
+    fmt = cache.fmt
+    pt = cache.page_table
+    return (q, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.seq_lens, pt.block_table,
+            pt.num_pages, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent, out, lse, fmt.bits,
+            fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent,
+            cache.page_size, cache.contiguous, float(sm_scale), backend, 0 if num_splits is None else int(num_splits))
+
+
+def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None, return_lse: bool = False, backend: str = "auto",
+           num_splits: int | None = None):
+    """Decode attention of ``q [B, Hq, D]`` (one new token per sequence) over ``cache``.
+
+    Returns ``out [B, Hq, D]`` (``q``'s dtype for BF16/FP16/FP32 queries; or the given ``out``), and
+    ``lse [B, Hq]`` (float32, natural log) when ``return_lse`` or ``lse`` is given. ``backend``: ``"auto"``
+    (default), ``"cute"``, ``"triton"`` or ``"reference"`` (module docstring). ``num_splits``: KV splits
+    per sequence for the GPU kernels (default: the kernel's heuristic).
+    """
+    from .reference import check_decode_inputs, decode_out_buffers
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
+    chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    want_lse = return_lse or lse is not None
+    out, lse = decode_out_buffers(q, out, lse, True)
+    torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))
+    return (out, lse) if want_lse else out

@@ -1,0 +1,110 @@
+"""``foscar.decode``: backend selection, explicit choices that cannot run, the custom op under
+``torch.compile`` (CPU, reference backend), and on the GPU CUDA-graph capture and replay."""
+import pytest
+import torch
+from _helpers import rel
+
+import foscar
+from foscar.errors import InvalidArgumentError, UnsupportedError
+
+GPU = torch.cuda.is_available()
+
+
+def make(lens=(300, 129), Hkv=2, G=4, D=64, device="cpu", **fmt_kw):
+    gen = torch.Generator().manual_seed(sum(lens))
+    B, L = len(lens), max(lens)
+    k = torch.randn(B, Hkv, L, D, generator=gen)
+    v = torch.randn(B, Hkv, L, D, generator=gen)
+    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16()
+    fmt = foscar.KVFormat(**{"bits": 4, "head_dim": D, "group_size": D, **fmt_kw})
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens), page_size=64)
+    return q, cache
+
+
+def test_auto_on_the_cpu_is_the_reference():
+    q, cache = make()
+    assert foscar.select_backend(q, cache) == "reference"
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32)
+    lse = torch.full(q.shape[:2], float("nan"))
+    o, l_ = foscar.decode(q, cache, out=out, lse=lse)
+    assert o is out and l_ is lse
+    spec, spec_lse = foscar.decode_folded(q, cache, operand_dtype=torch.bfloat16, pv_operand_dtype=torch.float16,
+                                          dtype=torch.float32, return_lse=True)
+    assert torch.equal(out, spec) and torch.equal(lse, spec_lse)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert rel(out, exact) < 5e-3 and float((lse.double() - lse_exact).abs().max()) < 1e-3
+    plain = foscar.decode(q, cache)
+    assert plain.dtype == torch.bfloat16 and plain.shape == q.shape
+
+
+@pytest.mark.parametrize("name", ("triton", "cute"))
+def test_an_explicit_backend_that_cannot_run_says_why(name, monkeypatch):
+    q, cache = make()
+    with pytest.raises(UnsupportedError, match=rf"^backend={name!r}: .*needs an? (sm_90|CUDA) GPU"):
+        foscar.decode(q, cache, backend=name)
+    monkeypatch.setenv("FOSCAR_BACKEND", name)
+    with pytest.raises(UnsupportedError, match=rf"^FOSCAR_BACKEND={name!r}: "):
+        foscar.decode(q, cache)
+    assert foscar.decode(q, cache, backend="reference").shape == q.shape  # an explicit argument wins
+
+
+def test_bad_choices_name_the_argument(monkeypatch):
+    q, cache = make()
+    with pytest.raises(InvalidArgumentError, match="^backend: expected 'auto' or one of"):
+        foscar.decode(q, cache, backend="fast")
+    monkeypatch.setenv("FOSCAR_BACKEND", "fast")
+    with pytest.raises(InvalidArgumentError, match="^FOSCAR_BACKEND: expected"):
+        foscar.decode(q, cache)
+    monkeypatch.delenv("FOSCAR_BACKEND")
+    with pytest.raises(InvalidArgumentError, match="^num_splits: expected"):
+        foscar.decode(q, cache, num_splits=0)
+    with pytest.raises(InvalidArgumentError, match="^out: expected"):
+        foscar.decode(q, cache, out=torch.empty(1, 2, 3))
+    with pytest.raises(InvalidArgumentError, match="^lse: expected"):
+        foscar.decode(q, cache, lse=torch.empty(2, 8, dtype=torch.float64))
+
+
+def test_backend_status_lists_every_backend_with_a_reason():
+    status = {s.name: s for s in foscar.backend_status("cpu")}
+    assert set(status) == {"cute", "triton", "reference"}
+    assert status["reference"].usable and not status["triton"].usable and not status["cute"].usable
+    assert all(s.why for s in status.values())
+
+
+def test_torch_compile_traces_a_decode_step_without_graph_breaks():
+    q, cache = make(lens=(200,), Hkv=1, G=2)
+    eager = foscar.decode(q, cache)
+    step = torch.compile(lambda x: foscar.decode(x, cache) * 2, fullgraph=True)
+    assert torch.equal(step(q), eager * 2)
+
+
+def test_the_custom_op_passes_opcheck():
+    """Schema, fake implementation and in-place mutation of ``out``/``lse`` (torch.library.opcheck)."""
+    from foscar.api import op_args
+    q, cache = make(lens=(70,), Hkv=1, G=1)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(q.shape[:2])
+    torch.library.opcheck(torch.ops.foscar.decode.default, op_args(q, cache, out, lse, 0.125, "reference", None))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
+def test_auto_on_a_gpu_and_cuda_graph_replay():
+    q, cache = make(lens=(3000, 17), D=128)
+    from test_triton import to_device
+    q, cache = q.cuda(), to_device(cache, "cuda")
+    assert foscar.select_backend(q, cache) == "triton"
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    eager = foscar.decode(q, cache).clone()
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        foscar.decode(q, cache, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        foscar.decode(q, cache, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
