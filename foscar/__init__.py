@@ -1,4 +1,5 @@
 """foscar: affine-folded decode attention over 2-bit and 4-bit KV caches (FOSCAR, arXiv 2611.09722)."""
+from ._version import __version__
 from .api import backend_status, decode, select_backend
 from .cache import PageTable, QuantKVCache, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
@@ -18,7 +19,6 @@ from .format import (
 )
 from .reference import decode_exact
 
-__version__ = "0.1.0"
 
 __all__ = [
                      "BF16_INJECTION",

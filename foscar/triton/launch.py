@@ -1,6 +1,7 @@
 """Launchers of the Triton decode kernels: validation, tiling choice, split count, and the two stages."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -53,6 +54,22 @@ def block_n_for(cache: QuantKVCache) -> int:
     raise UnsupportedError(f"page_size={cache.page_size}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
 
 
+def tuned_config(q: torch.Tensor, cache: QuantKVCache, G: int) -> dict:
+    """The autotune cache's launch config for this call (``{}``: none tuned), keyed by GPU, format, GQA,
+    page size and the batch and capacity buckets: host facts only, so no device read."""
+    from .. import autotune
+    capacity = cache.page_table.block_table.shape[1] * cache.page_size
+    key = autotune.make_key("triton", torch.cuda.get_device_name(q.device), cache.fmt, G, cache.page_size,
+                            q.shape[0], capacity)
+    return _lookup(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(key) -> dict:
+    from .. import autotune
+    return autotune.lookup(key)[0]
+
+
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
     """About sixteen programs per SM (three or four resident at a time keep the tail short), at most 64
     splits and at least four KV tiles per split (each split pays a prologue, an epilogue and a combine
@@ -73,15 +90,17 @@ def max_registers(fmt) -> int | None:
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
-           kernel: str = "folded", block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
+           kernel: str = "folded", block_n: int | None = None, num_warps: int | None = None, num_stages: int = 1,
            pv_fp16: bool = True):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
     ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
     reconstruction baseline of the paper's ablation (same tiling). ``out`` (``[B, Hq, D]``, BF16,
     FP16 or FP32; default ``q``'s dtype) and ``lse`` (``[B, Hq]`` FP32, natural log) may be given.
-    ``num_splits``: KV splits per sequence (default: about two waves of programs). ``pv_fp16``:
-    FP16 PV operands (default; ``False``: BF16, as ``decode_folded(operand_dtype=torch.bfloat16)``).
+    ``num_splits``, ``block_n``, ``num_warps``: launch parameters; left ``None``, they come from the
+    autotune cache (:mod:`foscar.autotune`, written by ``foscar tune``) or, without a tuned entry, the
+    heuristics here. ``pv_fp16``: FP16 PV operands (default; ``False``: BF16, as
+    ``decode_folded(operand_dtype=torch.bfloat16)``).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_device(q)
@@ -95,6 +114,12 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
     out, lse = decode_out_buffers(q, out, lse, return_lse)
+    tuned = tuned_config(q, cache, G) if kernel == "folded" and not interpreting() else {}
+    if block_n is None and tuned.get("block_n") is not None and _block_n_fits(cache, tuned["block_n"]):
+        block_n = tuned["block_n"]
+    num_splits = tuned.get("num_splits") if num_splits is None else num_splits
+    num_warps = (tuned.get("num_warps") or 4) if num_warps is None else num_warps
+    check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
     bn = block_n_for(cache) if block_n is None else block_n
     if not _block_n_fits(cache, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
