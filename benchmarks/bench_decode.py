@@ -60,7 +60,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the device machine runs the checkout without installing it
     sys.path.insert(0, str(REPO))
 
-from foscar import KVFormat, PageTable, QuantKVCache, decode_exact, quantize_kv
+from foscar import KVFormat, QuantKVCache, decode_exact, quantize_kv
+from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache
+from foscar.bench import time_call as time_fn
 from foscar.errors import UnsupportedError
 from foscar.reference import attend
 from foscar.synthetic import stress_inputs
@@ -197,10 +199,6 @@ def plan_shapes(shapes: list[tuple[int, int]], bits: tuple[int, ...], budget_byt
     return run, skipped
 
 
-def summarize_us(times_us: list[float]) -> dict:
-    return {"median_us": statistics.median(times_us), "min_us": min(times_us), "all_us": list(times_us)}
-
-
 def geomean(values: list[float]) -> float | None:
     if not values:
         return None
@@ -212,23 +210,6 @@ def geomean(values: list[float]) -> float | None:
 def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.double(), ref.double()
     return float((a - ref).norm() / ref.norm())
-
-
-def make_block_table(batch: int, pages: int, order: str, seed: int) -> torch.Tensor:
-    """int32 [B, pages]: sequence b owns pool pages [b*pages, (b+1)*pages), in order or shuffled.
-
-    Shuffling only inside each sequence's own range keeps the pool, read densely, a per-sequence
-    permutation of the tokens: SDPA over the dense view computes the same attention.
-    """
-    base = torch.arange(batch, dtype=torch.int64)[:, None] * pages
-    if order == "identity":
-        local = torch.arange(pages).expand(batch, pages)
-    elif order == "shuffled":
-        gen = torch.Generator().manual_seed(seed)
-        local = torch.argsort(torch.rand(batch, pages, generator=gen), dim=1)
-    else:
-        raise ValueError(f"page order {order!r}: expected 'identity' or 'shuffled'")
-    return (base + local).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,71 +587,10 @@ def make_bf16_inputs(q: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     return Bf16Inputs(q, k, v, block_table, torch.full((B,), seq_len, dtype=torch.int32, device=q.device))
 
 
-def _random_params(fmt: KVFormat, tensor: str, block_table: torch.Tensor) -> torch.Tensor:
-    """FP32 (s', z') pool ``[pages, Hkv, rows, cols, 2]`` for min-max groups of values in about [-2, 2].
-
-    Channel-wise groups longer than a page are stored replicated in each of their pages: the row is
-    drawn per group and repeated over the group's pages (in token order, then scattered by the table).
-    """
-    B, pages = block_table.shape
-    rows, cols = fmt.param_shape(tensor, PAGE)
-    per_group = GROUP // PAGE if fmt.axis(tensor) == CHANNEL and PAGE < GROUP else 1
-    shape = (B, pages // per_group, HKV, rows, cols)
-    dev = block_table.device
-    lo = -1.5 - 0.5 * torch.rand(shape, device=dev)
-    hi = 1.5 + 0.5 * torch.rand(shape, device=dev)
-    sp, zp = fmt.op.fold((hi - lo) / ((1 << fmt.bits) - 1), lo)
-    par = torch.stack([sp, zp], dim=-1).repeat_interleave(per_group, dim=1)
-    pool = torch.empty(B * pages, HKV, rows, cols, 2, dtype=torch.float32, device=dev)
-    pool[block_table.reshape(-1).long()] = par.reshape(B * pages, HKV, rows, cols, 2)
-    return pool
-
-
 def make_random_cache(case: Case, block_table: torch.Tensor) -> QuantKVCache:
-    """A full foscar cache of random packed codes (every int32 word is valid) and random finite (s', z').
-
-    Decode speed does not depend on the values; building it costs no quantization pass.
-    """
-    fmt = case.fmt()
-    B, pages = block_table.shape
-    dev = block_table.device
-    words = fmt.words_per_page("k", PAGE)
-    codes = [torch.randint(-2 ** 31, 2 ** 31, (B * pages, HKV, words), dtype=torch.int32, device=dev)
-             for _ in range(2)]
-    def window(n):  # BF16 windows hold no token here: lengths are whole groups and there is no sink
-        return torch.zeros(B, HKV, n, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    return QuantKVCache(fmt, k_codes=codes[0], k_params=_random_params(fmt, "k", block_table), v_codes=codes[1],
-                        v_params=_random_params(fmt, "v", block_table),
-                        seq_lens=torch.full((B,), case.seq_len, dtype=torch.int32, device=dev),
-                        page_table=PageTable.from_block_table(block_table),
-                        k_sink=window(fmt.sink), v_sink=window(fmt.sink),
-                        k_recent=window(fmt.recent_capacity), v_recent=window(fmt.recent_capacity))
-
-
-def _cache_fields(cache: QuantKVCache) -> dict:
-    names = ("k_codes", "k_params", "v_codes", "v_params", "k_sink", "v_sink", "k_recent", "v_recent")
-    return {n: getattr(cache, n) for n in names}
-
-
-def cache_to(cache: QuantKVCache, device) -> QuantKVCache:
-    """The same cache on another device (QuantKVCache has no .to())."""
-    pt = cache.page_table
-    table = PageTable(pt.block_table.to(device), pt.num_pages.to(device),
-                      None if pt.quantized_lens is None else pt.quantized_lens.to(device), pt.page_size)
-    moved = {n: t.to(device) for n, t in _cache_fields(cache).items()}
-    return QuantKVCache(cache.fmt, **moved, seq_lens=cache.seq_lens.to(device), page_table=table,
-                        contiguous=cache.contiguous)
-
-
-def one_head_cache(cache: QuantKVCache, b: int, h: int) -> QuantKVCache:
-    """Sequence ``b``, KV head ``h`` of a paged cache, as a cache of its own (copies of its pages only)."""
-    pt = cache.page_table
-    pages = pt.block_table[b, : int(pt.num_pages[b])].long()
-    f = _cache_fields(cache)
-    pooled = {n: f[n][pages, h: h + 1].contiguous() for n in ("k_codes", "k_params", "v_codes", "v_params")}
-    windows = {n: f[n][b: b + 1, h: h + 1].contiguous() for n in ("k_sink", "v_sink", "k_recent", "v_recent")}
-    table = PageTable.from_block_table(torch.arange(pages.numel(), dtype=torch.int32, device=cache.device)[None])
-    return QuantKVCache(cache.fmt, **pooled, **windows, seq_lens=cache.seq_lens[b: b + 1].clone(), page_table=table)
+    """A full foscar cache of the benchmark's shape, random packed codes and ``(s', z')``
+    (:func:`foscar.bench.random_cache`)."""
+    return random_cache(case.fmt(), block_table, case.seq_len, kv_heads=HKV, page=PAGE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,21 +651,6 @@ def _short(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def time_fn(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
-    """Median/min/all of ``iters`` calls (µs) after ``warmup``: L2 flushed before each, events around the call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return summarize_us([start.elapsed_time(end) * 1e3 for start, end in events])
-
-
 def kernel_time_fn(fn: Callable[[], object], *, iters: int, flush: torch.Tensor) -> dict:
     """GPU time of the kernels one call launches, summed (CUPTI through torch.profiler), L2 flushed before each.
 
@@ -788,19 +693,6 @@ def syncs_with_host(fn: Callable[[], object]) -> bool | None:
     waited = time.perf_counter() - t0
     torch.cuda.synchronize()
     return waited > SYNC_THRESHOLD_S
-
-
-def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 _READ_KERNEL = None

@@ -15,8 +15,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import Case, as_graph, bytes_read, make_block_table, make_random_cache, parse_shapes, time_fn
+from bench_decode import Case, bytes_read, make_random_cache, parse_shapes
 
+from foscar.bench import as_graph, make_block_table
+from foscar.bench import time_call as time_fn
 from foscar.triton import launch
 
 

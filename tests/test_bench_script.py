@@ -115,7 +115,8 @@ def test_memory_guard_skips_with_a_reason():
 
 # ---- statistics, bars, Markdown ------------------------------------------------------------
 def test_summarize_and_geomean():
-    s = bd.summarize_us([5.0, 1.0, 3.0, 2.0, 4.0])
+    from foscar.bench import summarize_us
+    s = summarize_us([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s == {"median_us": 3.0, "min_us": 1.0, "all_us": [5.0, 1.0, 3.0, 2.0, 4.0]}
     assert bd.geomean([1.0, 4.0]) == pytest.approx(2.0) and bd.geomean([2.0] * 13) == pytest.approx(2.0)
     assert bd.geomean([]) is None

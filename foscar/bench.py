@@ -1,0 +1,129 @@
+"""Pieces every timing tool shares: random packed caches at any size (no quantization pass), page tables,
+timing with the L2 flushed and CUDA events, CUDA-graph capture, and slicing a cache for a float64 check.
+
+Used by ``foscar tune`` (:mod:`foscar.tune`), ``benchmarks/bench_decode.py`` and
+``benchmarks/sweep_triton.py``.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from .cache import PageTable, QuantKVCache
+from .format import CHANNEL, KVFormat
+
+L2_FLUSH_BYTES = 512 * 2 ** 20
+
+
+def make_block_table(batch: int, pages: int, order: str = "shuffled", seed: int = 0) -> torch.Tensor:
+    """int32 ``[batch, pages]``: sequence ``b`` owns pool pages ``[b*pages, (b+1)*pages)``, in order
+    (``"identity"``) or shuffled within its own range (``"shuffled"``: a dense read of the pool is then a
+    per-sequence permutation of the tokens, which attention does not see)."""
+    base = torch.arange(batch, dtype=torch.int64)[:, None] * pages
+    if order == "identity":
+        local = torch.arange(pages).expand(batch, pages)
+    elif order == "shuffled":
+        gen = torch.Generator().manual_seed(seed)
+        local = torch.argsort(torch.rand(batch, pages, generator=gen), dim=1)
+    else:
+        raise ValueError(f"page order {order!r}: expected 'identity' or 'shuffled'")
+    return (base + local).to(torch.int32)
+
+
+def _random_params(fmt: KVFormat, tensor: str, block_table: torch.Tensor, page: int, kv_heads: int,
+                   gen: torch.Generator) -> torch.Tensor:
+    """FP32 ``(s', z')`` pool ``[pages, Hkv, rows, cols, 2]`` of min-max groups of values in about [-2, 2].
+    Channel-wise groups longer than a page are stored in each of their pages: drawn per group, repeated
+    over its pages in token order, then scattered by the table."""
+    B, pages = block_table.shape
+    rows, cols = fmt.param_shape(tensor, page)
+    per_group = fmt.group_size // page if fmt.axis(tensor) == CHANNEL and page < fmt.group_size else 1
+    shape = (B, pages // per_group, kv_heads, rows, cols)
+    dev = block_table.device
+    lo = -1.5 - 0.5 * torch.rand(shape, generator=gen, device=dev)
+    hi = 1.5 + 0.5 * torch.rand(shape, generator=gen, device=dev)
+    sp, zp = fmt.op.fold((hi - lo) / ((1 << fmt.bits) - 1), lo)
+    par = torch.stack([sp, zp], dim=-1).repeat_interleave(per_group, dim=1)
+    pool = torch.empty(B * pages, kv_heads, rows, cols, 2, dtype=torch.float32, device=dev)
+    pool[block_table.reshape(-1).long()] = par.reshape(B * pages, kv_heads, rows, cols, 2)
+    return pool
+
+
+def random_cache(fmt: KVFormat, block_table: torch.Tensor, seq_len: int, *, kv_heads: int, page: int,
+                 seed: int = 0) -> QuantKVCache:
+    """A full cache of random packed codes (every int32 word is valid) and random finite ``(s', z')``, on
+    ``block_table``'s device; every sequence ``seq_len`` tokens (whole pages and channel-wise groups), no
+    BF16 window tokens. Decode speed does not depend on the values: no quantization pass needed."""
+    B, pages = block_table.shape
+    dev = block_table.device
+    gen = torch.Generator(device=dev).manual_seed(seed)  # on the device: caches of many GB build in moments
+    words = fmt.words_per_page("k", page)
+    codes = [torch.randint(-2 ** 31, 2 ** 31, (B * pages, kv_heads, words), dtype=torch.int32, generator=gen,
+                           device=dev) for _ in range(2)]
+
+    def window(n):
+        return torch.zeros(B, kv_heads, n, fmt.head_dim, dtype=torch.bfloat16, device=dev)
+    return QuantKVCache(fmt, k_codes=codes[0], k_params=_random_params(fmt, "k", block_table, page, kv_heads, gen),
+                        v_codes=codes[1], v_params=_random_params(fmt, "v", block_table, page, kv_heads, gen),
+                        seq_lens=torch.full((B,), seq_len, dtype=torch.int32, device=dev),
+                        page_table=PageTable.from_block_table(block_table),
+                        k_sink=window(fmt.sink), v_sink=window(fmt.sink),
+                        k_recent=window(fmt.recent_capacity), v_recent=window(fmt.recent_capacity))
+
+
+_FIELDS = ("k_codes", "k_params", "v_codes", "v_params", "k_sink", "v_sink", "k_recent", "v_recent")
+
+
+def cache_to(cache: QuantKVCache, device) -> QuantKVCache:
+    """The same cache on another device."""
+    pt = cache.page_table
+    table = PageTable(pt.block_table.to(device), pt.num_pages.to(device),
+                      None if pt.quantized_lens is None else pt.quantized_lens.to(device), pt.page_size)
+    return QuantKVCache(cache.fmt, **{n: getattr(cache, n).to(device) for n in _FIELDS},
+                        seq_lens=cache.seq_lens.to(device), page_table=table, contiguous=cache.contiguous)
+
+
+def one_head_cache(cache: QuantKVCache, b: int, h: int) -> QuantKVCache:
+    """Sequence ``b``, KV head ``h`` of a paged cache, as a cache of its own (copies of its pages only):
+    what a float64 check of one slice of a large timed shape dequantizes."""
+    pt = cache.page_table
+    pages = pt.block_table[b, : int(pt.num_pages[b])].long()
+    pooled = {n: getattr(cache, n)[pages, h: h + 1].contiguous() for n in ("k_codes", "k_params", "v_codes", "v_params")}
+    windows = {n: getattr(cache, n)[b: b + 1, h: h + 1].contiguous() for n in ("k_sink", "v_sink", "k_recent", "v_recent")}
+    table = PageTable.from_block_table(torch.arange(pages.numel(), dtype=torch.int32, device=cache.device)[None])
+    return QuantKVCache(cache.fmt, **pooled, **windows, seq_lens=cache.seq_lens[b: b + 1].clone(), page_table=table)
+
+
+def summarize_us(times_us: list[float]) -> dict:
+    return {"median_us": statistics.median(times_us), "min_us": min(times_us), "all_us": list(times_us)}
+
+
+def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
+    """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed (``flush`` zeroed) before
+    each, CUDA events around the call alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return summarize_us([start.elapsed_time(end) * 1e3 for start, end in events])
+
+
+def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
