@@ -268,6 +268,12 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tune(sub) -> None:
+    """Listed here for ``foscar --help``; :func:`main` hands ``foscar tune ...`` to :mod:`foscar.tune`."""
+    sub.add_parser("tune", help="autotune the decode kernels on this GPU; write the per-GPU config file "
+                                "(foscar tune --help)", add_help=False)
+
+
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="the GPU, versions, and which decode backends run here (and why not)")
     p.set_defaults(func=_info)
@@ -281,11 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
     _add_info(sub)
+    _add_tune(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``foscar``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:  # its own parser (also python -m foscar.tune)
+        from .tune import main as tune_main
+        return tune_main(argv[1:], prog=f"{PROG} tune")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,0 +1,220 @@
+"""``foscar tune`` (also ``python -m foscar.tune``): autotune the decode kernels on this GPU and write the
+per-GPU config file the launchers read (:mod:`foscar.autotune`).
+
+For every case (a shape from ``--shapes`` or a ``--preset``, times the formats of ``--bits``,
+``--k-axis``, ``--v-axis``), on a random packed cache of that size:
+
+1. every candidate launch config is run once and its output checked against the float64 oracle on one
+   (sequence, KV head) slice: its error must stay within 3x BF16 attention's on the same slice. A
+   candidate that fails is reported and never timed;
+2. the others are timed as CUDA-graph replays, the L2 flushed before each, CUDA events, median of
+   ``--iters`` after ``--warmup``; the heuristic config is one of the candidates;
+3. the fastest is recorded with its time and the heuristic's.
+
+Progress goes to stderr, a table to stdout, and the entries are merged atomically into
+``<out>/<GPU>.json`` (``--out``, default ``$FOSCAR_TUNING_DIR`` or the user cache folder).
+``--dry-run`` lists the cases and candidates without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import autotune
+from .bench import L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, time_call
+from .errors import FoscarError
+from .format import AXES, SUPPORTED_BITS, KVFormat
+from .reference import attend, decode_exact
+
+KI = 1024
+PRESETS = {
+    "paper": tuple([(b, n * KI) for b in (1, 8) for n in (8, 32, 128, 512)] + [(64, n * KI) for n in (8, 16, 32, 64, 128)]),
+    "quick": ((1, 8 * KI), (8, 32 * KI)),
+}
+CHECK_FACTOR = 3.0  # a candidate's slice error may be at most this times BF16 attention's
+DEVICE = "cuda"
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seq_len: int
+    fmt: KVFormat
+    q_heads: int
+    kv_heads: int
+    page: int
+
+    def label(self) -> str:
+        f = self.fmt
+        n = self.seq_len
+        length = f"{n // KI}K" if n % KI == 0 else str(n)
+        return (f"B={self.batch} L={length} INT{f.bits} {f.k_axis[:3]}/{f.v_axis[:3]} g={f.group_size} "
+                f"D={f.head_dim} {self.q_heads}/{self.kv_heads}")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        b, n = text.upper().split(":")
+        length = int(n[:-1]) * KI if n.endswith("K") else int(n[:-1]) * KI * KI if n.endswith("M") else int(n)
+        shape = (int(b), length)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B:L, e.g. 8:128K") from None
+    if shape[0] < 1 or shape[1] < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: B and L must be >= 1")
+    return shape
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: expected Hq:Hkv, e.g. 32:8") from None
+    if hkv < 1 or hq < hkv or hq % hkv:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: Hq must be a positive multiple of Hkv")
+    return hq, hkv
+
+
+def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="paper", help="the shapes (default: the paper grid)")
+    p.add_argument("--shapes", type=parse_shape, nargs="+", help="B:L shapes instead of the preset, e.g. 8:128K")
+    p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[2, 4])
+    p.add_argument("--k-axis", nargs="+", choices=AXES, default=["token"])
+    p.add_argument("--v-axis", nargs="+", choices=AXES, default=["token"])
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=parse_heads, default=(32, 8), help="Hq:Hkv (default 32:8)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--backend", choices=("triton",), default="triton")
+    p.add_argument("--iters", type=int, default=10, help="timed replays per candidate (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="folder of the per-GPU file (default: the user folder)")
+    p.add_argument("--dry-run", action="store_true", help="list cases and candidates; needs no GPU")
+    return p
+
+
+def cases(args) -> list[Case]:
+    shapes = args.shapes or PRESETS[args.preset]
+    hq, hkv = args.heads
+    out = []
+    for (b, n), bits, ka, va in itertools.product(shapes, args.bits, args.k_axis, args.v_axis):
+        fmt = KVFormat(bits=bits, head_dim=args.head_dim, group_size=args.group_size, k_axis=ka, v_axis=va)
+        quantum = max(args.page_size, args.group_size if "channel" in (ka, va) else 1)
+        length = -(-n // quantum) * quantum  # whole pages and channel-wise groups
+        out.append(Case(b, length, fmt, hq, hkv, args.page_size))
+    return out
+
+
+def candidates(case: Case, device: torch.device) -> list[dict]:
+    """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, 4 or 8 warps, the
+    largest tile that fits. The first is the launcher's own choice (the heuristic, 4 warps)."""
+    from .triton.launch import BLOCK_N_CHOICES, default_num_splits
+    fmt = case.fmt
+    tile = next(bn for bn in BLOCK_N_CHOICES if case.page % bn == 0 and bn % fmt.token_alignment == 0
+                and ("channel" not in (fmt.k_axis, fmt.v_axis) or fmt.group_size % bn == 0))
+    tiles = case.seq_len // tile
+    base = default_num_splits(case.batch, case.kv_heads, tiles, device)
+    splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
+    return [{"num_splits": s, "num_warps": w, "block_n": tile} for s in splits for w in (4, 8)]
+
+
+# --------------------------------------------------------------------------------------------
+# Running (module-level hooks, so tests can stand in for the GPU)
+# --------------------------------------------------------------------------------------------
+def _decode(q, cache, config):
+    from .triton import decode
+    return decode(q, cache, **config)
+
+
+def _time(fn, args, flush) -> float:
+    return time_call(as_graph(fn), iters=args.iters, warmup=args.warmup, flush=flush)["median_us"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def tune_case(case: Case, args, flush, progress) -> dict:
+    table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0).to(DEVICE)
+    cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
+    q = torch.randn(case.batch, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    G = case.q_heads // case.kv_heads
+    b = case.batch - 1
+    one = one_head_cache(cache, b, 0)
+    qs = q[b: b + 1, :G]
+    exact = decode_exact(qs, one)[0]
+    k, v = one.dequantize(torch.float32)
+    bf16 = attend(qs[0].float().reshape(1, G, -1), k[0], v[0], case.fmt.head_dim ** -0.5,
+                  operand_dtype=torch.bfloat16)[0].reshape(G, -1)
+    limit = CHECK_FACTOR * _rel(bf16, exact) + 1e-4
+    results = []
+    cands = candidates(case, torch.device(DEVICE))
+    for i, cfg in enumerate(cands):
+        try:
+            out = _decode(q, cache, cfg)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported, not fatal
+            progress(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:120]}); not timed")
+            results.append({"config": cfg, "us": None, "err": None, "error": f"{type(e).__name__}: {e}"})
+            continue
+        err = _rel(out[b, :G], exact)
+        if not err <= limit:
+            progress(f"  {cfg}: wrong output (slice error {err:.2e} > {limit:.2e}); not timed")
+            results.append({"config": cfg, "us": None, "err": err})
+            continue
+        us = _time(lambda cfg=cfg: _decode(q, cache, cfg), args, flush)
+        results.append({"config": cfg, "us": us, "err": err})
+        progress(f"  [{i + 1}/{len(cands)}] {cfg}: {us:.1f} us")
+    timed = [r for r in results if r["us"] is not None]
+    if not timed:
+        raise FoscarError(f"{case.label()}: no candidate passed its check")
+    return {"case": case, "best": min(timed, key=lambda r: r["us"]), "results": results,
+            "heuristic_us": results[0]["us"]}  # the first candidate is the launcher's own choice (None: it failed)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "foscar tune") -> int:
+    args = build_parser(prog).parse_args(argv)
+    todo = cases(args)
+    if args.dry_run:
+        print("(split counts follow the present GPU's SM count; 4 SMs are assumed without a GPU)")
+        for case in todo:
+            print(case.label())
+            for cfg in candidates(case, torch.device(DEVICE if torch.cuda.is_available() else "cpu")):
+                print(f"  {cfg}")
+        return 0
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: error: needs a CUDA GPU (none here); --dry-run lists what it would tune", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    out_dir = args.out or autotune.user_dir()
+    flush = torch.empty(L2_FLUSH_BYTES if DEVICE == "cuda" else 1, dtype=torch.uint8, device=DEVICE)
+    rows, entries = [], []
+    t0 = time.perf_counter()
+    for i, case in enumerate(todo):
+        print(f"[{i + 1}/{len(todo)}] {case.label()} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        rec = tune_case(case, args, flush, lambda msg: print(msg, file=sys.stderr, flush=True))
+        best, heur = rec["best"], rec["heuristic_us"]
+        key = autotune.make_key(args.backend, gpu, case.fmt, case.q_heads // case.kv_heads, case.page, case.batch,
+                                case.seq_len)
+        entries.append((key, best["config"], {"us": best["us"], "heuristic_us": heur,
+                                              "candidates": len(rec["results"])}))
+        rows.append((case.label(), best["config"], best["us"], heur))
+    path = autotune.write_entries(out_dir, gpu, entries)
+    print("| case | best config | best µs | heuristic µs | gain |")
+    print("|---|---|---|---|---|")
+    for label, cfg, us, heur in rows:
+        gain = f"{heur / us:.2f}x" if heur else "-"
+        print(f"| {label} | {cfg} | {us:.1f} | {heur:.1f} | {gain} |" if heur else f"| {label} | {cfg} | {us:.1f} | - | - |")
+    print(f"\nwrote {len(entries)} entries to {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(prog="python -m foscar.tune"))

@@ -1,0 +1,72 @@
+"""``foscar tune`` on the CPU: the dry run, the refusal without a GPU, and the whole loop with the GPU
+hooks stood in (decode by the reference backend, fake times): checks before timing, the fastest
+config chosen, the per-GPU file merged."""
+import json
+
+import pytest
+import torch
+
+import foscar
+from foscar import autotune, cli, tune
+
+
+def test_dry_run_lists_cases_and_candidates(capsys):
+    assert cli.main(["tune", "--dry-run", "--shapes", "8:32K", "1:100", "--bits", "2", "4", "--k-axis", "token",
+                     "channel"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("B=8 L=32K") == 4 and "B=1 L=128 " in out  # 100 tokens rounded up to whole 128-token groups
+    assert "'num_splits'" in out and "'num_warps': 8" in out
+
+
+def test_refuses_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--preset", "quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", (["--shapes", "8x32K"], ["--heads", "30:8"], ["--bits", "3"]))
+def test_bad_flags_are_refused(bad):
+    with pytest.raises(SystemExit):
+        tune.main(bad + ["--dry-run"])
+
+
+def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    times = {}
+
+    def fake_decode(q, cache, config):
+        out = foscar.decode(q, cache, backend="reference")
+        if config["num_warps"] == 8 and config["num_splits"] == 2:
+            out = out * 1.5  # a wrong candidate: must be caught by the check and never timed
+        return out
+
+    def fake_time(fn, args, flush):
+        fn()
+        cfg = fn.__defaults__[0]
+        times[str(cfg)] = 100.0 / cfg["num_splits"] + cfg["num_warps"]  # more splits: faster here
+        return times[str(cfg)]
+
+    monkeypatch.setattr(tune, "_decode", fake_decode)
+    monkeypatch.setattr(tune, "_time", fake_time)
+    argv = ["--shapes", "2:256", "--bits", "4", "--heads", "4:2", "--head-dim", "64", "--group-size", "64",
+            "--out", str(tmp_path)]
+    assert tune.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "wrong output" in captured.err and "| case |" in captured.out
+    doc = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())
+    assert doc["schema"] == autotune.SCHEMA and len(doc["entries"]) == 1
+    entry = doc["entries"][0]
+    fastest = min((v, k) for k, v in times.items())
+    assert entry["us"] == fastest[0] and entry["config"]["num_warps"] == 4
+    assert entry["key"]["gpu"] == "Fake_GPU_9000" and entry["key"]["batch_bucket"] == 2
+    assert entry["candidates"] == len(tune.candidates(tune.cases(tune.build_parser().parse_args(argv))[0],
+                                                      torch.device("cpu")))
+    # a second run merges, and the launcher's lookup finds the entry
+    assert tune.main(argv) == 0
+    assert len(json.loads((tmp_path / "Fake_GPU_9000.json").read_text())["entries"]) == 1
+    monkeypatch.setenv("FOSCAR_TUNING_DIR", str(tmp_path))
+    key = autotune.make_key("triton", "Fake GPU 9000", foscar.KVFormat(bits=4, head_dim=64, group_size=64), 2, 64,
+                            2, 256)
+    assert autotune.lookup(key)[0] == entry["config"]
