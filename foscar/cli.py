@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .cache import quantize_kv
 from .errors import FoscarError
 from .fold import decode_folded
 from .format import AXES, SUPPORTED_BITS, KVFormat
 from .quantize import QUANTIZERS
-from .reference import attend, decode_exact
+from .bench.accuracy import error_rows
 from .synthetic import stress_inputs
 
 PROG = "foscar"
@@ -70,31 +67,6 @@ def _select_backend() -> Backend:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
-    """Attention of ``q [B, Hq, D]`` over all ``L`` tokens of ``k, v [B, Hkv, L, D]`` (GQA), ``sm_scale = 1/sqrt(D)``.
-
-    ``bf16=False``: exact, in float64. ``bf16=True``: SDPA/FlashAttention-like, ``q, k, v`` and the
-    unnormalised probabilities rounded to BF16, everything computed in float32; returns float32.
-    """
-    B, Hq, D = q.shape
-    Hkv = k.shape[1]
-    dt, op = (torch.float32, torch.bfloat16) if bf16 else (torch.float64, None)
-    return torch.stack([attend(q[b].to(dt).reshape(Hkv, Hq // Hkv, D), k[b], v[b], 1 / math.sqrt(D),
-                               operand_dtype=op)[0].reshape(Hq, D) for b in range(B)])
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b||_2 / ||b||_2`` over the whole tensor, in float64."""
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def _timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    res = fn(*args, **kwargs)
-    return res, (time.perf_counter() - t0) * 1e3
-
-
 def _int_at_least(minimum: int):
     """An argparse type: an integer >= ``minimum``."""
     def parse(text: str) -> int:
@@ -164,28 +136,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     formats = [KVFormat(b, D, args.group_size, args.k_axis, args.v_axis, sink=args.sink, recent=args.recent)
                for b in bits_list]  # validate every format before the slow part
 
-    exact = _attention(q, k, v)  # float64 over the unquantized (BF16) cache
-    bf16_out, bf16_ms = _timed(_attention, q, k, v, bf16=True)
-    bf16_bytes = 2 * D * 2  # K and V, D values of 2 bytes each
-    rows = [{
-        "format": "bf16", "bits": 16, "backend": "torch-bf16",  # BF16 q, k, v, P; FP32 accumulation
-        "bytes_per_token": float(bf16_bytes), "bf16_bytes_per_token": float(bf16_bytes), "compression": 1.0,
-        "err_vs_unquantized": rel_l2(bf16_out, exact), "err_vs_dequantized": None,
-        "bf16_err_vs_dequantized": None, "quantize_ms": None, "decode_ms": bf16_ms,
-    }]
-    for fmt in formats:
-        cache, quant_ms = _timed(quantize_kv, k, v, fmt, quantizer=args.quantizer, page_size=args.page_size)
-        out, decode_ms = _timed(backend.decode, q, cache)
-        oracle = decode_exact(q, cache)  # float64 over the dequantized cache
-        kd, vd = cache.dequantize(torch.float64)
-        rows.append({
-            "format": f"int{fmt.bits}", "bits": fmt.bits, "backend": backend.name,
-            "bytes_per_token": fmt.bytes_per_token(), "bf16_bytes_per_token": float(bf16_bytes),
-            "compression": bf16_bytes / fmt.bytes_per_token(),
-            "err_vs_unquantized": rel_l2(out, exact), "err_vs_dequantized": rel_l2(out, oracle),
-            "bf16_err_vs_dequantized": rel_l2(_attention(q, kd, vd, bf16=True), oracle),
-            "quantize_ms": quant_ms, "decode_ms": decode_ms,
-        })
+    named = [(f"INT{fmt.bits} {args.quantizer}", fmt, args.quantizer) for fmt in formats]
+    rows = error_rows(q, k, v, named, backend.decode, backend.name, page_size=args.page_size)
+    for row in rows:
+        row.pop("name")
 
     config = {"batch": args.batch, "seq_len": args.seq_len, "num_qo_heads": args.qo_heads,
               "num_kv_heads": args.kv_heads, "head_dim": D, "seed": args.seed, "input_dtype": "bfloat16",
@@ -274,6 +228,12 @@ def _add_tune(sub) -> None:
                                 "(foscar tune --help)", add_help=False)
 
 
+def _add_bench(sub) -> None:
+    """Listed for ``foscar --help``; :func:`main` hands ``foscar bench ...`` to :mod:`foscar.bench.cli`."""
+    sub.add_parser("bench", help="benchmarks: speed (GPU, against BF16 baselines), accuracy (stress input), "
+                                 "ops (affine operations per value); foscar bench MODE --help", add_help=False)
+
+
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="the GPU, versions, and which decode backends run here (and why not)")
     p.set_defaults(func=_info)
@@ -288,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_info(sub)
     _add_tune(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -297,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["tune"]:  # its own parser (also python -m foscar.tune)
         from .tune import main as tune_main
         return tune_main(argv[1:], prog=f"{PROG} tune")
+    if argv[:1] == ["bench"]:  # its modes have their own parsers
+        from .bench.cli import main as bench_main
+        return bench_main(argv[1:], prog=f"{PROG} bench")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

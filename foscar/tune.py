@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import autotune
-from .bench import L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, time_call
+from .bench.common import L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, time_call
 from .errors import FoscarError
 from .format import AXES, SUPPORTED_BITS, KVFormat
 from .reference import attend, decode_exact

@@ -1,7 +1,6 @@
-"""CPU tests of benchmarks/bench_decode.py: grids, bytes, statistics, bars, Markdown, the inputs and
+"""CPU tests of the decode benchmark (foscar.bench.decode, benchmarks/bench_decode.py): grids, bytes, statistics, bars, Markdown, the inputs and
 references it builds, its read-ceiling kernel (Triton interpreter) and its driver end to end with
 fake CUDA timing and a fake foscar.triton. The GPU timings themselves need the GPU machine."""
-import importlib.util
 import json
 import math
 import os
@@ -9,25 +8,13 @@ import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 import foscar
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-bd = _load()
+import foscar.bench.decode as bd  # noqa: E402
 K = 1024
 
 
@@ -35,9 +22,7 @@ K = 1024
 def test_imports_without_flashinfer_or_the_kernels():
     code = ("import sys, importlib.util\n"
             "sys.modules['flashinfer'] = None\n"  # as on a machine without the wheel: importing it fails
-            f"spec = importlib.util.spec_from_file_location('bench_decode', {str(SCRIPT)!r})\n"
-            "bd = importlib.util.module_from_spec(spec); sys.modules['bench_decode'] = bd\n"
-            "spec.loader.exec_module(bd)\n"
+            "import foscar.bench.decode as bd\n"
             "assert 'foscar.triton' not in sys.modules\n"
             "print(sorted(bd.KERNELS))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -309,10 +294,8 @@ def test_check_output_flags_unwritten_and_wrong_outputs():
 # ---- the read-ceiling kernel -----------------------------------------------------------------
 def test_read_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    code = (f"import importlib.util, sys, torch\n"
-            f"spec = importlib.util.spec_from_file_location('bench_decode', {str(SCRIPT)!r})\n"
-            "bd = importlib.util.module_from_spec(spec); sys.modules['bench_decode'] = bd\n"
-            "spec.loader.exec_module(bd)\n"
+    code = ("import sys, torch\n"
+            "import foscar.bench.decode as bd\n"
             "chunk = 2 * 4096\n"
             "x = torch.randint(-2**31, 2**31, (3 * chunk,), dtype=torch.int32)\n"
             "out = torch.empty(3, dtype=torch.int32)\n"
@@ -416,7 +399,7 @@ def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
                                                        "not written yet"] * 2
     assert result["ceiling"]["source"].startswith("torch_sum, 0.00977 GiB")  # whole 1 MiB chunks
     assert result["ceiling"]["triton_error"] == "RuntimeError: no GPU for the Triton reader here"
-    assert result["meta"]["command"].endswith("bench_decode.py " + " ".join(argv))
+    assert result["meta"]["command"] == "python3 -m foscar.bench.decode " + " ".join(argv)
     assert all(b["verdict"] == "n/a" for b in result["bars"])
     out = capsys.readouterr()
     assert "### Times" in out.out and "| bar |" in out.out and "### Every record" not in out.out

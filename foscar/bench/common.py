@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import PageTable, QuantKVCache
-from .format import CHANNEL, KVFormat
+from ..cache import PageTable, QuantKVCache
+from ..format import CHANNEL, KVFormat
 
 L2_FLUSH_BYTES = 512 * 2 ** 20
 

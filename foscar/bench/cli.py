@@ -1,0 +1,83 @@
+"""``foscar bench``: ``speed`` (the decode benchmark against the BF16 baselines, GPU), ``accuracy`` (the
+synthetic stress study, any device) and ``ops`` (affine operations per stored value). Each writes JSON and
+Markdown under ``--out`` and, with matplotlib installed, a plot; a missing plotting library is reported,
+not skipped silently."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+USAGE = "foscar bench {speed,accuracy,ops} [options]   (foscar bench MODE --help)"
+
+
+def _accuracy(argv: list[str], prog: str) -> int:
+    from . import accuracy as acc
+    p = argparse.ArgumentParser(prog=f"{prog} accuracy", description=acc.__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--backend", default="auto", help="the decode backend of foscar.decode (default: auto)")
+    p.add_argument("--heads", default="32:8", help="Hq:Hkv")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("."))
+    a = p.parse_args(argv)
+    import foscar
+    hq, hkv = (int(x) for x in a.heads.split(":"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def decode(q, cache):
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        foscar.decode(q, cache, out=out, backend=a.backend)
+        return out
+    records = acc.study(a.lengths, a.seeds, decode=decode, backend=a.backend, device=device, q_heads=hq,
+                        kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size,
+                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+    summ = acc.summary(records)
+    md = acc.render_markdown(summ)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "accuracy.json").write_text(json.dumps({"command": f"{prog} accuracy " + " ".join(argv),
+                                                     "device": str(device), "records": records}, indent=1) + "\n")
+    (a.out / "accuracy.md").write_text(md + "\n")
+    drew = acc.plot(summ, a.out / "accuracy.png")
+    print(md)
+    print(f"\nwrote {a.out / 'accuracy.json'}, {a.out / 'accuracy.md'}"
+          + (f", {a.out / 'accuracy.png'}" if drew else "; plot missing: matplotlib is not installed"))
+    return 0
+
+
+def _ops(argv: list[str], prog: str) -> int:
+    from . import ops
+    p = argparse.ArgumentParser(prog=f"{prog} ops", description=ops.__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("."))
+    a = p.parse_args(argv)
+    rows = ops.table()
+    md = ops.render_markdown(rows)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "ops.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (a.out / "ops.md").write_text(md + "\n")
+    drew = ops.plot(rows, a.out / "ops.png")
+    print(md)
+    print(f"\nwrote {a.out / 'ops.json'}, {a.out / 'ops.md'}"
+          + (f", {a.out / 'ops.png'}" if drew else "; plot missing: matplotlib is not installed"))
+    return 0
+
+
+def _speed(argv: list[str], prog: str) -> int:
+    from .decode import main
+    return main(argv, prog=f"{prog} speed")
+
+
+MODES = {"speed": _speed, "accuracy": _accuracy, "ops": _ops}
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "foscar bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in MODES:
+        print(f"usage: {USAGE}\n\n{__doc__}", file=sys.stderr if argv[:1] not in (["-h"], ["--help"]) else sys.stdout)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return MODES[argv[0]](argv[1:], prog)
