@@ -415,6 +415,150 @@ class QuantKVCache:
             ring[b][:, slots] = win[:, n_sink:].to(ring.dtype)
 
     @classmethod
+    def empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len: int | None = None,
+              page_size: int | None = 64, page_table: PageTable | None = None, num_pages: int | None = None,
+              window_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> QuantKVCache:
+        """A cache of ``batch`` empty sequences to :meth:`append` to. Paged (``page_size``): the caller's
+        ``page_table`` and pool size ``num_pages``, or, given ``max_len``, ``ceil(max_len / page_size)``
+        pages per sequence. Contiguous (``page_size=None``): room for ``max_len`` tokens per sequence."""
+        check_int("batch", batch, minimum=0)
+        check_int("num_kv_heads", num_kv_heads, minimum=1)
+        if window_dtype not in WINDOW_DTYPES:
+            raise InvalidArgumentError("window_dtype", f"one of {WINDOW_DTYPES}", window_dtype)
+        device = torch.device(device)
+        seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        if page_table is None:
+            if max_len is None:
+                raise InvalidArgumentError("max_len", "the tokens per sequence to make room for (no page_table given)",
+                                           None)
+            check_int("max_len", max_len, minimum=1)
+            if page_size is None:  # contiguous: one page per sequence, max_len rounded up to the alignment
+                align = fmt.token_alignment
+                if CHANNEL in (fmt.k_axis, fmt.v_axis):
+                    align = math.lcm(align, fmt.group_size)
+                cap = _round_up(max_len, align)
+                cache = cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=num_kv_heads, page_size=cap,
+                                      page_table=PageTable.from_block_table(
+                                          torch.arange(batch, dtype=torch.int32, device=device)[:, None]),
+                                      num_pages=max(batch, 1), window_dtype=window_dtype, device=device)
+                cache.contiguous = True
+                return cache
+            per = -(-max_len // page_size)
+            table = torch.arange(batch * per, dtype=torch.int32, device=device).reshape(batch, per)
+            page_table, num_pages = PageTable.from_block_table(table), max(batch * per, 1)
+        return cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=num_kv_heads, page_size=page_size,
+                             page_table=page_table, num_pages=num_pages, window_dtype=window_dtype, device=device)
+
+    # ---- appending (the write path; PyTorch, host-driven: the reference for the GPU kernel) ------------
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, *, quantizer: str = "minmax",
+               clip: float = DEFAULT_QUANTILE) -> None:
+        """Append ``T`` tokens to every sequence: ``k_new, v_new [B, Hkv, T, D]`` (one decode step: ``T = 1``;
+        a prefill: the prompt).
+
+        Tokens fill the BF16 sink first; the rest go to the recent ring, and the ring's oldest tokens are
+        quantized as soon as they leave the recent window: one at a time with token-wise groups on both
+        tensors, a whole group of ``g`` tokens at a time otherwise (:attr:`KVFormat.flush`). Quantized
+        tokens go to the sequence's pages through the page table (pages are the caller's: the table must
+        already list enough of them). Everything is checked and computed before anything is written: a
+        bad call raises and leaves the cache exactly as it was.
+        """
+        fmt, D, H, page = self.fmt, self.head_dim, self.num_kv_heads, self.page_size
+        B = self.batch_size
+        check_tensor("k_new", k_new, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                     device=self.device)
+        if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
+            raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
+        check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=self.device)
+        if quantizer not in QUANTIZERS:
+            raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+        T = k_new.shape[2]
+        if T == 0:
+            return
+        check_finite("k_new", k_new)
+        check_finite("v_new", v_new)
+        old = self.seq_lens.long().cpu()
+        new = old + T
+        _, q0, _ = fmt.split_length(old)
+        _, q1, _ = fmt.split_length(new)
+        have = self.page_table.num_pages.long().cpu()
+        need = torch.div(q1 + page - 1, page, rounding_mode="floor")
+        short = (need > have).nonzero()
+        if short.numel():
+            b = int(short[0])
+            raise InvalidArgumentError("k_new", f"tokens that fit the pages of sequence {b} ({int(have[b])} pages of "
+                                       f"{page}; {int(q1[b])} quantized tokens need {int(need[b])})",
+                                       f"{T} more tokens after {int(old[b])}")
+        table = self.page_table.block_table.long().cpu()
+        valid = torch.arange(table.shape[1])[None, :] < need[:, None]
+        bad = valid & ((table < 0) | (table >= self.num_pool_pages))
+        if bad.any():
+            b, j = bad.nonzero()[0].tolist()
+            raise InvalidArgumentError("page_table", f"page indices in [0, {self.num_pool_pages})",
+                                       f"{int(table[b, j])} at sequence {b}, page {j}")
+        sink, cap = fmt.sink, max(fmt.recent_capacity, 1)
+        writes = []  # (destination tensor, index, value): applied only after everything is computed
+        for b in range(B):
+            L0, L1, a, z = int(old[b]), int(new[b]), int(q0[b]), int(q1[b])
+            P0 = max(0, L0 - sink)  # post-sink tokens before the call
+            for tensor, x_new, win_sink, ring in (("k", k_new, self.k_sink, self.k_recent),
+                                                  ("v", v_new, self.v_sink, self.v_recent)):
+                if z > a:  # post-sink tokens [a, z) leave the ring (or arrive past it) and are quantized
+                    p = torch.arange(a, z)
+                    from_ring = p < P0
+                    src = torch.empty(H, z - a, D, dtype=torch.float32, device=self.device)
+                    if from_ring.any():
+                        src[:, from_ring.to(self.device)] = ring[b][:, (p[from_ring] % cap).to(self.device)].float()
+                    if (~from_ring).any():
+                        j = (sink + p[~from_ring] - L0).to(self.device)
+                        src[:, (~from_ring).to(self.device)] = x_new[b][:, j].float()
+                    codes, sp, zp = quantize_tensor(src, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op,
+                                                    quantizer, clip)
+                    writes += self._quantized_range_writes(tensor, b, a, codes, sp, zp)
+                i = torch.arange(L0, L1)
+                in_sink = i < sink
+                if in_sink.any():
+                    writes.append((win_sink, (b, slice(None), i[in_sink].to(self.device)),
+                                   x_new[b][:, in_sink.nonzero().flatten().to(self.device)].to(win_sink.dtype)))
+                pp = i - sink
+                keep = (~in_sink) & (pp >= z)  # new tokens that stay in the BF16 ring
+                if keep.any():
+                    writes.append((ring, (b, slice(None), (pp[keep] % cap).to(self.device)),
+                                   x_new[b][:, keep.nonzero().flatten().to(self.device)].to(ring.dtype)))
+        for dest, index, value in writes:
+            dest[index] = value
+        self.seq_lens.add_(T)
+
+    def _quantized_range_writes(self, tensor: str, b: int, start: int, codes: torch.Tensor, sp: torch.Tensor,
+                                zp: torch.Tensor) -> list:
+        """The writes that put logical codes ``[H, n, D]`` and ``(s', z')`` of quantized tokens
+        ``[start, start + n)`` of sequence ``b`` into its pages: whole pages of words re-packed (a word
+        mixes tokens), parameter rows set. Returned, not applied."""
+        fmt, page, D = self.fmt, self.page_size, self.head_dim
+        n = codes.shape[1]
+        pages = self.page_table.block_table[b].long()
+        first, last = start // page, (start + n - 1) // page
+        ids = pages[first: last + 1]
+        words = self._codes(tensor)[ids]  # [P, H, W]
+        logical = unpack_codes(words, fmt.bits, tensor, D)  # [P, H, page, D]
+        flat = logical.permute(1, 0, 2, 3).reshape(codes.shape[0], -1, D)  # [H, P*page, D]
+        lo = start - first * page
+        flat[:, lo: lo + n] = codes.to(flat.dtype).to(flat.device)
+        new_words = pack_codes(flat.reshape(codes.shape[0], -1, page, D).permute(1, 0, 2, 3), fmt.bits, tensor)
+        out = [(self._codes(tensor), ids, new_words)]
+        params = self._params(tensor)
+        par = torch.stack([sp, zp], dim=-1).to(torch.float32).to(self.device)  # [H, rows, cols, 2]
+        if fmt.axis(tensor) == TOKEN:  # one row per token
+            for r, t in enumerate(range(start, start + n)):
+                out.append((params, (pages[t // page], slice(None), t % page), par[:, r]))
+        else:  # one row per token group; a page shorter than a group keeps its group's row as row 0
+            g = fmt.group_size
+            for r, t0 in enumerate(range(start, start + n, g)):
+                for t in range(t0, t0 + g, page) if page < g else (t0,):
+                    out.append((params, (pages[t // page], slice(None), (t % page) // g if page >= g else 0),
+                                par[:, r]))
+        return out
+
+    @classmethod
     def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
                        k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
                        page_table: PageTable | None = None, num_pages: int | None = None) -> QuantKVCache:

@@ -1,0 +1,110 @@
+"""The write path (QuantKVCache.empty + append): appending in any chunking gives the cache quantize_kv
+builds from the same tokens, every decode reads it after every append, and a bad append changes
+nothing."""
+import pytest
+import torch
+from _helpers import rel
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foscar
+from foscar.errors import InvalidArgumentError
+
+FORMATS = [
+    dict(bits=4, head_dim=64, group_size=32),
+    dict(bits=2, head_dim=64, group_size=64, k_axis="channel", v_axis="token", sink=3, recent=5),
+    dict(bits=4, head_dim=64, group_size=32, k_axis="token", v_axis="channel", recent=2),
+    dict(bits=2, head_dim=64, group_size=32, k_axis="channel", v_axis="channel", sink=1),
+]
+
+
+def bf16_exact(*shape, seed):
+    """Random values that BF16 holds exactly: the ring round trip is then lossless, so appending and
+    quantizing all at once must agree bit for bit."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+def snapshot(cache):
+    names = ("k_codes", "v_codes", "k_params", "v_params", "k_sink", "v_sink", "k_recent", "v_recent", "seq_lens")
+    return {n: getattr(cache, n).clone() for n in names}
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt_i=st.integers(0, len(FORMATS) - 1), page=st.sampled_from([64, 128, None]),
+       chunks=st.lists(st.integers(1, 70), min_size=1, max_size=8), seed=st.integers(0, 2 ** 16))
+def test_appending_equals_quantizing_at_once(fmt_i, page, chunks, seed):
+    fmt = foscar.KVFormat(**FORMATS[fmt_i])
+    B, H, D = 2, 2, fmt.head_dim
+    L = sum(chunks)
+    k, v = bf16_exact(B, H, L, D, seed=seed), bf16_exact(B, H, L, D, seed=seed + 1)
+    cache = foscar.QuantKVCache.empty(fmt, B, H, max_len=max(L, 1), page_size=page)
+    t = 0
+    for c in chunks:
+        cache.append(k[:, :, t: t + c], v[:, :, t: t + c])
+        t += c
+    whole = foscar.quantize_kv(k, v, fmt, page_size=page)
+    assert cache.seq_lens.tolist() == [L] * B
+    for a, b in zip(cache.dequantize(), whole.dequantize()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt_kw", FORMATS)
+def test_every_decode_reads_the_cache_after_every_append(fmt_kw):
+    fmt = foscar.KVFormat(**fmt_kw)
+    B, H, G, D = 2, 2, 2, fmt.head_dim
+    k, v = bf16_exact(B, H, 300, D, seed=1), bf16_exact(B, H, 300, D, seed=2)
+    q = torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(3))
+    cache = foscar.QuantKVCache.empty(fmt, B, H, max_len=300, page_size=64)
+    t = 0
+    for c in (1, 1, 62, 1, 64, 33, 1):  # across group, pack block and page boundaries
+        cache.append(k[:, :, t: t + c], v[:, :, t: t + c])
+        t += c
+        exact = foscar.decode_exact(q, cache)
+        assert rel(foscar.decode_folded(q, cache), exact) < 1e-10
+        assert rel(foscar.decode(q, cache), exact) < 5e-3  # the default backend here (the reference on a CPU)
+    import foscar.triton as ft  # the Triton kernel (interpreter on a CPU), float32 out
+    out = torch.empty(q.shape)
+    ft.decode(q.bfloat16(), cache, out=out, num_splits=2)
+    assert rel(out, foscar.decode_exact(q.bfloat16(), cache)) < 1e-5
+
+
+def test_a_bad_append_changes_nothing():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, recent=4)
+    cache = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=128, page_size=64)
+    cache.append(bf16_exact(2, 2, 100, 64, seed=0), bf16_exact(2, 2, 100, 64, seed=1))
+    before = snapshot(cache)
+    x = bf16_exact(2, 2, 40, 64, seed=2)
+    cases = [
+        ((x, x), InvalidArgumentError, "^k_new: expected tokens that fit the pages of sequence 0"),  # 140 > 128 + ring
+        ((x[:, :1, :3], x[:, :1, :3]), InvalidArgumentError, r"^k_new: expected shape \(2, 2, T, 64\)"),
+        ((x[:, :, :3], x[:, :, :2]), InvalidArgumentError, "^v_new: expected"),
+        ((x[:, :, :3], x[:, :, :3].double()), InvalidArgumentError, "^v_new: expected"),
+        ((x[:, :, :3].int(), x[:, :, :3].int()), InvalidArgumentError, "^k_new: expected"),
+    ]
+    nan = x[:, :, :3].clone()
+    nan[1, 0, 2, 5] = float("nan")
+    cases.append(((x[:, :, :3], nan), InvalidArgumentError, "^v_new: expected finite values"))
+    inf = x[:, :, :3].clone()
+    inf[0, 1, 0, 0] = float("inf")
+    cases.append(((inf, x[:, :, :3]), InvalidArgumentError, "^k_new: expected finite values"))
+    for (kn, vn), err, match in cases:
+        with pytest.raises(err, match=match):
+            cache.append(kn, vn)
+        after = snapshot(cache)
+        assert all(torch.equal(before[n], after[n]) for n in before), match
+    with pytest.raises(InvalidArgumentError, match="^quantizer: expected"):
+        cache.append(x[:, :, :1], x[:, :, :1], quantizer="best")
+
+
+def test_empty_caches_need_a_capacity():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    with pytest.raises(InvalidArgumentError, match="^max_len: expected"):
+        foscar.QuantKVCache.empty(fmt, 2, 2)
+    with pytest.raises(InvalidArgumentError, match="^window_dtype: expected"):
+        foscar.QuantKVCache.empty(fmt, 2, 2, max_len=64, window_dtype=torch.float32)
+    c = foscar.QuantKVCache.empty(fmt, 3, 1, max_len=100, page_size=None)
+    assert c.contiguous and c.page_size == 112 and c.seq_lens.tolist() == [0, 0, 0]
+    table = foscar.PageTable.from_block_table(torch.tensor([[4, 1], [0, 2]], dtype=torch.int32))
+    c = foscar.QuantKVCache.empty(fmt, 2, 1, page_table=table, num_pages=5)
+    c.append(bf16_exact(2, 1, 128, 64, seed=0), bf16_exact(2, 1, 128, 64, seed=1))
+    assert int(c.page_table.num_pages[0]) == 2 and c.quantized_pages(0).tolist() == [4, 1]
