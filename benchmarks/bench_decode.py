@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from foscar.bench.decode import *  # noqa: E402,F403 - the names other scripts import from here
+from foscar.bench.decode import *  # noqa: E402,F401,F403 - the names other scripts import from here
 from foscar.bench.decode import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Test configuration: hypothesis profiles and a GPU marker that skips with a reason."""
+"""Test configuration: hypothesis profiles, and ``gpu``/``slow`` markers that skip with a reason."""
 import os
 
 import pytest
@@ -17,24 +17,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
+    """``gpu`` tests skip without a CUDA GPU; ``slow`` tests (minutes on the CI machine) run only with
+    FOSCAR_SLOW=1. Each skip says why."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
+    slow = pytest.mark.skip(reason="slow: set FOSCAR_SLOW=1 to run it (run before resolving)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "slow" in item.keywords and os.environ.get("FOSCAR_SLOW") != "1":
+            item.add_marker(slow)
 
 # The references are loops of small tensor ops: extra threads only wait on each other (up to 100x
 # slower on a busy 2-core CI machine).
 torch.set_num_threads(1)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (minutes on the CI machine) run only with FOSCAR_SLOW=1."""
-    import os
-    if os.environ.get("FOSCAR_SLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow: set FOSCAR_SLOW=1 to run it (run before resolving)")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
