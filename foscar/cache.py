@@ -462,39 +462,12 @@ class QuantKVCache:
         already list enough of them). Everything is checked and computed before anything is written: a
         bad call raises and leaves the cache exactly as it was.
         """
-        fmt, D, H, page = self.fmt, self.head_dim, self.num_kv_heads, self.page_size
-        B = self.batch_size
-        check_tensor("k_new", k_new, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
-                     device=self.device)
-        if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
-            raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
-        check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=self.device)
-        if quantizer not in QUANTIZERS:
-            raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
-        T = k_new.shape[2]
-        if T == 0:
+        checked = self._check_append(k_new, v_new, quantizer)
+        if checked is None:
             return
-        check_finite("k_new", k_new)
-        check_finite("v_new", v_new)
-        old = self.seq_lens.long().cpu()
-        new = old + T
-        _, q0, _ = fmt.split_length(old)
-        _, q1, _ = fmt.split_length(new)
-        have = self.page_table.num_pages.long().cpu()
-        need = torch.div(q1 + page - 1, page, rounding_mode="floor")
-        short = (need > have).nonzero()
-        if short.numel():
-            b = int(short[0])
-            raise InvalidArgumentError("k_new", f"tokens that fit the pages of sequence {b} ({int(have[b])} pages of "
-                                       f"{page}; {int(q1[b])} quantized tokens need {int(need[b])})",
-                                       f"{T} more tokens after {int(old[b])}")
-        table = self.page_table.block_table.long().cpu()
-        valid = torch.arange(table.shape[1])[None, :] < need[:, None]
-        bad = valid & ((table < 0) | (table >= self.num_pool_pages))
-        if bad.any():
-            b, j = bad.nonzero()[0].tolist()
-            raise InvalidArgumentError("page_table", f"page indices in [0, {self.num_pool_pages})",
-                                       f"{int(table[b, j])} at sequence {b}, page {j}")
+        T, old, new, q0, q1 = checked
+        fmt, D, H = self.fmt, self.head_dim, self.num_kv_heads
+        B = self.batch_size
         sink, cap = fmt.sink, max(fmt.recent_capacity, 1)
         writes = []  # (destination tensor, index, value): applied only after everything is computed
         for b in range(B):
@@ -527,6 +500,44 @@ class QuantKVCache:
         for dest, index, value in writes:
             dest[index] = value
         self.seq_lens.add_(T)
+
+    def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
+        """Everything :meth:`append` checks before writing (it reads lengths back: a host sync). Returns
+        ``(T, old, new, q0, q1)``: lengths and quantized counts before and after, or ``None`` for T = 0."""
+        fmt, D, H, page = self.fmt, self.head_dim, self.num_kv_heads, self.page_size
+        B = self.batch_size
+        check_tensor("k_new", k_new, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                     device=self.device)
+        if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
+            raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
+        check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=self.device)
+        if quantizer not in QUANTIZERS:
+            raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+        T = k_new.shape[2]
+        if T == 0:
+            return None
+        check_finite("k_new", k_new)
+        check_finite("v_new", v_new)
+        old = self.seq_lens.long().cpu()
+        new = old + T
+        _, q0, _ = fmt.split_length(old)
+        _, q1, _ = fmt.split_length(new)
+        have = self.page_table.num_pages.long().cpu()
+        need = torch.div(q1 + page - 1, page, rounding_mode="floor")
+        short = (need > have).nonzero()
+        if short.numel():
+            b = int(short[0])
+            raise InvalidArgumentError("k_new", f"tokens that fit the pages of sequence {b} ({int(have[b])} pages of "
+                                       f"{page}; {int(q1[b])} quantized tokens need {int(need[b])})",
+                                       f"{T} more tokens after {int(old[b])}")
+        table = self.page_table.block_table.long().cpu()
+        valid = torch.arange(table.shape[1])[None, :] < need[:, None]
+        bad = valid & ((table < 0) | (table >= self.num_pool_pages))
+        if bad.any():
+            b, j = bad.nonzero()[0].tolist()
+            raise InvalidArgumentError("page_table", f"page indices in [0, {self.num_pool_pages})",
+                                       f"{int(table[b, j])} at sequence {b}, page {j}")
+        return T, old, new, q0, q1
 
     def _quantized_range_writes(self, tensor: str, b: int, start: int, codes: torch.Tensor, sp: torch.Tensor,
                                 zp: torch.Tensor) -> list:

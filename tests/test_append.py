@@ -108,3 +108,37 @@ def test_empty_caches_need_a_capacity():
     c = foscar.QuantKVCache.empty(fmt, 2, 1, page_table=table, num_pages=5)
     c.append(bf16_exact(2, 1, 128, 64, seed=0), bf16_exact(2, 1, 128, 64, seed=1))
     assert int(c.page_table.num_pages[0]) == 2 and c.quantized_pages(0).tolist() == [4, 1]
+
+
+@pytest.mark.parametrize("fmt_kw,page", [
+    (dict(bits=4, head_dim=64, group_size=32), 64),
+    (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64),
+    (dict(bits=4, head_dim=128, group_size=128, recent=1), 32),
+    (dict(bits=2, head_dim=64, group_size=32, sink=2), None),
+])
+def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
+    """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes."""
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(**fmt_kw)
+    B, H, D = 2, 2, fmt.head_dim
+    k, v = bf16_exact(B, H, 90, D, seed=4) * 4, bf16_exact(B, H, 90, D, seed=5)  # BF16-exact: the interpreter truncates casts
+    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page)
+    ref.append(k[:, :, :20], v[:, :, :20])  # a prompt, then decode steps
+    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page)
+    ker.append(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 90):
+        ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
+        ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), check=t % 7 == 0)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+
+
+def test_the_triton_append_refuses_what_it_does_not_cover():
+    import foscar.triton as ft
+    from foscar.errors import UnsupportedError
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
+    cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64)
+    with pytest.raises(UnsupportedError, match="k_axis='channel'"):
+        ft.append_step(cache, torch.zeros(1, 1, 64), torch.zeros(1, 1, 64))
+    cache = foscar.QuantKVCache.empty(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 1, 1, max_len=64)
+    with pytest.raises(InvalidArgumentError, match="^k_new: expected a 3-D tensor"):
+        ft.append_step(cache, torch.zeros(1, 64), torch.zeros(1, 1, 64))

@@ -241,3 +241,41 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
                  wrap=False, interp=interpreting(), block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     _combine(o_part, l_part, out, None)
     return out
+
+
+def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
+    """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
+    (:mod:`foscar.triton.append`): token-wise K and V groups, the ``bf16`` mapping, min-max quantization;
+    the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True`` first runs every
+    check of :meth:`QuantKVCache.append` (capacity and finite values read the device back); pass
+    ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
+    from .append import append_token_kernel
+    fmt = cache.fmt
+    _check_device(k_new)
+    if fmt.k_axis != "token" or fmt.v_axis != "token" or fmt.mapping != "bf16":
+        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, mapping={fmt.mapping!r}",
+                               "the Triton append covers token-wise K and V with the bf16 mapping; "
+                               "QuantKVCache.append covers the rest")
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        check_tensor(name, t, shape=(B, H, D), dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                     device=cache.device)
+        if t.stride(-1) != 1:
+            raise InvalidArgumentError(name, "unit stride in the last dim", tuple(t.stride()))
+    if check:
+        cache._check_append(k_new[:, :, None], v_new[:, :, None], "minmax")
+    pt = cache.page_table
+    bt = pt.block_table
+    for tensor, x, codes, params, sink, ring in (("k", k_new, cache.k_codes, cache.k_params, cache.k_sink,
+                                                  cache.k_recent),
+                                                 ("v", v_new, cache.v_codes, cache.v_params, cache.v_sink,
+                                                  cache.v_recent)):
+        append_token_kernel[(B, H)](
+            x, cache.seq_lens, bt, pt.num_pages, codes, params, sink, ring,
+            x.stride(0), x.stride(1), bt.stride(0), codes.stride(0), codes.stride(1), params.stride(0),
+            params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
+            ring.stride(2),
+            BITS=fmt.bits, D=D, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink,
+            RECENT=fmt.recent_capacity, BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
+            BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, num_warps=4)
+    cache.seq_lens.add_(1)
