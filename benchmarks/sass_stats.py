@@ -22,7 +22,7 @@ from foscar.format import KVFormat
 from foscar.triton.decode import fold_decode_stage1
 from foscar.triton.launch import _injection_args, operand_for
 
-POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "NQ": "*i32",
+POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "SEQ": "*i32",
             "OP": "*fp32", "LP": "*fp32"}
 STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "stride_kph", "stride_vpp", "stride_vph",
            "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph")
@@ -31,7 +31,8 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
                    max_registers=None):
     constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=8, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
-                      K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token", PV_F16=True,
+                      K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
+                      SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush, PV_F16=True,
                       FOLD=fold, INTERPRET=False,
                       **_injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt),
                       **_injection_args("V", operand_for(torch.float16, fmt.bits), fmt))

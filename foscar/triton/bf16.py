@@ -6,7 +6,7 @@ recent ring read with wrap-around), and the BF16 baseline decode with the same t
 import triton
 import triton.language as tl
 
-from .common import dot, online_softmax, partial_result, round_operand, split_range
+from .common import dot, online_softmax, partial_result, round_operand, split_of, split_range
 
 
 @triton.jit
@@ -22,14 +22,24 @@ def bf16_decode_stage1(
     PART0,  # index of the first partial slot this launch writes
     D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     IDENTITY_PAGES: tl.constexpr, WRAP: tl.constexpr, INTERPRET: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SINK: tl.constexpr = 0, RECENT: tl.constexpr = 0, FLUSH: tl.constexpr = 1,
 ):
     """Token ``i < LEN[b]`` of sequence ``b`` sits at position ``START[b] + i`` (modulo ``PAGE`` when
     ``WRAP``: a ring in one page) of its pages, ``BT[b, :]`` (page ``b`` when ``IDENTITY_PAGES``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    n = tl.load(LEN + b)
-    start = tl.load(START + b)
+    if WINDOW == 0:  # explicit ranges
+        n = tl.load(LEN + b)
+        start = tl.load(START + b)
+    else:  # a foscar cache's window, from its length (START holds the lengths): 1 = sink, 2 = recent ring
+        n_sink, n_quant, n_recent = split_of(tl.load(START + b), SINK, RECENT, FLUSH)
+        if WINDOW == 1:
+            n = n_sink
+            start = 0 * n_sink
+        else:
+            n = n_recent
+            start = n_quant
     t_lo, t_hi = split_range(n, BLOCK_N)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)

@@ -19,6 +19,15 @@ def split_range(n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def split_of(L, SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr):
+    """``(n_sink, n_quant, n_recent)`` of a sequence of ``L`` tokens, on the device: what
+    :meth:`foscar.KVFormat.split_length` computes on the host (so a launch reads lengths, not splits)."""
+    n_sink = tl.minimum(L, SINK)
+    n_quant = tl.maximum(L - n_sink - RECENT, 0) // FLUSH * FLUSH
+    return n_sink, n_quant, L - n_sink - n_quant
+
+
+@triton.jit
 def online_softmax(m_i, l_i, s):
     """One tile of base-2 online softmax over scores ``s [H, N]``: ``(m_new, alpha, p, l_new)``; the caller
     rescales its accumulator by ``alpha`` and adds ``p``'s contribution."""

@@ -28,7 +28,7 @@ and ``P s'`` divided by a power of two, the largest ``|s'|`` seen so far, before
 than BF16, which keeps the operand-fold error below BF16 attention's even for one-token sequences.
 
 K corrections land before the softmax, V corrections in the accumulator before the final division
-(token-wise V: every ``FLUSH`` tiles, never only at the end, see ``docs/triton-perf.md``). Corrections
+(token-wise V: every ``CORR_EVERY`` tiles, never only at the end, see ``docs/triton-perf.md``). Corrections
 use the operands the MMA consumed. ``FOLD=False`` gives the per-value
 reconstruction kernel of the paper's ablation: the same tiling, but every value is dequantized
 (``s*q + z`` per value) before plain BF16 dots.
@@ -39,7 +39,7 @@ split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
 import triton
 import triton.language as tl
 
-from .common import dot, dot_acc, partial_result, round_operand, split_range
+from .common import dot, dot_acc, partial_result, round_operand, split_of, split_range
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -120,7 +120,7 @@ def _load_tile(KC, VC, KP, VP, page, kvh, tile, t_lo, t_hi, n_quant, tt, k_s, k_
 
 @triton.jit
 def fold_decode_stage1(
-    Q, KC, VC, KP, VP, BT, NQ, OP, LP,
+    Q, KC, VC, KP, VP, BT, SEQ, OP, LP,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_cp, stride_ch,  # codes pool [pages, Hkv, W]
@@ -131,6 +131,7 @@ def fold_decode_stage1(
     stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr,
     K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_MID: tl.constexpr, K_PIVOT: tl.constexpr,
     V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
@@ -144,7 +145,7 @@ def fold_decode_stage1(
     VGC: tl.constexpr = D // VC_
     HALF: tl.constexpr = ((1 << BITS) - 1) / 2  # the middle code: x = s' (q - HALF) + mid
 
-    n_quant = tl.load(NQ + b)
+    _, n_quant, _ = split_of(tl.load(SEQ + b), SINK, RECENT, FLUSH)
     t_lo, t_hi = split_range(n_quant, BLOCK_N)
 
     hh = tl.arange(0, BLOCK_H)
@@ -168,7 +169,7 @@ def fold_decode_stage1(
     # The softmax denominator is kept per score element and reduced once, after the loop.
     l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
-    FLUSH: tl.constexpr = 8
+    CORR_EVERY: tl.constexpr = 8  # tiles between folds of the V corrections into acc
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
     sigma = 1.0  # token-wise V, one channel group: acc is in units of sigma (a power of two)
 
@@ -241,10 +242,10 @@ def fold_decode_stage1(
                 sig_new = tl.maximum(sigma, tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0)))))  # power of 2
                 pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)
                 # the correction sum_t P mid - c sum_t P' sig, kept per element and folded into acc every
-                # FLUSH tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the
+                # CORR_EVERY tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the
                 # correction brings it back to the output's size, so a correction kept apart to the end
                 # of the split would cancel a sum over all of it (measured: an error growing with the
-                # split's tiles, 4-50x BF16 attention's at 60-400 tiles); FLUSH tiles bound that growth
+                # split's tiles, 4-50x BF16 attention's at 60-400 tiles); CORR_EVERY tiles bound that growth
                 # at a fraction of the reduction's cost per tile
                 c_el = c_el * alpha[None, :] + (p * tl.reshape(vmid, (BLOCK_N,))[:, None]
                                                 - (V_PIVOT * sig_new) * pvr.to(tl.float32))
@@ -254,7 +255,7 @@ def fold_decode_stage1(
                 acc2 = tl.reshape(acc, (D, BLOCK_H)) * (alpha * (sigma / sig_new))[None, :]
                 acc = tl.reshape(dot_acc(yv, pvr, acc2, INTERPRET), (1, D, BLOCK_H))
                 sigma = sig_new
-                if (tile - t_lo) % FLUSH == FLUSH - 1:
+                if (tile - t_lo) % CORR_EVERY == CORR_EVERY - 1:
                     acc += (tl.sum(c_el, axis=0) / sigma)[None, None, :]
                     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
             elif FOLD:  # operand-fold per channel group: P' = P s'[t, G] (power-of-two scaled), pivot correction

@@ -123,7 +123,6 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     bn = block_n_for(cache) if block_n is None else block_n
     if not _block_n_fits(cache, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
-    n_quant32 = cache.split()[1].to(torch.int32)
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
         max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // bn
         num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
@@ -141,11 +140,12 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     cap = max_registers(fmt) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
     fold_decode_stage1[(B, Hkv, num_splits)](
-        q, kc, cache.v_codes, kp, vp, bt, n_quant32, o_part, l_part, qk_scale,
+        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, qk_scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         BITS=fmt.bits, D=D, G=G, BLOCK_H=fold_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
+        SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages, **regs)
@@ -174,22 +174,23 @@ def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale
     """The BF16 sink and recent ring of ``cache`` as partials ``part0, part0 + 1, ...`` (any backend's
     stage 1 writes the KV splits before them; the combine merges all)."""
     block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
-    n_sink, n_quant, n_recent = cache.split()
-    n_quant32 = n_quant.to(torch.int32)
+    fmt = cache.fmt
+    split = (fmt.sink, fmt.recent, fmt.flush)
+    lens = cache.seq_lens  # the kernel derives each window's range from the length: nothing computed here
     part = part0
-    if cache.fmt.sink > 0:
-        _bf16_stage1(q, cache.k_sink, cache.v_sink, None, torch.zeros_like(n_quant32), n_sink.to(torch.int32),
-                     o_part, l_part, qk_scale, G, block_h, page=cache.k_sink.shape[2], part0=part, num_splits=1,
-                     wrap=False, interp=interp)
+    if fmt.sink > 0:
+        _bf16_stage1(q, cache.k_sink, cache.v_sink, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
+                     page=cache.k_sink.shape[2], part0=part, num_splits=1, wrap=False, interp=interp, window=1,
+                     split=split)
         part += 1
-    if cache.fmt.recent_capacity > 0:
-        _bf16_stage1(q, cache.k_recent, cache.v_recent, None, n_quant32, n_recent.to(torch.int32), o_part, l_part,
-                     qk_scale, G, block_h, page=cache.k_recent.shape[2], part0=part, num_splits=1, wrap=True,
-                     interp=interp)
+    if fmt.recent_capacity > 0:
+        _bf16_stage1(q, cache.k_recent, cache.v_recent, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
+                     page=cache.k_recent.shape[2], part0=part, num_splits=1, wrap=True, interp=interp, window=2,
+                     split=split)
 
 
 def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,
-                 wrap, interp, block_n=16, num_warps=4, num_stages=2):
+                 wrap, interp, block_n=16, num_warps=4, num_stages=2, window=0, split=(0, 0, 1)):
     B, _, D = q.shape
     identity = bt is None
     bt_ = start if identity else bt  # unused pointer when the pages are the batch entries
@@ -199,7 +200,8 @@ def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, bloc
         0 if identity else bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         l_part.stride(0), l_part.stride(1), part0,
         D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, IDENTITY_PAGES=identity,
-        WRAP=wrap, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages)
+        WRAP=wrap, INTERPRET=interp, WINDOW=window, SINK=split[0], RECENT=split[1], FLUSH=split[2],
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def _combine(o_part, l_part, out, lse):
