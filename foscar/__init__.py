@@ -1,6 +1,6 @@
 """foscar: affine-folded decode attention over 2-bit and 4-bit KV caches (FOSCAR, arXiv 2611.09722)."""
 from ._version import __version__
-from .api import backend_status, decode, select_backend
+from .api import DecodePlan, backend_status, decode, plan, select_backend
 from .cache import PageTable, QuantKVCache, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
@@ -23,6 +23,7 @@ from .reference import decode_exact
 __all__ = [
                      "BF16_INJECTION",
                      "CHANNEL",
+                     "DecodePlan",
                      "E2M1_PLACEMENT",
                      "E4M3_PLACEMENT",
                      "LAYOUT_TAG",
@@ -42,6 +43,7 @@ __all__ = [
                      "decode_exact",
                      "decode_folded",
                      "pack_codes",
+                     "plan",
                      "quantize_kv",
                      "select_backend",
                      "unpack_codes",

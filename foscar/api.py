@@ -163,6 +163,57 @@ def _(q, k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
     return None
 
 
+@dataclass
+class DecodePlan:
+    """A decode prepared on the host, FlashInfer style: :func:`plan` validates, picks the backend and the
+    launch config, and allocates the workspace; :meth:`run` then neither reads the device back nor
+    allocates (given ``out``), so a CUDA graph captures it and replays it for every step of one
+    batch shape, whatever the lengths (they are read on the device)."""
+
+    backend: str
+    fmt: KVFormat
+    shape: tuple[int, int, int]  # q: [B, Hq, D]
+    sm_scale: float
+    num_splits: int | None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None
+
+    def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor, lse: torch.Tensor | None = None):
+        """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``)."""
+        if tuple(q.shape) != self.shape or cache.fmt != self.fmt:
+            raise InvalidArgumentError("q/cache", f"the planned shape {self.shape} and format",
+                                       f"{tuple(q.shape)}, {cache.fmt}")
+        if self.backend == "triton":
+            from .triton import decode as triton_decode
+            triton_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
+                          workspace=self.workspace)
+        else:
+            scratch = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+            torch.ops.foscar.decode(*op_args(q, cache, out, scratch, self.sm_scale, self.backend, self.num_splits))
+        return out if lse is None else (out, lse)
+
+
+def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, backend: str = "auto",
+         num_splits: int | None = None) -> DecodePlan:
+    """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`)."""
+    from .reference import check_decode_inputs
+    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    workspace = None
+    if chosen == "triton":
+        from .triton import launch
+        tuned = launch.tuned_config(q, cache, G)
+        if num_splits is None:
+            num_splits = tuned.get("num_splits")
+        if num_splits is None:
+            bn = launch.block_n_for(cache)
+            num_splits = launch.default_num_splits(q.shape[0], cache.num_kv_heads,
+                                                   cache.page_table.block_table.shape[1] * cache.page_size // bn,
+                                                   q.device)
+        parts = num_splits + launch.num_window_parts(cache.fmt)
+        workspace = launch.workspace_for(None, q.shape[0], q.shape[1], parts, q.shape[2], q.device)
+    return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace)
+
+
 def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
     """The arguments of ``torch.ops.foscar.decode`` for a (validated) call: the cache as its tensors and
     its format as plain values."""

@@ -108,3 +108,41 @@ def test_auto_on_a_gpu_and_cuda_graph_replay():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_plan_then_run():
+    q, cache = make(lens=(300, 111), sink=2, recent=5)
+    p = foscar.plan(q, cache)
+    assert p.backend == "reference" and p.workspace is None
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    assert p.run(q, cache, out) is out and torch.equal(out, foscar.decode(q, cache))
+    lse = torch.empty(q.shape[:2])
+    o, l_ = p.run(q, cache, out, lse)
+    assert l_ is lse and torch.isfinite(lse).all()
+    with pytest.raises(InvalidArgumentError, match="^q/cache: expected the planned shape"):
+        p.run(q[:1], cache, out[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
+def test_planned_runs_allocate_nothing_and_replay_in_a_graph():
+    from test_triton import to_device
+    q, cache = make(lens=(3000, 17), D=128, sink=4, recent=16)
+    q, cache = q.cuda(), to_device(cache, "cuda")
+    p = foscar.plan(q, cache)
+    assert p.backend == "triton" and p.workspace[0].shape[2] == p.num_splits + 2
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    p.run(q, cache, out)  # compile
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    p.run(q, cache, out)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    eager = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        p.run(q, cache, out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -142,3 +142,41 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
     cache = foscar.QuantKVCache.empty(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 1, 1, max_len=64)
     with pytest.raises(InvalidArgumentError, match="^k_new: expected a 3-D tensor"):
         ft.append_step(cache, torch.zeros(1, 64), torch.zeros(1, 1, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine); run on the GPU "
+                                                          "machine before resolving")
+def test_decode_steps_as_one_cuda_graph():
+    """Append (Triton, check=False) and decode (a plan) captured once, replayed step after step: the
+    same cache and outputs as eager steps through the reference append."""
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=16)
+    B, H, G, D, steps = 2, 2, 4, 128, 40
+    k, v = (torch.randn(B, H, 100 + steps, D, device="cuda") for _ in range(2))
+    q = torch.randn(B, H * G, D, device="cuda", dtype=torch.bfloat16)
+    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=256, page_size=64, device="cuda")
+    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=256, page_size=64, device="cuda")
+    for c in (ref, ker):
+        c.append(k[:, :, :100], v[:, :, :100])
+    p = foscar.plan(q, ker)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    kt, vt = (torch.empty(B, H, D, device="cuda") for _ in range(2))
+    kt.copy_(k[:, :, 100])
+    vt.copy_(v[:, :, 100])
+    ft.append_step(ker, kt, vt)  # warm-up step (compiles), eager
+    p.run(q, ker, out)
+    ref.append(k[:, :, 100:101], v[:, :, 100:101])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ft.append_step(ker, kt, vt, check=False)
+        p.run(q, ker, out)
+    for t in range(101, 100 + steps):
+        kt.copy_(k[:, :, t])
+        vt.copy_(v[:, :, t])
+        g.replay()
+        ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
+        want = foscar.decode(q, ref)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), t
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))

@@ -91,7 +91,7 @@ def max_registers(fmt) -> int | None:
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            kernel: str = "folded", block_n: int | None = None, num_warps: int | None = None, num_stages: int = 1,
-           pv_fp16: bool = True):
+           pv_fp16: bool = True, workspace: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
     ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
@@ -100,7 +100,9 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     ``num_splits``, ``block_n``, ``num_warps``: launch parameters; left ``None``, they come from the
     autotune cache (:mod:`foscar.autotune`, written by ``foscar tune``) or, without a tuned entry, the
     heuristics here. ``pv_fp16``: FP16 PV operands (default; ``False``: BF16, as
-    ``decode_folded(operand_dtype=torch.bfloat16)``).
+    ``decode_folded(operand_dtype=torch.bfloat16)``). ``workspace``: the partial outputs and LSEs,
+    ``([B, Hq, parts, D], [B, Hq, parts])`` float32 with ``parts = num_splits + windows`` (a
+    :class:`foscar.DecodePlan` holds them): the call then allocates nothing.
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_device(q)
@@ -128,8 +130,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
     check_int("num_splits", num_splits, minimum=1)
     parts = num_splits + num_window_parts(fmt)
-    o_part = torch.empty(B, Hq, parts, D, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
+    o_part, l_part = workspace_for(workspace, B, Hq, parts, D, q.device)
     qk_scale = sm_scale * LOG2E
     fold_h = max(8, triton.next_power_of_2(G))  # the quantized kernel: heads along N (S^T = K Q^T)
     interp = interpreting()
@@ -162,6 +163,17 @@ def _injection_args(prefix: str, op, fmt) -> dict:
     pivot = op.pivot(fmt.bits)
     return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
             f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}  # mid = z' + MID s': the group's middle value
+
+
+def workspace_for(workspace, B: int, Hq: int, parts: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial buffers of a call: the given ``workspace`` (checked), else new ones."""
+    if workspace is None:
+        return (torch.empty(B, Hq, parts, D, dtype=torch.float32, device=device),
+                torch.empty(B, Hq, parts, dtype=torch.float32, device=device))
+    o_part, l_part = workspace
+    check_tensor("workspace[0]", o_part, shape=(B, Hq, parts, D), dtypes=(torch.float32,), device=device)
+    check_tensor("workspace[1]", l_part, shape=(B, Hq, parts), dtypes=(torch.float32,), device=device)
+    return o_part, l_part
 
 
 def num_window_parts(fmt) -> int:
