@@ -172,31 +172,31 @@ class FoldDecodeSm90:
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
-        kwpb = words_per_block(cfg.bits, D, "k")
-        vwpb = words_per_block(cfg.bits, D, "v")
         per_word = 16 // cfg.bits
         nib = 4 // cfg.bits
 
+        # software pipeline: tile i+1's words and parameters are loaded (into the *_n registers) before
+        # tile i is computed, so their latency hides behind its math
+        kw_n = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        vw_n = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+        par = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # ks0 kz0 ks1 kz1 vs0 vz0 vs1 vz1
+        par_n = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        if t_lo < t_hi:
+            self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, t_lo, kw_n, vw_n, par_n, warp, lane, tidx, row0)
         for tile in cutlass.range(t_lo, t_hi, unroll=1):
             t0 = tile * TILE
-            page = mBT[b, t0 // cfg.page]
-            off = t0 % cfg.page
-            # ---- loads: this thread's words and the parameters of its two token rows -------------------
-            kbase = (off // K_BLOCK_TOKENS + warp) * kwpb + lane * cfg.k_words
             for i in cutlass.range_constexpr(cfg.k_words):
-                kw[i] = mKC[page, kvh, kbase + i]
-            vbase = (off // v_block_tokens(cfg.bits)) * vwpb + tidx * cfg.mh
+                kw[i] = kw_n[i]
             for vb in cutlass.range_constexpr(cfg.v_blocks):
                 for mh in cutlass.range_constexpr(cfg.mh):
-                    vw[mh, vb] = mVC[page, kvh, vbase + vb * vwpb + mh]
-            ks0 = mKP[page, kvh, off + row0, 0, 0]
-            kz0 = mKP[page, kvh, off + row0, 0, 1]
-            ks1 = mKP[page, kvh, off + row0 + 8, 0, 0]
-            kz1 = mKP[page, kvh, off + row0 + 8, 0, 1]
-            vs0 = mVP[page, kvh, off + row0, 0, 0]
-            vz0 = mVP[page, kvh, off + row0, 0, 1]
-            vs1 = mVP[page, kvh, off + row0 + 8, 0, 0]
-            vz1 = mVP[page, kvh, off + row0 + 8, 0, 1]
+                    vw[mh, vb] = vw_n[mh, vb]
+            for i in cutlass.range_constexpr(8):
+                par[i] = par_n[i]
+            if tile + 1 < t_hi:
+                self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, warp, lane, tidx,
+                                row0)
+            ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
+            vs0, vz0, vs1, vz1 = par[4], par[5], par[6], par[7]
             valid0 = t0 + row0 < n
             valid1 = t0 + row0 + 8 < n
             if not valid0:  # rows past the length: whatever the page holds there must not reach P'
@@ -340,6 +340,30 @@ class FoldDecodeSm90:
                 mLP[b, kvh * G + 2 * quad, split] = lse0
             if 2 * quad + 1 < G:
                 mLP[b, kvh * G + 2 * quad + 1, split] = lse1
+
+    @cute.jit
+    def _load_tile(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor,
+                   b, kvh, tile, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, warp, lane, tidx, row0):
+        """This thread's packed words of KV tile ``tile`` (:mod:`foscar.cute.fragment`) and the ``(s', z')``
+        of its two token rows, into registers."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        t0 = tile * TILE
+        page = mBT[b, t0 // cfg.page]
+        off = t0 % cfg.page
+        kwpb = words_per_block(cfg.bits, D, "k")
+        vwpb = words_per_block(cfg.bits, D, "v")
+        kbase = (off // K_BLOCK_TOKENS + warp) * kwpb + lane * cfg.k_words
+        for i in cutlass.range_constexpr(cfg.k_words):
+            kw[i] = mKC[page, kvh, kbase + i]
+        vbase = (off // v_block_tokens(cfg.bits)) * vwpb + tidx * cfg.mh
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                vw[mh, vb] = mVC[page, kvh, vbase + vb * vwpb + mh]
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(2):
+                par[2 * r + j] = mKP[page, kvh, off + row0 + 8 * r, 0, j]
+                par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
 
     @cute.jit
     def _column_sums(self, el: cute.Tensor, sSum: cute.Tensor, warp, lane, quad):
