@@ -49,3 +49,20 @@ def test_usage_and_speed_without_a_gpu(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench", "speed", "--grid", "quick", "--out", str(tmp_path)]) != 0
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_plot_mode_draws_the_paper_figures_from_records(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    recs = []
+    for b, n in ((1, 8192), (8, 32768)):
+        for bits in (2, 4):
+            for ka, va in (("token", "token"), ("channel", "token")):
+                recs.append({"B": b, "L": n, "bits": bits, "k_axis": ka, "v_axis": va, "kernel": "foscar_folded",
+                             "speedup_vs_baseline": 1.0 + bits / 10})
+    path = tmp_path / "bench_decode.json"
+    path.write_text(json.dumps({"records": recs}))
+    assert cli.main(["bench", "plot", str(path), "--out", str(tmp_path), "--name", "x"]) == 0
+    assert (tmp_path / "x-speedup.png").stat().st_size > 1000 and (tmp_path / "x-axes.png").stat().st_size > 1000
+    path.write_text(json.dumps({"records": []}))
+    assert cli.main(["bench", "plot", str(path), "--out", str(tmp_path)]) == 1
+    assert "nothing drawn" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """``foscar bench``: ``speed`` (the decode benchmark against the BF16 baselines, GPU), ``accuracy`` (the
-synthetic stress study, any device) and ``ops`` (affine operations per stored value). Each writes JSON and
+synthetic stress study, any device), ``ops`` (affine operations per stored value) and ``plot`` (the
+speed records as the paper's figures). Each writes JSON and
 Markdown under ``--out`` and, with matplotlib installed, a plot; a missing plotting library is reported,
 not skipped silently."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-USAGE = "foscar bench {speed,accuracy,ops} [options]   (foscar bench MODE --help)"
+USAGE = "foscar bench {speed,accuracy,ops,plot} [options]   (foscar bench MODE --help)"
 
 
 def _accuracy(argv: list[str], prog: str) -> int:
@@ -67,12 +68,34 @@ def _ops(argv: list[str], prog: str) -> int:
     return 0
 
 
+def _plot(argv: list[str], prog: str) -> int:
+    from . import plots
+    p = argparse.ArgumentParser(prog=f"{prog} plot", description=plots.__doc__.splitlines()[0])
+    p.add_argument("json", type=Path, nargs="+", help="bench_decode.json files (records of one or more runs)")
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--name", default="bench", help="file name stem of the plots")
+    a = p.parse_args(argv)
+    records = plots.load_records(a.json)
+    a.out.mkdir(parents=True, exist_ok=True)
+    drawn = []
+    for suffix, fn in (("speedup", plots.speedup_by_shape), ("axes", plots.speedup_by_axes)):
+        path = a.out / f"{a.name}-{suffix}.png"
+        if fn(records, path):
+            drawn.append(str(path))
+    if not drawn:
+        print(f"{prog} plot: nothing drawn (matplotlib missing, or no records with a FlashInfer baseline)",
+              file=sys.stderr)
+        return 1
+    print("wrote " + ", ".join(drawn))
+    return 0
+
+
 def _speed(argv: list[str], prog: str) -> int:
     from .decode import main
     return main(argv, prog=f"{prog} speed")
 
 
-MODES = {"speed": _speed, "accuracy": _accuracy, "ops": _ops}
+MODES = {"speed": _speed, "accuracy": _accuracy, "ops": _ops, "plot": _plot}
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "foscar bench") -> int:

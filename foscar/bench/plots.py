@@ -1,0 +1,93 @@
+"""Plots of the decode benchmark's records (``bench_decode.json``), in the style of the paper's figures:
+
+- :func:`speedup_by_shape` (Fig. 8/9): speedup over FlashInfer BF16 per (batch, context), one panel per
+  bit width, one bar group per batch, each kernel a bar;
+- :func:`speedup_by_axes` (Fig. 13): the four K/V axis combinations side by side per shape.
+
+``foscar bench plot bench_decode.json [...] --out DIR`` draws whichever the records allow. matplotlib is
+needed (``pip install 'foscar[bench]'``); without it nothing is drawn and the caller says so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _plt():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def _len_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def load_records(paths) -> list[dict]:
+    """The records of every JSON file given (``{"records": [...]}`` as ``bench_decode.json`` writes)."""
+    records = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        records += doc["records"] if isinstance(doc, dict) else doc
+    return records
+
+
+def speedup_by_shape(records: list[dict], path, kernels=("foscar_folded", "foscar_reconstruct", "foscar_cute"),
+                     title: str = "") -> bool:
+    """Fig. 8/9: speedup over FlashInfer BF16 (tensor cores) per shape, token-wise K and V."""
+    plt = _plt()
+    rows = [r for r in records if r.get("speedup_vs_baseline") and r.get("k_axis", "token") == "token"
+            and r.get("v_axis", "token") == "token" and r["kernel"] in kernels]
+    if plt is None or not rows:
+        return False
+    bits = sorted({r["bits"] for r in rows})
+    shapes = sorted({(r["B"], r["L"]) for r in rows})
+    present = [k for k in kernels if any(r["kernel"] == k for r in rows)]
+    fig, axes = plt.subplots(len(bits), 1, figsize=(max(6.4, 0.55 * len(shapes) * len(present)), 3.2 * len(bits)),
+                             squeeze=False)
+    width = 0.8 / len(present)
+    for ax, b in zip(axes[:, 0], bits):
+        for i, k in enumerate(present):
+            idx = {(r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if r["bits"] == b and r["kernel"] == k}
+            xs = [j + (i - (len(present) - 1) / 2) * width for j in range(len(shapes))]
+            ax.bar(xs, [idx.get(s, 0) for s in shapes], width, label=k)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"B={s[0]}\nL={_len_label(s[1])}" for s in shapes], fontsize=7)
+        ax.set_ylabel(f"INT{b}: x FlashInfer BF16")
+        ax.legend(fontsize=7)
+    axes[0, 0].set_title(title or "Decode speedup over FlashInfer BF16 (token-wise K and V)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def speedup_by_axes(records: list[dict], path, kernel: str = "foscar_folded", title: str = "") -> bool:
+    """Fig. 13: speedup over FlashInfer BF16 of the four K/V axis combinations, per shape and bit width."""
+    plt = _plt()
+    rows = [r for r in records if r["kernel"] == kernel and r.get("speedup_vs_baseline")]
+    combos = sorted({(r["k_axis"], r["v_axis"]) for r in rows})
+    if plt is None or len(combos) < 2:
+        return False
+    groups = sorted({(r["bits"], r["B"], r["L"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(groups)), 3.6))
+    width = 0.8 / len(combos)
+    for i, c in enumerate(combos):
+        idx = {(r["bits"], r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if (r["k_axis"], r["v_axis"]) == c}
+        xs = [j + (i - (len(combos) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, [idx.get(g, 0) for g in groups], width, label=f"K {c[0]}-wise / V {c[1]}-wise")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"INT{g[0]}\nB={g[1]} L={_len_label(g[2])}" for g in groups], fontsize=7)
+    ax.set_ylabel("x FlashInfer BF16")
+    ax.set_title(title or "Axis combinations (paper Fig. 13)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
