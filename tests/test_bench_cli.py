@@ -59,10 +59,14 @@ def test_plot_mode_draws_the_paper_figures_from_records(tmp_path, capsys):
             for ka, va in (("token", "token"), ("channel", "token")):
                 recs.append({"B": b, "L": n, "bits": bits, "k_axis": ka, "v_axis": va, "kernel": "foscar_folded",
                              "speedup_vs_baseline": 1.0 + bits / 10})
+    for hkv in (1, 4, 8):
+        recs.append({"B": 8, "L": 131072, "Hq": 32, "Hkv": hkv, "bits": 4, "k_axis": "token", "v_axis": "token",
+                     "kernel": "foscar_folded", "speedup_vs_baseline": 1.2 + hkv / 100})
     path = tmp_path / "bench_decode.json"
     path.write_text(json.dumps({"records": recs}))
     assert cli.main(["bench", "plot", str(path), "--out", str(tmp_path), "--name", "x"]) == 0
-    assert (tmp_path / "x-speedup.png").stat().st_size > 1000 and (tmp_path / "x-axes.png").stat().st_size > 1000
+    for fig in ("speedup", "axes", "heads"):
+        assert (tmp_path / f"x-{fig}.png").stat().st_size > 1000, fig
     path.write_text(json.dumps({"records": []}))
     assert cli.main(["bench", "plot", str(path), "--out", str(tmp_path)]) == 1
     assert "nothing drawn" in capsys.readouterr().err

@@ -78,7 +78,8 @@ def _plot(argv: list[str], prog: str) -> int:
     records = plots.load_records(a.json)
     a.out.mkdir(parents=True, exist_ok=True)
     drawn = []
-    for suffix, fn in (("speedup", plots.speedup_by_shape), ("axes", plots.speedup_by_axes)):
+    for suffix, fn in (("speedup", plots.speedup_by_shape), ("axes", plots.speedup_by_axes),
+                       ("heads", plots.speedup_by_heads)):
         path = a.out / f"{a.name}-{suffix}.png"
         if fn(records, path):
             drawn.append(str(path))

@@ -799,8 +799,17 @@ def measure(spec: KernelSpec, inputs, ref: SliceRef | None, args, flush: torch.T
 
 
 def new_record(shape, bits, axes, kernel) -> dict:
-    return {"B": shape[0], "L": shape[1], "bits": bits, "k_axis": axes[0], "v_axis": axes[1], "kernel": kernel,
-            "status": "not run"}
+    return {"B": shape[0], "L": shape[1], "Hq": HQ, "Hkv": HKV, "bits": bits, "k_axis": axes[0], "v_axis": axes[1],
+            "kernel": kernel, "status": "not run"}
+
+
+def set_heads(q_heads: int, kv_heads: int) -> None:
+    """The problem's head counts (``--heads``; the paper's 32/8 by default), for the head-ratio sweep of the
+    paper's Fig. 15. Module-wide, like the other problem constants: one run, one head configuration."""
+    global HQ, HKV, GQA
+    if kv_heads < 1 or q_heads < kv_heads or q_heads % kv_heads:
+        raise ValueError(f"heads {q_heads}:{kv_heads}: Hq must be a positive multiple of Hkv")
+    HQ, HKV, GQA = q_heads, kv_heads, q_heads // kv_heads
 
 
 def _stage_inputs(case: Case | None, q: torch.Tensor, block_table: torch.Tensor):
@@ -937,6 +946,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="first hold foscar kernels to decode_exact on small ragged caches (exit 1 on failure)")
     p.add_argument("--num-splits", type=int, default=None, help="passed to foscar.triton.decode (default: its own)")
+    p.add_argument("--heads", default="32:8", help="Hq:Hkv (default 32:8); the head-ratio sweep (paper "
+                   "Fig. 15) runs one --heads per invocation and `foscar bench plot` joins them")
     p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays of each call")
     p.add_argument("--kernel-time", action="store_true",
                    help="also sum each call's GPU kernel times with the profiler (leaves out host gaps)")
@@ -960,6 +971,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num-splits: at least 1")
     args.bits = tuple(sorted(set(args.bits)))
     args.kernels = list(dict.fromkeys(args.kernels))
+    try:
+        set_heads(*(int(x) for x in args.heads.split(":")))
+    except ValueError as e:
+        parser.error(f"--heads: {e}")
     return args
 
 

@@ -2,7 +2,9 @@
 
 - :func:`speedup_by_shape` (Fig. 8/9): speedup over FlashInfer BF16 per (batch, context), one panel per
   bit width, one bar group per batch, each kernel a bar;
-- :func:`speedup_by_axes` (Fig. 13): the four K/V axis combinations side by side per shape.
+- :func:`speedup_by_axes` (Fig. 13): the four K/V axis combinations side by side per shape;
+- :func:`speedup_by_heads` (Fig. 15): speedup against the number of KV heads (records of several
+  ``--heads`` runs).
 
 ``foscar bench plot bench_decode.json [...] --out DIR`` draws whichever the records allow. matplotlib is
 needed (``pip install 'foscar[bench]'``); without it nothing is drawn and the caller says so.
@@ -86,6 +88,30 @@ def speedup_by_axes(records: list[dict], path, kernel: str = "foscar_folded", ti
     ax.set_xticklabels([f"INT{g[0]}\nB={g[1]} L={_len_label(g[2])}" for g in groups], fontsize=7)
     ax.set_ylabel("x FlashInfer BF16")
     ax.set_title(title or "Axis combinations (paper Fig. 13)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def speedup_by_heads(records: list[dict], path, kernel: str = "foscar_folded", title: str = "") -> bool:
+    """Fig. 15: speedup over FlashInfer BF16 against the number of KV heads, one line per (bits, B, L)."""
+    plt = _plt()
+    rows = [r for r in records if r["kernel"] == kernel and r.get("speedup_vs_baseline") and "Hkv" in r
+            and r.get("k_axis", "token") == "token" and r.get("v_axis", "token") == "token"]
+    if plt is None or len({r["Hkv"] for r in rows}) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for key in sorted({(r["bits"], r["B"], r["L"]) for r in rows}):
+        pts = sorted((r["Hkv"], r["speedup_vs_baseline"]) for r in rows if (r["bits"], r["B"], r["L"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"INT{key[0]}, B={key[1]}, L={_len_label(key[2])}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV heads (query heads fixed: GQA ratio = Hq / Hkv)")
+    ax.set_ylabel("x FlashInfer BF16")
+    ax.set_title(title or "Head-ratio sweep (paper Fig. 15)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
