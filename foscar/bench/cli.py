@@ -105,3 +105,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "foscar bench") -> int:
         print(f"usage: {USAGE}\n\n{__doc__}", file=sys.stderr if argv[:1] not in (["-h"], ["--help"]) else sys.stdout)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return MODES[argv[0]](argv[1:], prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m foscar.bench.cli"))

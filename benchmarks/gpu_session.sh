@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Validate and measure foscar on a GPU machine, from a checkout (nothing installed): the GPU tests,
+# then optionally the tuner, the speed benchmark and the accuracy study. Each step writes under $OUT
+# and prints a short summary; a failing step does not stop the later ones.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, SASS)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, then the CuTe tests
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune             # foscar tune --preset paper -> tuning/configs
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy         # the stress study on the GPU backends
+#
+# The install steps take the offline bundles described in ../shared/device/README.md (cutlass-dsl) and
+# benchmarks/bench_decode.py's docstring (FlashInfer wheels).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/foscar-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy}"
+case "$step" in
+  tests)
+    python3 -m pytest -q tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py \
+      tests/test_sass.py > "$OUT/tests.log" 2>&1
+    tail -3 "$OUT/tests.log" ;;
+  cute)
+    bundle="${2:?cute needs the cutlass-dsl bundle folder (install-cute-dsl.sh beside it)}"
+    bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
+    python3 -m pytest -q -s tests/test_cute_decode.py tests/test_cute_fragment.py > "$OUT/cute.log" 2>&1
+    grep -E "error|passed|failed" "$OUT/cute.log" | tail -12 ;;
+  tune)
+    python3 -m foscar.tune --preset paper --bits 2 4 --out tuning/configs > "$OUT/tune.md" 2> "$OUT/tune.log"
+    tail -30 "$OUT/tune.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;
+  speed)
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?speed needs the FlashInfer wheels folder}"/*.whl
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    python3 -m foscar.bench.decode --grid paper --cuda-graph --out "$OUT/paper" > "$OUT/paper.log" 2>&1
+    python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded flashinfer_tc --out "$OUT/axes" \
+      > "$OUT/axes.log" 2>&1
+    grep -A8 "^| bar" "$OUT/paper.log"; grep "^Geomean" "$OUT/paper.log" ;;
+  accuracy)
+    python3 -m foscar.bench.cli accuracy --backend triton --out "$OUT/accuracy-triton" > "$OUT/accuracy.log" 2>&1
+    tail -14 "$OUT/accuracy.log" ;;
+  *)
+    echo "unknown step $step" >&2; exit 2 ;;
+esac
