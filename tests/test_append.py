@@ -115,6 +115,9 @@ def test_empty_caches_need_a_capacity():
     (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64),
     (dict(bits=4, head_dim=128, group_size=128, recent=1), 32),
     (dict(bits=2, head_dim=64, group_size=32, sink=2), None),
+    (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 64),
+    (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel"), 32),
+    (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", recent=2), 64),
 ])
 def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
     """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes."""
@@ -135,9 +138,9 @@ def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
 def test_the_triton_append_refuses_what_it_does_not_cover():
     import foscar.triton as ft
     from foscar.errors import UnsupportedError
-    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, mapping="f16")
     cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64)
-    with pytest.raises(UnsupportedError, match="k_axis='channel'"):
+    with pytest.raises(UnsupportedError, match="mapping='f16'"):
         ft.append_step(cache, torch.zeros(1, 1, 64), torch.zeros(1, 1, 64))
     cache = foscar.QuantKVCache.empty(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 1, 1, max_len=64)
     with pytest.raises(InvalidArgumentError, match="^k_new: expected a 3-D tensor"):

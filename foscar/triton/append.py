@@ -1,14 +1,14 @@
 """Appending one decode step's K/V token per sequence to a foscar cache on the GPU (issue 7): the
-graph-safe write path for token-wise K and V groups.
+graph-safe write path, every axis combination.
 
 One program per (sequence, KV head, tensor). The new token goes to the BF16 sink while the sink is
-filling, else to the recent ring; the ring token that leaves the recent window (with ``recent = 0``,
-the new token itself) is quantized min-max, group by group, in float64 exactly as
+filling, else to the recent ring; the ring tokens that leave the recent window (one with token-wise
+groups on both tensors, a whole group of ``g`` otherwise; with ``recent = 0`` the last is the new token
+itself) are quantized min-max, group by group, in float64 exactly as
 :func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
 (an atomic AND clears its bit fields, an atomic OR sets them: a word mixes tokens) and its ``(s', z')``
 into the page's parameter rows. Lengths are read on the device: no host sync, no allocation, so a
-CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it matches bit for bit;
-channel-wise groups (quantized a whole group at a time) use that path for now.
+CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it matches bit for bit.
 """
 import triton
 import triton.language as tl
@@ -51,55 +51,70 @@ def append_token_kernel(
     stride_xb, stride_xh,
     stride_btb,
     stride_cp, stride_ch,  # codes [pages, Hkv, W]
-    stride_pp, stride_ph,  # params [pages, Hkv, page, D/g, 2]
+    stride_pp, stride_ph,  # params [pages, Hkv, rows, cols, 2]
     stride_sb, stride_sh, stride_st,  # sink [B, Hkv, sink, D]
     stride_rb, stride_rh, stride_rt,  # ring [B, Hkv, cap, D]
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
-    RECENT: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
 ):
+    """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
+    the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
+    tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    C: tl.constexpr = D // GROUP
     QMAX: tl.constexpr = (1 << BITS) - 1
-    CAP: tl.constexpr = RECENT if RECENT > 0 else 1
     WPB: tl.constexpr = BLOCK_TOKENS * D * BITS // 32
-    cc = tl.arange(0, C)
-    gg = tl.arange(0, GROUP)
-    ch = cc[:, None] * GROUP + gg[None, :]  # [C, g] channel index
+    dd = tl.arange(0, D)
+    tok = tl.arange(0, FLUSH)
     i = tl.load(SEQ + b)  # the new token's index (the length before this append)
-    x = tl.load(X + b * stride_xb + h * stride_xh + ch)  # [C, g], the input dtype
+    x = tl.load(X + b * stride_xb + h * stride_xh + dd)  # [D], the input dtype
     if i < SINK:
-        tl.store(SINKW + b * stride_sb + h * stride_sh + i * stride_st + ch, x.to(SINKW.dtype.element_ty))
+        tl.store(SINKW + b * stride_sb + h * stride_sh + i * stride_st + dd, x.to(SINKW.dtype.element_ty))
     else:
-        p = i - SINK  # post-sink index; with token-wise groups a token leaves the ring per step
-        leaving = p - RECENT
-        ring_ptr = RING + b * stride_rb + h * stride_rh + ch
-        if leaving >= 0:
-            if RECENT > 0:
-                src = tl.load(ring_ptr + (leaving % CAP) * stride_rt).to(tl.float64)
-            else:
-                src = x.to(tl.float64)
-            lo = tl.min(src, axis=1)
-            hi = tl.max(src, axis=1)
+        p = i - SINK  # post-sink index of the new token
+        q0 = tl.maximum(p - RECENT, 0) // FLUSH * FLUSH  # quantized count before / after the append
+        q1 = tl.maximum(p + 1 - RECENT, 0) // FLUSH * FLUSH
+        ring = RING + b * stride_rb + h * stride_rh
+        if q1 > q0:  # tokens [q0, q1) leave the ring (the last may be the new token itself)
+            t = q0 + tok  # [FLUSH] post-sink indices
+            from_ring = t < p
+            src = tl.load(ring + (t % CAP)[:, None] * stride_rt + dd[None, :], mask=from_ring[:, None], other=0.0)
+            src = tl.where(from_ring[:, None], src.to(tl.float64), x.to(tl.float64)[None, :])  # [FLUSH, D]
+            if CHANNEL:  # one group along the tokens per channel: (s', z') [D]
+                lo = tl.min(src, axis=0)[None, :]
+                hi = tl.max(src, axis=0)[None, :]
+            else:  # groups of GROUP channels per token: (s', z') [FLUSH, D / GROUP], spread back to [FLUSH, D]
+                src3 = tl.reshape(src, (FLUSH, D // GROUP, GROUP))
+                lo = tl.reshape(tl.broadcast_to(tl.min(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)),
+                                (FLUSH, D))
+                hi = tl.reshape(tl.broadcast_to(tl.max(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)),
+                                (FLUSH, D))
             sp = ((hi - lo) / QMAX).to(tl.float32)  # s' = s (alpha = 1 for the BF16 mapping)
             zp = (lo - BETA * sp.to(tl.float64)).to(tl.float32)  # z' = z - beta s', one rounding
             s_eff = sp.to(tl.float64)
             z_eff = zp.to(tl.float64) + BETA * s_eff
             safe = tl.where(s_eff > 0, s_eff, 1.0)
-            q = tl.where(s_eff[:, None] > 0, (src - z_eff[:, None]) / safe[:, None], 0.0)
+            q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
             q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
-            q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
-            page_i = leaving // PAGE
-            off = leaving % PAGE
-            if page_i < tl.load(NP + b):  # past the sequence's pages nothing is written (checked on the host)
-                page = tl.load(BT + b * stride_btb + page_i).to(tl.int64)
-                word, shift = _field(off % BLOCK_TOKENS, ch, TENSOR_V, BITS, D)
-                wptr = CODES + page * stride_cp + h * stride_ch + (off // BLOCK_TOKENS) * WPB + word
-                tl.atomic_and(wptr, ~(QMAX << shift))
-                tl.atomic_or(wptr, q << shift)
-                pptr = PARAMS + page * stride_pp + h * stride_ph + (off * C + cc) * 2
-                tl.store(pptr, sp)
-                tl.store(pptr + 1, zp)
-        if RECENT > 0:  # after the read: the new token may take the slot the leaving one had
+            q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)  # [FLUSH, D]
+            page_i = t // PAGE
+            off = t % PAGE
+            ok = page_i < tl.load(NP + b)  # past the sequence's pages nothing is written (checked on the host)
+            page = tl.load(BT + b * stride_btb + page_i, mask=ok, other=0).to(tl.int64)
+            word, shift = _field((off % BLOCK_TOKENS)[:, None], dd[None, :], TENSOR_V, BITS, D)
+            wptr = (CODES + page[:, None] * stride_cp + h * stride_ch + (off // BLOCK_TOKENS)[:, None] * WPB + word)
+            ok2 = ok[:, None] & (dd >= 0)[None, :]  # full shape: atomics do not broadcast their mask
+            tl.atomic_and(wptr, ~(QMAX << shift), mask=ok2)
+            tl.atomic_or(wptr, q << shift, mask=ok2)
+            pbase = PARAMS + page[:, None] * stride_pp + h * stride_ph
+            if CHANNEL:  # the group's row: (off // GROUP) in a page of >= GROUP tokens, else row 0 of every page
+                row = (off // GROUP if PAGE >= GROUP else 0 * off)[:, None]
+                pptr = pbase + (row * D + dd[None, :]) * 2
+            else:  # one row per token, one column per channel group
+                pptr = pbase + (off[:, None] * (D // GROUP) + dd[None, :] // GROUP) * 2
+            tl.store(pptr, sp, mask=ok2)
+            tl.store(pptr + 1, zp, mask=ok2)
+        if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
             tl.debug_barrier()
-            tl.store(ring_ptr + (p % CAP) * stride_rt, x.to(RING.dtype.element_ty))
+            tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))

@@ -259,17 +259,16 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
 
 def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
-    (:mod:`foscar.triton.append`): token-wise K and V groups, the ``bf16`` mapping, min-max quantization;
+    (:mod:`foscar.triton.append`): every axis combination, the ``bf16`` mapping, min-max quantization;
     the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True`` first runs every
     check of :meth:`QuantKVCache.append` (capacity and finite values read the device back); pass
     ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
     from .append import append_token_kernel
     fmt = cache.fmt
     _check_device(k_new)
-    if fmt.k_axis != "token" or fmt.v_axis != "token" or fmt.mapping != "bf16":
-        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, mapping={fmt.mapping!r}",
-                               "the Triton append covers token-wise K and V with the bf16 mapping; "
-                               "QuantKVCache.append covers the rest")
+    if fmt.mapping != "bf16":
+        raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
+                               "QuantKVCache.append covers the others")
     B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         check_tensor(name, t, shape=(B, H, D), dtypes=(torch.float32, torch.float16, torch.bfloat16),
@@ -289,7 +288,8 @@ def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *
             x.stride(0), x.stride(1), bt.stride(0), codes.stride(0), codes.stride(1), params.stride(0),
             params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
             ring.stride(2),
-            BITS=fmt.bits, D=D, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink,
-            RECENT=fmt.recent_capacity, BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
-            BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, num_warps=4)
+            BITS=fmt.bits, D=D, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink, RECENT=fmt.recent,
+            CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush, CHANNEL=fmt.axis(tensor) == "channel",
+            BETA=float(fmt.op.beta), TENSOR_V=tensor == "v", BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits,
+            num_warps=4)
     cache.seq_lens.add_(1)
