@@ -33,10 +33,12 @@ case "$step" in
   speed)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?speed needs the FlashInfer wheels folder}"/*.whl
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
-    python3 -m foscar.bench.decode --grid paper --cuda-graph --out "$OUT/paper" > "$OUT/paper.log" 2>&1
+    python3 -m foscar.bench.decode --grid paper --cuda-graph --out "$OUT/paper" --kernels foscar_folded \
+      foscar_reconstruct flashinfer_tc cudnn_sdpa flashinfer_fp8 flashinfer_nvfp4 foscar_cute > "$OUT/paper.log" 2>&1
     python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded flashinfer_tc --out "$OUT/axes" \
       > "$OUT/axes.log" 2>&1
-    grep -A8 "^| bar" "$OUT/paper.log"; grep "^Geomean" "$OUT/paper.log" ;;
+    grep -A8 "^| bar" "$OUT/paper.log"; grep "^Geomean" "$OUT/paper.log"
+    python3 -m foscar.bench.cli plot "$OUT/paper/bench_decode.json" "$OUT/axes/bench_decode.json" --out "$OUT" ;;
   accuracy)
     python3 -m foscar.bench.cli accuracy --backend triton --out "$OUT/accuracy-triton" > "$OUT/accuracy.log" 2>&1
     tail -14 "$OUT/accuracy.log" ;;
