@@ -201,14 +201,7 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     workspace = None
     if chosen == "triton":
         from .triton import launch
-        tuned = launch.tuned_config(q, cache, G)
-        if num_splits is None:
-            num_splits = tuned.get("num_splits")
-        if num_splits is None:
-            bn = launch.block_n_for(cache)
-            num_splits = launch.default_num_splits(q.shape[0], cache.num_kv_heads,
-                                                   cache.page_table.block_table.shape[1] * cache.page_size // bn,
-                                                   q.device)
+        _, num_splits, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
         parts = num_splits + launch.num_window_parts(cache.fmt)
         workspace = launch.workspace_for(None, q.shape[0], q.shape[1], parts, q.shape[2], q.device)
     return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace)

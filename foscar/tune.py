@@ -115,10 +115,8 @@ def cases(args) -> list[Case]:
 def candidates(case: Case, device: torch.device) -> list[dict]:
     """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, 4 or 8 warps, the
     largest tile that fits. The first is the launcher's own choice (the heuristic, 4 warps)."""
-    from .triton.launch import BLOCK_N_CHOICES, default_num_splits
-    fmt = case.fmt
-    tile = next(bn for bn in BLOCK_N_CHOICES if case.page % bn == 0 and bn % fmt.token_alignment == 0
-                and ("channel" not in (fmt.k_axis, fmt.v_axis) or fmt.group_size % bn == 0))
+    from .triton.launch import block_n_for, default_num_splits
+    tile = block_n_for(case.fmt, case.page)
     tiles = case.seq_len // tile
     base = default_num_splits(case.batch, case.kv_heads, tiles, device)
     splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})

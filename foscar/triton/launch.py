@@ -37,21 +37,43 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def _block_n_fits(cache: QuantKVCache, bn: int) -> bool:
+def _block_n_fits(fmt, page: int, bn: int) -> bool:
     """A KV tile of ``bn`` tokens is whole pack blocks, divides the page and, for a channel-wise axis,
     divides the group (one token group per tile)."""
-    fmt = cache.fmt
-    if bn not in BLOCK_N_CHOICES or bn % fmt.token_alignment or cache.page_size % bn:
+    if bn not in BLOCK_N_CHOICES or bn % fmt.token_alignment or page % bn:
         return False
     return "channel" not in (fmt.k_axis, fmt.v_axis) or fmt.group_size % bn == 0
 
 
-def block_n_for(cache: QuantKVCache) -> int:
-    """The KV tile: the largest of 64/32/16 tokens that fits the cache (:func:`_block_n_fits`)."""
+def block_n_for(fmt, page: int) -> int:
+    """The KV tile: the largest of 64/32/16 tokens that fits pages of ``page`` tokens of format ``fmt``
+    (:func:`_block_n_fits`)."""
     for bn in BLOCK_N_CHOICES:
-        if _block_n_fits(cache, bn):
+        if _block_n_fits(fmt, page, bn):
             return bn
-    raise UnsupportedError(f"page_size={cache.page_size}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
+    raise UnsupportedError(f"page_size={page}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
+
+
+def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  use_tuned: bool = True) -> tuple[int, int, int]:
+    """``(block_n, num_splits, num_warps)`` of a folded-kernel launch: the given values, else the
+    autotune cache's (``use_tuned``), else the heuristics here. Host facts only: no device read."""
+    tuned = tuned_config(q, cache, G) if use_tuned else {}
+    fmt, page = cache.fmt, cache.page_size
+    if block_n is None and tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
+        block_n = tuned["block_n"]
+    num_splits = tuned.get("num_splits") if num_splits is None else num_splits
+    num_warps = (tuned.get("num_warps") or 4) if num_warps is None else num_warps
+    check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
+    bn = block_n_for(fmt, page) if block_n is None else block_n
+    if not _block_n_fits(fmt, page, bn):
+        raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
+    if num_splits is None:  # from the page table's capacity: known on the host, no device read
+        max_tiles = cache.page_table.block_table.shape[1] * page // bn
+        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles, q.device)
+    check_int("num_splits", num_splits, minimum=1)
+    return bn, num_splits, num_warps
 
 
 def tuned_config(q: torch.Tensor, cache: QuantKVCache, G: int) -> dict:
@@ -116,19 +138,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
     out, lse = decode_out_buffers(q, out, lse, return_lse)
-    tuned = tuned_config(q, cache, G) if kernel == "folded" and not interpreting() else {}
-    if block_n is None and tuned.get("block_n") is not None and _block_n_fits(cache, tuned["block_n"]):
-        block_n = tuned["block_n"]
-    num_splits = tuned.get("num_splits") if num_splits is None else num_splits
-    num_warps = (tuned.get("num_warps") or 4) if num_warps is None else num_warps
-    check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
-    bn = block_n_for(cache) if block_n is None else block_n
-    if not _block_n_fits(cache, bn):
-        raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
-    if num_splits is None:  # from the page table's capacity: known on the host, no device read
-        max_tiles = cache.page_table.block_table.shape[1] * cache.page_size // bn
-        num_splits = default_num_splits(B, Hkv, max_tiles, q.device)
-    check_int("num_splits", num_splits, minimum=1)
+    bn, num_splits, num_warps = launch_config(q, cache, G, num_splits=num_splits, block_n=block_n,
+                                              num_warps=num_warps, use_tuned=kernel == "folded" and not interpreting())
     parts = num_splits + num_window_parts(fmt)
     o_part, l_part = workspace_for(workspace, B, Hq, parts, D, q.device)
     qk_scale = sm_scale * LOG2E
