@@ -203,7 +203,11 @@ class QuantKVCache:
             raise InvalidArgumentError(
                 "seq_lens", f"lengths that fit the pages given (sequence {b}: {int(need[b])} pages of "
                 f"{self.page_size} for {int(n_quant[b])} quantized tokens)", f"{int(have[b])} pages")
-        table = pt.block_table.long().cpu()
+        self._check_page_indices(need)
+
+    def _check_page_indices(self, need: torch.Tensor) -> None:
+        """The first ``need[b]`` page-table entries of every sequence ``b`` index the pool."""
+        table = self.page_table.block_table.long().cpu()
         valid = torch.arange(table.shape[1])[None, :] < need[:, None]
         bad = valid & ((table < 0) | (table >= self.num_pool_pages))
         if bad.any():
@@ -530,13 +534,7 @@ class QuantKVCache:
             raise InvalidArgumentError("k_new", f"tokens that fit the pages of sequence {b} ({int(have[b])} pages of "
                                        f"{page}; {int(q1[b])} quantized tokens need {int(need[b])})",
                                        f"{T} more tokens after {int(old[b])}")
-        table = self.page_table.block_table.long().cpu()
-        valid = torch.arange(table.shape[1])[None, :] < need[:, None]
-        bad = valid & ((table < 0) | (table >= self.num_pool_pages))
-        if bad.any():
-            b, j = bad.nonzero()[0].tolist()
-            raise InvalidArgumentError("page_table", f"page indices in [0, {self.num_pool_pages})",
-                                       f"{int(table[b, j])} at sequence {b}, page {j}")
+        self._check_page_indices(need)
         return T, old, new, q0, q1
 
     def _quantized_range_writes(self, tensor: str, b: int, start: int, codes: torch.Tensor, sp: torch.Tensor,
