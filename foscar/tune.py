@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from . import autotune
-from .bench.common import L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, time_call
+from .bench.common import (L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, rel_l2,
+                           time_call)
 from .errors import FoscarError
 from .format import AXES, SUPPORTED_BITS, KVFormat
 from .reference import attend, decode_exact
@@ -135,11 +136,6 @@ def _time(fn, args, flush) -> float:
     return time_call(as_graph(fn), iters=args.iters, warmup=args.warmup, flush=flush)["median_us"]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def tune_case(case: Case, args, flush, progress) -> dict:
     table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0).to(DEVICE)
     cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
@@ -152,7 +148,7 @@ def tune_case(case: Case, args, flush, progress) -> dict:
     k, v = one.dequantize(torch.float32)
     bf16 = attend(qs[0].float().reshape(1, G, -1), k[0], v[0], case.fmt.head_dim ** -0.5,
                   operand_dtype=torch.bfloat16)[0].reshape(G, -1)
-    limit = CHECK_FACTOR * _rel(bf16, exact) + 1e-4
+    limit = CHECK_FACTOR * rel_l2(bf16, exact) + 1e-4
     results = []
     cands = candidates(case, torch.device(DEVICE))
     for i, cfg in enumerate(cands):
@@ -162,7 +158,7 @@ def tune_case(case: Case, args, flush, progress) -> dict:
             progress(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:120]}); not timed")
             results.append({"config": cfg, "us": None, "err": None, "error": f"{type(e).__name__}: {e}"})
             continue
-        err = _rel(out[b, :G], exact)
+        err = rel_l2(out[b, :G], exact)
         if not err <= limit:
             progress(f"  {cfg}: wrong output (slice error {err:.2e} > {limit:.2e}); not timed")
             results.append({"config": cfg, "us": None, "err": err})

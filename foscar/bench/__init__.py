@@ -8,9 +8,10 @@ from .common import (
     make_block_table,
     one_head_cache,
     random_cache,
+    rel_l2,
     summarize_us,
     time_call,
 )
 
 __all__ = ["L2_FLUSH_BYTES", "as_graph", "cache_to", "make_block_table", "one_head_cache", "random_cache",
-           "summarize_us", "time_call"]
+           "rel_l2", "summarize_us", "time_call"]

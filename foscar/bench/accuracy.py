@@ -18,6 +18,7 @@ from ..cache import quantize_kv
 from ..format import KVFormat
 from ..reference import attend, decode_exact
 from ..synthetic import stress_inputs
+from .common import rel_l2
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,6 @@ PAPER_CONFIGS = (QuantConfig("INT4 min-max", 4, "minmax"), QuantConfig("INT2 mse
                  QuantConfig("INT2 min-max", 2, "minmax"))
 PAPER_RANGES = {"BF16": (2e-3, 2.3e-3), "INT4 min-max": (0.16, 0.22), "INT2 mse-clipped": (0.52, 0.61),
                 "INT2 min-max": (0.86, 1.03)}
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b||_2 / ||b||_2`` over the whole tensor, in float64."""
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:

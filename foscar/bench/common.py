@@ -96,6 +96,12 @@ def one_head_cache(cache: QuantKVCache, b: int, h: int) -> QuantKVCache:
     return QuantKVCache(cache.fmt, **pooled, **windows, seq_lens=cache.seq_lens[b: b + 1].clone(), page_table=table)
 
 
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||a - ref||_2 / ||ref||_2`` over the whole tensor, in float64."""
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
 def summarize_us(times_us: list[float]) -> dict:
     return {"median_us": statistics.median(times_us), "min_us": min(times_us), "all_us": list(times_us)}
 

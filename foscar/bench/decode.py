@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from foscar import KVFormat, QuantKVCache, decode_exact, quantize_kv
-from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache
+from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache, rel_l2
 from foscar.bench import time_call as time_fn
 from foscar.errors import UnsupportedError
 from foscar.reference import attend
@@ -204,11 +204,6 @@ def geomean(values: list[float]) -> float | None:
     if any(v <= 0 or not math.isfinite(v) for v in values):
         raise ValueError(f"geomean of non-positive or non-finite values: {values}")
     return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    return float((a - ref).norm() / ref.norm())
 
 
 # ---------------------------------------------------------------------------------------------
