@@ -127,11 +127,9 @@ def render_markdown(summ: list[dict]) -> str:
 def plot(summ: list[dict], path) -> bool:
     """Error against context length per configuration, log-log, with the paper's ranges shaded (Fig. 11).
     Returns ``False`` (and draws nothing) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .plots import pyplot, save
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name in dict.fromkeys(r["name"] for r in summ):
@@ -149,7 +147,4 @@ def plot(summ: list[dict], path) -> bool:
     ax.set_ylabel("relative L2 error vs exact attention")
     ax.set_title("Synthetic stress input (paper Sec. 6.2); bands: paper Fig. 11")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save(fig, path)

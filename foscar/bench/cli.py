@@ -16,6 +16,19 @@ import torch
 USAGE = "foscar bench {speed,accuracy,ops,plot} [options]   (foscar bench MODE --help)"
 
 
+def _write(out: Path, stem: str, doc, md: str, draw) -> int:
+    """``<out>/<stem>.json``, ``.md`` and (``draw(path)``, when matplotlib is there) ``.png``; the table
+    and what was written (or which plot is missing, and why) on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(md + "\n")
+    drew = draw(out / f"{stem}.png")
+    print(md)
+    print(f"\nwrote {out / f'{stem}.json'}, {out / f'{stem}.md'}"
+          + (f", {out / f'{stem}.png'}" if drew else "; plot missing: matplotlib is not installed"))
+    return 0
+
+
 def _accuracy(argv: list[str], prog: str) -> int:
     from . import accuracy as acc
     p = argparse.ArgumentParser(prog=f"{prog} accuracy", description=acc.__doc__.splitlines()[0])
@@ -39,16 +52,8 @@ def _accuracy(argv: list[str], prog: str) -> int:
                         kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size,
                         progress=lambda s: print(s, file=sys.stderr, flush=True))
     summ = acc.summary(records)
-    md = acc.render_markdown(summ)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "accuracy.json").write_text(json.dumps({"command": f"{prog} accuracy " + " ".join(argv),
-                                                     "device": str(device), "records": records}, indent=1) + "\n")
-    (a.out / "accuracy.md").write_text(md + "\n")
-    drew = acc.plot(summ, a.out / "accuracy.png")
-    print(md)
-    print(f"\nwrote {a.out / 'accuracy.json'}, {a.out / 'accuracy.md'}"
-          + (f", {a.out / 'accuracy.png'}" if drew else "; plot missing: matplotlib is not installed"))
-    return 0
+    return _write(a.out, "accuracy", {"command": f"{prog} accuracy " + " ".join(argv), "device": str(device),
+                                      "records": records}, acc.render_markdown(summ), lambda p: acc.plot(summ, p))
 
 
 def _ops(argv: list[str], prog: str) -> int:
@@ -57,15 +62,7 @@ def _ops(argv: list[str], prog: str) -> int:
     p.add_argument("--out", type=Path, default=Path("."))
     a = p.parse_args(argv)
     rows = ops.table()
-    md = ops.render_markdown(rows)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "ops.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (a.out / "ops.md").write_text(md + "\n")
-    drew = ops.plot(rows, a.out / "ops.png")
-    print(md)
-    print(f"\nwrote {a.out / 'ops.json'}, {a.out / 'ops.md'}"
-          + (f", {a.out / 'ops.png'}" if drew else "; plot missing: matplotlib is not installed"))
-    return 0
+    return _write(a.out, "ops", rows, ops.render_markdown(rows), lambda p: ops.plot(rows, p))
 
 
 def _plot(argv: list[str], prog: str) -> int:

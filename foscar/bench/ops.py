@@ -57,11 +57,9 @@ def render_markdown(rows: list[dict]) -> str:
 def plot(rows: list[dict], path) -> bool:
     """Operations per stored value against the GQA ratio, one line per group size and count, the
     reconstruction's 2 as a reference line. ``False`` without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .plots import pyplot, save
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for k, style in (("paper", "-"), ("triton", "--")):
@@ -76,7 +74,4 @@ def plot(rows: list[dict], path) -> bool:
     ax.set_xlabel("GQA ratio (query heads per KV head)")
     ax.set_ylabel("scalar affine ops per stored value")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save(fig, path)

@@ -15,7 +15,9 @@ import json
 from pathlib import Path
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or ``None`` where matplotlib is not installed (every
+    plot of :mod:`foscar.bench` then draws nothing and says so)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -23,6 +25,15 @@ def _plt():
         return plt
     except ImportError:
         return None
+
+
+def save(fig, path) -> bool:
+    """Lay out, write and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return True
 
 
 def _len_label(n: int) -> str:
@@ -41,7 +52,7 @@ def load_records(paths) -> list[dict]:
 def speedup_by_shape(records: list[dict], path, kernels=("foscar_folded", "foscar_reconstruct", "foscar_cute"),
                      title: str = "") -> bool:
     """Fig. 8/9: speedup over FlashInfer BF16 (tensor cores) per shape, token-wise K and V."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in records if r.get("speedup_vs_baseline") and r.get("k_axis", "token") == "token"
             and r.get("v_axis", "token") == "token" and r["kernel"] in kernels]
     if plt is None or not rows:
@@ -63,15 +74,12 @@ def speedup_by_shape(records: list[dict], path, kernels=("foscar_folded", "fosca
         ax.set_ylabel(f"INT{b}: x FlashInfer BF16")
         ax.legend(fontsize=7)
     axes[0, 0].set_title(title or "Decode speedup over FlashInfer BF16 (token-wise K and V)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def speedup_by_axes(records: list[dict], path, kernel: str = "foscar_folded", title: str = "") -> bool:
     """Fig. 13: speedup over FlashInfer BF16 of the four K/V axis combinations, per shape and bit width."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in records if r["kernel"] == kernel and r.get("speedup_vs_baseline")]
     combos = sorted({(r["k_axis"], r["v_axis"]) for r in rows})
     if plt is None or len(combos) < 2:
@@ -89,15 +97,12 @@ def speedup_by_axes(records: list[dict], path, kernel: str = "foscar_folded", ti
     ax.set_ylabel("x FlashInfer BF16")
     ax.set_title(title or "Axis combinations (paper Fig. 13)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def speedup_by_heads(records: list[dict], path, kernel: str = "foscar_folded", title: str = "") -> bool:
     """Fig. 15: speedup over FlashInfer BF16 against the number of KV heads, one line per (bits, B, L)."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in records if r["kernel"] == kernel and r.get("speedup_vs_baseline") and "Hkv" in r
             and r.get("k_axis", "token") == "token" and r.get("v_axis", "token") == "token"]
     if plt is None or len({r["Hkv"] for r in rows}) < 2:
@@ -113,7 +118,4 @@ def speedup_by_heads(records: list[dict], path, kernel: str = "foscar_folded", t
     ax.set_ylabel("x FlashInfer BF16")
     ax.set_title(title or "Head-ratio sweep (paper Fig. 15)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save(fig, path)
