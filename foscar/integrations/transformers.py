@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import foscar
 
-from ..cache import PageTable, QuantKVCache
+from ..cache import QuantKVCache
 from ..errors import UnsupportedError
 from ..format import KVFormat
 
@@ -146,7 +146,7 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
 
 
-__all__ = ["ATTN_IMPL", "FoscarCache", "FoscarLayer", "PageTable", "foscar_attention", "register"]
+__all__ = ["ATTN_IMPL", "FoscarCache", "FoscarLayer", "foscar_attention", "perplexity", "register", "token_agreement"]
 
 
 # --------------------------------------------------------------------------------------------
