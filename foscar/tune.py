@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from . import autotune
-from .bench.common import (L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, random_cache, rel_l2,
-                           time_call)
+from .bench.common import (L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, parse_tokens, random_cache,
+                           rel_l2, time_call)
 from .errors import FoscarError
 from .format import AXES, SUPPORTED_BITS, KVFormat
 from .reference import attend, decode_exact
@@ -62,9 +62,8 @@ class Case:
 
 def parse_shape(text: str) -> tuple[int, int]:
     try:
-        b, n = text.upper().split(":")
-        length = int(n[:-1]) * KI if n.endswith("K") else int(n[:-1]) * KI * KI if n.endswith("M") else int(n)
-        shape = (int(b), length)
+        b, n = text.split(":")
+        shape = (int(b), parse_tokens(n))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape {text!r}: expected B:L, e.g. 8:128K") from None
     if shape[0] < 1 or shape[1] < 1:

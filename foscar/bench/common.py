@@ -17,6 +17,14 @@ from ..format import CHANNEL, KVFormat
 L2_FLUSH_BYTES = 512 * 2 ** 20
 
 
+def parse_tokens(text: str) -> int:
+    """A token count as written on a command line: ``"128K"`` -> 131072, ``"1M"`` -> 1048576, ``"4096"``
+    -> 4096. Raises ``ValueError`` for anything else."""
+    t = text.strip().upper()
+    mult = {"K": 1024, "M": 1024 * 1024}.get(t[-1:], 1)
+    return int(t[:-1] if mult > 1 else t) * mult
+
+
 def make_block_table(batch: int, pages: int, order: str = "shuffled", seed: int = 0) -> torch.Tensor:
     """int32 ``[batch, pages]``: sequence ``b`` owns pool pages ``[b*pages, (b+1)*pages)``, in order
     (``"identity"``) or shuffled within its own range (``"shuffled"``: a dense read of the pool is then a

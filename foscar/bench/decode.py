@@ -61,6 +61,7 @@ import torch
 
 from foscar import KVFormat, QuantKVCache, decode_exact, quantize_kv
 from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache, rel_l2
+from foscar.bench.common import parse_tokens
 from foscar.bench import time_call as time_fn
 from foscar.errors import UnsupportedError
 from foscar.reference import attend
@@ -123,9 +124,7 @@ class Case:
 
 def parse_length(text: str) -> int:
     """``"128K"`` -> 131072, ``"1M"`` -> 1048576, ``"4096"`` -> 4096."""
-    t = text.strip().upper()
-    mult = {"K": KI, "M": KI * KI}.get(t[-1:], 1)
-    value = int(t[:-1] if mult > 1 else t) * mult
+    value = parse_tokens(text)
     if value <= 0 or value % LENGTH_QUANTUM:
         raise argparse.ArgumentTypeError(f"length {text!r}: expected a positive multiple of {LENGTH_QUANTUM}")
     return value
