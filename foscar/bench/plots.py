@@ -49,6 +49,18 @@ def load_records(paths) -> list[dict]:
     return records
 
 
+def _grouped_bars(ax, groups: list, ticklabels: list[str], series: list[tuple[str, dict]]) -> None:
+    """One bar per series in each group (``series``: ``(label, {group: value})``), the 1x line, labels."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, [values.get(g, 0) for g in groups], width, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(ticklabels, fontsize=7)
+    ax.legend(fontsize=7)
+
+
 def speedup_by_shape(records: list[dict], path, kernels=("foscar_folded", "foscar_reconstruct", "foscar_cute"),
                      title: str = "") -> bool:
     """Fig. 8/9: speedup over FlashInfer BF16 (tensor cores) per shape, token-wise K and V."""
@@ -62,17 +74,11 @@ def speedup_by_shape(records: list[dict], path, kernels=("foscar_folded", "fosca
     present = [k for k in kernels if any(r["kernel"] == k for r in rows)]
     fig, axes = plt.subplots(len(bits), 1, figsize=(max(6.4, 0.55 * len(shapes) * len(present)), 3.2 * len(bits)),
                              squeeze=False)
-    width = 0.8 / len(present)
     for ax, b in zip(axes[:, 0], bits):
-        for i, k in enumerate(present):
-            idx = {(r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if r["bits"] == b and r["kernel"] == k}
-            xs = [j + (i - (len(present) - 1) / 2) * width for j in range(len(shapes))]
-            ax.bar(xs, [idx.get(s, 0) for s in shapes], width, label=k)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(shapes)))
-        ax.set_xticklabels([f"B={s[0]}\nL={_len_label(s[1])}" for s in shapes], fontsize=7)
+        series = [(k, {(r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if r["bits"] == b and r["kernel"] == k})
+                  for k in present]
+        _grouped_bars(ax, shapes, [f"B={s[0]}\nL={_len_label(s[1])}" for s in shapes], series)
         ax.set_ylabel(f"INT{b}: x FlashInfer BF16")
-        ax.legend(fontsize=7)
     axes[0, 0].set_title(title or "Decode speedup over FlashInfer BF16 (token-wise K and V)")
     return save(fig, path)
 
@@ -86,17 +92,12 @@ def speedup_by_axes(records: list[dict], path, kernel: str = "foscar_folded", ti
         return False
     groups = sorted({(r["bits"], r["B"], r["L"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(groups)), 3.6))
-    width = 0.8 / len(combos)
-    for i, c in enumerate(combos):
-        idx = {(r["bits"], r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if (r["k_axis"], r["v_axis"]) == c}
-        xs = [j + (i - (len(combos) - 1) / 2) * width for j in range(len(groups))]
-        ax.bar(xs, [idx.get(g, 0) for g in groups], width, label=f"K {c[0]}-wise / V {c[1]}-wise")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"INT{g[0]}\nB={g[1]} L={_len_label(g[2])}" for g in groups], fontsize=7)
+    series = [(f"K {c[0]}-wise / V {c[1]}-wise",
+               {(r["bits"], r["B"], r["L"]): r["speedup_vs_baseline"] for r in rows if (r["k_axis"], r["v_axis"]) == c})
+              for c in combos]
+    _grouped_bars(ax, groups, [f"INT{g[0]}\nB={g[1]} L={_len_label(g[2])}" for g in groups], series)
     ax.set_ylabel("x FlashInfer BF16")
     ax.set_title(title or "Axis combinations (paper Fig. 13)")
-    ax.legend(fontsize=7)
     return save(fig, path)
 
 
