@@ -187,9 +187,16 @@ class DecodePlan:
             triton_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
                           workspace=self.workspace)
         else:
+            from .reference import decode_out_buffers
+            decode_out_buffers(q, out, lse, False)  # checks what was given; allocates nothing
             scratch = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
             torch.ops.foscar.decode(*op_args(q, cache, out, scratch, self.sm_scale, self.backend, self.num_splits))
         return out if lse is None else (out, lse)
+
+
+def _check_num_splits(num_splits) -> None:
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
 
 
 def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, backend: str = "auto",
@@ -197,6 +204,7 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`)."""
     from .reference import check_decode_inputs
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    _check_num_splits(num_splits)
     chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     workspace = None
     if chosen == "triton":
@@ -230,8 +238,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     """
     from .reference import check_decode_inputs, decode_out_buffers
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
+    _check_num_splits(num_splits)
     chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     want_lse = return_lse or lse is not None
     out, lse = decode_out_buffers(q, out, lse, True)

@@ -121,6 +121,10 @@ def test_plan_then_run():
     assert l_ is lse and torch.isfinite(lse).all()
     with pytest.raises(InvalidArgumentError, match="^q/cache: expected the planned shape"):
         p.run(q[:1], cache, out[:1])
+    with pytest.raises(InvalidArgumentError, match="^out: expected"):
+        p.run(q, cache, out[:, :2])
+    with pytest.raises(InvalidArgumentError, match="^num_splits: expected"):
+        foscar.plan(q, cache, num_splits=0)
 
 
 @pytest.mark.gpu
