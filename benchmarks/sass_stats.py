@@ -20,20 +20,23 @@ from triton.compiler import ASTSource
 
 from foscar.format import KVFormat
 from foscar.triton.decode import fold_decode_stage1
-from foscar.triton.launch import _injection_args, operand_for
+from foscar.triton.launch import _injection_args, merge_chunk, operand_for
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "SEQ": "*i32",
-            "OP": "*fp32", "LP": "*fp32"}
+            "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEM": "*i32"}
 STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "stride_kph", "stride_vpp", "stride_vph",
-           "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph")
+           "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph", "stride_ob", "stride_oh",
+           "stride_lb", "stride_lh")
 
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
-                   max_registers=None):
+                   max_registers=None, prefetch=1, fused_combine=True):
     constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=8, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
                       K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
                       SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush, PV_F16=True,
-                      FOLD=fold, INTERPRET=False,
+                      FOLD=fold, INTERPRET=False, PREFETCH=prefetch, FUSED_COMBINE=fused_combine, WINDOWS=0,
+                      MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, fmt.head_dim),
+                      WRITE_LSE=False,
                       **_injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt),
                       **_injection_args("V", operand_for(torch.float16, fmt.bits), fmt))
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
@@ -80,10 +83,12 @@ def main():
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--reconstruct", action="store_true", help="the per-value reconstruction kernel instead")
     p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (maxnreg)")
+    p.add_argument("--prefetch", type=int, default=1, choices=(1, 2), help="KV tiles in flight")
+    p.add_argument("--separate-combine", action="store_true", help="without the split merge in the epilogue")
     a = p.parse_args()
     fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
     k = compile_stage1(fmt, block_n=a.block_n, num_warps=a.num_warps, fold=not a.reconstruct,
-                       max_registers=a.max_registers)
+                       max_registers=a.max_registers, prefetch=a.prefetch, fused_combine=not a.separate_combine)
     total, mix = loop_mix(k)
     res = resources(k)
     print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "

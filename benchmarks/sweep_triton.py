@@ -1,4 +1,5 @@
-"""Launch-config sweep of the Triton folded decode on the present GPU: splits x warps x stages x tile.
+"""Launch-config sweep of the Triton folded decode on the present GPU: splits x warps x stages x tile x
+prefetch depth x merge placement.
 
     python benchmarks/sweep_triton.py --shapes 8:128K 64:32K 1:128K --bits 2 4
 
@@ -34,6 +35,8 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--block-n", type=int, nargs="+", default=[64])
+    p.add_argument("--prefetch", type=int, nargs="+", default=[1], help="KV tiles in flight (1, 2)")
+    p.add_argument("--fused", type=int, nargs="+", default=[1], help="split merge in stage 1's epilogue (1) or not (0)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ceiling-tbps", type=float, default=4.6)
     p.add_argument("--json", help="write the records here")
@@ -49,8 +52,10 @@ def main():
         base = launch.default_num_splits(B, 8, L // 64, dev)
         best = None
         counts = a.num_splits or sorted({max(1, round(base * m)) for m in a.splits})
-        for splits, warps, stages, bn in itertools.product(counts, a.warps, a.stages, a.block_n):
-            cfg = {"num_splits": splits, "num_warps": warps, "num_stages": stages, "block_n": bn}
+        for splits, warps, stages, bn, pf, fused in itertools.product(counts, a.warps, a.stages, a.block_n,
+                                                                      a.prefetch, a.fused):
+            cfg = {"num_splits": splits, "num_warps": warps, "num_stages": stages, "block_n": bn, "prefetch": pf,
+                   "fused_combine": bool(fused)}
             try:
                 fn = as_graph(lambda q=q, cache=cache, cfg=cfg: launch.decode(q, cache, **cfg))  # replays only
                 t = time_fn(fn, iters=a.iters, warmup=3, flush=flush)["median_us"]
@@ -60,7 +65,8 @@ def main():
             frac = bytes_read(B, L, bits) / (t * 1e-6) / (a.ceiling_tbps * 1e12)
             rec = dict(batch=B, seq_len=L, bits=bits, k_axis=a.k_axis, v_axis=a.v_axis, **cfg, us=t, frac=frac)
             records.append(rec)
-            print(f"B={B:3d} L={L:7d} INT{bits} splits={splits:4d} warps={warps} stages={stages} bn={bn}: "
+            print(f"B={B:3d} L={L:7d} INT{bits} splits={splits:4d} warps={warps} stages={stages} bn={bn} "
+                  f"prefetch={pf} fused={fused}: "
                   f"{t:9.1f} us  {100 * frac:5.1f}%", flush=True)
             if best is None or t < best["us"]:
                 best = rec

@@ -175,7 +175,7 @@ class DecodePlan:
     shape: tuple[int, int, int]  # q: [B, Hq, D]
     sm_scale: float
     num_splits: int | None
-    workspace: tuple[torch.Tensor, torch.Tensor] | None
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # Triton: partials, LSEs, counters
 
     def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor, lse: torch.Tensor | None = None):
         """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``)."""
@@ -209,9 +209,9 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     workspace = None
     if chosen == "triton":
         from .triton import launch
-        _, num_splits, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
+        _, num_splits, _, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
         parts = num_splits + launch.num_window_parts(cache.fmt)
-        workspace = launch.workspace_for(None, q.shape[0], q.shape[1], parts, q.shape[2], q.device)
+        workspace = launch.new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
     return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace)
 
 

@@ -3,7 +3,7 @@
 A **key** (:class:`TuneKey`) names the backend, the GPU (normalised like vLLM's device names), the cache
 format (bits, K axis, V axis, group size, head dim), the GQA ratio, the page size and two buckets:
 batch (powers of two) and context length (powers of two from 1K). A **config** is a dict of the
-backend's launch parameters (Triton: ``num_splits``, ``num_warps``, ``block_n``; ``None`` values leave
+backend's launch parameters (Triton: ``num_splits``, ``num_warps``, ``block_n``, ``prefetch``; ``None`` values leave
 the kernel's heuristic in charge).
 
 Files: ``<dir>/<GPU>.json``, schema :data:`SCHEMA`, with metadata (foscar, Triton, cutlass-dsl and CUDA

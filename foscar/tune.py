@@ -113,14 +113,16 @@ def cases(args) -> list[Case]:
 
 
 def candidates(case: Case, device: torch.device) -> list[dict]:
-    """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, 4 or 8 warps, the
-    largest tile that fits. The first is the launcher's own choice (the heuristic, 4 warps)."""
+    """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV
+    tiles in flight, 4 warps; the heuristic's splits with 8 warps; the largest tile that fits. The first
+    is the launcher's own choice (the heuristic)."""
     from .triton.launch import block_n_for, default_num_splits
     tile = block_n_for(case.fmt, case.page)
     tiles = case.seq_len // tile
     base = default_num_splits(case.batch, case.kv_heads, tiles, device)
     splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
-    return [{"num_splits": s, "num_warps": w, "block_n": tile} for s in splits for w in (4, 8)]
+    out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf} for pf in (1, 2) for s in splits]
+    return out + [{"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1}]
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,12 +54,12 @@ def to_device(cache, device):
                                v_recent=cache.v_recent.to(device), contiguous=cache.contiguous)
 
 
-def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False, tol=1e-5):
+def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False, tol=1e-5, **launch):
     B, Hq, D = q.shape
     out_dtype = torch.bfloat16 if GPU else torch.float32  # the interpreter's float32 kernel is held to 1e-5
     out = torch.full((B, Hq, D), float("nan"), dtype=out_dtype, device=q.device)  # poisoned
     lse = torch.full((B, Hq), float("nan"), dtype=torch.float32, device=q.device)
-    ft.decode(q, cache, out=out, lse=lse, kernel=kernel, num_splits=num_splits)
+    ft.decode(q, cache, out=out, lse=lse, kernel=kernel, num_splits=num_splits, **launch)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "unwritten or NaN output"
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     err = rel(out, exact)
@@ -90,6 +90,33 @@ def test_windows_contiguous_and_gqa(bits, k_axis, v_axis):
     fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=64, k_axis=k_axis, v_axis=v_axis, sink=4, recent=9)
     q, cache = make(fmt, [3, 70, 150], Hkv=1, G=8)
     run_and_check(q, cache, num_splits=2)
+
+
+@pytest.mark.parametrize("prefetch,fused", [(2, True), (1, False), (2, False)])
+@pytest.mark.parametrize("k_axis,v_axis", [("token", "token"), ("channel", "token"), ("token", "channel")])
+def test_prefetch_depth_and_merge_placement(prefetch, fused, k_axis, v_axis):
+    """Two tiles in flight, and the split merge as a kernel of its own (the defaults, one tile and the
+    merge in stage 1's epilogue, run everywhere else); with windows, so the merge takes their partials."""
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32, k_axis=k_axis, v_axis=v_axis, sink=2, recent=5)
+    q, cache = make(fmt, [1, 77, 230], Hkv=2, G=4, page=32, seed=11)
+    run_and_check(q, cache, num_splits=3, prefetch=prefetch, fused_combine=fused)
+
+
+def test_fused_merge_counters_reset_and_workspace_checked():
+    """The fused merge's counters are left at zero (so a CUDA-graph replay finds them so), and a
+    workspace of the wrong kind is refused by name."""
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, recent=3)
+    q, cache = make(fmt, [50, 130, 7], Hkv=2, G=2, page=32, seed=2)
+    ws = ft.launch.new_workspace(3, 4, 2, 4 + 1, 64, q.device)
+    ws[0].fill_(float("nan"))
+    first = ft.decode(q, cache, num_splits=4, workspace=ws)
+    assert int(ws[2].abs().sum()) == 0
+    again = ft.decode(q, cache, num_splits=4, workspace=ws)
+    assert torch.equal(first, again)
+    with pytest.raises(InvalidArgumentError, match="workspace"):
+        ft.decode(q, cache, num_splits=4, workspace=ws[:2])
+    with pytest.raises(InvalidArgumentError, match=r"workspace\[2\]"):
+        ft.decode(q, cache, num_splits=4, workspace=(ws[0], ws[1], ws[2][:-1]))
 
 
 @pytest.mark.parametrize("D,G,page", [(128, 1, 32), (256, 2, 16), (128, 32, 48)])
@@ -177,6 +204,8 @@ def test_paper_shape_gpu(bits, k_axis, v_axis):
     q, cache = make(fmt, [8192, 4001, 129, 1], Hkv=8, G=4, page=64, seed=7)
     run_and_check(q, cache, sdpa=True)
     run_and_check(q, cache, num_splits=1, sdpa=True)
+    run_and_check(q, cache, sdpa=True, prefetch=2)
+    run_and_check(q, cache, sdpa=True, fused_combine=False)
 
 
 @pytest.mark.gpu
@@ -187,4 +216,5 @@ def test_odd_shapes_gpu(bits, k_axis, v_axis, D, g, G, page):
     fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, sink=4, recent=100)
     q, cache = make(fmt, [3000, 1, 517, 64 * 7 + 5], Hkv=2, G=G, page=page, seed=11)
     run_and_check(q, cache, sdpa=True)
+    run_and_check(q, cache, sdpa=True, prefetch=2)
     run_and_check(q, cache, kernel="reconstruct", sdpa=True)

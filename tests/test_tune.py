@@ -38,7 +38,7 @@ def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
 
     def fake_decode(q, cache, config):
         out = foscar.decode(q, cache, backend="reference")
-        if config["num_warps"] == 8 and config["num_splits"] == 2:
+        if config["prefetch"] == 2 and config["num_splits"] == 2:
             out = out * 1.5  # a wrong candidate: must be caught by the check and never timed
         return out
 

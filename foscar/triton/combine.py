@@ -1,6 +1,59 @@
-"""Stage 2: merge the partial outputs of the KV splits (and of the BF16 sink/recent windows) by LSE."""
+"""Stage 2: merge the partial outputs of the KV splits (and of the BF16 sink/recent windows) by LSE.
+
+One merge, :func:`merge_parts`, in two places: the standalone kernel :func:`combine_stage2` (one
+program per batch entry and query head, after any stage 1), and the epilogue of the folded stage 1
+(:mod:`foscar.triton.decode`, ``FUSED_COMBINE``), where the last split of a KV head to finish merges
+its query heads' partials, so a decode is one launch.
+"""
 import triton
 import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
+                stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
+                CHUNK: tl.constexpr, D: tl.constexpr, WRITE_LSE: tl.constexpr, CACHED: tl.constexpr):
+    """``O[h] = sum_i 2^(lse_i - m) o_i / sum_i 2^(lse_i - m)`` for the heads ``hh`` (masked by ``hmask``)
+    of one batch entry (``OP, LP, O, LSE`` point at its rows), over ``n_parts`` partials taken
+    ``CHUNK`` at a time with a running maximum (one pass; the loads of a chunk do not wait on each
+    other).
+
+    Partial LSEs are base 2 (of the scaled scores); the written LSE is natural log, like
+    :func:`foscar.decode_exact`. Empty partials (``lse = -inf``) weigh 0 whatever their output holds;
+    all empty (a sequence of length 0): ``O = 0``, ``LSE = -inf``. ``CACHED=False`` reads the partials
+    past the L1 (``.cg``): the fused epilogue reads what other SMs just wrote.
+    """
+    cc = tl.arange(0, CHUNK)
+    dd = tl.arange(0, D)
+    m = tl.full(hh.shape, float("-inf"), tl.float32)
+    total = tl.zeros(hh.shape, tl.float32)
+    acc = tl.zeros((hh.shape[0], D), tl.float32)
+    for c0 in range(0, n_parts, CHUNK):
+        pm = hmask[:, None] & (c0 + cc < n_parts)[None, :]
+        lp = LP + hh[:, None] * stride_lph + c0 + cc[None, :]
+        op = OP + (hh[:, None, None] * stride_oph + (c0 + cc)[None, :, None] * stride_ops + dd[None, None, :])
+        if CACHED:
+            lse = tl.load(lp, mask=pm, other=float("-inf"))
+            o = tl.load(op, mask=pm[:, :, None], other=0.0)
+        else:
+            lse = tl.load(lp, mask=pm, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(op, mask=pm[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp2(m - m_safe)  # 0 while nothing was seen
+        w = tl.exp2(lse - m_safe[:, None])  # [H, CHUNK]; empty partials weigh 0
+        total = total * scale + tl.sum(w, axis=1)
+        acc = acc * scale[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o, 0.0) * w[:, :, None], axis=1)
+        m = m_new
+    nonempty = total > 0
+    out = acc / tl.where(nonempty, total, 1.0)[:, None]
+    tl.store(O + hh[:, None] * stride_oh + dd[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
+    if WRITE_LSE:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lse_out = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * LN2, float("-inf"))
+        tl.store(LSE + hh * stride_lh, lse_out, mask=hmask)
 
 
 @triton.jit
@@ -12,26 +65,9 @@ def combine_stage2(
     stride_lb, stride_lh,
     NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, D: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """One program per (batch entry, query head): ``O = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max)``.
-
-    Partial LSEs are base 2 (of the scaled scores); the written LSE is natural log, like
-    :func:`foscar.decode_exact`. All partials empty (a sequence of length 0): ``O = 0``, ``LSE = -inf``.
-    """
+    """One program per (batch entry, query head): :func:`merge_parts` over all partials in one chunk."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    ss = tl.arange(0, PARTS_PAD)
-    dd = tl.arange(0, D)
-    smask = ss < NUM_PARTS
-    lse = tl.load(LP + b * stride_lpb + h * stride_lph + ss, mask=smask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # empty partials weigh 0
-    total = tl.sum(w, axis=0)
-    o = tl.load(OP + b * stride_opb + h * stride_oph + ss[:, None] * stride_ops + dd[None, :],
-                mask=smask[:, None] & (w > 0)[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + dd, out.to(O.dtype.element_ty))
-    if WRITE_LSE:
-        lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-        tl.store(LSE + b * stride_lb + h * stride_lh, lse_out)
+    hh = tl.program_id(1) + tl.arange(0, 1)
+    merge_parts(OP + b * stride_opb, LP + b * stride_lpb, O + b * stride_ob, LSE + b * stride_lb, hh, hh >= 0,
+                NUM_PARTS, stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
+                CHUNK=PARTS_PAD, D=D, WRITE_LSE=WRITE_LSE, CACHED=True)

@@ -34,11 +34,14 @@ reconstruction kernel of the paper's ablation: the same tiling, but every value 
 (``s*q + z`` per value) before plain BF16 dots.
 
 Each program writes its partial output ``acc / l`` and ``lse`` (base 2, scaled scores); an empty
-split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials.
+split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials: a kernel of its own, or
+(``FUSED_COMBINE``) the last split of each KV head, found with a self-resetting counter per head.
+``PREFETCH``: KV tiles in flight while one is computed (1 or 2).
 """
 import triton
 import triton.language as tl
 
+from .combine import merge_parts
 from .common import dot, dot_acc, partial_result, round_operand, split_of, split_range
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
@@ -120,7 +123,7 @@ def _load_tile(KC, VC, KP, VP, page, kvh, tile, t_lo, t_hi, n_quant, tt, k_s, k_
 
 @triton.jit
 def fold_decode_stage1(
-    Q, KC, VC, KP, VP, BT, SEQ, OP, LP,
+    Q, KC, VC, KP, VP, BT, SEQ, OP, LP, O, LSE, SEM,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_cp, stride_ch,  # codes pool [pages, Hkv, W]
@@ -129,12 +132,15 @@ def fold_decode_stage1(
     stride_btb,
     stride_opb, stride_oph, stride_ops,  # partial outputs [B, Hq, S, D]
     stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
+    stride_ob, stride_oh, stride_lb, stride_lh,  # output [B, Hq, D] and LSE [B, Hq] (FUSED_COMBINE)
     BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, K_TOKEN: tl.constexpr, V_TOKEN: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr,
     K_PATTERN: tl.constexpr, K_SHL: tl.constexpr, K_MID: tl.constexpr, K_PIVOT: tl.constexpr,
     V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
-    PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -184,16 +190,29 @@ def fold_decode_stage1(
         stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
         BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
     page = tl.load(bt_row + ((t_lo + 1) * BLOCK_N) // PAGE, mask=t_lo + 1 < t_hi, other=0).to(tl.int64)
+    if PREFETCH == 2:  # two tiles in flight: tile t_lo + 1 too
+        kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n = _load_tile(
+            KC, VC, KP, VP, page, kvh, t_lo + 1, t_lo, t_hi, n_quant, tt, k_s, k_z, v_s, v_z,
+            stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+            BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
+        page = tl.load(bt_row + ((t_lo + 2) * BLOCK_N) // PAGE, mask=t_lo + 2 < t_hi, other=0).to(tl.int64)
 
     for tile in range(t_lo, t_hi):
         t0 = tile * BLOCK_N
         valid = t0 + tt < n_quant
-        # ---- tile+1 in flight ----------------------------------------------------------------------
-        kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n = _load_tile(
-            KC, VC, KP, VP, page, kvh, tile + 1, t_lo, t_hi, n_quant, tt, k_s, k_z, v_s, v_z,
-            stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
-            BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
-        page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
+        # ---- tile+PREFETCH in flight ---------------------------------------------------------------
+        if PREFETCH == 2:
+            kw_2, vw_2, k_s_2, k_z_2, v_s_2, v_z_2 = _load_tile(
+                KC, VC, KP, VP, page, kvh, tile + 2, t_lo, t_hi, n_quant, tt, k_s_n, k_z_n, v_s_n, v_z_n,
+                stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+                BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
+        else:
+            kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n = _load_tile(
+                KC, VC, KP, VP, page, kvh, tile + 1, t_lo, t_hi, n_quant, tt, k_s, k_z, v_s, v_z,
+                stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+                BITS, D, BLOCK_N, PAGE, GROUP, K_TOKEN, V_TOKEN, KC_, VC_)
+        page = tl.load(bt_row + ((tile + 1 + PREFETCH) * BLOCK_N) // PAGE, mask=tile + 1 + PREFETCH < t_hi,
+                       other=0).to(tl.int64)
         # ---- S^T = K Q^T with the K offset corrections (before the softmax) -------------------------
         # Transposed: tokens along M (all rows real), the G query heads along N (padded to 8, not 16),
         # and K, built in registers, is the A operand.
@@ -288,6 +307,8 @@ def fold_decode_stage1(
                 upd = dot(tl.trans(x), pb, INTERPRET)
             acc += tl.reshape(upd, (VC_, VGC, BLOCK_H))
         kw, vw, k_s, k_z, v_s, v_z = kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n
+        if PREFETCH == 2:
+            kw_n, vw_n, k_s_n, k_z_n, v_s_n, v_z_n = kw_2, vw_2, k_s_2, k_z_2, v_s_2, v_z_2
 
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
@@ -298,6 +319,20 @@ def fold_decode_stage1(
              + (cg[:, None, None] * VGC + jj[None, :, None]))
     tl.store(o_ptr, out, mask=hmask[None, None, :])
     tl.store(LP + b * stride_lpb + (kvh * G + hh) * stride_lph + split, lse, mask=hmask)
+    if FUSED_COMBINE:
+        # Stage 2 in the epilogue: the last of this KV head's splits to finish merges its query heads'
+        # partials (and the BF16 windows', written by kernels launched before this one). The counter
+        # resets itself, so the next launch (a CUDA-graph replay too) finds it at zero.
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        sem = SEM + b * tl.num_programs(1) + kvh
+        done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(2) - 1:
+            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+            mh = tl.arange(0, MERGE_H)
+            merge_parts(OP + b * stride_opb, LP + b * stride_lpb, O + b * stride_ob, LSE + b * stride_lb,
+                        kvh * G + mh, mh < G, tl.num_programs(2) + WINDOWS,
+                        stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
+                        CHUNK=CHUNK, D=D, WRITE_LSE=WRITE_LSE, CACHED=False)
 
 
 @triton.jit

@@ -55,17 +55,19 @@ def block_n_for(fmt, page: int) -> int:
 
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  use_tuned: bool = True) -> tuple[int, int, int]:
-    """``(block_n, num_splits, num_warps)`` of a folded-kernel launch: the given values, else the
-    autotune cache's (``use_tuned``), else the heuristics here. Host facts only: no device read."""
+                  block_n: int | None = None, num_warps: int | None = None, prefetch: int | None = None,
+                  use_tuned: bool = True) -> tuple[int, int, int, int]:
+    """``(block_n, num_splits, num_warps, prefetch)`` of a folded-kernel launch: the given values, else
+    the autotune cache's (``use_tuned``), else the heuristics here. Host facts only: no device read."""
     tuned = tuned_config(q, cache, G) if use_tuned else {}
     fmt, page = cache.fmt, cache.page_size
     if block_n is None and tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
         block_n = tuned["block_n"]
     num_splits = tuned.get("num_splits") if num_splits is None else num_splits
     num_warps = (tuned.get("num_warps") or 4) if num_warps is None else num_warps
+    prefetch = (tuned.get("prefetch") or 1) if prefetch is None else prefetch
     check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
+    check_int("prefetch", prefetch, allowed=(1, 2))
     bn = block_n_for(fmt, page) if block_n is None else block_n
     if not _block_n_fits(fmt, page, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
@@ -73,7 +75,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         max_tiles = cache.page_table.block_table.shape[1] * page // bn
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles, q.device)
     check_int("num_splits", num_splits, minimum=1)
-    return bn, num_splits, num_warps
+    return bn, num_splits, num_warps, prefetch
 
 
 def tuned_config(q: torch.Tensor, cache: QuantKVCache, G: int) -> dict:
@@ -100,20 +102,29 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return max(1, min(want, 64, max_tiles // 4))
 
 
-def max_registers(fmt) -> int | None:
+def max_registers(fmt, prefetch: int = 1) -> int | None:
     """The folded kernel's register cap: 128 (four 4-warp programs per SM instead of three) where ptxas
     fits it without spilling (``benchmarks/sass_stats.py --max-registers 128``, Triton 3.8): head dim
-    <= 128, with token-wise groups spanning the head dim, or channel-wise K and V. Elsewhere: no cap."""
+    <= 128, with token-wise groups spanning the head dim, or channel-wise K and V; with two tiles in
+    flight (``prefetch=2``), INT2 only. Elsewhere: no cap."""
     D = fmt.head_dim
     k_fits = (fmt.k_axis == "token" and fmt.group_size >= D) or fmt.v_axis == fmt.k_axis == "channel"
     v_fits = fmt.v_axis == "channel" or fmt.group_size >= D
-    return 128 if D <= 128 and k_fits and v_fits else None
+    fits = D <= 128 and k_fits and v_fits and (prefetch == 1 or fmt.bits == 2)
+    return 128 if fits else None
+
+
+def merge_chunk(G: int, D: int) -> int:
+    """Partials the fused merge reads per step: 2,048 values (16 registers a thread at 4 warps), the most
+    that keeps the capped kernels free of spills (``benchmarks/sass_stats.py``)."""
+    return max(1, 2048 // (triton.next_power_of_2(G) * D))
 
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            kernel: str = "folded", block_n: int | None = None, num_warps: int | None = None, num_stages: int = 1,
-           pv_fp16: bool = True, workspace: tuple[torch.Tensor, torch.Tensor] | None = None):
+           pv_fp16: bool = True, prefetch: int | None = None, fused_combine: bool = True,
+           workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
     ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
@@ -121,10 +132,14 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     FP16 or FP32; default ``q``'s dtype) and ``lse`` (``[B, Hq]`` FP32, natural log) may be given.
     ``num_splits``, ``block_n``, ``num_warps``: launch parameters; left ``None``, they come from the
     autotune cache (:mod:`foscar.autotune`, written by ``foscar tune``) or, without a tuned entry, the
-    heuristics here. ``pv_fp16``: FP16 PV operands (default; ``False``: BF16, as
-    ``decode_folded(operand_dtype=torch.bfloat16)``). ``workspace``: the partial outputs and LSEs,
-    ``([B, Hq, parts, D], [B, Hq, parts])`` float32 with ``parts = num_splits + windows`` (a
-    :class:`foscar.DecodePlan` holds them): the call then allocates nothing.
+    heuristics here; so does ``prefetch``, the KV tiles in flight while one is computed (1 or 2).
+    ``pv_fp16``: FP16 PV operands (default; ``False``: BF16, as
+    ``decode_folded(operand_dtype=torch.bfloat16)``). ``fused_combine``: the split merge runs in stage 1's
+    epilogue (one launch; default) instead of a kernel of its own. ``workspace``: the partial outputs
+    and LSEs, ``([B, Hq, parts, D], [B, Hq, parts])`` float32 with ``parts = num_splits + windows``, and
+    the fused merge's counters, ``[B * Hkv]`` int32 zeros (:func:`new_workspace`; a
+    :class:`foscar.DecodePlan` holds them): the call then allocates nothing. Without it, the counters
+    are a zeroed buffer kept per device and stream (they reset themselves after each call).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_device(q)
@@ -138,10 +153,11 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
     out, lse = decode_out_buffers(q, out, lse, return_lse)
-    bn, num_splits, num_warps = launch_config(q, cache, G, num_splits=num_splits, block_n=block_n,
-                                              num_warps=num_warps, use_tuned=kernel == "folded" and not interpreting())
+    bn, num_splits, num_warps, prefetch = launch_config(
+        q, cache, G, num_splits=num_splits, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
+        use_tuned=kernel == "folded" and not interpreting())
     parts = num_splits + num_window_parts(fmt)
-    o_part, l_part = workspace_for(workspace, B, Hq, parts, D, q.device)
+    o_part, l_part, sem = workspace_for(workspace, B, Hq, parts, D, q.device, Hkv)
     qk_scale = sm_scale * LOG2E
     fold_h = max(8, triton.next_power_of_2(G))  # the quantized kernel: heads along N (S^T = K Q^T)
     interp = interpreting()
@@ -149,20 +165,27 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     bt = cache.page_table.block_table
-    cap = max_registers(fmt) if num_warps == 4 and kernel == "folded" else None
+    cap = max_registers(fmt, prefetch) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
+    if fused_combine:  # the windows' partials first: stage 1's last split merges them
+        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
+    lse_buf = lse if lse is not None else l_part
     fold_decode_stage1[(B, Hkv, num_splits)](
-        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, qk_scale,
+        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, out, lse_buf, sem, qk_scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+        out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
         BITS=fmt.bits, D=D, G=G, BLOCK_H=fold_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
         K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
         **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
-        PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp,
+        PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp, PREFETCH=prefetch,
+        FUSED_COMBINE=fused_combine, WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G),
+        CHUNK=merge_chunk(G, D), WRITE_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages, **regs)
-    window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
-    _combine(o_part, l_part, out, lse)
+    if not fused_combine:
+        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
+        _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out
 
 
@@ -176,15 +199,43 @@ def _injection_args(prefix: str, op, fmt) -> dict:
             f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}  # mid = z' + MID s': the group's middle value
 
 
-def workspace_for(workspace, B: int, Hq: int, parts: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial buffers of a call: the given ``workspace`` (checked), else new ones."""
+def new_workspace(B: int, Hq: int, Hkv: int, parts: int, D: int, device) -> tuple[torch.Tensor, ...]:
+    """A decode's workspace: partial outputs ``[B, Hq, parts, D]`` and LSEs ``[B, Hq, parts]`` (float32),
+    and the fused merge's counters ``[B * Hkv]`` (int32, zero; each call leaves them zero)."""
+    return (torch.empty(B, Hq, parts, D, dtype=torch.float32, device=device),
+            torch.empty(B, Hq, parts, dtype=torch.float32, device=device),
+            torch.zeros(B * Hkv, dtype=torch.int32, device=device))
+
+
+def workspace_for(workspace, B: int, Hq: int, parts: int, D: int, device, Hkv: int) -> tuple[torch.Tensor, ...]:
+    """The workspace of a call: the given one (checked), else new partial buffers and the shared
+    counters of this device and stream (:func:`_counters`)."""
     if workspace is None:
         return (torch.empty(B, Hq, parts, D, dtype=torch.float32, device=device),
-                torch.empty(B, Hq, parts, dtype=torch.float32, device=device))
-    o_part, l_part = workspace
+                torch.empty(B, Hq, parts, dtype=torch.float32, device=device), _counters(device, B * Hkv))
+    if not isinstance(workspace, (tuple, list)) or len(workspace) != 3:
+        raise InvalidArgumentError("workspace", "(partial outputs, partial LSEs, counters), as new_workspace makes",
+                                   type(workspace).__name__)
+    o_part, l_part, sem = workspace
     check_tensor("workspace[0]", o_part, shape=(B, Hq, parts, D), dtypes=(torch.float32,), device=device)
     check_tensor("workspace[1]", l_part, shape=(B, Hq, parts), dtypes=(torch.float32,), device=device)
-    return o_part, l_part
+    check_tensor("workspace[2]", sem, shape=(B * Hkv,), dtypes=(torch.int32,), device=device)
+    return o_part, l_part, sem
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters (at least ``n``) for the fused merge, one buffer per device and stream (two
+    streams never share one; every call leaves its counters at zero). Grown by a new zeroed buffer."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf[:n]
 
 
 def num_window_parts(fmt) -> int:
