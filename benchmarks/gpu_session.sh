@@ -3,7 +3,7 @@
 # then optionally the tuner, the speed benchmark and the accuracy study. Each step writes under $OUT
 # and prints a short summary; a failing step does not stop the later ones.
 #
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, SASS)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, HF, SASS)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, then the CuTe tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune             # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy}"
 case "$step" in
   tests)
-    python3 -m pytest -q tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py \
+    python3 -m pytest -q tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
       tests/test_sass.py > "$OUT/tests.log" 2>&1
     tail -3 "$OUT/tests.log" ;;
   cute)

@@ -8,6 +8,19 @@ import torch
 from .errors import InvalidArgumentError
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``"cuda"`` is the current CUDA device), so that tensors made
+    with ``device="cuda"`` compare equal to their ``cuda:0`` placement."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    return canonical_device(a) == canonical_device(b)
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -38,7 +51,7 @@ def check_tensor(
         if t.dtype not in dtypes:
             names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
             raise InvalidArgumentError(name, f"dtype {names}", str(t.dtype).replace("torch.", ""))
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise InvalidArgumentError(name, f"a tensor on {device}", f"a tensor on {t.device}")
     if contiguous and not t.is_contiguous():
         raise InvalidArgumentError(name, "a contiguous tensor", f"strides {tuple(t.stride())} for shape {tuple(t.shape)}")

@@ -87,11 +87,18 @@ def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") 
     run, else an :class:`UnsupportedError` saying why; ``"auto"``: the first usable of
     :data:`AUTO_ORDER` (the reference only on the CPU)."""
     G = q.shape[1] // cache.num_kv_heads
-    return _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    return _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+
+
+def _fmt_values(fmt: KVFormat) -> tuple:
+    """The format as plain values (what the custom op takes, and what ``torch.compile`` can hold as a
+    constant: older Dynamo cannot rebuild a frozen dataclass)."""
+    return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent)
 
 
 @torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
-def _select(device: str, fmt: KVFormat, G: int, page_size: int, backend: str, env: str) -> str:
+def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
+    fmt = KVFormat(*fmt_values)
     choice = backend
     source = "backend"
     if backend == "auto" and env != "auto":
@@ -205,7 +212,7 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     from .reference import check_decode_inputs
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_num_splits(num_splits)
-    chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     workspace = None
     if chosen == "triton":
         from .triton import launch
@@ -221,8 +228,7 @@ def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num
     fmt = cache.fmt
     pt = cache.page_table
     return (q, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.seq_lens, pt.block_table,
-            pt.num_pages, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent, out, lse, fmt.bits,
-            fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent,
+            pt.num_pages, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent, out, lse, *_fmt_values(fmt),
             cache.page_size, cache.contiguous, float(sm_scale), backend, 0 if num_splits is None else int(num_splits))
 
 
@@ -239,7 +245,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     from .reference import check_decode_inputs, decode_out_buffers
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_num_splits(num_splits)
-    chosen = _select(str(q.device), cache.fmt, G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     want_lse = return_lse or lse is not None
     out, lse = decode_out_buffers(q, out, lse, True)
     torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))

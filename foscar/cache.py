@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_finite, check_int, check_tensor
+from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
@@ -141,7 +141,7 @@ class QuantKVCache:
             raise InvalidArgumentError("seq_lens", "lengths >= 0", seq_lens.tolist())
         if page_table.batch_size != B:
             raise InvalidArgumentError("page_table", f"{B} sequences (len(seq_lens))", page_table.batch_size)
-        if page_table.block_table.device != dev:
+        if not same_device(page_table.block_table.device, dev):
             raise InvalidArgumentError("page_table", f"tensors on {dev}", f"tensors on {page_table.block_table.device}")
         for name, t, n in (("k_sink", k_sink, fmt.sink), ("v_sink", v_sink, fmt.sink),
                            ("k_recent", k_recent, fmt.recent_capacity), ("v_recent", v_recent, fmt.recent_capacity)):
@@ -370,7 +370,7 @@ class QuantKVCache:
                 raise InvalidArgumentError("num_pages", "the size of the page pool when a page_table is given", None)
             if page_table.batch_size != B:
                 raise InvalidArgumentError("page_table", f"{B} sequences (len(seq_lens))", page_table.batch_size)
-            if page_table.block_table.device != torch.device(device):
+            if not same_device(page_table.block_table.device, device):
                 raise InvalidArgumentError("page_table", f"tensors on {device}",
                                            f"tensors on {page_table.block_table.device}")
             check_int("num_pages", num_pages, minimum=1)

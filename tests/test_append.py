@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import foscar
 from foscar.errors import InvalidArgumentError
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton tests: the GPU, else the interpreter
 FORMATS = [
     dict(bits=4, head_dim=64, group_size=32),
     dict(bits=2, head_dim=64, group_size=64, k_axis="channel", v_axis="token", sink=3, recent=5),
@@ -52,9 +53,9 @@ def test_appending_equals_quantizing_at_once(fmt_i, page, chunks, seed):
 def test_every_decode_reads_the_cache_after_every_append(fmt_kw):
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, G, D = 2, 2, 2, fmt.head_dim
-    k, v = bf16_exact(B, H, 300, D, seed=1), bf16_exact(B, H, 300, D, seed=2)
-    q = torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(3))
-    cache = foscar.QuantKVCache.empty(fmt, B, H, max_len=300, page_size=64)
+    k, v = bf16_exact(B, H, 300, D, seed=1).to(DEV), bf16_exact(B, H, 300, D, seed=2).to(DEV)
+    q = torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(3)).to(DEV)
+    cache = foscar.QuantKVCache.empty(fmt, B, H, max_len=300, page_size=64, device=DEV)
     t = 0
     for c in (1, 1, 62, 1, 64, 33, 1):  # across group, pack block and page boundaries
         cache.append(k[:, :, t: t + c], v[:, :, t: t + c])
@@ -62,10 +63,10 @@ def test_every_decode_reads_the_cache_after_every_append(fmt_kw):
         exact = foscar.decode_exact(q, cache)
         assert rel(foscar.decode_folded(q, cache), exact) < 1e-10
         assert rel(foscar.decode(q, cache), exact) < 5e-3  # the default backend here (the reference on a CPU)
-    import foscar.triton as ft  # the Triton kernel (interpreter on a CPU), float32 out
-    out = torch.empty(q.shape)
+    import foscar.triton as ft  # the Triton kernel (interpreter on a CPU: float32 operands), float32 out
+    out = torch.full(q.shape, float("nan"), device=DEV)
     ft.decode(q.bfloat16(), cache, out=out, num_splits=2)
-    assert rel(out, foscar.decode_exact(q.bfloat16(), cache)) < 1e-5
+    assert rel(out, foscar.decode_exact(q.bfloat16(), cache)) < (5e-3 if DEV == "cuda" else 1e-5)
 
 
 def test_a_bad_append_changes_nothing():
@@ -124,10 +125,11 @@ def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
     import foscar.triton as ft
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, D = 2, 2, fmt.head_dim
-    k, v = bf16_exact(B, H, 90, D, seed=4) * 4, bf16_exact(B, H, 90, D, seed=5)  # BF16-exact: the interpreter truncates casts
-    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page)
+    # BF16-exact values: the interpreter truncates casts
+    k, v = (bf16_exact(B, H, 90, D, seed=4) * 4).to(DEV), bf16_exact(B, H, 90, D, seed=5).to(DEV)
+    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page, device=DEV)
     ref.append(k[:, :, :20], v[:, :, :20])  # a prompt, then decode steps
-    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page)
+    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page, device=DEV)
     ker.append(k[:, :, :20], v[:, :, :20])
     for t in range(20, 90):
         ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
@@ -139,12 +141,13 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
     import foscar.triton as ft
     from foscar.errors import UnsupportedError
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, mapping="f16")
-    cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64)
+    cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64, device=DEV)
     with pytest.raises(UnsupportedError, match="mapping='f16'"):
-        ft.append_step(cache, torch.zeros(1, 1, 64), torch.zeros(1, 1, 64))
-    cache = foscar.QuantKVCache.empty(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 1, 1, max_len=64)
+        ft.append_step(cache, torch.ones(1, 1, 64, device=DEV), torch.ones(1, 1, 64, device=DEV))
+    cache = foscar.QuantKVCache.empty(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 1, 1, max_len=64,
+                                      device=DEV)
     with pytest.raises(InvalidArgumentError, match="^k_new: expected a 3-D tensor"):
-        ft.append_step(cache, torch.zeros(1, 64), torch.zeros(1, 1, 64))
+        ft.append_step(cache, torch.ones(1, 64, device=DEV), torch.ones(1, 1, 64, device=DEV))
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ its query heads' partials, so a decode is one launch.
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # a global a kernel may read: a constexpr
 
 
 @triton.jit

@@ -96,10 +96,16 @@ def _lookup(key) -> dict:
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
     """About sixteen programs per SM (three or four resident at a time keep the tail short), at most 64
-    splits and at least four KV tiles per split (each split pays a prologue, an epilogue and a combine
-    slot). Measured on the H200 with ``benchmarks/sweep_triton.py`` (``docs/triton-perf.md``)."""
-    want = math.ceil(16 * _sm_count(device) / max(1, batch * kv_heads))
-    return max(1, min(want, 64, max_tiles // 4))
+    splits and at least four KV tiles per split (each split pays a prologue, an epilogue and a merge
+    slot); and where the heads alone fill a wave of four programs per SM with splits of 32 tiles, no
+    split shorter than that. Measured on the H200 with ``benchmarks/sweep_triton.py``
+    (``docs/triton-perf.md``): B = 8, L = 32K runs best at 16 splits, B = 8, L = 128K at 33."""
+    heads = max(1, batch * kv_heads)
+    sms = _sm_count(device)
+    splits = max(1, min(math.ceil(16 * sms / heads), 64, max_tiles // 4))
+    if heads * (max_tiles // 32) >= 4 * sms:
+        splits = min(splits, max(math.ceil(4 * sms / heads), max_tiles // 32))
+    return max(1, splits)
 
 
 def max_registers(fmt, prefetch: int = 1) -> int | None:
