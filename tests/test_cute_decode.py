@@ -67,3 +67,25 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows):
     print(f"\nerror {err:.3e}  BF16 attention {base:.3e}")
     assert err <= base * 1.05 + 1e-4
     assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+def test_cuda_graph_replay_gpu():
+    """The kernel launches on torch's current stream, so a CUDA graph captures it: a replay over new
+    query values gives the eager result bit for bit."""
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    q, cache = make(fmt, [5000, 700], Hkv=2, G=4, page=64, seed=3)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    decode(q, cache, out=out, num_splits=4)  # compile and warm up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode(q, cache, out=out, num_splits=4)
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode(q, cache, num_splits=4))

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import BFloat16, Float16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.runtime import make_fake_stream
 from cutlass.memory import SmemAllocator
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens, words_per_block
@@ -84,9 +86,10 @@ class FoldDecodeSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
-                 num_splits: Int32):
-        """Stage 1 over ``num_splits`` KV splits; ``mOP``/``mLP`` may hold more partials (the BF16
-        windows', written by another kernel)."""
+                 num_splits: Int32, stream: cuda.CUstream):
+        """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
+        graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
+        kernel)."""
         cfg = self.cfg
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                              (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
@@ -99,7 +102,7 @@ class FoldDecodeSm90:
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mNQ, mOP, mLP,
-                    qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1))
+                    qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
@@ -432,7 +435,7 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False):
     }
     args = [as_cute(x) for x in t.values()]
     fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
-    return fn(FoldDecodeSm90(cfg), *args, Float32(1.0), Int32(S))
+    return fn(FoldDecodeSm90(cfg), *args, Float32(1.0), Int32(S), make_fake_stream())
 
 
 def as_cute(x):

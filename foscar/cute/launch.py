@@ -26,6 +26,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`."""
+    import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32
 
     from ..triton.launch import _combine, default_num_splits, num_window_parts, window_partials
@@ -47,7 +48,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     tensors = (q.contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
                cache.page_table.block_table, n_quant.to(torch.int32), o_part, l_part)
     qk_scale = sm_scale * 1.4426950408889634
-    _compiled(cfg)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits))
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)  # graph capture sees the launch
+    _compiled(cfg)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits), stream)
     window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp=False)
     _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out
