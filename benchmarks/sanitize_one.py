@@ -1,0 +1,31 @@
+"""One small decode per backend, for ``compute-sanitizer`` (memcheck, racecheck, synccheck):
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize_one.py cute
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/sanitize_one.py triton
+
+A paged INT4 cache, lengths ending mid-tile and mid-page (one of a single token), BF16 windows, and more
+splits than some sequences have tiles. Prints the error against the float64 oracle.
+"""
+import sys
+
+import torch
+
+import foscar
+from foscar.bench.common import rel_l2
+
+
+def main(backend: str) -> None:
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=32)
+    gen = torch.Generator().manual_seed(0)
+    lens = [1000, 77, 1]
+    B, Hkv, G, D = len(lens), 2, 4, 128
+    k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
+    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
+    out = foscar.decode(q, cache, backend=backend, num_splits=5)
+    torch.cuda.synchronize()
+    print(f"{backend}: error {rel_l2(out, foscar.decode_exact(q, cache)):.3e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "triton")
