@@ -11,7 +11,11 @@ each call and CUDA events around the call alone (median of ``--iters`` after ``-
 - ``cudnn_sdpa``          torch SDPA under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 - ``flashinfer_fp8``      FlashInfer FP8 (e4m3) KV, tensor cores (a low-bit peer; opt-in with --kernels)
 - ``flashinfer_nvfp4``    FlashInfer NVFP4 KV, fa2 backend: INT4's bytes (a low-bit peer; opt-in, timing only)
-- ``foscar_cute``         the CuTe DSL sm_90a kernel (opt-in until validated on the GPU)
+- ``foscar_cute``         the CuTe DSL sm_90a kernel (opt-in: v0, not yet the fastest everywhere)
+- ``fa4``                 FlashAttention-4 (flash_attn.cute) over an unpaged copy of the BF16 cache (opt-in;
+                          needs cutlass-dsl, flash-attn-4 and quack: with the cutlass-dsl bundle they
+                          exceed one command's carry next to FlashInfer, so they run in a command of
+                          their own, with foscar_folded and cudnn_sdpa to tie the runs together)
 
 and the streaming-read ceiling (a Triton kernel that reads ``--ceiling-gib`` GiB in 16-byte loads;
 ``torch.sum`` alongside). Every kernel's output is poisoned with NaN before its first call and
@@ -174,21 +178,24 @@ def bytes_read(batch: int, seq_len: int, bits: int) -> int:
     return int(batch * seq_len * HKV * kv_bytes_per_token(bits)) + q_and_out
 
 
-def peak_bytes(batch: int, seq_len: int, bits: tuple[int, ...]) -> int:
-    """Device memory a shape needs at its peak (BF16 stage or quantized stage, never both at once)."""
+def peak_bytes(batch: int, seq_len: int, bits: tuple[int, ...], contiguous_copy: bool = False) -> int:
+    """Device memory a shape needs at its peak (BF16 stage or quantized stage, never both at once);
+    ``contiguous_copy``: a kernel of the BF16 stage also holds an unpaged copy of the cache (FA4)."""
     tokens = batch * seq_len * HKV
     one_head = seq_len * HEAD_DIM  # slice references: float64 copies of one (sequence, head)
-    bf16_stage = tokens * BF16_BYTES_PER_TOKEN + 2 * FI_WORKSPACE_BYTES + 32 * one_head
+    bf16_stage = (tokens * BF16_BYTES_PER_TOKEN * (2 if contiguous_copy else 1) + 2 * FI_WORKSPACE_BYTES
+                  + 32 * one_head)
     params_tmp = 48 * tokens * (HEAD_DIM // GROUP)  # random (s', z') drawn in FP32, folded in FP64
     quant_stage = max(int(tokens * kv_bytes_per_token(b)) for b in bits) + params_tmp + 96 * one_head
     return max(bf16_stage, quant_stage) + FLUSH_BYTES
 
 
-def plan_shapes(shapes: list[tuple[int, int]], bits: tuple[int, ...], budget_bytes: float):
+def plan_shapes(shapes: list[tuple[int, int]], bits: tuple[int, ...], budget_bytes: float,
+                contiguous_copy: bool = False):
     """Split shapes into those that fit the memory budget and skipped ones (with the reason)."""
     run, skipped = [], []
     for b, n in shapes:
-        need = peak_bytes(b, n, bits)
+        need = peak_bytes(b, n, bits, contiguous_copy)
         if need > budget_bytes:
             reason = f"needs {need / 1e9:.1f} GB > budget {budget_bytes / 1e9:.1f} GB (--max-gb)"
             skipped.append({"B": b, "L": n, "reason": reason})
@@ -573,6 +580,21 @@ def build_cudnn_sdpa(inp: Bf16Inputs, args) -> Runner:
     return Runner(run, None, to_bhd=lambda o: o.squeeze(2))
 
 
+def build_fa4(inp: Bf16Inputs, args) -> Runner:
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``, needs cutlass-dsl) over an unpaged copy of
+    the BF16 cache (``[B, L, Hkv, D]``, gathered through the block table once, not timed): it takes no
+    page table and does not split the KV sequence on sm_90."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:
+        raise KernelMissing(f"import flash_attn.cute failed: {type(e).__name__}: {e}") from e
+    B = inp.q.shape[0]
+    k, v = (c[inp.block_table.long()].reshape(B, -1, HKV, HEAD_DIM) for c in (inp.k_cache, inp.v_cache))
+    q = inp.q.unsqueeze(1)  # [B, 1, Hq, D]
+    return Runner(lambda: flash_attn_func(q, k, v), None,
+                  to_bhd=lambda o: (o[0] if isinstance(o, tuple) else o).squeeze(1), keep=(k, v))
+
+
 def _foscar_unavailable(e: BaseException) -> bool:
     return isinstance(e, (NotImplementedError, UnsupportedError))
 
@@ -594,13 +616,14 @@ class KernelSpec:
 KERNELS = {s.name: s for s in (
     KernelSpec("foscar_folded", "quant", build_foscar_quant("folded"), _foscar_unavailable),
     KernelSpec("foscar_reconstruct", "quant", build_foscar_quant("reconstruct"), _foscar_unavailable),
-    KernelSpec("foscar_cute", "quant", build_foscar_cute, _foscar_unavailable, default=False),  # not yet validated
+    KernelSpec("foscar_cute", "quant", build_foscar_cute, _foscar_unavailable, default=False),  # v0: opt-in
     KernelSpec("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),
     KernelSpec("flashinfer_tc", "bf16", build_flashinfer(True)),
     KernelSpec("flashinfer", "bf16", build_flashinfer(False)),
     KernelSpec("cudnn_sdpa", "bf16", build_cudnn_sdpa, _cudnn_unavailable),
     KernelSpec("flashinfer_fp8", "bf16", build_flashinfer_lowbit("fp8"), default=False),
     KernelSpec("flashinfer_nvfp4", "bf16", build_flashinfer_lowbit("nvfp4"), default=False),
+    KernelSpec("fa4", "bf16", build_fa4, default=False),
 )}
 
 
@@ -1040,7 +1063,7 @@ def main(argv: list[str] | None = None, prog: str = "python3 -m foscar.bench.dec
     log(f"read ceiling {result['ceiling']['tbps']:.2f} TB/s ({result['ceiling']['source']})")
     budget = args.max_gb * 1e9 if args.max_gb is not None else torch.cuda.mem_get_info()[0] - 4e9
     groups = group_by_shape(cases)
-    shapes, result["skipped"] = plan_shapes(list(groups), args.bits, budget)
+    shapes, result["skipped"] = plan_shapes(list(groups), args.bits, budget, contiguous_copy="fa4" in args.kernels)
     for s in result["skipped"]:
         log(f"skipping B={s['B']} L={s['L']}: {s['reason']}")
     for i, shape in enumerate(shapes):
