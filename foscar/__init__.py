@@ -1,6 +1,6 @@
 """foscar: affine-folded decode attention over 2-bit and 4-bit KV caches (FOSCAR, arXiv 2611.09722)."""
 from ._version import __version__
-from .api import DecodePlan, backend_status, decode, plan, select_backend
+from .api import DecodePlan, append, backend_status, decode, plan, select_backend
 from .cache import PageTable, QuantKVCache, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
@@ -37,6 +37,7 @@ __all__ = [
                      "QuantKVCache",
                      "UnsupportedError",
                      "__version__",
+                     "append",
                      "backend_status",
                      "combine_partials",
                      "decode",

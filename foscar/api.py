@@ -250,3 +250,36 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     out, lse = decode_out_buffers(q, out, lse, True)
     torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))
     return (out, lse) if want_lse else out
+
+
+WRITE_BACKENDS = ("triton", "reference")
+
+
+def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, backend: str = "auto",
+           quantizer: str = "minmax", check: bool = True) -> None:
+    """Append ``T`` tokens per sequence, ``k_new, v_new [B, Hkv, T, D]``, to ``cache`` (a prefill, or a
+    decode step with ``T = 1``).
+
+    ``backend``: ``"triton"`` (the fused kernels of :mod:`foscar.triton.write`: a CUDA device, the
+    ``bf16`` mapping, min-max quantization; graph-safe with ``check=False``), ``"reference"``
+    (:meth:`QuantKVCache.append`, PyTorch, every mapping and quantizer, any device), or ``"auto"``
+    (default): Triton where it can write this cache, else the reference. Both write the same cache bit
+    for bit. An explicit choice that cannot run raises :class:`UnsupportedError` saying why.
+    """
+    if backend not in ("auto", *WRITE_BACKENDS):
+        raise InvalidArgumentError("backend", f"'auto' or one of {WRITE_BACKENDS}", repr(backend))
+    status = _triton_status(cache.device, cache.fmt)
+    why_not = None if status.usable else status.why
+    if why_not is None and quantizer != "minmax":
+        why_not = f"quantizes min-max only (quantizer={quantizer!r})"
+    if backend == "triton" and why_not:
+        raise UnsupportedError("backend='triton'", why_not)
+    if backend == "reference" or why_not:
+        cache.append(k_new, v_new, quantizer=quantizer)
+        return
+    from .triton import append as triton_append
+    if k_new.dim() == 4 and k_new.shape[2] == 1 and cache.batch_size:
+        from .triton import append_step
+        append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check)  # one launch per tensor
+    else:
+        triton_append(cache, k_new, v_new, check=check)

@@ -137,6 +137,34 @@ def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
     assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
 
 
+@pytest.mark.parametrize("fmt_kw,page", [
+    (dict(bits=4, head_dim=64, group_size=32), 64),
+    (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64),
+    (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 32),
+    (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel", recent=70), 64),
+    (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", sink=4), None),
+])
+def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, page):
+    """Several tokens per call (a prompt, then chunks that cross groups, pages and the window, and single
+    steps in between) through the parallel kernels: the cache QuantKVCache.append writes, bit for bit."""
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(**fmt_kw)
+    B, H, D, n = 2, 2, fmt.head_dim, 230
+    k, v = (bf16_exact(B, H, n, D, seed=6) * 4).to(DEV), bf16_exact(B, H, n, D, seed=7).to(DEV)  # BF16-exact
+    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=n, page_size=page, device=DEV)
+    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=n, page_size=page, device=DEV)
+    t = 0
+    for c in (45, 1, 7, 1, 66, 3, 1, 100, 0, 6):  # the prompt first; 0: a no-op
+        ref.append(k[:, :, t: t + c], v[:, :, t: t + c])
+        if c == 1 and t % 2:
+            ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous())
+        else:
+            ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], check=c != 66)
+        t += c
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values())), t
+    assert t == n
+
+
 def test_the_triton_append_refuses_what_it_does_not_cover():
     import foscar.triton as ft
     from foscar.errors import UnsupportedError
@@ -148,6 +176,12 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
                                       device=DEV)
     with pytest.raises(InvalidArgumentError, match="^k_new: expected a 3-D tensor"):
         ft.append_step(cache, torch.ones(1, 64, device=DEV), torch.ones(1, 1, 64, device=DEV))
+    with pytest.raises(InvalidArgumentError, match="^v_new: expected shape"):
+        ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 4, 64, device=DEV))
+    before = snapshot(cache)
+    with pytest.raises(InvalidArgumentError, match="capacity|room|pages"):
+        ft.append(cache, torch.ones(1, 1, 65, 64, device=DEV), torch.ones(1, 1, 65, 64, device=DEV))
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), snapshot(cache).values()))
 
 
 @pytest.mark.gpu
@@ -186,3 +220,24 @@ def test_decode_steps_as_one_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, want), t
     assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+
+
+def test_foscar_append_picks_a_writer_and_says_why_not():
+    """``foscar.append``: the Triton kernels where they can write the cache (a CUDA device, min-max), else
+    the PyTorch reference; the same cache either way. An explicit choice that cannot run says why."""
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32, recent=4)
+    k, v = (bf16_exact(1, 2, 40, 64, seed=s).to(DEV) for s in (8, 9))
+    a = foscar.QuantKVCache.empty(fmt, 1, 2, max_len=64, device=DEV)
+    b = foscar.QuantKVCache.empty(fmt, 1, 2, max_len=64, device=DEV)
+    foscar.append(a, k[:, :, :39], v[:, :, :39])
+    foscar.append(a, k[:, :, 39:], v[:, :, 39:])
+    foscar.append(b, k, v, backend="reference")
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a).values(), snapshot(b).values()))
+    with pytest.raises(InvalidArgumentError, match="^backend: expected"):
+        foscar.append(a, k[:, :, :1], v[:, :, :1], backend="cute")
+    if DEV == "cpu":
+        with pytest.raises(foscar.UnsupportedError, match="needs a CUDA GPU"):
+            foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton")
+    else:
+        with pytest.raises(foscar.UnsupportedError, match="min-max only"):
+            foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton", quantizer="mse")

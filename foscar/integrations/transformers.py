@@ -77,7 +77,7 @@ class FoscarLayer(CacheLayerMixin):
         T = key_states.shape[-2]
         prior = self.length
         self._ensure_room(T)
-        self.cache.append(key_states, value_states)
+        foscar.append(self.cache, key_states, value_states, quantizer=self.quantizer)  # Triton on a GPU
         self.length += T
         if prior == 0:  # the prompt: SDPA over its own keys and values
             return key_states, value_states

@@ -327,37 +327,85 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
 
 def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
-    (:mod:`foscar.triton.append`): every axis combination, the ``bf16`` mapping, min-max quantization;
+    (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, min-max quantization;
     the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True`` first runs every
     check of :meth:`QuantKVCache.append` (capacity and finite values read the device back); pass
     ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
-    from .append import append_token_kernel
+    from .write import append_token_kernel
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    _check_append_inputs(cache, k_new, v_new, (B, H, D), check)
+    for tensor, x, codes, params, sink, ring, c in _append_tensors(cache, k_new, v_new):
+        append_token_kernel[(B, H)](
+            x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring,
+            x.stride(0), x.stride(1), c["bt"].stride(0), codes.stride(0), codes.stride(1), params.stride(0),
+            params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
+            ring.stride(2), **c["constexprs"], num_warps=4)
+    cache.seq_lens.add_(1)
+
+
+def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
+    """Append ``T`` tokens per sequence, ``k_new, v_new [B, Hkv, T, D]`` (a prefill, or several decode
+    tokens), with the Triton kernels: first the tokens that leave the recent window (from the ring or
+    straight from the input) are quantized, one program per flush unit, then the sink and ring take the
+    rest. Same contract as :func:`append_step`: :meth:`QuantKVCache.append`'s cache, bit for bit; no host
+    sync or allocation with ``check=False``."""
+    from .write import append_quantize_kernel, append_window_kernel
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    if isinstance(k_new, torch.Tensor) and k_new.dim() == 4:
+        T = k_new.shape[2]
+    else:
+        T = None
+    _check_append_inputs(cache, k_new, v_new, (B, H, T, D), check)
+    if T == 0:
+        return
     fmt = cache.fmt
-    _check_device(k_new)
+    units = triton.cdiv(T, fmt.flush) + 1  # at most this many flush units leave in one append
+    block_t = 16
+    tensors = list(_append_tensors(cache, k_new, v_new))
+    for tensor, x, codes, params, sink, ring, c in tensors:
+        append_quantize_kernel[(B, H, units)](
+            x, cache.seq_lens, c["bt"], c["np"], codes, params, ring, T,
+            x.stride(0), x.stride(1), x.stride(2), c["bt"].stride(0), codes.stride(0), codes.stride(1),
+            params.stride(0), params.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
+            **c["constexprs"], num_warps=4)
+    for tensor, x, codes, params, sink, ring, c in tensors:  # after every read of the ring
+        k = c["constexprs"]
+        append_window_kernel[(B, H, triton.cdiv(T, block_t))](
+            x, cache.seq_lens, sink, ring, T, x.stride(0), x.stride(1), x.stride(2),
+            sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1), ring.stride(2),
+            D=D, SINK=k["SINK"], RECENT=k["RECENT"], CAP=k["CAP"], FLUSH=k["FLUSH"], BLOCK_T=block_t, num_warps=4)
+    cache.seq_lens.add_(T)
+
+
+def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check: bool) -> None:
+    """What both Triton appends check on the host (no device read), then, with ``check``, everything
+    :meth:`QuantKVCache.append` checks (capacity, pages, finite values: device reads)."""
+    fmt = cache.fmt
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")
-    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     for name, t in (("k_new", k_new), ("v_new", v_new)):
-        check_tensor(name, t, shape=(B, H, D), dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     device=cache.device)
+        check_tensor(name, t, shape=shape, dtypes=(torch.float32, torch.float16, torch.bfloat16), device=cache.device)
+        _check_device(t)
         if t.stride(-1) != 1:
             raise InvalidArgumentError(name, "unit stride in the last dim", tuple(t.stride()))
     if check:
-        cache._check_append(k_new[:, :, None], v_new[:, :, None], "minmax")
+        if len(shape) == 3:
+            cache._check_append(k_new[:, :, None], v_new[:, :, None], "minmax")
+        else:
+            cache._check_append(k_new, v_new, "minmax")
+
+
+def _append_tensors(cache: QuantKVCache, k_new, v_new):
+    """Per tensor (K, V): its input, pools, windows and the append kernels' shared arguments."""
+    fmt = cache.fmt
     pt = cache.page_table
-    bt = pt.block_table
     for tensor, x, codes, params, sink, ring in (("k", k_new, cache.k_codes, cache.k_params, cache.k_sink,
                                                   cache.k_recent),
                                                  ("v", v_new, cache.v_codes, cache.v_params, cache.v_sink,
                                                   cache.v_recent)):
-        append_token_kernel[(B, H)](
-            x, cache.seq_lens, bt, pt.num_pages, codes, params, sink, ring,
-            x.stride(0), x.stride(1), bt.stride(0), codes.stride(0), codes.stride(1), params.stride(0),
-            params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
-            ring.stride(2),
-            BITS=fmt.bits, D=D, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink, RECENT=fmt.recent,
-            CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush, CHANNEL=fmt.axis(tensor) == "channel",
-            BETA=float(fmt.op.beta), TENSOR_V=tensor == "v", BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits,
-            num_warps=4)
-    cache.seq_lens.add_(1)
+        constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink,
+                          RECENT=fmt.recent, CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush,
+                          CHANNEL=fmt.axis(tensor) == "channel", BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
+                          BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits)
+        yield tensor, x, codes, params, sink, ring, {"bt": pt.block_table, "np": pt.num_pages, "constexprs": constexprs}

@@ -1,0 +1,205 @@
+"""Appending K/V tokens to a foscar cache on the GPU (issue 7): the graph-safe write path, every axis
+combination. One decode step's token per sequence: :func:`append_token_kernel` (one launch per
+tensor); several tokens (a prefill, a speculative step): :func:`append_quantize_kernel` then
+:func:`append_window_kernel`, parallel over flush units and tokens.
+
+The single-token kernel: one program per (sequence, KV head, tensor). The new token goes to the BF16 sink while the sink is
+filling, else to the recent ring; the ring tokens that leave the recent window (one with token-wise
+groups on both tensors, a whole group of ``g`` otherwise; with ``recent = 0`` the last is the new token
+itself) are quantized min-max, group by group, in float64 exactly as
+:func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
+(an atomic AND clears its bit fields, an atomic OR sets them: a word mixes tokens) and its ``(s', z')``
+into the page's parameter rows. Lengths are read on the device: no host sync, no allocation, so a
+CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it matches bit for bit.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _field(t, c, TENSOR_V: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
+    """Word (within the pack block) and bit of token ``t`` (within the block), channel ``c``: the closed
+    forms of :func:`foscar.format.block_map`."""
+    if TENSOR_V:
+        row = c % 64
+        k = t
+        warp = row // 16
+        lanes_words: tl.constexpr = D // 64
+    else:
+        row = t
+        k = c
+        warp = 0 * c
+        lanes_words: tl.constexpr = D * BITS // 64
+    r16 = row % 16
+    kb = k // 16
+    k16 = k % 16
+    lane = 4 * (r16 % 8) + (k16 % 8) // 2
+    half = k16 % 2
+    j = r16 // 8 + 2 * (k16 // 8)
+    reg = 4 * kb + j
+    PER_WORD: tl.constexpr = 16 // BITS
+    thread = 32 * warp + lane
+    if TENSOR_V:
+        word = thread * lanes_words + c // 64
+    else:
+        word = thread * lanes_words + reg // PER_WORD
+    shift = BITS * (reg % PER_WORD) + 16 * half
+    return word, shift
+
+
+@triton.jit
+def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
+                   BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                   FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr,
+                   BLOCK_TOKENS: tl.constexpr):
+    """Quantize one flush unit, ``src [FLUSH, D]`` (float64) of post-sink tokens ``t [FLUSH]`` of sequence
+    ``b``, head ``h``, min-max as :func:`foscar.quantize.quantize_groups` does, and write its codes into
+    the packed words of its pages (an atomic AND clears the bit fields, an atomic OR sets them: a word
+    mixes tokens) and its ``(s', z')`` into the pages' parameter rows."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    WPB: tl.constexpr = BLOCK_TOKENS * D * BITS // 32
+    dd = tl.arange(0, D)
+    if CHANNEL:  # one group along the tokens per channel: (s', z') [D]
+        lo = tl.min(src, axis=0)[None, :]
+        hi = tl.max(src, axis=0)[None, :]
+    else:  # groups of GROUP channels per token: (s', z') [FLUSH, D / GROUP], spread back to [FLUSH, D]
+        src3 = tl.reshape(src, (FLUSH, D // GROUP, GROUP))
+        lo = tl.reshape(tl.broadcast_to(tl.min(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+        hi = tl.reshape(tl.broadcast_to(tl.max(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+    sp = ((hi - lo) / QMAX).to(tl.float32)  # s' = s (alpha = 1 for the BF16 mapping)
+    zp = (lo - BETA * sp.to(tl.float64)).to(tl.float32)  # z' = z - beta s', one rounding
+    s_eff = sp.to(tl.float64)
+    z_eff = zp.to(tl.float64) + BETA * s_eff
+    safe = tl.where(s_eff > 0, s_eff, 1.0)
+    q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
+    q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)  # [FLUSH, D]
+    page_i = t // PAGE
+    off = t % PAGE
+    ok = page_i < tl.load(NP + b)  # past the sequence's pages nothing is written (checked on the host)
+    page = tl.load(BT + b * stride_btb + page_i, mask=ok, other=0).to(tl.int64)
+    word, shift = _field((off % BLOCK_TOKENS)[:, None], dd[None, :], TENSOR_V, BITS, D)
+    wptr = (CODES + page[:, None] * stride_cp + h * stride_ch + (off // BLOCK_TOKENS)[:, None] * WPB + word)
+    ok2 = ok[:, None] & (dd >= 0)[None, :]  # full shape: atomics do not broadcast their mask
+    tl.atomic_and(wptr, ~(QMAX << shift), mask=ok2)
+    tl.atomic_or(wptr, q << shift, mask=ok2)
+    pbase = PARAMS + page[:, None] * stride_pp + h * stride_ph
+    if CHANNEL:  # the group's row: (off // GROUP) in a page of >= GROUP tokens, else row 0 of every page
+        row = (off // GROUP if PAGE >= GROUP else 0 * off)[:, None]
+        pptr = pbase + (row * D + dd[None, :]) * 2
+    else:  # one row per token, one column per channel group
+        pptr = pbase + (off[:, None] * (D // GROUP) + dd[None, :] // GROUP) * 2
+    tl.store(pptr, sp, mask=ok2)
+    tl.store(pptr + 1, zp, mask=ok2)
+
+
+@triton.jit
+def append_token_kernel(
+    X, SEQ, BT, NP, CODES, PARAMS, SINKW, RING,
+    stride_xb, stride_xh,
+    stride_btb,
+    stride_cp, stride_ch,  # codes [pages, Hkv, W]
+    stride_pp, stride_ph,  # params [pages, Hkv, rows, cols, 2]
+    stride_sb, stride_sh, stride_st,  # sink [B, Hkv, sink, D]
+    stride_rb, stride_rh, stride_rt,  # ring [B, Hkv, cap, D]
+    BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
+    RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+):
+    """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
+    the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
+    tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dd = tl.arange(0, D)
+    tok = tl.arange(0, FLUSH)
+    i = tl.load(SEQ + b)  # the new token's index (the length before this append)
+    x = tl.load(X + b * stride_xb + h * stride_xh + dd)  # [D], the input dtype
+    if i < SINK:
+        tl.store(SINKW + b * stride_sb + h * stride_sh + i * stride_st + dd, x.to(SINKW.dtype.element_ty))
+    else:
+        p = i - SINK  # post-sink index of the new token
+        q0 = tl.maximum(p - RECENT, 0) // FLUSH * FLUSH  # quantized count before / after the append
+        q1 = tl.maximum(p + 1 - RECENT, 0) // FLUSH * FLUSH
+        ring = RING + b * stride_rb + h * stride_rh
+        if q1 > q0:  # tokens [q0, q1) leave the ring (the last may be the new token itself)
+            t = q0 + tok  # [FLUSH] post-sink indices
+            from_ring = t < p
+            src = tl.load(ring + (t % CAP)[:, None] * stride_rt + dd[None, :], mask=from_ring[:, None], other=0.0)
+            src = tl.where(from_ring[:, None], src.to(tl.float64), x.to(tl.float64)[None, :])  # [FLUSH, D]
+            _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
+                           stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)
+        if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
+            tl.debug_barrier()
+            tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))
+
+
+@triton.jit
+def _post_sink_counts(L, SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr):
+    """Post-sink tokens and quantized tokens of a sequence of ``L`` tokens."""
+    p = tl.maximum(L - SINK, 0)
+    return p, tl.maximum(p - RECENT, 0) // FLUSH * FLUSH
+
+
+@triton.jit
+def append_quantize_kernel(
+    X, SEQ, BT, NP, CODES, PARAMS, RING, T,
+    stride_xb, stride_xh, stride_xt,
+    stride_btb, stride_cp, stride_ch, stride_pp, stride_ph, stride_rb, stride_rh, stride_rt,
+    BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
+    RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+):
+    """Appending ``T`` tokens, part 1 of 2: program (sequence ``b``, head ``h``, unit ``u``) quantizes the
+    ``u``-th flush unit of the post-sink tokens that leave the recent window in this append, taken from
+    the ring (those already there) or from the input (those that arrive past the window, as in a
+    prefill). Units run in parallel; :func:`append_window_kernel`, launched after, overwrites ring slots."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    u = tl.program_id(2)
+    dd = tl.arange(0, D)
+    L0 = tl.load(SEQ + b)  # the length before the append
+    p0, q0 = _post_sink_counts(L0, SINK, RECENT, FLUSH)
+    _, q1 = _post_sink_counts(L0 + T, SINK, RECENT, FLUSH)
+    t0 = q0 + u * FLUSH
+    if t0 < q1:  # whole units: q0 and q1 are multiples of FLUSH
+        t = t0 + tl.arange(0, FLUSH)
+        from_ring = t < p0
+        ring = RING + b * stride_rb + h * stride_rh
+        old = tl.load(ring + (t % CAP)[:, None] * stride_rt + dd[None, :], mask=from_ring[:, None], other=0.0)
+        j = t + SINK - L0  # the input token of a post-sink index past the old length
+        new = tl.load(X + b * stride_xb + h * stride_xh + j[:, None] * stride_xt + dd[None, :],
+                      mask=(~from_ring)[:, None], other=0.0)
+        src = tl.where(from_ring[:, None], old.to(tl.float64), new.to(tl.float64))
+        _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
+                       stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)
+
+
+@triton.jit
+def append_window_kernel(
+    X, SEQ, SINKW, RING, T,
+    stride_xb, stride_xh, stride_xt,
+    stride_sb, stride_sh, stride_st, stride_rb, stride_rh, stride_rt,
+    D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Appending ``T`` tokens, part 2 of 2: program (sequence, head, block of ``BLOCK_T`` input tokens)
+    writes the tokens that go to the BF16 sink and those that stay in the recent ring (after part 1 has
+    read the ring tokens that left)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    jj = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    dd = tl.arange(0, D)
+    L0 = tl.load(SEQ + b)
+    _, q1 = _post_sink_counts(L0 + T, SINK, RECENT, FLUSH)
+    i = L0 + jj  # the tokens' indices in the sequence
+    live = jj < T
+    x = tl.load(X + b * stride_xb + h * stride_xh + jj[:, None] * stride_xt + dd[None, :], mask=live[:, None],
+                other=0.0)
+    in_sink = live & (i < SINK)
+    tl.store(SINKW + b * stride_sb + h * stride_sh + i[:, None] * stride_st + dd[None, :],
+             x.to(SINKW.dtype.element_ty), mask=in_sink[:, None])
+    p = i - SINK
+    stay = live & (i >= SINK) & (p >= q1)
+    tl.store(RING + b * stride_rb + h * stride_rh + (p % CAP)[:, None] * stride_rt + dd[None, :],
+             x.to(RING.dtype.element_ty), mask=stay[:, None])
