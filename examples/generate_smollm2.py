@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from foscar.integrations.transformers import ATTN_IMPL, FoscarCache, perplexity, register, token_agreement
+from foscar.integrations.transformers import ATTN_IMPL, FoscarCache, cache_kwargs, perplexity, register, token_agreement
 
 CONFIGS = {
     "INT4 token-K": dict(bits=4, group_size=64),
@@ -54,7 +54,7 @@ def main():
     gen = {}
     print(f"\n{'cache':28s} {'agree':>6s} {'ppl':>7s}  answer")
     for name, cfg in [("BF16 (transformers)", None), *CONFIGS.items()]:
-        kw = {} if cfg is None else {"cache": FoscarCache(**cfg)}
+        kw = {} if cfg is None else cache_kwargs(model, FoscarCache(**cfg))
         out = model.generate(ids, max_new_tokens=a.new_tokens, do_sample=False, **kw)[0, ids.shape[1]:]
         gen[name] = out
         ppl = perplexity(model, text_ids, None if cfg is None else FoscarCache(**cfg))

@@ -40,7 +40,7 @@ def test_decode_steps_go_through_foscar_and_pages_grow(monkeypatch):
     monkeypatch.setattr(fit.foscar, "decode", lambda q, cache, **kw: calls.append(q.shape) or real(q, cache, **kw))
     cache = fit.FoscarCache(bits=2, group_size=64, k_axis="channel", sink=2, recent=8)
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
-    out = ours.generate(ids, max_new_tokens=120, do_sample=False, cache=cache)
+    out = ours.generate(ids, max_new_tokens=120, do_sample=False, **fit.cache_kwargs(ours, cache))
     assert out.shape[1] == 130
     assert len(calls) == 2 * 119 and calls[0] == (1, 4, 64)  # layers x decode steps (the first token: prefill)
     layer = cache.layers[0]
@@ -80,6 +80,21 @@ def test_on_the_gpu_decode_runs_the_triton_kernels(monkeypatch):
     assert backends and "reference" not in backends, set(backends)
 
 
+def test_cache_keyword_follows_the_installed_transformers():
+    """transformers renamed ``past_key_values`` to ``cache`` in 5.x; an older one ignores ``cache=`` and
+    builds its own BF16 cache, so the keyword comes from the model's signature."""
+    class Old:
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    class New:
+        def forward(self, input_ids, cache=None, use_cache=None):
+            pass
+
+    c = object()
+    assert fit.cache_kwargs(Old(), c) == {"past_key_values": c} and fit.cache_kwargs(New(), c) == {"cache": c}
+
+
 def test_unsupported_use_says_so():
     with pytest.raises(fit.foscar.InvalidArgumentError, match="^bits: expected"):
         fit.FoscarCache(bits=3)
@@ -108,6 +123,7 @@ def test_smollm2_generation_and_perplexity():
     ppl_base = fit.perplexity(model, text_ids)
     for cfg in (dict(bits=4, group_size=64, k_axis="channel"), dict(bits=2, group_size=64, k_axis="channel",
                                                                     sink=4, recent=32)):
-        out = model.generate(ids, max_new_tokens=64, do_sample=False, cache=fit.FoscarCache(**cfg))[0, ids.shape[1]:]
+        out = model.generate(ids, max_new_tokens=64, do_sample=False,
+                             **fit.cache_kwargs(model, fit.FoscarCache(**cfg)))[0, ids.shape[1]:]
         assert fit.token_agreement(out, base) >= 0.9, (cfg, tok.decode(out))
         assert fit.perplexity(model, text_ids, fit.FoscarCache(**cfg)) <= 1.1 * ppl_base

@@ -5,7 +5,7 @@ attention function that decodes through ``foscar.decode`` (issue 7).
     register()  # attn_implementation "foscar" (attention and mask interfaces)
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="foscar")
     cache = FoscarCache(bits=4, k_axis="channel", v_axis="token", group_size=64, sink=4, recent=32)
-    model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values= in older transformers
+    model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=64)   # cache= or past_key_values=
 
 The prompt (a first update of several tokens) is appended to the cache and attended with SDPA over its
 own unquantized keys and values, as KIVI-style caches do. Each decode step appends its token and
@@ -15,6 +15,7 @@ prefill) attend over the dequantized cache with SDPA. Pages (64 tokens) are adde
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -146,7 +147,16 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
 
 
-__all__ = ["ATTN_IMPL", "FoscarCache", "FoscarLayer", "foscar_attention", "perplexity", "register", "token_agreement"]
+__all__ = ["ATTN_IMPL", "FoscarCache", "FoscarLayer", "cache_kwargs", "foscar_attention", "perplexity", "register",
+           "token_agreement"]
+
+
+def cache_kwargs(model, cache: Cache) -> dict:
+    """``{keyword: cache}`` for ``model(...)`` and ``model.generate(...)``: transformers renamed
+    ``past_key_values`` to ``cache`` during 5.x, and an older version silently ignores ``cache=`` (it
+    builds its own BF16 cache), so the keyword is read from the model's own signature."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,10 +169,11 @@ def perplexity(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int
     predicted by a decode step over the cache."""
     from transformers import DynamicCache
     cache = DynamicCache() if cache is None else cache
-    out = model(ids[:, :prefix], cache=cache, use_cache=True)
+    kw = cache_kwargs(model, cache)
+    out = model(ids[:, :prefix], use_cache=True, **kw)
     logits = [out.logits[:, -1]]
     for t in range(prefix, ids.shape[1] - 1):
-        out = model(ids[:, t: t + 1], cache=cache, use_cache=True)
+        out = model(ids[:, t: t + 1], use_cache=True, **kw)
         logits.append(out.logits[:, -1])
     logp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)
     target = ids[:, prefix:]
