@@ -117,6 +117,7 @@ class OperandMapping:
 INJECTION_FORMATS = {"bf16": (torch.bfloat16, 7), "f16": (torch.float16, 10)}
 
 
+@functools.lru_cache(maxsize=64)  # launchers ask for it on every call
 def injection(operand: str, beta: int) -> OperandMapping:
     """Mantissa injection into ``operand`` ("bf16" or "f16") with offset ``beta`` (a power of two):
     ``y = q + beta`` for codes ``q < beta``."""

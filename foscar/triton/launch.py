@@ -81,16 +81,19 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
 def tuned_config(q: torch.Tensor, cache: QuantKVCache, G: int) -> dict:
     """The autotune cache's launch config for this call (``{}``: none tuned), keyed by GPU, format, GQA,
     page size and the batch and capacity buckets: host facts only, so no device read."""
-    from .. import autotune
     capacity = cache.page_table.block_table.shape[1] * cache.page_size
-    key = autotune.make_key("triton", torch.cuda.get_device_name(q.device), cache.fmt, G, cache.page_size,
-                            q.shape[0], capacity)
-    return _lookup(key)
+    index = q.device.index
+    if index is None:
+        index = torch.cuda.current_device() if q.device.type == "cuda" else 0
+    return _lookup(index, cache.fmt, G, cache.page_size, q.shape[0], capacity)
 
 
 @functools.lru_cache(maxsize=1024)
-def _lookup(key) -> dict:
+def _lookup(device_index: int, fmt, G: int, page: int, batch: int, capacity: int) -> dict:
+    """Looked up once per process and call shape: tuned files written later in the same process are not
+    seen (``_lookup.cache_clear()``)."""
     from .. import autotune
+    key = autotune.make_key("triton", torch.cuda.get_device_name(device_index), fmt, G, page, batch, capacity)
     return autotune.lookup(key)[0]
 
 
@@ -195,6 +198,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     return (out, lse) if (return_lse or lse is not None) else out
 
 
+@functools.lru_cache(maxsize=256)  # host time per call: a decode's constexprs are its format's
 def _injection_args(prefix: str, op, fmt) -> dict:
     """Constexprs of one product's operand injection, its pivot, and how the group's middle value is
     formed from the cache's stored ``z'``."""
