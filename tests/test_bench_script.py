@@ -481,5 +481,5 @@ def test_iters_below_five_are_refused():
         bd.parse_args(["--iters", "3"])
     args = bd.parse_args(["--bits", "4", "2", "2"])
     assert args.bits == (2, 4) and args.grid == "paper"
-    opt_in = ("foscar_cute", "flashinfer_fp8", "flashinfer_nvfp4", "fa4")  # v0 / peers / needs its own run: named
+    opt_in = ("foscar_cute", "foscar_cute_ws", "flashinfer_fp8", "flashinfer_nvfp4", "fa4")  # v0 / peers / needs its own run: named
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]

@@ -33,6 +33,23 @@ def test_compiles_for_sm90a(bits, head_dim):
     assert "fence.proxy.async" in ptx, "P^T stored to shared memory must be fenced before the wgmma reads it"
 
 
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", (2, 4))
+def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
+    """v1: one producer warpgroup issuing four TMA copies per tile (K and V words, their (s', z')), two
+    consumer warpgroups with the products of v0 each, register budgets moved by setmaxnreg, no spills."""
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim), 4, 64)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True).__ptx__
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == 4
+    mmas = WGMMA_RS.findall(ptx)
+    per_consumer = head_dim // 16 + (head_dim // 64) * 4
+    assert len(mmas) == 2 * per_consumer and len(re.findall(r"wgmma\.mma_async", ptx)) == len(mmas)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx)
+    assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)) == 2
+    assert "mbarrier.try_wait" in ptx or "mbarrier.wait" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
 @pytest.mark.parametrize("kw,what", [
     ({"k_axis": "channel"}, "token-wise K and V"), ({"group_size": 64}, "g = head_dim"),
 ])
@@ -48,10 +65,11 @@ def test_unsupported_configurations_say_why(kw, what):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("lens,G,num_splits,windows", [([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}),
                                                         ([300], 8, 1, {}), ([3000, 5], 4, 3, {"sink": 4, "recent": 100})])
-def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows):
+def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     from _helpers import bf16_attention, rel
     from test_triton import make
 
@@ -60,7 +78,7 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows):
     q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, lse=lse, num_splits=num_splits)
+    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=ws)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
@@ -71,7 +89,8 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
-def test_cuda_graph_replay_gpu():
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+def test_cuda_graph_replay_gpu(ws):
     """The kernel launches on torch's current stream, so a CUDA graph captures it: a replay over new
     query values gives the eager result bit for bit."""
     from test_triton import make
@@ -80,12 +99,12 @@ def test_cuda_graph_replay_gpu():
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
     q, cache = make(fmt, [5000, 700], Hkv=2, G=4, page=64, seed=3)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    decode(q, cache, out=out, num_splits=4)  # compile and warm up
+    decode(q, cache, out=out, num_splits=4, warp_specialized=ws)  # compile and warm up
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        decode(q, cache, out=out, num_splits=4)
+        decode(q, cache, out=out, num_splits=4, warp_specialized=ws)
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, decode(q, cache, num_splits=4))
+    assert torch.equal(out, decode(q, cache, num_splits=4, warp_specialized=ws))

@@ -12,6 +12,7 @@ each call and CUDA events around the call alone (median of ``--iters`` after ``-
 - ``flashinfer_fp8``      FlashInfer FP8 (e4m3) KV, tensor cores (a low-bit peer; opt-in with --kernels)
 - ``flashinfer_nvfp4``    FlashInfer NVFP4 KV, fa2 backend: INT4's bytes (a low-bit peer; opt-in, timing only)
 - ``foscar_cute``         the CuTe DSL sm_90a kernel (opt-in: v0, not yet the fastest everywhere)
+- ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups (opt-in)
 - ``fa4``                 FlashAttention-4 (flash_attn.cute) over an unpaged copy of the BF16 cache (opt-in;
                           needs cutlass-dsl, flash-attn-4 and quack: with the cutlass-dsl bundle they
                           exceed one command's carry next to FlashInfer, so they run in a command of
@@ -495,17 +496,19 @@ def build_foscar_quant(kernel: str):
     return build
 
 
-def build_foscar_cute(inp: QuantInputs, args) -> Runner:
-    """The CuTe DSL sm_90a kernel (issue 4); missing where cutlass-dsl is not installed."""
-    try:
-        from foscar.cute.launch import decode
-    except ImportError as e:
-        raise KernelMissing(f"import foscar.cute.launch failed: {type(e).__name__}: {e}") from e
-    out = _nan_like(inp.q)
-    kw = {"out": out}
-    if args.num_splits is not None:
-        kw["num_splits"] = args.num_splits
-    return Runner(lambda: decode(inp.q, inp.cache, **kw), out)
+def build_foscar_cute(warp_specialized: bool):
+    def build(inp: QuantInputs, args) -> Runner:
+        """The CuTe DSL sm_90a kernel (issue 4), v0 or v1; missing where cutlass-dsl is not installed."""
+        try:
+            from foscar.cute.launch import decode
+        except ImportError as e:
+            raise KernelMissing(f"import foscar.cute.launch failed: {type(e).__name__}: {e}") from e
+        out = _nan_like(inp.q)
+        kw = {"out": out, "warp_specialized": warp_specialized}
+        if args.num_splits is not None:
+            kw["num_splits"] = args.num_splits
+        return Runner(lambda: decode(inp.q, inp.cache, **kw), out)
+    return build
 
 
 def build_foscar_bf16(inp: Bf16Inputs, args) -> Runner:
@@ -616,7 +619,8 @@ class KernelSpec:
 KERNELS = {s.name: s for s in (
     KernelSpec("foscar_folded", "quant", build_foscar_quant("folded"), _foscar_unavailable),
     KernelSpec("foscar_reconstruct", "quant", build_foscar_quant("reconstruct"), _foscar_unavailable),
-    KernelSpec("foscar_cute", "quant", build_foscar_cute, _foscar_unavailable, default=False),  # v0: opt-in
+    KernelSpec("foscar_cute", "quant", build_foscar_cute(False), _foscar_unavailable, default=False),  # v0: opt-in
+    KernelSpec("foscar_cute_ws", "quant", build_foscar_cute(True), _foscar_unavailable, default=False),  # v1
     KernelSpec("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),
     KernelSpec("flashinfer_tc", "bf16", build_flashinfer(True)),
     KernelSpec("flashinfer", "bf16", build_flashinfer(False)),

@@ -1,8 +1,8 @@
-"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL, v0: one warpgroup per CTA, register prefetch.
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4), for token-wise K and V with one group
+per token (``g = D``), INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
 
-Work in progress for issue 4; compiled on the CPU by ``tests/test_cute_decode.py``, not yet run on a
-GPU, and not reachable from :mod:`foscar`'s public API. What it does, per CTA (batch entry, KV head,
-KV split), for token-wise K and V with one group per token (``g = D``):
+Per 64-token KV tile, one warpgroup computes (:meth:`FoldDecodeSm90._tile_step`, shared by both
+versions):
 
 - ``S^T = K Q^T`` on ``wgmma.m64n8k16`` with A from registers: each thread builds its 32-bit A
   registers from the packed words of the cache (:mod:`foscar.cute.fragment`: one funnel shift and
@@ -13,10 +13,12 @@ KV split), for token-wise K and V with one group per token (``g = D``):
 - ``O^T = V^T P'^T``, FP16 operands: ``P' = P s'_V / sigma`` (``sigma`` the largest ``|s'_V|`` so far,
   a power of two) stored to shared memory as the B operand, V^T built in registers like K;
   the offset correction kept per element and folded into the accumulator every ``FLUSH`` tiles;
-- the partial output and LSE of the split, in the layout :mod:`foscar.triton.combine` merges.
+- the partial output and LSE, in the layout :mod:`foscar.triton.combine` merges.
 
-Next steps (issue 4): TMA and a producer warpgroup, two consumer warpgroups, the other axis
-combinations, GPU validation.
+v0 (:class:`FoldDecodeSm90`, validated on the H200): one warpgroup per CTA (batch entry, KV head, KV
+split) loading the next tile's words into registers while it computes one. v1
+(:class:`FoldDecodeSm90WS`, compiled for sm_90a, not yet run on a GPU): a TMA producer warpgroup and two
+consumer warpgroups on alternating tiles. Next (issue 4): v1 on the GPU, the other axis combinations.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import BFloat16, Float16, Float32, Int32, Uint32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 from cutlass.memory import SmemAllocator
 
@@ -61,6 +63,10 @@ class Sm90Config:
     @property
     def k_words(self) -> int:  # per thread per tile
         return self.head_dim * self.bits // 64
+
+    @property
+    def tile_words(self) -> int:  # packed words of one tensor's 64-token tile (one KV head)
+        return TILE * self.head_dim * self.bits // 32
 
     @property
     def v_blocks(self) -> int:  # V pack blocks per tile
@@ -175,8 +181,6 @@ class FoldDecodeSm90:
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
-        per_word = 16 // cfg.bits
-        nib = 4 // cfg.bits
 
         # software pipeline: tile i+1's words and parameters are loaded (into the *_n registers) before
         # tile i is computed, so their latency hides behind its math
@@ -186,6 +190,8 @@ class FoldDecodeSm90:
         par_n = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         if t_lo < t_hi:
             self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, t_lo, kw_n, vw_n, par_n, warp, lane, tidx, row0)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         for tile in cutlass.range(t_lo, t_hi, unroll=1):
             t0 = tile * TILE
             for i in cutlass.range_constexpr(cfg.k_words):
@@ -198,128 +204,23 @@ class FoldDecodeSm90:
             if tile + 1 < t_hi:
                 self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, warp, lane, tidx,
                                 row0)
-            ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
-            vs0, vz0, vs1, vz1 = par[4], par[5], par[6], par[7]
-            valid0 = t0 + row0 < n
-            valid1 = t0 + row0 + 8 < n
-            if not valid0:  # rows past the length: whatever the page holds there must not reach P'
-                vs0 = Float32(0.0)
-                vz0 = Float32(0.0)
-            if not valid1:
-                vs1 = Float32(0.0)
-                vz1 = Float32(0.0)
-            # ---- S^T = K Q^T: K built in registers -------------------------------------------------------
-            for r in cutlass.range_constexpr(cute.size(tSrK_u32)):
-                w = Uint32(kw[r // per_word])
-                tSrK_u32[r] = _inject(w, cfg.bits * (r % per_word), cfg.k_shl, cfg.bits, cfg.k_pattern)
-            warpgroup.fence()
-            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
-                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # ---- acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled) --------------
-            a0 = ks0 * qk_scale
-            a1 = ks1 * qk_scale
-            e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
-            e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
-            # accS element e: column 2*quad + e % 2, row row0 + 8 * (e // 2)
-            s00 = (accS[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0
-            s01 = (accS[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0
-            s10 = (accS[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1
-            s11 = (accS[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1
-            if not valid0:
-                s00 = -Float32.inf
-                s01 = -Float32.inf
-            if not valid1:
-                s10 = -Float32.inf
-                s11 = -Float32.inf
-            # ---- column maxima and the tile's largest |s'_V|: lanes, then warps --------------------------
-            mx0 = cute.arch.fmax(s00, s10)
-            mx1 = cute.arch.fmax(s01, s11)
-            vmx = cute.arch.fmax(cute.arch.fmax(vs0, -vs0), cute.arch.fmax(vs1, -vs1))
-            for sh in cutlass.range_constexpr(3):
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
-                vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
-            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
-            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
-            buf = tile % 2
-            if lane < 4:
-                sRed[buf, warp, 2 * lane] = mx0
-                sRed[buf, warp, 2 * lane + 1] = mx1
-            if lane == 0:
-                sRed[buf, warp, HEADS] = vmx
-            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
-            tm0 = sRed[buf, 0, 2 * quad]
-            tm1 = sRed[buf, 0, 2 * quad + 1]
-            tv = sRed[buf, 0, HEADS]
-            for wi in cutlass.range_constexpr(1, 4):
-                tm0 = cute.arch.fmax(tm0, sRed[buf, wi, 2 * quad])
-                tm1 = cute.arch.fmax(tm1, sRed[buf, wi, 2 * quad + 1])
-                tv = cute.arch.fmax(tv, sRed[buf, wi, HEADS])
-            mn0 = cute.arch.fmax(m0, tm0)
-            mn1 = cute.arch.fmax(m1, tm1)
-            al0 = cute.math.exp2(m0 - mn0, fastmath=True)
-            al1 = cute.math.exp2(m1 - mn1, fastmath=True)
-            m0 = mn0
-            m1 = mn1
-            # sigma: a power of two >= every |s'_V| so far (P <= 1 keeps P' = P s'/sigma within FP16)
-            sig_new = sigma
-            while sig_new < tv:
-                sig_new = sig_new * 2.0
-            p00 = cute.math.exp2(s00 - mn0, fastmath=True)
-            p01 = cute.math.exp2(s01 - mn1, fastmath=True)
-            p10 = cute.math.exp2(s10 - mn0, fastmath=True)
-            p11 = cute.math.exp2(s11 - mn1, fastmath=True)
-            l_el[0] = l_el[0] * al0 + p00
-            l_el[1] = l_el[1] * al1 + p01
-            l_el[2] = l_el[2] * al0 + p10
-            l_el[3] = l_el[3] * al1 + p11
-            # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
-            r0 = vs0 / sig_new
-            r1 = vs1 / sig_new
-            q00 = Float16(p00 * r0)
-            q01 = Float16(p01 * r0)
-            q10 = Float16(p10 * r1)
-            q11 = Float16(p11 * r1)
-            vm0 = vz0 + cfg.v_mid * vs0
-            vm1 = vz1 + cfg.v_mid * vs1
-            cs = cfg.v_pivot * sig_new
-            c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
-            c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
-            c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
-            c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
-            sP[2 * quad, row0] = q00
-            sP[2 * quad + 1, row0] = q01
-            sP[2 * quad, row0 + 8] = q10
-            sP[2 * quad + 1, row0 + 8] = q11
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
-            # ---- O^T = V^T P'^T (acc in units of sigma), V^T built in registers ----------------------------
-            ratio = sigma / sig_new
-            for e in cutlass.range_constexpr(cute.size(accO)):
-                accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * ratio)
-            sigma = sig_new
-            for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
-                j = r % 4
-                mk = r // 4
-                mh = mk % cfg.mh
-                kb = mk // cfg.mh
-                w = Uint32(vw[mh, kb // nib])
-                tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
-            warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                cute.gemm(pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            if (tile - t_lo) % FLUSH == FLUSH - 1:
-                self._flush(c_el, accO, sSum, sigma, warp, lane, quad)
+            m0, m1, sigma = self._tile_step(
+                tile, t0, t_lo, n, kw, vw, par, m0, m1, sigma, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, accS, tOrV,
+                tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, qsum0, qsum1, qk_scale, warp, lane, quad, row0, 1)
 
-        self._flush(c_el, accO, sSum, sigma, warp, lane, quad)
-        l0, l1 = self._column_sums(l_el, sSum, warp, lane, quad)
+        self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split, warp, lane, quad, 1)
+
+    @cute.jit
+    def _epilogue(self, c_el: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor, sSum: cute.Tensor, sigma: Float32,
+                  m0: Float32, m1: Float32, thr_pv, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, warp, lane, quad,
+                  bar_id: cutlass.Constexpr):
+        """The last corrections, then the partial output ``acc / l`` and LSE (base 2) of one warpgroup's tiles
+        into partial slot ``split``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        G = cfg.group
+        self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
+        l0, l1 = self._column_sums(l_el, sSum, warp, lane, quad, bar_id)
         # ---- the split's partial output and LSE (base 2) ---------------------------------------------------
         inv0 = Float32(0.0)
         inv1 = Float32(0.0)
@@ -343,6 +244,140 @@ class FoldDecodeSm90:
                 mLP[b, kvh * G + 2 * quad, split] = lse0
             if 2 * quad + 1 < G:
                 mLP[b, kvh * G + 2 * quad + 1, split] = lse1
+
+    @cute.jit
+    def _tile_step(self, tile, t0, t_lo, n, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, m0: Float32,
+                   m1: Float32, sigma: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tSrK: cute.Tensor,
+                   tSrK_u32: cute.Tensor, tSrQ: cute.Tensor, accS: cute.Tensor, tOrV: cute.Tensor, tOrV_u32: cute.Tensor,
+                   tOrP: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor, c_el: cute.Tensor, sRed: cute.Tensor,
+                   sSum: cute.Tensor, sP: cute.Tensor, qsum0: Float32, qsum1: Float32, qk_scale: Float32, warp, lane,
+                   quad, row0, bar_id: cutlass.Constexpr):
+        """One KV tile for one warpgroup, from its packed words and ``(s', z')`` in registers (``kw``, ``vw``,
+        ``par``): S^T = K Q^T with the acc-fold of token-wise K, the online softmax (state ``m0, m1`` and
+        ``l_el`` per element), P' = P s'_V / sigma to shared memory, O^T += V^T P'^T, and the offset
+        corrections per element, folded into ``accO`` every ``FLUSH`` tiles. Returns ``(m0, m1, sigma)``.
+        ``bar_id``: the warpgroup's named barrier."""
+        cfg = self.cfg
+        per_word = 16 // cfg.bits
+        nib = 4 // cfg.bits
+        ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
+        vs0, vz0, vs1, vz1 = par[4], par[5], par[6], par[7]
+        valid0 = t0 + row0 < n
+        valid1 = t0 + row0 + 8 < n
+        if not valid0:  # rows past the length: whatever the page holds there must not reach P'
+            vs0 = Float32(0.0)
+            vz0 = Float32(0.0)
+        if not valid1:
+            vs1 = Float32(0.0)
+            vz1 = Float32(0.0)
+        # ---- S^T = K Q^T: K built in registers -------------------------------------------------------
+        for r in cutlass.range_constexpr(cute.size(tSrK_u32)):
+            w = Uint32(kw[r // per_word])
+            tSrK_u32[r] = _inject(w, cfg.bits * (r % per_word), cfg.k_shl, cfg.bits, cfg.k_pattern)
+        accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the caller: no state set in here)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+            cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        # ---- acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled) --------------
+        a0 = ks0 * qk_scale
+        a1 = ks1 * qk_scale
+        e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
+        e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
+        # accS element e: column 2*quad + e % 2, row row0 + 8 * (e // 2)
+        s00 = (accS[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0
+        s01 = (accS[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0
+        s10 = (accS[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1
+        s11 = (accS[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1
+        if not valid0:
+            s00 = -Float32.inf
+            s01 = -Float32.inf
+        if not valid1:
+            s10 = -Float32.inf
+            s11 = -Float32.inf
+        # ---- column maxima and the tile's largest |s'_V|: lanes, then warps --------------------------
+        mx0 = cute.arch.fmax(s00, s10)
+        mx1 = cute.arch.fmax(s01, s11)
+        vmx = cute.arch.fmax(cute.arch.fmax(vs0, -vs0), cute.arch.fmax(vs1, -vs1))
+        for sh in cutlass.range_constexpr(3):
+            mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
+            mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
+            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
+        vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
+        vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
+        buf = tile % 2
+        if lane < 4:
+            sRed[buf, warp, 2 * lane] = mx0
+            sRed[buf, warp, 2 * lane + 1] = mx1
+        if lane == 0:
+            sRed[buf, warp, HEADS] = vmx
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+        tm0 = sRed[buf, 0, 2 * quad]
+        tm1 = sRed[buf, 0, 2 * quad + 1]
+        tv = sRed[buf, 0, HEADS]
+        for wi in cutlass.range_constexpr(1, 4):
+            tm0 = cute.arch.fmax(tm0, sRed[buf, wi, 2 * quad])
+            tm1 = cute.arch.fmax(tm1, sRed[buf, wi, 2 * quad + 1])
+            tv = cute.arch.fmax(tv, sRed[buf, wi, HEADS])
+        mn0 = cute.arch.fmax(m0, tm0)
+        mn1 = cute.arch.fmax(m1, tm1)
+        al0 = cute.math.exp2(m0 - mn0, fastmath=True)
+        al1 = cute.math.exp2(m1 - mn1, fastmath=True)
+        m0 = mn0
+        m1 = mn1
+        # sigma: a power of two >= every |s'_V| so far (P <= 1 keeps P' = P s'/sigma within FP16)
+        sig_new = sigma
+        while sig_new < tv:
+            sig_new = sig_new * 2.0
+        p00 = cute.math.exp2(s00 - mn0, fastmath=True)
+        p01 = cute.math.exp2(s01 - mn1, fastmath=True)
+        p10 = cute.math.exp2(s10 - mn0, fastmath=True)
+        p11 = cute.math.exp2(s11 - mn1, fastmath=True)
+        l_el[0] = l_el[0] * al0 + p00
+        l_el[1] = l_el[1] * al1 + p01
+        l_el[2] = l_el[2] * al0 + p10
+        l_el[3] = l_el[3] * al1 + p11
+        # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
+        r0 = vs0 / sig_new
+        r1 = vs1 / sig_new
+        q00 = Float16(p00 * r0)
+        q01 = Float16(p01 * r0)
+        q10 = Float16(p10 * r1)
+        q11 = Float16(p11 * r1)
+        vm0 = vz0 + cfg.v_mid * vs0
+        vm1 = vz1 + cfg.v_mid * vs1
+        cs = cfg.v_pivot * sig_new
+        c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
+        c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
+        c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
+        c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
+        sP[2 * quad, row0] = q00
+        sP[2 * quad + 1, row0] = q01
+        sP[2 * quad, row0 + 8] = q10
+        sP[2 * quad + 1, row0 + 8] = q11
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+        # ---- O^T = V^T P'^T (acc in units of sigma), V^T built in registers ----------------------------
+        ratio = sigma / sig_new
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * ratio)
+        sigma = sig_new
+        for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
+            j = r % 4
+            mk = r // 4
+            mh = mk % cfg.mh
+            kb = mk // cfg.mh
+            w = Uint32(vw[mh, kb // nib])
+            tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+            cute.gemm(pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        if (tile - t_lo) % FLUSH == FLUSH - 1:
+            self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
+        return m0, m1, sigma
 
     @cute.jit
     def _load_tile(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor,
@@ -369,7 +404,7 @@ class FoldDecodeSm90:
                 par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
 
     @cute.jit
-    def _column_sums(self, el: cute.Tensor, sSum: cute.Tensor, warp, lane, quad):
+    def _column_sums(self, el: cute.Tensor, sSum: cute.Tensor, warp, lane, quad, bar_id: cutlass.Constexpr):
         """Sums over a tile's 64 token rows of per-element values ``el`` (element e: column 2*quad + e%2):
         lanes sharing the columns, then the four warps through shared memory."""
         c0 = el[0] + el[2]
@@ -377,22 +412,237 @@ class FoldDecodeSm90:
         for sh in cutlass.range_constexpr(3):
             c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 4 << sh)
             c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 4 << sh)
-        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # earlier readers of sSum are done
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)  # earlier readers of sSum are done
         if lane < 4:
             sSum[warp, 2 * lane] = c0
             sSum[warp, 2 * lane + 1] = c1
-        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
         t0 = sSum[0, 2 * quad] + sSum[1, 2 * quad] + sSum[2, 2 * quad] + sSum[3, 2 * quad]
         t1 = sSum[0, 2 * quad + 1] + sSum[1, 2 * quad + 1] + sSum[2, 2 * quad + 1] + sSum[3, 2 * quad + 1]
         return t0, t1
 
     @cute.jit
-    def _flush(self, c_el: cute.Tensor, accO: cute.Tensor, sSum: cute.Tensor, sigma: Float32, warp, lane, quad):
+    def _flush(self, c_el: cute.Tensor, accO: cute.Tensor, sSum: cute.Tensor, sigma: Float32, warp, lane, quad,
+               bar_id: cutlass.Constexpr):
         """The offset corrections gathered per element join the accumulator (units of sigma)."""
-        c0, c1 = self._column_sums(c_el, sSum, warp, lane, quad)
+        c0, c1 = self._column_sums(c_el, sSum, warp, lane, quad, bar_id)
         for e in cutlass.range_constexpr(cute.size(accO)):
             accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
         c_el.fill(0.0)
+
+
+STAGES = 4  # shared-memory stages per consumer warpgroup (v1)
+CONSUMERS = 2  # consumer warpgroups per CTA (v1), on alternating KV tiles
+
+
+class FoldDecodeSm90WS(FoldDecodeSm90):
+    """v1: warp-specialized. Warpgroup 0 is the producer: one thread walks the split's KV tiles through the
+    page table and issues TMA copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and
+    its ``(s', z')`` into a ``STAGES``-deep shared-memory ring per consumer, each stage guarded by a full
+    and an empty mbarrier (exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating
+    tiles: each waits for its stage, copies its words and parameters into registers, frees the stage and
+    runs v0's tile step (:meth:`FoldDecodeSm90._tile_step`) with its own online-softmax state and
+    accumulators. Each consumer writes its own partial (``split * CONSUMERS + c``); the LSE combine merges
+    them with the other splits'. ``setmaxnreg`` moves registers from the producer to the consumers."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                 mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
+        cfg = self.cfg
+        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+        sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+        # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
+        # (s', z') (TILE x 2 floats), by (tile in page, KV head, page)
+        chunk = cfg.tile_words
+        ci = min(chunk, 256)
+        co = chunk // ci
+        tpp = cfg.page // TILE
+        words = cute.make_layout((ci, co), stride=(1, ci))
+        pars = cute.make_layout(2 * TILE)
+        atoms = []
+        for m in (mKC, mVC):
+            g = cute.make_tensor(m.iterator, cute.make_layout(
+                (ci, co, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
+                stride=(1, ci, chunk, m.stride[1], m.stride[0])))
+            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
+        for m in (mKP, mVP):
+            g = cute.make_tensor(m.iterator, cute.make_layout(
+                (2 * TILE, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
+                stride=(1, 2 * TILE, m.stride[1], m.stride[0])))
+            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, pars, (2 * TILE,)))
+        batch = cute.size(mQ, mode=[0])
+        kv_heads = cute.size(mKC, mode=[1])
+        self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mNQ, mOP, mLP,
+                       qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                                        stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+                  sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
+                  tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
+                  tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor,
+                  mLP: cute.Tensor, qk_scale: Float32):
+        cfg = self.cfg
+        D = cfg.head_dim
+        G = cfg.group
+        chunk = cfg.tile_words
+        ci = min(chunk, 256)
+        co = chunk // ci
+        slots = STAGES * CONSUMERS
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, b, split = cute.arch.block_idx()
+        n_splits = cute.arch.grid_dim()[2]
+        wg = cute.arch.make_warp_uniform(tidx // THREADS)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)  # set once, before any branch (the tile step zeroes accS)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        smem = SmemAllocator()
+        sK = smem.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
+                                  byte_alignment=128)
+        sV = smem.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
+                                  byte_alignment=128)
+        sKP = smem.allocate_tensor(Float32, cute.make_layout((2 * TILE, slots)), byte_alignment=128)
+        sVP = smem.allocate_tensor(Float32, cute.make_layout((2 * TILE, slots)), byte_alignment=128)
+        full = smem.allocate_array(Int64, slots)
+        empty = smem.allocate_array(Int64, slots)
+        sQ = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sQsum = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sP0 = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sP1 = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sRed0 = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
+        sRed1 = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
+        sSum0 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sSum1 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(slots):
+                cute.arch.mbarrier_init(full + i, 1)
+                cute.arch.mbarrier_init(empty + i, THREADS)
+        cute.arch.mbarrier_init_fence()
+        # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
+        if wg == 0:
+            for h in cutlass.range_constexpr(HEADS):
+                for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
+                    d = d0 * THREADS + tidx
+                    if d < D:
+                        val = BFloat16(0.0)
+                        if h < G:
+                            val = mQ[b, kvh * G + h, d]
+                        sQ[h, d] = val
+        cute.arch.sync_threads()
+        if tidx < HEADS:
+            acc_q = Float32(0.0)
+            for d in cutlass.range(D, unroll=8):
+                acc_q += Float32(sQ[tidx, d])
+            sQsum[tidx] = acc_q
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        n = mNQ[b]
+        n_tiles = (n + TILE - 1) // TILE
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = split * per
+        t_hi = cutlass.min(t_lo + per, n_tiles)
+        if wg == 0:  # ---- producer ----------------------------------------------------------------------
+            cute.arch.setmaxregister_decrease(40)
+            gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
+            gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
+            gKP = cute.local_tile(tma_kp, (2 * TILE,), (0, None, None, None))
+            gVP = cute.local_tile(tma_vp, (2 * TILE,), (0, None, None, None))
+            one = cute.make_layout(1)
+            tKs, tKg = cpasync.tma_partition(atom_kc, 0, one, sK, cute.group_modes(gKC, 0, 2))
+            tVs, tVg = cpasync.tma_partition(atom_vc, 0, one, sV, cute.group_modes(gVC, 0, 2))
+            tKPs, tKPg = cpasync.tma_partition(atom_kp, 0, one, sKP, cute.group_modes(gKP, 0, 1))
+            tVPs, tVPg = cpasync.tma_partition(atom_vp, 0, one, sVP, cute.group_modes(gVP, 0, 1))
+            if tidx == 0:
+                for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                    i = tile - t_lo
+                    k = i // CONSUMERS
+                    slot = (i % CONSUMERS) * STAGES + k % STAGES
+                    cute.arch.mbarrier_wait(empty + slot, ((k // STAGES) % 2) ^ 1)  # a fresh stage passes
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + slot, 2 * chunk * 4 + 2 * (2 * TILE) * 4)
+                    t0 = tile * TILE
+                    page = mBT[b, t0 // cfg.page]
+                    tip = (t0 % cfg.page) // TILE
+                    cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(atom_kp, tKPg[(None, tip, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(atom_vp, tVPg[(None, tip, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
+        for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
+            if wg == c + 1:
+                cute.arch.setmaxregister_increase(232)
+                self._consume(c, qk_mma, pv_mma, sK, sV, sKP, sVP, full, empty, sQ, sQsum,
+                              sP0 if c == 0 else sP1, sRed0 if c == 0 else sRed1, sSum0 if c == 0 else sSum1,
+                              mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
+
+    @cute.jit
+    def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sK: cute.Tensor,
+                 sV: cute.Tensor, sKP: cute.Tensor, sVP: cute.Tensor, full, empty, sQ: cute.Tensor,
+                 sQsum: cute.Tensor, sP: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, mOP: cute.Tensor,
+                 mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n, qk_scale: Float32):
+        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        ctid = tidx - THREADS * (c + 1)
+        warp = ctid // 32
+        lane = ctid % 32
+        quad = lane % 4
+        row0 = 16 * warp + lane // 4
+        qsum0 = sQsum[2 * quad]
+        qsum1 = sQsum[2 * quad + 1]
+        thr_qk = qk_mma.get_slice(ctid)
+        tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
+        tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
+        tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        thr_pv = pv_mma.get_slice(ctid)
+        tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
+        tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
+        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
+        accO.fill(0.0)
+        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+        par = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        l_el.fill(0.0)
+        c_el.fill(0.0)
+        m0 = -Float32.inf
+        m1 = -Float32.inf
+        sigma = Float32(1.0)
+        kwpb = words_per_block(cfg.bits, D, "k")
+        vwpb = words_per_block(cfg.bits, D, "v")
+        for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
+            k = (tile - t_lo) // CONSUMERS
+            slot = c * STAGES + k % STAGES
+            cute.arch.mbarrier_wait(full + slot, (k // STAGES) % 2)
+            kbase = warp * kwpb + lane * cfg.k_words  # this thread's words (foscar.cute.fragment)
+            for i in cutlass.range_constexpr(cfg.k_words):
+                kw[i] = sK[(kbase + i, slot)]
+            for vb in cutlass.range_constexpr(cfg.v_blocks):
+                for mh in cutlass.range_constexpr(cfg.mh):
+                    vw[mh, vb] = sV[(vb * vwpb + ctid * cfg.mh + mh, slot)]
+            for r in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(2):
+                    par[2 * r + j] = sKP[(row0 + 8 * r) * 2 + j, slot]
+                    par[4 + 2 * r + j] = sVP[(row0 + 8 * r) * 2 + j, slot]
+            cute.arch.mbarrier_arrive(empty + slot)  # the stage is in registers: the producer may refill it
+            m0, m1, sigma = self._tile_step(
+                k, tile * TILE, 0, n, kw, vw, par, m0, m1, sigma, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, accS, tOrV,
+                tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, qsum0, qsum1, qk_scale, warp, lane, quad, row0,
+                1 + c)
+        self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split * CONSUMERS + c,
+                       warp, lane, quad, 1 + c)
 
 
 def config_for(fmt, group: int, page: int) -> Sm90Config:
@@ -415,9 +665,10 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
                       float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]))
 
 
-def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False):
+def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False):
     """Compile the kernel for ``cfg`` (on any machine: set ``CUTE_DSL_ARCH=sm_90a`` without a GPU), with
-    placeholder tensors of the right dtypes and ranks. Returns the compiled function."""
+    placeholder tensors of the right dtypes and ranks: v0, or v1 (``warp_specialized``: TMA producer and
+    two consumer warpgroups). Returns the compiled function."""
     import torch
 
     B, Hkv, pages, S = 2, 2, 4, 3
@@ -435,7 +686,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False):
     }
     args = [as_cute(x) for x in t.values()]
     fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
-    return fn(FoldDecodeSm90(cfg), *args, Float32(1.0), Int32(S), make_fake_stream())
+    kernel = FoldDecodeSm90WS(cfg) if warp_specialized else FoldDecodeSm90(cfg)
+    return fn(kernel, *args, Float32(1.0), Int32(S), make_fake_stream())
 
 
 def as_cute(x):
