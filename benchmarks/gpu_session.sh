@@ -26,7 +26,14 @@ case "$step" in
     bundle="${2:?cute needs the cutlass-dsl bundle folder (install-cute-dsl.sh beside it)}"
     bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
     python3 -m pytest -q -s tests/test_cute_decode.py tests/test_cute_fragment.py > "$OUT/cute.log" 2>&1
-    grep -E "error|passed|failed" "$OUT/cute.log" | tail -12 ;;
+    grep -E "error|passed|failed" "$OUT/cute.log" | tail -12
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for kind in cute cute_ws; do for tool in memcheck racecheck synccheck; do
+      timeout 120 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
+        > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
+    done; done
+    python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
+      --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log" ;;
   tune)
     python3 -m foscar.tune --preset paper --bits 2 4 --out tuning/configs > "$OUT/tune.md" 2> "$OUT/tune.log"
     tail -30 "$OUT/tune.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;

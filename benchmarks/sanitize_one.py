@@ -2,6 +2,9 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize_one.py cute
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/sanitize_one.py triton
+    compute-sanitizer --tool synccheck --error-exitcode 1 python3 benchmarks/sanitize_one.py cute_ws
+
+(``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
 
 A paged INT4 cache, lengths ending mid-tile and mid-page (one of a single token), BF16 windows, and more
 splits than some sequences have tiles. Prints the error against the float64 oracle.
@@ -22,7 +25,11 @@ def main(backend: str) -> None:
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
-    out = foscar.decode(q, cache, backend=backend, num_splits=5)
+    if backend == "cute_ws":  # the warp-specialized CuTe kernel (v1)
+        from foscar.cute.launch import decode
+        out = decode(q, cache, num_splits=5, warp_specialized=True)
+    else:
+        out = foscar.decode(q, cache, backend=backend, num_splits=5)
     torch.cuda.synchronize()
     print(f"{backend}: error {rel_l2(out, foscar.decode_exact(q, cache)):.3e}")
 

@@ -59,6 +59,15 @@ class Sm90Config:
     v_shl: int
     v_pivot: float
     v_mid: float
+    sink: int = 0  # the format's BF16 windows: the kernel derives each sequence's quantized length
+    recent: int = 0
+
+    @cute.jit
+    def quantized_length(self, L):
+        """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it
+        (token-wise K and V: nothing waits for a group)."""
+        rest = L - cutlass.min(L, self.sink) - self.recent
+        return cutlass.max(rest, 0)
 
     @property
     def k_words(self) -> int:  # per thread per tile
@@ -91,7 +100,7 @@ class FoldDecodeSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                 mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
                  num_splits: Int32, stream: cuda.CUstream):
         """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
         graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
@@ -107,13 +116,13 @@ class FoldDecodeSm90:
         sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
-        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mNQ, mOP, mLP,
+        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP,
                     qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor,
-               mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor,
+               mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
                mLP: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         D = cfg.head_dim
@@ -154,7 +163,7 @@ class FoldDecodeSm90:
         qsum1 = sQsum[2 * quad + 1]
 
         # ---- the split's tiles ------------------------------------------------------------------------
-        n = mNQ[b]
+        n = cfg.quantized_length(mSEQ[b])
         n_tiles = (n + TILE - 1) // TILE
         per = (n_tiles + n_splits - 1) // n_splits
         t_lo = split * per
@@ -447,7 +456,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                 mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
                  num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
@@ -480,7 +489,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
-                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mNQ, mOP, mLP,
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP,
                        qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
                                         stream=stream, min_blocks_per_mp=1)
 
@@ -488,7 +497,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
     def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
-                  tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mNQ: cute.Tensor, mOP: cute.Tensor,
+                  tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
                   mLP: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         D = cfg.head_dim
@@ -546,7 +555,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        n = mNQ[b]
+        n = cfg.quantized_length(mSEQ[b])
         n_tiles = (n + TILE - 1) // TILE
         per = (n_tiles + n_splits - 1) // n_splits
         t_lo = split * per
@@ -662,7 +671,8 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     k = _injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt)
     v = _injection_args("V", operand_for(torch.float16, fmt.bits), fmt)
     return Sm90Config(fmt.bits, fmt.head_dim, page, group, k["K_PATTERN"], k["K_SHL"], float(k["K_PIVOT"]),
-                      float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]))
+                      float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]),
+                      fmt.sink, fmt.recent)
 
 
 def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False):
@@ -680,7 +690,7 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         "kp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
         "vp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
         "bt": torch.zeros(B, pages, dtype=torch.int32),
-        "nq": torch.zeros(B, dtype=torch.int32),
+        "seq": torch.zeros(B, dtype=torch.int32),
         "op": torch.zeros(B, Hkv * cfg.group, S, D, dtype=torch.float32),
         "lp": torch.zeros(B, Hkv * cfg.group, S, dtype=torch.float32),
     }

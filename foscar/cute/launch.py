@@ -61,9 +61,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     parts = per_split * num_splits + num_window_parts(fmt)  # the BF16 windows: partials after the splits
     o_part = torch.empty(B, q.shape[1], parts, fmt.head_dim, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, q.shape[1], parts, dtype=torch.float32, device=q.device)
-    _, n_quant, _ = cache.split()
     tensors = (q.contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
-               cache.page_table.block_table, n_quant.to(torch.int32), o_part, l_part)
+               cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part)  # lengths: read on device
     qk_scale = sm_scale * 1.4426950408889634
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)  # graph capture sees the launch
     _compiled(cfg, warp_specialized)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits), stream)
