@@ -31,7 +31,7 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
                    max_registers=None, prefetch=1, fused_combine=True):
-    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=8, BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
+    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
                       K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
                       SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush, PV_F16=True,
                       FOLD=fold, INTERPRET=False, PREFETCH=prefetch, FUSED_COMBINE=fused_combine, WINDOWS=0,
@@ -84,10 +84,11 @@ def main():
     p.add_argument("--reconstruct", action="store_true", help="the per-value reconstruction kernel instead")
     p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (maxnreg)")
     p.add_argument("--prefetch", type=int, default=1, choices=(1, 2), help="KV tiles in flight")
+    p.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
     p.add_argument("--separate-combine", action="store_true", help="without the split merge in the epilogue")
     a = p.parse_args()
     fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    k = compile_stage1(fmt, block_n=a.block_n, num_warps=a.num_warps, fold=not a.reconstruct,
+    k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
                        max_registers=a.max_registers, prefetch=a.prefetch, fused_combine=not a.separate_combine)
     total, mix = loop_mix(k)
     res = resources(k)

@@ -13,27 +13,28 @@ from foscar.format import KVFormat
 from foscar.triton.launch import max_registers
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = [(4, "token", "token", 128, 128, 1), (2, "token", "token", 128, 128, 1), (4, "token", "channel", 128, 128, 1),
-         (2, "channel", "channel", 128, 128, 1), (4, "token", "token", 64, 64, 1), (2, "token", "token", 128, 128, 2)]
+CASES = [(4, "token", "token", 128, 128, 1, 4), (2, "token", "token", 128, 128, 1, 4),
+         (4, "token", "channel", 128, 128, 1, 4), (2, "channel", "channel", 128, 128, 1, 4),
+         (4, "token", "token", 64, 64, 1, 4), (2, "token", "token", 128, 128, 2, 4), (2, "token", "token", 128, 128, 1, 8)]
 
 
-def compiled_resources(bits, k_axis, v_axis, group, head_dim, cap, prefetch=1):
+def compiled_resources(bits, k_axis, v_axis, group, head_dim, cap, prefetch=1, gqa=4):
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sass_stats.py"), "--bits", str(bits), "--k-axis", k_axis,
            "--v-axis", v_axis, "--group-size", str(group), "--head-dim", str(head_dim), "--max-registers", str(cap),
-           "--prefetch", str(prefetch)]
+           "--prefetch", str(prefetch), "--gqa", str(gqa)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     regs, stack = re.search(r"(\d+) registers, (\d+) stack bytes", out.stdout).groups()
     return int(regs), int(stack)
 
 
-@pytest.mark.parametrize("bits,k_axis,v_axis,group,head_dim,prefetch", CASES)
-def test_register_cap_does_not_spill(bits, k_axis, v_axis, group, head_dim, prefetch):
+@pytest.mark.parametrize("bits,k_axis,v_axis,group,head_dim,prefetch,gqa", CASES)
+def test_register_cap_does_not_spill(bits, k_axis, v_axis, group, head_dim, prefetch, gqa):
     fmt = KVFormat(bits=bits, head_dim=head_dim, group_size=group, k_axis=k_axis, v_axis=v_axis)
-    cap = max_registers(fmt, prefetch)
+    cap = max_registers(fmt, prefetch, gqa)
     assert cap == 128
-    regs, stack = compiled_resources(bits, k_axis, v_axis, group, head_dim, cap, prefetch)
+    regs, stack = compiled_resources(bits, k_axis, v_axis, group, head_dim, cap, prefetch, gqa)
     assert regs <= cap and stack == 0, (regs, stack)
 
 
@@ -44,3 +45,5 @@ def test_no_cap_where_it_would_spill(k_axis, v_axis, group, head_dim):
     fmt = KVFormat(bits=4, head_dim=head_dim, group_size=group, k_axis=k_axis, v_axis=v_axis)
     assert max_registers(fmt) is None
     assert max_registers(KVFormat(bits=4, head_dim=128, group_size=128), prefetch=2) is None
+    for bits, gqa in ((4, 8), (4, 16), (2, 16), (4, 32), (2, 32)):  # measured: 16-592 stack bytes under the cap
+        assert max_registers(KVFormat(bits=bits, head_dim=128, group_size=128), gqa=gqa) is None

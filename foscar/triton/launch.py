@@ -111,15 +111,17 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return max(1, splits)
 
 
-def max_registers(fmt, prefetch: int = 1) -> int | None:
+def max_registers(fmt, prefetch: int = 1, gqa: int = 4) -> int | None:
     """The folded kernel's register cap: 128 (four 4-warp programs per SM instead of three) where ptxas
     fits it without spilling (``benchmarks/sass_stats.py --max-registers 128``, Triton 3.8): head dim
-    <= 128, with token-wise groups spanning the head dim, or channel-wise K and V; with two tiles in
-    flight (``prefetch=2``), INT2 only. Elsewhere: no cap."""
+    <= 128, with token-wise groups spanning the head dim, or channel-wise K and V; up to 4 query heads
+    per KV head (8 at INT2); with two tiles in flight (``prefetch=2``), INT2 only. Elsewhere: no cap
+    (at 16 and 32 query heads per KV head the cap spilled 40-592 bytes per thread)."""
     D = fmt.head_dim
     k_fits = (fmt.k_axis == "token" and fmt.group_size >= D) or fmt.v_axis == fmt.k_axis == "channel"
     v_fits = fmt.v_axis == "channel" or fmt.group_size >= D
-    fits = D <= 128 and k_fits and v_fits and (prefetch == 1 or fmt.bits == 2)
+    gqa_fits = gqa <= 4 or (gqa <= 8 and fmt.bits == 2)
+    fits = D <= 128 and k_fits and v_fits and gqa_fits and (prefetch == 1 or fmt.bits == 2)
     return 128 if fits else None
 
 
@@ -174,7 +176,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     bt = cache.page_table.block_table
-    cap = max_registers(fmt, prefetch) if num_warps == 4 and kernel == "folded" else None
+    cap = max_registers(fmt, prefetch, G) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
     if fused_combine:  # the windows' partials first: stage 1's last split merges them
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
