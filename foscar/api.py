@@ -148,13 +148,17 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
     cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous),
                               (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
                                k_sink, v_sink, k_recent, v_recent))
-    splits = None if num_splits <= 0 else num_splits
+    _run_backend(backend, q, cache, out, lse, sm_scale, None if num_splits <= 0 else num_splits)
+
+
+def _run_backend(backend: str, q, cache: QuantKVCache, out, lse, sm_scale: float, num_splits: int | None) -> None:
+    """Write ``out`` and ``lse`` with the chosen backend (inputs validated by the caller)."""
     if backend == "triton":
         from .triton import decode as triton_decode
-        triton_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=splits)
+        triton_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=num_splits)
     elif backend == "cute":
         from .cute.launch import decode as cute_decode
-        cute_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=splits)
+        cute_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=num_splits)
     else:
         from .fold import decode_folded
         o, l_ = decode_folded(q, cache, sm_scale=sm_scale, operand_dtype=torch.bfloat16,
@@ -248,7 +252,10 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     want_lse = return_lse or lse is not None
     out, lse = decode_out_buffers(q, out, lse, True)
-    torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))
+    if torch.compiler.is_compiling():  # the custom op: what torch.compile traces
+        torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))
+    else:  # eager: the same implementation without the dispatcher's host time
+        _run_backend(chosen, q, cache, out, lse, sm_scale, num_splits)
     return (out, lse) if want_lse else out
 
 
