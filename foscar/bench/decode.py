@@ -837,8 +837,10 @@ def measure(spec: KernelSpec, inputs, ref: SliceRef | None, args, flush: torch.T
     except Exception as e:
         return {"status": f"error: building: {_short(e)}"}
     try:
+        t0 = time.perf_counter()
         returned = runner.fn()
         torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0  # compiles (JIT) on a configuration's first call
     except Exception as e:
         return {"status": f"missing: {_short(e)}" if spec.unavailable(e) else f"error: first call: {_short(e)}"}
     if runner.judged is not None:  # timed as a peer, its output not held to BF16 attention's error
@@ -846,6 +848,7 @@ def measure(spec: KernelSpec, inputs, ref: SliceRef | None, args, flush: torch.T
         fields = {"status": "ok", "note": runner.judged, "nonfinite": int((~torch.isfinite(out)).sum())}
     else:
         fields = check_output(runner.output(returned), ref, args.shape_factor) if ref is not None else {"status": "ok"}
+    fields["first_call_s"] = first_call_s
     try:
         fields["host_sync"] = syncs_with_host(runner.fn)
         fn = as_graph(runner.fn) if args.cuda_graph else runner.fn
