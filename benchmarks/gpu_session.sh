@@ -8,6 +8,11 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune             # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy         # the stress study on the GPU backends
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
+#                                                                #   the cute step on the same warm machine)
+#
+# Each step also packs its outputs into $OUT/<step>.tgz: a reply brings back a limited number of files.
 #
 # The install steps take the offline bundles described in ../shared/device/README.md (cutlass-dsl) and
 # benchmarks/bench_decode.py's docstring (FlashInfer wheels).
@@ -16,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy}"
+step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)
     python3 -m pytest -q tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
@@ -49,6 +54,19 @@ case "$step" in
   accuracy)
     python3 -m foscar.bench.cli accuracy --backend triton --out "$OUT/accuracy-triton" > "$OUT/accuracy.log" 2>&1
     tail -14 "$OUT/accuracy.log" ;;
+  heads)
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?heads needs the FlashInfer wheels folder}"/*.whl
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    for h in 32:1 32:2 32:4 32:8 32:16 32:32; do  # the first run JIT-compiles FlashInfer's module per head ratio
+      python3 -m foscar.bench.decode --shapes 8:128K --heads $h --cuda-graph --kernels foscar_folded flashinfer_tc \
+        --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1; echo "$h rc=$?"
+    done
+    python3 -m foscar.bench.cli plot "$OUT"/heads/*/bench_decode.json --out "$OUT/heads" --name heads ;;
+  fa4)
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?fa4 needs the flash-attn-4, quack and tvm-ffi wheels}"/*.whl
+    python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded cudnn_sdpa fa4 --out "$OUT/fa4" \
+      > "$OUT/fa4.log" 2>&1; grep "done in" "$OUT/fa4.log" ;;
   *)
     echo "unknown step $step" >&2; exit 2 ;;
 esac
+tar czf "$OUT/$step.tgz" -C "$OUT" --exclude="*.tgz" . 2>/dev/null
