@@ -64,7 +64,8 @@ def _cute_status(dev, fmt, gqa, page_size) -> BackendStatus:
             config_for(fmt, gqa or 1, page_size or 64)
         except UnsupportedError as e:
             return BackendStatus("cute", False, str(e))
-    return BackendStatus("cute", True, "CuTe DSL sm_90a kernel (not yet validated on a GPU: explicit choice only)")
+    return BackendStatus("cute", True, "CuTe DSL sm_90a kernel (explicit choice only: not yet faster than Triton "
+                                       "on every shape)")
 
 
 def _triton_status(dev, fmt) -> BackendStatus:

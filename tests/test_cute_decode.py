@@ -33,6 +33,20 @@ def test_compiles_for_sm90a(bits, head_dim):
     assert "fence.proxy.async" in ptx, "P^T stored to shared memory must be fenced before the wgmma reads it"
 
 
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (128, 256)])
+@pytest.mark.parametrize("bits", (2, 4))
+def test_channel_wise_k_compiles_for_sm90a(bits, head_dim, page, ws):
+    """Channel-wise K (KIVI's axes, with token-wise V): the operand-fold Q' = Q s' rebuilt per token group
+    in shared memory; the same products, no spills; pages shorter or longer than a group."""
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis="channel"), 4, page)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
+    consumers = 2 if ws else 1
+    assert len(WGMMA_RS.findall(ptx)) == consumers * (head_dim // 16 + (head_dim // 64) * 4)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if ws else 0)
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("bits", (2, 4))
 def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
@@ -51,7 +65,7 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
 
 
 @pytest.mark.parametrize("kw,what", [
-    ({"k_axis": "channel"}, "token-wise K and V"), ({"group_size": 64}, "g = head_dim"),
+    ({"v_axis": "channel"}, "token-wise V"), ({"group_size": 64}, "g = head_dim"),
 ])
 def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
@@ -67,8 +81,10 @@ def test_unsupported_configurations_say_why(kw, what):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("lens,G,num_splits,windows", [([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}),
-                                                        ([300], 8, 1, {}), ([3000, 5], 4, 3, {"sink": 4, "recent": 100})])
+@pytest.mark.parametrize("lens,G,num_splits,windows", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([300], 8, 1, {}),
+    ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
+    ([5000, 700, 130], 4, None, {"k_axis": "channel"}), ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     from _helpers import bf16_attention, rel
     from test_triton import make

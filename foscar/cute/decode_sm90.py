@@ -1,5 +1,6 @@
-"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4), for token-wise K and V with one group
-per token (``g = D``), INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4), for token-wise V with one group per
+token (``g = D``) and token-wise K (``g = D``) or channel-wise K (groups of ``g = D`` tokens, KIVI's axes),
+INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
 
 Per 64-token KV tile, one warpgroup computes (:meth:`FoldDecodeSm90._tile_step`, shared by both
 versions):
@@ -7,7 +8,9 @@ versions):
 - ``S^T = K Q^T`` on ``wgmma.m64n8k16`` with A from registers: each thread builds its 32-bit A
   registers from the packed words of the cache (:mod:`foscar.cute.fragment`: one funnel shift and
   one ``lop3`` per register), Q^T (heads padded to 8) sits in shared memory;
-- the acc-fold of token-wise K, centred on the pivot like :func:`foscar.decode_folded`;
+- the acc-fold of token-wise K, centred on the pivot like :func:`foscar.decode_folded`; channel-wise K:
+  the operand-fold ``Q' = bf16(Q s')`` of the tile's token group, rebuilt in shared memory when the group
+  changes, and the group's offset correction per head (:meth:`FoldDecodeSm90._fold_q`);
 - online softmax (base 2) over the token axis: per column, shuffles across the lanes holding a
   column, then the four warps through shared memory;
 - ``O^T = V^T P'^T``, FP16 operands: ``P' = P s'_V / sigma`` (``sigma`` the largest ``|s'_V|`` so far,
@@ -18,7 +21,8 @@ versions):
 v0 (:class:`FoldDecodeSm90`, validated on the H200): one warpgroup per CTA (batch entry, KV head, KV
 split) loading the next tile's words into registers while it computes one. v1
 (:class:`FoldDecodeSm90WS`, compiled for sm_90a, not yet run on a GPU): a TMA producer warpgroup and two
-consumer warpgroups on alternating tiles. Next (issue 4): v1 on the GPU, the other axis combinations.
+consumer warpgroups on alternating tiles. Channel-wise K compiles in both and awaits its GPU run too.
+Next (issue 4): the GPU runs, channel-wise V, g < D.
 """
 from __future__ import annotations
 
@@ -61,13 +65,26 @@ class Sm90Config:
     v_mid: float
     sink: int = 0  # the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
+    k_channel: bool = False  # channel-wise K groups of `group_size` tokens (operand-fold into Q)
+    group_size: int = 0
+
+    @property
+    def flush(self) -> int:  # tokens quantized together (KVFormat.flush)
+        return self.group_size if self.k_channel else 1
+
+    @property
+    def k_param_words(self) -> int:  # floats of a tile's K (s', z'): per token, or the group's row
+        return 2 * self.head_dim if self.k_channel else 2 * TILE
+
+    @property
+    def k_param_rows(self) -> int:  # rows of K (s', z') per page: tiles, or token groups (at least one)
+        return max(1, self.page // self.group_size) if self.k_channel else self.page // TILE
 
     @cute.jit
     def quantized_length(self, L):
-        """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it
-        (token-wise K and V: nothing waits for a group)."""
+        """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
         rest = L - cutlass.min(L, self.sink) - self.recent
-        return cutlass.max(rest, 0)
+        return cutlass.max(rest, 0) // self.flush * self.flush
 
     @property
     def k_words(self) -> int:  # per thread per tile
@@ -141,6 +158,9 @@ class FoldDecodeSm90:
         sRed = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sQsum = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sQk = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)  # Q s'
+        sKr = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sKf = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
 
         # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
         for h in cutlass.range_constexpr(HEADS):
@@ -173,6 +193,7 @@ class FoldDecodeSm90:
         tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
         tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
         tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+        tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(sQk))
         accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
         thr_pv = pv_mma.get_slice(tidx)
         tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
@@ -190,6 +211,7 @@ class FoldDecodeSm90:
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
+        kgroup = Int32(-1)  # channel-wise K: the token group whose Q' sits in sQk
 
         # software pipeline: tile i+1's words and parameters are loaded (into the *_n registers) before
         # tile i is computed, so their latency hides behind its math
@@ -213,9 +235,10 @@ class FoldDecodeSm90:
             if tile + 1 < t_hi:
                 self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, warp, lane, tidx,
                                 row0)
-            m0, m1, sigma = self._tile_step(
-                tile, t0, t_lo, n, kw, vw, par, m0, m1, sigma, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, accS, tOrV,
-                tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, qsum0, qsum1, qk_scale, warp, lane, quad, row0, 1)
+            m0, m1, sigma, kgroup = self._tile_step(
+                tile, t0, t_lo, n, kw, vw, par, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, tSrQk,
+                accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
+                qk_scale, tidx, warp, lane, quad, row0, 1)
 
         self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split, warp, lane, quad, 1)
 
@@ -256,16 +279,18 @@ class FoldDecodeSm90:
 
     @cute.jit
     def _tile_step(self, tile, t0, t_lo, n, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, m0: Float32,
-                   m1: Float32, sigma: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tSrK: cute.Tensor,
-                   tSrK_u32: cute.Tensor, tSrQ: cute.Tensor, accS: cute.Tensor, tOrV: cute.Tensor, tOrV_u32: cute.Tensor,
-                   tOrP: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor, c_el: cute.Tensor, sRed: cute.Tensor,
-                   sSum: cute.Tensor, sP: cute.Tensor, qsum0: Float32, qsum1: Float32, qk_scale: Float32, warp, lane,
-                   quad, row0, bar_id: cutlass.Constexpr):
+                   m1: Float32, sigma: Float32, kgroup: Int32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+                   tSrK: cute.Tensor, tSrK_u32: cute.Tensor, tSrQ: cute.Tensor, tSrQk: cute.Tensor, accS: cute.Tensor,
+                   tOrV: cute.Tensor, tOrV_u32: cute.Tensor, tOrP: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor,
+                   c_el: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, sP: cute.Tensor, sQ: cute.Tensor,
+                   sQk: cute.Tensor, sKr: cute.Tensor, sKf: cute.Tensor, qsum0: Float32, qsum1: Float32,
+                   qk_scale: Float32, ctid, warp, lane, quad, row0, bar_id: cutlass.Constexpr):
         """One KV tile for one warpgroup, from its packed words and ``(s', z')`` in registers (``kw``, ``vw``,
-        ``par``): S^T = K Q^T with the acc-fold of token-wise K, the online softmax (state ``m0, m1`` and
-        ``l_el`` per element), P' = P s'_V / sigma to shared memory, O^T += V^T P'^T, and the offset
-        corrections per element, folded into ``accO`` every ``FLUSH`` tiles. Returns ``(m0, m1, sigma)``.
-        ``bar_id``: the warpgroup's named barrier."""
+        ``par``): S^T = K Q^T with the acc-fold of token-wise K (or, channel-wise, the operand-fold
+        ``Q' = Q s'`` of the tile's token group, rebuilt in ``sQk`` when the group changes, ``kgroup``),
+        the online softmax (state ``m0, m1`` and ``l_el`` per element), P' = P s'_V / sigma to shared
+        memory, O^T += V^T P'^T, and the offset corrections per element, folded into ``accO`` every
+        ``FLUSH`` tiles. Returns ``(m0, m1, sigma, kgroup)``. ``bar_id``: the warpgroup's named barrier."""
         cfg = self.cfg
         per_word = 16 // cfg.bits
         nib = 4 // cfg.bits
@@ -283,22 +308,37 @@ class FoldDecodeSm90:
         for r in cutlass.range_constexpr(cute.size(tSrK_u32)):
             w = Uint32(kw[r // per_word])
             tSrK_u32[r] = _inject(w, cfg.bits * (r % per_word), cfg.k_shl, cfg.bits, cfg.k_pattern)
+        if cutlass.const_expr(cfg.k_channel):  # operand-fold: Q' = bf16(Q s') of this token group
+            grp = t0 // cfg.group_size
+            if grp != kgroup:
+                self._fold_q(sQ, sQk, sKr, sKf, ks0, kz0, ctid, warp, lane, bar_id)
+                kgroup = grp
         accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the caller: no state set in here)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-            cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
+            if cutlass.const_expr(cfg.k_channel):
+                cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQk[None, None, kb], accS)
+            else:
+                cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
-        # ---- acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled) --------------
-        a0 = ks0 * qk_scale
-        a1 = ks1 * qk_scale
-        e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
-        e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
         # accS element e: column 2*quad + e % 2, row row0 + 8 * (e // 2)
-        s00 = (accS[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0
-        s01 = (accS[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0
-        s10 = (accS[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1
-        s11 = (accS[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1
+        if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
+            kc0 = sKf[2 * quad]
+            kc1 = sKf[2 * quad + 1]
+            s00 = (accS[0] + kc0) * qk_scale
+            s01 = (accS[1] + kc1) * qk_scale
+            s10 = (accS[2] + kc0) * qk_scale
+            s11 = (accS[3] + kc1) * qk_scale
+        else:  # acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled)
+            a0 = ks0 * qk_scale
+            a1 = ks1 * qk_scale
+            e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
+            e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
+            s00 = (accS[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0
+            s01 = (accS[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0
+            s10 = (accS[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1
+            s11 = (accS[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1
         if not valid0:
             s00 = -Float32.inf
             s01 = -Float32.inf
@@ -386,7 +426,46 @@ class FoldDecodeSm90:
         warpgroup.wait_group(0)
         if (tile - t_lo) % FLUSH == FLUSH - 1:
             self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
-        return m0, m1, sigma
+        return m0, m1, sigma, kgroup
+
+    @cute.jit
+    def _fold_q(self, sQ: cute.Tensor, sQk: cute.Tensor, sKr: cute.Tensor, sKf: cute.Tensor, s_d: Float32,
+                z_d: Float32, ctid, warp, lane, bar_id: cutlass.Constexpr):
+        """Channel-wise K, at a token group's first tile: ``Q' = bf16(Q s')`` into ``sQk`` (the QK product's B
+        operand) and the group's offset correction per head, ``sum_d Q mid - c sum_d Q'`` (centred on the
+        pivot ``c``, from the BF16 ``Q'`` the MMA consumes), into ``sKf``. Thread ``ctid`` holds channel
+        ``ctid % D``'s ``(s', z')`` and handles its ``HEADS * D / 128`` elements of ``Q``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        per = HEADS * D // THREADS  # heads per thread: 8 (D = 128) or 4 (D = 64)
+        d = ctid % D
+        h0 = (ctid // D) * per
+        mid = z_d + cfg.k_mid * s_d
+        part = cute.make_rmem_tensor(cute.make_layout(per), Float32)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)  # earlier readers of sQk, sKf are done
+        for i in cutlass.range_constexpr(per):
+            qv = Float32(sQ[h0 + i, d])
+            qs = BFloat16(qv * s_d)
+            sQk[h0 + i, d] = qs
+            part[i] = qv * mid - cfg.k_pivot * Float32(qs)
+        for i in cutlass.range_constexpr(per):  # sum over the warp's 32 channels
+            v = part[i]
+            for sh in cutlass.range_constexpr(5):
+                v = v + cute.arch.shuffle_sync_bfly(v, 16 >> sh)
+            part[i] = v
+        if lane == 0:
+            for i in cutlass.range_constexpr(per):
+                sKr[warp, i] = part[i]
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+        if ctid < HEADS:  # head h: the warps holding its channels (all four at D = 128; two at D = 64)
+            warps = D // 32
+            first = (ctid // per) * warps
+            acc = Float32(0.0)
+            for w in cutlass.range_constexpr(warps):
+                acc = acc + sKr[first + w, ctid % per]
+            sKf[ctid] = acc
+        cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
 
     @cute.jit
     def _load_tile(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor,
@@ -409,7 +488,12 @@ class FoldDecodeSm90:
                 vw[mh, vb] = mVC[page, kvh, vbase + vb * vwpb + mh]
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
-                par[2 * r + j] = mKP[page, kvh, off + row0 + 8 * r, 0, j]
+                if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of this thread's channel
+                    if cutlass.const_expr(r == 0):
+                        row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
+                        par[j] = mKP[page, kvh, row, tidx % D, j]
+                else:
+                    par[2 * r + j] = mKP[page, kvh, off + row0 + 8 * r, 0, j]
                 par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
 
     @cute.jit
@@ -474,18 +558,19 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         co = chunk // ci
         tpp = cfg.page // TILE
         words = cute.make_layout((ci, co), stride=(1, ci))
-        pars = cute.make_layout(2 * TILE)
         atoms = []
         for m in (mKC, mVC):
             g = cute.make_tensor(m.iterator, cute.make_layout(
                 (ci, co, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
                 stride=(1, ci, chunk, m.stride[1], m.stride[0])))
             atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
-        for m in (mKP, mVP):
+        for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, 2 * TILE, tpp)):
+            # per tile: its tokens' (s', z'); channel-wise K: the rows of token groups, one per group
             g = cute.make_tensor(m.iterator, cute.make_layout(
-                (2 * TILE, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
-                stride=(1, 2 * TILE, m.stride[1], m.stride[0])))
-            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, pars, (2 * TILE,)))
+                (width, rows, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
+                stride=(1, width, m.stride[1], m.stride[0])))
+            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, cute.make_layout(width),
+                                                     (width,)))
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
@@ -518,7 +603,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                                   byte_alignment=128)
         sV = smem.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
                                   byte_alignment=128)
-        sKP = smem.allocate_tensor(Float32, cute.make_layout((2 * TILE, slots)), byte_alignment=128)
+        sKP = smem.allocate_tensor(Float32, cute.make_layout((cfg.k_param_words, slots)), byte_alignment=128)
         sVP = smem.allocate_tensor(Float32, cute.make_layout((2 * TILE, slots)), byte_alignment=128)
         full = smem.allocate_array(Int64, slots)
         empty = smem.allocate_array(Int64, slots)
@@ -530,6 +615,12 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         sRed1 = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sSum0 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sSum1 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sQk0 = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sQk1 = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sKr0 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sKr1 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sKf0 = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sKf1 = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
 
         if tidx == 0:
             for i in cutlass.range_constexpr(slots):
@@ -564,7 +655,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
             cute.arch.setmaxregister_decrease(40)
             gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
             gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
-            gKP = cute.local_tile(tma_kp, (2 * TILE,), (0, None, None, None))
+            gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
             gVP = cute.local_tile(tma_vp, (2 * TILE,), (0, None, None, None))
             one = cute.make_layout(1)
             tKs, tKg = cpasync.tma_partition(atom_kc, 0, one, sK, cute.group_modes(gKC, 0, 2))
@@ -577,26 +668,32 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                     k = i // CONSUMERS
                     slot = (i % CONSUMERS) * STAGES + k % STAGES
                     cute.arch.mbarrier_wait(empty + slot, ((k // STAGES) % 2) ^ 1)  # a fresh stage passes
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + slot, 2 * chunk * 4 + 2 * (2 * TILE) * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
+                                                            (2 * chunk + cfg.k_param_words + 2 * TILE) * 4)
                     t0 = tile * TILE
                     page = mBT[b, t0 // cfg.page]
                     tip = (t0 % cfg.page) // TILE
+                    krow = tip  # the tile's row of K (s', z'): channel-wise, its token group's
+                    if cutlass.const_expr(cfg.k_channel):
+                        krow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
                     cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
                     cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
-                    cute.copy(atom_kp, tKPg[(None, tip, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
                     cute.copy(atom_vp, tVPg[(None, tip, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if wg == c + 1:
                 cute.arch.setmaxregister_increase(232)
                 self._consume(c, qk_mma, pv_mma, sK, sV, sKP, sVP, full, empty, sQ, sQsum,
                               sP0 if c == 0 else sP1, sRed0 if c == 0 else sRed1, sSum0 if c == 0 else sSum1,
+                              sQk0 if c == 0 else sQk1, sKr0 if c == 0 else sKr1, sKf0 if c == 0 else sKf1,
                               mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
 
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sK: cute.Tensor,
                  sV: cute.Tensor, sKP: cute.Tensor, sVP: cute.Tensor, full, empty, sQ: cute.Tensor,
-                 sQsum: cute.Tensor, sP: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, mOP: cute.Tensor,
-                 mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n, qk_scale: Float32):
+                 sQsum: cute.Tensor, sP: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, sQk: cute.Tensor,
+                 sKr: cute.Tensor, sKf: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
+                 qk_scale: Float32):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
         cfg = self.cfg
         D = cfg.head_dim
@@ -612,6 +709,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
         tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
         tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+        tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(sQk))
         accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
         thr_pv = pv_mma.get_slice(ctid)
         tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
@@ -629,6 +727,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
+        kgroup = Int32(-1)
         kwpb = words_per_block(cfg.bits, D, "k")
         vwpb = words_per_block(cfg.bits, D, "v")
         for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
@@ -643,13 +742,17 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                     vw[mh, vb] = sV[(vb * vwpb + ctid * cfg.mh + mh, slot)]
             for r in cutlass.range_constexpr(2):
                 for j in cutlass.range_constexpr(2):
-                    par[2 * r + j] = sKP[(row0 + 8 * r) * 2 + j, slot]
+                    if cutlass.const_expr(cfg.k_channel):  # this thread's channel of the group's row
+                        if cutlass.const_expr(r == 0):
+                            par[j] = sKP[2 * (ctid % D) + j, slot]
+                    else:
+                        par[2 * r + j] = sKP[(row0 + 8 * r) * 2 + j, slot]
                     par[4 + 2 * r + j] = sVP[(row0 + 8 * r) * 2 + j, slot]
             cute.arch.mbarrier_arrive(empty + slot)  # the stage is in registers: the producer may refill it
-            m0, m1, sigma = self._tile_step(
-                k, tile * TILE, 0, n, kw, vw, par, m0, m1, sigma, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, accS, tOrV,
-                tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, qsum0, qsum1, qk_scale, warp, lane, quad, row0,
-                1 + c)
+            m0, m1, sigma, kgroup = self._tile_step(
+                k, tile * TILE, 0, n, kw, vw, par, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ,
+                tSrQk, accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
+                qk_scale, ctid, warp, lane, quad, row0, 1 + c)
         self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split * CONSUMERS + c,
                        warp, lane, quad, 1 + c)
 
@@ -662,9 +765,9 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     from ..errors import UnsupportedError
     from ..format import operand_for
     from ..triton.launch import _injection_args
-    if fmt.k_axis != "token" or fmt.v_axis != "token" or fmt.group_size != fmt.head_dim:
+    if fmt.v_axis != "token" or fmt.group_size != fmt.head_dim:
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={fmt.group_size}",
-                               "the CuTe v0 kernel covers token-wise K and V with g = head_dim only")
+                               "the CuTe kernels cover token-wise V, token- or channel-wise K, with g = head_dim only")
     if fmt.head_dim not in (64, 128) or group > HEADS or page % TILE or fmt.mapping != "bf16":
         raise UnsupportedError(f"head_dim={fmt.head_dim}, G={group}, page={page}, mapping={fmt.mapping!r}",
                                "the CuTe v0 kernel needs head_dim 64/128, G <= 8, pages of 64k tokens, bf16")
@@ -672,7 +775,7 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     v = _injection_args("V", operand_for(torch.float16, fmt.bits), fmt)
     return Sm90Config(fmt.bits, fmt.head_dim, page, group, k["K_PATTERN"], k["K_SHL"], float(k["K_PIVOT"]),
                       float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]),
-                      fmt.sink, fmt.recent)
+                      fmt.sink, fmt.recent, fmt.k_axis == "channel", fmt.group_size)
 
 
 def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False):
@@ -687,7 +790,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         "q": torch.zeros(B, Hkv * cfg.group, D, dtype=torch.bfloat16),
         "kc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
         "vc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
-        "kp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
+        "kp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.k_channel
+               else torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32)),
         "vp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
         "bt": torch.zeros(B, pages, dtype=torch.int32),
         "seq": torch.zeros(B, dtype=torch.int32),
