@@ -36,10 +36,13 @@ def test_compiles_for_sm90a(bits, head_dim):
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (128, 256)])
 @pytest.mark.parametrize("bits", (2, 4))
-def test_channel_wise_k_compiles_for_sm90a(bits, head_dim, page, ws):
-    """Channel-wise K (KIVI's axes, with token-wise V): the operand-fold Q' = Q s' rebuilt per token group
-    in shared memory; the same products, no spills; pages shorter or longer than a group."""
-    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis="channel"), 4, page)
+@pytest.mark.parametrize("k_axis,v_axis", [("channel", "token"), ("token", "channel"), ("channel", "channel")])
+def test_channel_wise_axes_compile_for_sm90a(k_axis, v_axis, bits, head_dim, page, ws):
+    """Channel-wise K (the operand-fold Q' = Q s' rebuilt per token group in shared memory) and channel-wise
+    V (the acc-fold of each tile's PV partial per channel): the same products, no spills; pages shorter
+    or longer than a group."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis=k_axis, v_axis=v_axis)
+    cfg = config_for(fmt, 4, page)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
     consumers = 2 if ws else 1
     assert len(WGMMA_RS.findall(ptx)) == consumers * (head_dim // 16 + (head_dim // 64) * 4)
@@ -64,9 +67,7 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,what", [
-    ({"v_axis": "channel"}, "token-wise V"), ({"group_size": 64}, "g = head_dim"),
-])
+@pytest.mark.parametrize("kw,what", [({"group_size": 64}, "g = head_dim"), ({"group_size": 32}, "g = head_dim")])
 def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
     with pytest.raises(UnsupportedError, match=what):
@@ -84,7 +85,8 @@ def test_unsupported_configurations_say_why(kw, what):
 @pytest.mark.parametrize("lens,G,num_splits,windows", [
     ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([300], 8, 1, {}),
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
-    ([5000, 700, 130], 4, None, {"k_axis": "channel"}), ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7})])
+    ([5000, 700, 130], 4, None, {"k_axis": "channel"}), ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7}),
+    ([4100, 260], 4, None, {"v_axis": "channel"}), ([3000, 900], 1, 2, {"k_axis": "channel", "v_axis": "channel"})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     from _helpers import bf16_attention, rel
     from test_triton import make

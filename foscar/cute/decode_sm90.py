@@ -1,6 +1,6 @@
-"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4), for token-wise V with one group per
-token (``g = D``) and token-wise K (``g = D``) or channel-wise K (groups of ``g = D`` tokens, KIVI's axes),
-INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4): every K/V axis combination with
+``g = D`` (token-wise: one group per token; channel-wise: groups of ``D`` tokens), INT2/INT4, head dim
+64/128, up to 8 query heads per KV head, paged caches.
 
 Per 64-token KV tile, one warpgroup computes (:meth:`FoldDecodeSm90._tile_step`, shared by both
 versions):
@@ -16,13 +16,15 @@ versions):
 - ``O^T = V^T P'^T``, FP16 operands: ``P' = P s'_V / sigma`` (``sigma`` the largest ``|s'_V|`` so far,
   a power of two) stored to shared memory as the B operand, V^T built in registers like K;
   the offset correction kept per element and folded into the accumulator every ``FLUSH`` tiles;
+  channel-wise V: ``P~ = fp16(P)`` as the B operand, and the acc-fold of the tile's partial per channel
+  (``s' (part - c sum P~) + mid sum P~``);
 - the partial output and LSE, in the layout :mod:`foscar.triton.combine` merges.
 
 v0 (:class:`FoldDecodeSm90`, validated on the H200): one warpgroup per CTA (batch entry, KV head, KV
 split) loading the next tile's words into registers while it computes one. v1
 (:class:`FoldDecodeSm90WS`, compiled for sm_90a, not yet run on a GPU): a TMA producer warpgroup and two
-consumer warpgroups on alternating tiles. Channel-wise K compiles in both and awaits its GPU run too.
-Next (issue 4): the GPU runs, channel-wise V, g < D.
+consumer warpgroups on alternating tiles. The channel-wise axes compile in both and await their GPU run
+too. Next (issue 4): the GPU runs; g < D.
 """
 from __future__ import annotations
 
@@ -67,10 +69,23 @@ class Sm90Config:
     recent: int = 0
     k_channel: bool = False  # channel-wise K groups of `group_size` tokens (operand-fold into Q)
     group_size: int = 0
+    v_channel: bool = False  # channel-wise V groups (acc-fold of each tile's PV partial)
 
     @property
     def flush(self) -> int:  # tokens quantized together (KVFormat.flush)
-        return self.group_size if self.k_channel else 1
+        return self.group_size if (self.k_channel or self.v_channel) else 1
+
+    @property
+    def v_param_words(self) -> int:
+        return 2 * self.head_dim if self.v_channel else 2 * TILE
+
+    @property
+    def v_param_rows(self) -> int:
+        return max(1, self.page // self.group_size) if self.v_channel else self.page // TILE
+
+    @property
+    def acc_elems(self) -> int:  # O^T accumulator elements per thread
+        return self.head_dim * HEADS // THREADS
 
     @property
     def k_param_words(self) -> int:  # floats of a tile's K (s', z'): per token, or the group's row
@@ -219,8 +234,12 @@ class FoldDecodeSm90:
         vw_n = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
         par = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # ks0 kz0 ks1 kz1 vs0 vz0 vs1 vz1
         par_n = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        vpar = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)  # channel-wise V
+        vpar_n = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)
+        thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
         if t_lo < t_hi:
-            self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, t_lo, kw_n, vw_n, par_n, warp, lane, tidx, row0)
+            self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, t_lo, kw_n, vw_n, par_n, vpar_n, thr_c, warp, lane,
+                            tidx, row0)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         for tile in cutlass.range(t_lo, t_hi, unroll=1):
@@ -232,11 +251,14 @@ class FoldDecodeSm90:
                     vw[mh, vb] = vw_n[mh, vb]
             for i in cutlass.range_constexpr(8):
                 par[i] = par_n[i]
+            if cutlass.const_expr(cfg.v_channel):
+                for i in cutlass.range_constexpr(2 * cfg.acc_elems):
+                    vpar[i] = vpar_n[i]
             if tile + 1 < t_hi:
-                self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, warp, lane, tidx,
-                                row0)
+                self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, vpar_n, thr_c, warp,
+                                lane, tidx, row0)
             m0, m1, sigma, kgroup = self._tile_step(
-                tile, t0, t_lo, n, kw, vw, par, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, tSrQk,
+                tile, t0, t_lo, n, kw, vw, par, vpar, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, tSrQk,
                 accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
                 qk_scale, tidx, warp, lane, quad, row0, 1)
 
@@ -278,7 +300,8 @@ class FoldDecodeSm90:
                 mLP[b, kvh * G + 2 * quad + 1, split] = lse1
 
     @cute.jit
-    def _tile_step(self, tile, t0, t_lo, n, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, m0: Float32,
+    def _tile_step(self, tile, t0, t_lo, n, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, vpar: cute.Tensor,
+                   m0: Float32,
                    m1: Float32, sigma: Float32, kgroup: Int32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                    tSrK: cute.Tensor, tSrK_u32: cute.Tensor, tSrQ: cute.Tensor, tSrQk: cute.Tensor, accS: cute.Tensor,
                    tOrV: cute.Tensor, tOrV_u32: cute.Tensor, tOrP: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor,
@@ -290,7 +313,9 @@ class FoldDecodeSm90:
         ``Q' = Q s'`` of the tile's token group, rebuilt in ``sQk`` when the group changes, ``kgroup``),
         the online softmax (state ``m0, m1`` and ``l_el`` per element), P' = P s'_V / sigma to shared
         memory, O^T += V^T P'^T, and the offset corrections per element, folded into ``accO`` every
-        ``FLUSH`` tiles. Returns ``(m0, m1, sigma, kgroup)``. ``bar_id``: the warpgroup's named barrier."""
+        ``FLUSH`` tiles; channel-wise V: the acc-fold of the tile's PV partial per channel, from ``vpar``
+        (the group's ``(s', z')`` of this thread's accumulator channels). Returns ``(m0, m1, sigma,
+        kgroup)``. ``bar_id``: the warpgroup's named barrier."""
         cfg = self.cfg
         per_word = 16 // cfg.bits
         nib = 4 // cfg.bits
@@ -387,45 +412,91 @@ class FoldDecodeSm90:
         l_el[1] = l_el[1] * al1 + p01
         l_el[2] = l_el[2] * al0 + p10
         l_el[3] = l_el[3] * al1 + p11
-        # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
-        r0 = vs0 / sig_new
-        r1 = vs1 / sig_new
-        q00 = Float16(p00 * r0)
-        q01 = Float16(p01 * r0)
-        q10 = Float16(p10 * r1)
-        q11 = Float16(p11 * r1)
-        vm0 = vz0 + cfg.v_mid * vs0
-        vm1 = vz1 + cfg.v_mid * vs1
-        cs = cfg.v_pivot * sig_new
-        c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
-        c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
-        c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
-        c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
-        sP[2 * quad, row0] = q00
-        sP[2 * quad + 1, row0] = q01
-        sP[2 * quad, row0 + 8] = q10
-        sP[2 * quad + 1, row0 + 8] = q11
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
-        # ---- O^T = V^T P'^T (acc in units of sigma), V^T built in registers ----------------------------
-        ratio = sigma / sig_new
-        for e in cutlass.range_constexpr(cute.size(accO)):
-            accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * ratio)
-        sigma = sig_new
-        for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
-            j = r % 4
-            mk = r // 4
-            mh = mk % cfg.mh
-            kb = mk // cfg.mh
-            w = Uint32(vw[mh, kb // nib])
-            tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-            cute.gemm(pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        if (tile - t_lo) % FLUSH == FLUSH - 1:
-            self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
+        if cutlass.const_expr(cfg.v_channel):
+            # ---- acc-fold of channel-wise V (one token group per tile): P~ = fp16(P) is the B operand; the
+            # tile's partial V^T P~^T, centred, is scaled per channel: s' (part - c sum P~) + mid sum P~
+            q00 = Float16(p00)
+            q01 = Float16(p01)
+            q10 = Float16(p10)
+            q11 = Float16(p11)
+            sP[2 * quad, row0] = q00
+            sP[2 * quad + 1, row0] = q01
+            sP[2 * quad, row0 + 8] = q10
+            sP[2 * quad + 1, row0 + 8] = q11
+            ps0 = Float32(q00) + Float32(q10)  # column sums of the P~ the MMA consumes
+            ps1 = Float32(q01) + Float32(q11)
+            for sh in cutlass.range_constexpr(3):
+                ps0 = ps0 + cute.arch.shuffle_sync_bfly(ps0, 4 << sh)
+                ps1 = ps1 + cute.arch.shuffle_sync_bfly(ps1, 4 << sh)
+            if lane < 4:
+                sRed[buf, warp, HEADS + 2 * lane] = ps0
+                sRed[buf, warp, HEADS + 2 * lane + 1] = ps1
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+            psum0 = sRed[buf, 0, HEADS + 2 * quad]
+            psum1 = sRed[buf, 0, HEADS + 2 * quad + 1]
+            for wi in cutlass.range_constexpr(1, 4):
+                psum0 = psum0 + sRed[buf, wi, HEADS + 2 * quad]
+                psum1 = psum1 + sRed[buf, wi, HEADS + 2 * quad + 1]
+            for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
+                j = r % 4
+                mk = r // 4
+                mh = mk % cfg.mh
+                kb = mk // cfg.mh
+                w = Uint32(vw[mh, kb // nib])
+                tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
+            accT = cute.make_rmem_tensor(accO.layout, Float32)
+            accT.fill(0.0)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                cute.gemm(pv_mma, accT, tOrV[None, None, kb], tOrP[None, None, kb], accT)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                ps = psum0 if e % 2 == 0 else psum1
+                vs_e = vpar[2 * e]
+                accO[e] = (accO[e] * (al0 if e % 2 == 0 else al1) + (accT[e] - cfg.v_pivot * ps) * vs_e
+                           + ps * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
+        else:
+            # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
+            r0 = vs0 / sig_new
+            r1 = vs1 / sig_new
+            q00 = Float16(p00 * r0)
+            q01 = Float16(p01 * r0)
+            q10 = Float16(p10 * r1)
+            q11 = Float16(p11 * r1)
+            vm0 = vz0 + cfg.v_mid * vs0
+            vm1 = vz1 + cfg.v_mid * vs1
+            cs = cfg.v_pivot * sig_new
+            c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
+            c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
+            c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
+            c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
+            sP[2 * quad, row0] = q00
+            sP[2 * quad + 1, row0] = q01
+            sP[2 * quad, row0 + 8] = q10
+            sP[2 * quad + 1, row0 + 8] = q11
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+            # ---- O^T = V^T P'^T (acc in units of sigma), V^T built in registers ----------------------------
+            ratio = sigma / sig_new
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * ratio)
+            sigma = sig_new
+            for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
+                j = r % 4
+                mk = r // 4
+                mh = mk % cfg.mh
+                kb = mk // cfg.mh
+                w = Uint32(vw[mh, kb // nib])
+                tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                cute.gemm(pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if (tile - t_lo) % FLUSH == FLUSH - 1:
+                self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
         return m0, m1, sigma, kgroup
 
     @cute.jit
@@ -469,7 +540,8 @@ class FoldDecodeSm90:
 
     @cute.jit
     def _load_tile(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor,
-                   b, kvh, tile, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, warp, lane, tidx, row0):
+                   b, kvh, tile, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, vpar: cute.Tensor,
+                   thr_c: cute.Tensor, warp, lane, tidx, row0):
         """This thread's packed words of KV tile ``tile`` (:mod:`foscar.cute.fragment`) and the ``(s', z')``
         of its two token rows, into registers."""
         cfg = self.cfg
@@ -494,7 +566,16 @@ class FoldDecodeSm90:
                         par[j] = mKP[page, kvh, row, tidx % D, j]
                 else:
                     par[2 * r + j] = mKP[page, kvh, off + row0 + 8 * r, 0, j]
-                par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
+                if cutlass.const_expr(cfg.v_channel):
+                    par[4 + 2 * r + j] = Float32(0.0)  # no per-token V scale (sigma stays 1)
+                else:
+                    par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
+        if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
+            vrow = off // cfg.group_size if cfg.page >= cfg.group_size else 0
+            for e in cutlass.range_constexpr(cfg.acc_elems):
+                ch, _ = thr_c[e]
+                for j in cutlass.range_constexpr(2):
+                    vpar[2 * e + j] = mVP[page, kvh, vrow, ch, j]
 
     @cute.jit
     def _column_sums(self, el: cute.Tensor, sSum: cute.Tensor, warp, lane, quad, bar_id: cutlass.Constexpr):
@@ -564,7 +645,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                 (ci, co, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
                 stride=(1, ci, chunk, m.stride[1], m.stride[0])))
             atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
-        for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, 2 * TILE, tpp)):
+        for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, cfg.v_param_words, cfg.v_param_rows)):
             # per tile: its tokens' (s', z'); channel-wise K: the rows of token groups, one per group
             g = cute.make_tensor(m.iterator, cute.make_layout(
                 (width, rows, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
@@ -604,7 +685,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         sV = smem.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
                                   byte_alignment=128)
         sKP = smem.allocate_tensor(Float32, cute.make_layout((cfg.k_param_words, slots)), byte_alignment=128)
-        sVP = smem.allocate_tensor(Float32, cute.make_layout((2 * TILE, slots)), byte_alignment=128)
+        sVP = smem.allocate_tensor(Float32, cute.make_layout((cfg.v_param_words, slots)), byte_alignment=128)
         full = smem.allocate_array(Int64, slots)
         empty = smem.allocate_array(Int64, slots)
         sQ = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
@@ -656,7 +737,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
             gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
             gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
             gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
-            gVP = cute.local_tile(tma_vp, (2 * TILE,), (0, None, None, None))
+            gVP = cute.local_tile(tma_vp, (cfg.v_param_words,), (0, None, None, None))
             one = cute.make_layout(1)
             tKs, tKg = cpasync.tma_partition(atom_kc, 0, one, sK, cute.group_modes(gKC, 0, 2))
             tVs, tVg = cpasync.tma_partition(atom_vc, 0, one, sV, cute.group_modes(gVC, 0, 2))
@@ -669,17 +750,17 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                     slot = (i % CONSUMERS) * STAGES + k % STAGES
                     cute.arch.mbarrier_wait(empty + slot, ((k // STAGES) % 2) ^ 1)  # a fresh stage passes
                     cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
-                                                            (2 * chunk + cfg.k_param_words + 2 * TILE) * 4)
+                                                            (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
                     t0 = tile * TILE
                     page = mBT[b, t0 // cfg.page]
                     tip = (t0 % cfg.page) // TILE
-                    krow = tip  # the tile's row of K (s', z'): channel-wise, its token group's
-                    if cutlass.const_expr(cfg.k_channel):
-                        krow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
+                    grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
+                    krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
+                    vrow = grow if cfg.v_channel else tip
                     cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
                     cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
                     cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
-                    cute.copy(atom_vp, tVPg[(None, tip, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if wg == c + 1:
                 cute.arch.setmaxregister_increase(232)
@@ -720,6 +801,8 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
         vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
         par = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        vpar = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)  # channel-wise V
+        thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
         l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         l_el.fill(0.0)
@@ -747,10 +830,18 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                             par[j] = sKP[2 * (ctid % D) + j, slot]
                     else:
                         par[2 * r + j] = sKP[(row0 + 8 * r) * 2 + j, slot]
-                    par[4 + 2 * r + j] = sVP[(row0 + 8 * r) * 2 + j, slot]
+                    if cutlass.const_expr(cfg.v_channel):
+                        par[4 + 2 * r + j] = Float32(0.0)  # no per-token V scale (sigma stays 1)
+                    else:
+                        par[4 + 2 * r + j] = sVP[(row0 + 8 * r) * 2 + j, slot]
+            if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
+                for e in cutlass.range_constexpr(cfg.acc_elems):
+                    ch, _ = thr_c[e]
+                    for j in cutlass.range_constexpr(2):
+                        vpar[2 * e + j] = sVP[2 * ch + j, slot]
             cute.arch.mbarrier_arrive(empty + slot)  # the stage is in registers: the producer may refill it
             m0, m1, sigma, kgroup = self._tile_step(
-                k, tile * TILE, 0, n, kw, vw, par, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ,
+                k, tile * TILE, 0, n, kw, vw, par, vpar, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ,
                 tSrQk, accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
                 qk_scale, ctid, warp, lane, quad, row0, 1 + c)
         self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split * CONSUMERS + c,
@@ -765,9 +856,9 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     from ..errors import UnsupportedError
     from ..format import operand_for
     from ..triton.launch import _injection_args
-    if fmt.v_axis != "token" or fmt.group_size != fmt.head_dim:
+    if fmt.group_size != fmt.head_dim:
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={fmt.group_size}",
-                               "the CuTe kernels cover token-wise V, token- or channel-wise K, with g = head_dim only")
+                               "the CuTe kernels cover every K/V axis combination with g = head_dim only")
     if fmt.head_dim not in (64, 128) or group > HEADS or page % TILE or fmt.mapping != "bf16":
         raise UnsupportedError(f"head_dim={fmt.head_dim}, G={group}, page={page}, mapping={fmt.mapping!r}",
                                "the CuTe v0 kernel needs head_dim 64/128, G <= 8, pages of 64k tokens, bf16")
@@ -775,7 +866,7 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     v = _injection_args("V", operand_for(torch.float16, fmt.bits), fmt)
     return Sm90Config(fmt.bits, fmt.head_dim, page, group, k["K_PATTERN"], k["K_SHL"], float(k["K_PIVOT"]),
                       float(k["K_MID"]), v["V_PATTERN"], v["V_SHL"], float(v["V_PIVOT"]), float(v["V_MID"]),
-                      fmt.sink, fmt.recent, fmt.k_axis == "channel", fmt.group_size)
+                      fmt.sink, fmt.recent, fmt.k_axis == "channel", fmt.group_size, fmt.v_axis == "channel")
 
 
 def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False):
@@ -792,7 +883,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         "vc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
         "kp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.k_channel
                else torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32)),
-        "vp": torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32),
+        "vp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.v_channel
+               else torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32)),
         "bt": torch.zeros(B, pages, dtype=torch.int32),
         "seq": torch.zeros(B, dtype=torch.int32),
         "op": torch.zeros(B, Hkv * cfg.group, S, D, dtype=torch.float32),
