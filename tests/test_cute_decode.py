@@ -43,6 +43,8 @@ def test_channel_wise_axes_compile_for_sm90a(k_axis, v_axis, bits, head_dim, pag
     or longer than a group."""
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis=k_axis, v_axis=v_axis)
     cfg = config_for(fmt, 4, page)
+    if k_axis == v_axis == "channel" and head_dim == 128:  # token groups of 64 tokens: one tile per group
+        config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, page)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
     consumers = 2 if ws else 1
     assert len(WGMMA_RS.findall(ptx)) == consumers * (head_dim // 16 + (head_dim // 64) * 4)
@@ -67,7 +69,8 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,what", [({"group_size": 64}, "g = head_dim"), ({"group_size": 32}, "g = head_dim")])
+@pytest.mark.parametrize("kw,what", [({"group_size": 64}, "g = head_dim"), ({"group_size": 32}, "g = head_dim"),
+                                     ({"group_size": 32, "k_axis": "channel", "v_axis": "channel"}, "multiple of 64")])
 def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
     with pytest.raises(UnsupportedError, match=what):
@@ -86,13 +89,14 @@ def test_unsupported_configurations_say_why(kw, what):
     ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([300], 8, 1, {}),
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
     ([5000, 700, 130], 4, None, {"k_axis": "channel"}), ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7}),
-    ([4100, 260], 4, None, {"v_axis": "channel"}), ([3000, 900], 1, 2, {"k_axis": "channel", "v_axis": "channel"})])
+    ([4100, 260], 4, None, {"v_axis": "channel"}), ([3000, 900], 1, 2, {"k_axis": "channel", "v_axis": "channel"}),
+    ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     from _helpers import bf16_attention, rel
     from test_triton import make
 
     from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, **windows)
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
     q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)

@@ -1,6 +1,6 @@
-"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4): every K/V axis combination with
-``g = D`` (token-wise: one group per token; channel-wise: groups of ``D`` tokens), INT2/INT4, head dim
-64/128, up to 8 query heads per KV head, paged caches.
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4): every K/V axis combination, token-wise
+axes with one group per token (``g = D``), channel-wise ones with groups of ``g`` tokens, ``g`` a multiple
+of the 64-token tile; INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
 
 Per 64-token KV tile, one warpgroup computes (:meth:`FoldDecodeSm90._tile_step`, shared by both
 versions):
@@ -856,9 +856,12 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     from ..errors import UnsupportedError
     from ..format import operand_for
     from ..triton.launch import _injection_args
-    if fmt.group_size != fmt.head_dim:
-        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={fmt.group_size}",
-                               "the CuTe kernels cover every K/V axis combination with g = head_dim only")
+    g = fmt.group_size
+    token_wise = "token" in (fmt.k_axis, fmt.v_axis)
+    if (token_wise and g != fmt.head_dim) or g % TILE:
+        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
+                               "the CuTe kernels need g = head_dim for a token-wise axis (one group per token), "
+                               "and g a multiple of 64 tokens for channel-wise ones")
     if fmt.head_dim not in (64, 128) or group > HEADS or page % TILE or fmt.mapping != "bf16":
         raise UnsupportedError(f"head_dim={fmt.head_dim}, G={group}, page={page}, mapping={fmt.mapping!r}",
                                "the CuTe v0 kernel needs head_dim 64/128, G <= 8, pages of 64k tokens, bf16")
