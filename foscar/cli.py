@@ -7,8 +7,8 @@ Subcommands:
     to INT2 and INT4, decode it on the best backend available, and print a table of bytes read per
     token, output errors and times (``--json PATH`` also writes the numbers).
 
-Backends (:func:`_select_backend`): the Triton kernels on a CUDA GPU, else the PyTorch reference
-(:func:`foscar.decode_folded`) on the CPU.
+Backends (:func:`_select_backend`): what ``foscar.decode(backend="auto")`` picks: the Triton kernels on a
+CUDA GPU, the PyTorch reference (:func:`foscar.decode_folded`) on the CPU.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import FoscarError
-from .fold import decode_folded
 from .format import AXES, SUPPORTED_BITS, KVFormat
 from .quantize import QUANTIZERS
 from .bench.accuracy import error_rows
@@ -42,26 +41,29 @@ class Backend:
     note: str = ""
 
 
-def _reference_decode(q: torch.Tensor, cache) -> torch.Tensor:
-    # BF16 QK and FP16 PV operands, FP32 accumulation: what the Triton kernel computes on a GPU.
-    return decode_folded(q, cache, operand_dtype=torch.bfloat16, pv_operand_dtype=torch.float16, dtype=torch.float32)
-
-
-def _triton_decode(q: torch.Tensor, cache) -> torch.Tensor:
-    from . import triton as foscar_triton  # imports triton: only on a CUDA machine
-
-    out = foscar_triton.decode(q, cache)
-    torch.cuda.synchronize()
-    return out
+def _decode_with(backend: str) -> Callable:
+    """``decode(q, cache) -> out [B, Hq, D] float32`` through :func:`foscar.decode` on ``backend``."""
+    def decode(q: torch.Tensor, cache) -> torch.Tensor:
+        from .api import decode as foscar_decode
+        out = foscar_decode(q, cache, backend=backend,
+                            out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out
+    return decode
 
 
 def _select_backend() -> Backend:
-    """The best decode backend on this machine: the Triton kernels on a CUDA GPU, else the PyTorch
-    reference on the CPU. (The CuTe DSL Hopper kernel and automatic selection come with issues 4-5.)"""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        return Backend("triton", f"triton (folded, {name})", torch.device("cuda"), _triton_decode)
-    return Backend("torch-reference", "torch-reference (folded, CPU)", torch.device("cpu"), _reference_decode)
+    """The demo's device (a CUDA GPU if there is one) and the backend ``foscar.decode(backend="auto")``
+    picks there for the demo's default format (:func:`foscar.select_backend`'s rule: one home)."""
+    import os
+
+    from .api import ENV, _fmt_values, _select
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = _select(str(device), _fmt_values(KVFormat(bits=4, head_dim=128, group_size=128)), 4, 64, "auto",
+                   os.environ.get(ENV, "auto"))
+    where = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
+    return Backend(name, f"{name} (folded, {where})", device, _decode_with(name))
 
 
 # --------------------------------------------------------------------------------------------

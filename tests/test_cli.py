@@ -91,8 +91,11 @@ def test_threads_option_leaves_torch_as_it_was(threads, tmp_path):
 
 
 def test_cuda_machine_selects_the_triton_backend(monkeypatch):
+    import foscar.api as api
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    monkeypatch.setattr(api, "_triton_status", lambda dev, fmt: api.BackendStatus("triton", True, "Fake GPU"))
     backend = cli._select_backend()
     assert backend.name == "triton" and "Fake GPU" in backend.description and backend.device.type == "cuda"
 
