@@ -3,11 +3,13 @@ PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): 
 oracle, no worse than BF16 attention on the same dequantized cache."""
 import os
 import re
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="foscar-cute-"))  # kept PTX: not in the cwd
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
