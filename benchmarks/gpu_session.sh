@@ -23,10 +23,12 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
 case "$step" in
-  tests)
-    python3 -m pytest -q tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
-      tests/test_sass.py > "$OUT/tests.log" 2>&1
-    tail -3 "$OUT/tests.log" ;;
+  tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
+    for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
+             tests/test_sass.py; do
+      python3 -m pytest -q "$f" > "$OUT/tests-$(basename "$f" .py).log" 2>&1
+      echo "$f: $(tail -1 "$OUT/tests-$(basename "$f" .py).log")"
+    done ;;
   cute)
     bundle="${2:?cute needs the cutlass-dsl bundle folder (install-cute-dsl.sh beside it)}"
     bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
