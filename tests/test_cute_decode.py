@@ -54,6 +54,18 @@ def test_channel_wise_axes_compile_for_sm90a(k_axis, v_axis, bits, head_dim, pag
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("k_axis,v_axis", [("token", "token"), ("channel", "token"), ("token", "channel")])
+def test_two_channel_groups_compile_for_sm90a(k_axis, v_axis, bits, ws):
+    """g = 64 at head dim 128: token-wise K as two group-local partials, token-wise V as two P' operands
+    (one per m64 half of V^T); the same number of wgmma, no spills."""
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, 64)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
+    assert len(WGMMA_RS.findall(ptx)) == (2 if ws else 1) * (128 // 16 + 2 * 4)
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("bits", (2, 4))
 def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
@@ -71,7 +83,7 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,what", [({"group_size": 64}, "g = head_dim"), ({"group_size": 32}, "g = head_dim"),
+@pytest.mark.parametrize("kw,what", [({"group_size": 32}, "multiple of 64"),
                                      ({"group_size": 32, "k_axis": "channel", "v_axis": "channel"}, "multiple of 64")])
 def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
@@ -92,7 +104,8 @@ def test_unsupported_configurations_say_why(kw, what):
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
     ([5000, 700, 130], 4, None, {"k_axis": "channel"}), ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7}),
     ([4100, 260], 4, None, {"v_axis": "channel"}), ([3000, 900], 1, 2, {"k_axis": "channel", "v_axis": "channel"}),
-    ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64})])
+    ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64}),
+    ([6000, 333, 1], 4, None, {"group_size": 64}), ([1500, 90], 8, 2, {"group_size": 64, "k_axis": "channel"})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     from _helpers import bf16_attention, rel
     from test_triton import make

@@ -1,6 +1,7 @@
-"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4): every K/V axis combination, token-wise
-axes with one group per token (``g = D``), channel-wise ones with groups of ``g`` tokens, ``g`` a multiple
-of the 64-token tile; INT2/INT4, head dim 64/128, up to 8 query heads per KV head, paged caches.
+"""Hopper (sm_90a) split-KV decode stage 1 in CuTe DSL (issue 4): every K/V axis combination with groups of
+``g`` = 64 or 128 (a multiple of the 64-token tile; for a token-wise axis, ``g`` channels dividing the head
+dim: one or two channel groups per token); INT2/INT4, head dim 64/128, up to 8 query heads per KV head,
+paged caches.
 
 Per 64-token KV tile, one warpgroup computes (:meth:`FoldDecodeSm90._tile_step`, shared by both
 versions):
@@ -8,23 +9,26 @@ versions):
 - ``S^T = K Q^T`` on ``wgmma.m64n8k16`` with A from registers: each thread builds its 32-bit A
   registers from the packed words of the cache (:mod:`foscar.cute.fragment`: one funnel shift and
   one ``lop3`` per register), Q^T (heads padded to 8) sits in shared memory;
-- the acc-fold of token-wise K, centred on the pivot like :func:`foscar.decode_folded`; channel-wise K:
+- the acc-fold of token-wise K, centred on the pivot like :func:`foscar.decode_folded` (with two channel
+  groups, one group-local partial each, scaled apart); channel-wise K:
   the operand-fold ``Q' = bf16(Q s')`` of the tile's token group, rebuilt in shared memory when the group
   changes, and the group's offset correction per head (:meth:`FoldDecodeSm90._fold_q`);
 - online softmax (base 2) over the token axis: per column, shuffles across the lanes holding a
   column, then the four warps through shared memory;
 - ``O^T = V^T P'^T``, FP16 operands: ``P' = P s'_V / sigma`` (``sigma`` the largest ``|s'_V|`` so far,
   a power of two) stored to shared memory as the B operand, V^T built in registers like K;
-  the offset correction kept per element and folded into the accumulator every ``FLUSH`` tiles;
-  channel-wise V: ``P~ = fp16(P)`` as the B operand, and the acc-fold of the tile's partial per channel
+  the offset correction kept per element and folded into the accumulator every ``FLUSH`` tiles (with two
+  channel groups: one ``P'``, ``sigma`` and correction per group, each group being one m64 half of V^T
+  with its own B operand); channel-wise V: ``P~ = fp16(P)`` as the B operand, and the acc-fold of the tile's partial per channel
   (``s' (part - c sum P~) + mid sum P~``);
 - the partial output and LSE, in the layout :mod:`foscar.triton.combine` merges.
 
 v0 (:class:`FoldDecodeSm90`, validated on the H200): one warpgroup per CTA (batch entry, KV head, KV
 split) loading the next tile's words into registers while it computes one. v1
 (:class:`FoldDecodeSm90WS`, compiled for sm_90a, not yet run on a GPU): a TMA producer warpgroup and two
-consumer warpgroups on alternating tiles. The channel-wise axes compile in both and await their GPU run
-too. Next (issue 4): the GPU runs; g < D.
+consumer warpgroups on alternating tiles. The channel-wise axes and g < D compile in both and await their
+GPU run too (their code is in static branches: the validated v0 configurations compile to the same PTX).
+Next (issue 4): the GPU runs.
 """
 from __future__ import annotations
 
@@ -72,12 +76,24 @@ class Sm90Config:
     v_channel: bool = False  # channel-wise V groups (acc-fold of each tile's PV partial)
 
     @property
+    def kc(self) -> int:  # channel groups of a token-wise K (1 when channel-wise)
+        return 1 if self.k_channel else self.head_dim // self.group_size
+
+    @property
+    def vc(self) -> int:  # channel groups of a token-wise V
+        return 1 if self.v_channel else self.head_dim // self.group_size
+
+    @property
+    def par_words(self) -> int:  # per-thread (s', z') registers of a tile: K's, then V's (at 4 * kc)
+        return 4 * self.kc + 4 * self.vc
+
+    @property
     def flush(self) -> int:  # tokens quantized together (KVFormat.flush)
         return self.group_size if (self.k_channel or self.v_channel) else 1
 
     @property
     def v_param_words(self) -> int:
-        return 2 * self.head_dim if self.v_channel else 2 * TILE
+        return 2 * self.head_dim if self.v_channel else 2 * TILE * self.vc
 
     @property
     def v_param_rows(self) -> int:
@@ -88,8 +104,8 @@ class Sm90Config:
         return self.head_dim * HEADS // THREADS
 
     @property
-    def k_param_words(self) -> int:  # floats of a tile's K (s', z'): per token, or the group's row
-        return 2 * self.head_dim if self.k_channel else 2 * TILE
+    def k_param_words(self) -> int:  # floats of a tile's K (s', z'): per token and channel group, or the group's row
+        return 2 * self.head_dim if self.k_channel else 2 * TILE * self.kc
 
     @property
     def k_param_rows(self) -> int:  # rows of K (s', z') per page: tiles, or token groups (at least one)
@@ -170,9 +186,12 @@ class FoldDecodeSm90:
         smem = SmemAllocator()
         sQ = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sP = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sP2 = sP  # token-wise V with two channel groups: the second group's P' (its own buffer then)
+        if cutlass.const_expr(cfg.vc == 2):
+            sP2 = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
-        sQsum = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sQsum = smem.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
         sQk = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)  # Q s'
         sKr = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sKf = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
@@ -187,11 +206,7 @@ class FoldDecodeSm90:
                         val = mQ[b, kvh * G + h, d]
                     sQ[h, d] = val
         cute.arch.sync_threads()
-        if tidx < HEADS:
-            acc_q = Float32(0.0)
-            for d in cutlass.range(D, unroll=8):
-                acc_q += Float32(sQ[tidx, d])
-            sQsum[tidx] = acc_q
+        self._q_sums(sQ, sQsum, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         qsum0 = sQsum[2 * quad]
@@ -214,6 +229,7 @@ class FoldDecodeSm90:
         tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
         tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
         tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        tOrP2 = thr_pv.make_fragment_B(thr_pv.partition_B(sP2))
         accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
         accO.fill(0.0)
 
@@ -221,19 +237,22 @@ class FoldDecodeSm90:
         vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
         l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el2 = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # token-wise V, second channel group
         l_el.fill(0.0)
         c_el.fill(0.0)
+        c_el2.fill(0.0)
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
+        sigma2 = Float32(1.0)
         kgroup = Int32(-1)  # channel-wise K: the token group whose Q' sits in sQk
 
         # software pipeline: tile i+1's words and parameters are loaded (into the *_n registers) before
         # tile i is computed, so their latency hides behind its math
         kw_n = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
         vw_n = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
-        par = cute.make_rmem_tensor(cute.make_layout(8), Float32)  # ks0 kz0 ks1 kz1 vs0 vz0 vs1 vz1
-        par_n = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        par = cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32)  # K's (s', z'), then V's
+        par_n = cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32)
         vpar = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)  # channel-wise V
         vpar_n = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)
         thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
@@ -249,7 +268,7 @@ class FoldDecodeSm90:
             for vb in cutlass.range_constexpr(cfg.v_blocks):
                 for mh in cutlass.range_constexpr(cfg.mh):
                     vw[mh, vb] = vw_n[mh, vb]
-            for i in cutlass.range_constexpr(8):
+            for i in cutlass.range_constexpr(cfg.par_words):
                 par[i] = par_n[i]
             if cutlass.const_expr(cfg.v_channel):
                 for i in cutlass.range_constexpr(2 * cfg.acc_elems):
@@ -257,36 +276,47 @@ class FoldDecodeSm90:
             if tile + 1 < t_hi:
                 self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, kw_n, vw_n, par_n, vpar_n, thr_c, warp,
                                 lane, tidx, row0)
-            m0, m1, sigma, kgroup = self._tile_step(
-                tile, t0, t_lo, n, kw, vw, par, vpar, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ, tSrQk,
-                accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
-                qk_scale, tidx, warp, lane, quad, row0, 1)
+            m0, m1, sigma, sigma2, kgroup = self._tile_step(
+                tile, t0, t_lo, n, kw, vw, par, vpar, m0, m1, sigma, sigma2, kgroup, qk_mma, pv_mma, c_el2, tOrP2,
+                tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sP2, sQ,
+                sQk, sKr, sKf, sQsum, qsum0, qsum1, qk_scale, tidx, warp, lane, quad, row0, 1)
 
-        self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split, warp, lane, quad, 1)
+        self._epilogue(c_el, c_el2, accO, l_el, sSum, sigma, sigma2, m0, m1, thr_pv, mOP, mLP, b, kvh, split, warp, lane,
+                       quad, 1)
 
     @cute.jit
-    def _epilogue(self, c_el: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor, sSum: cute.Tensor, sigma: Float32,
-                  m0: Float32, m1: Float32, thr_pv, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, warp, lane, quad,
-                  bar_id: cutlass.Constexpr):
+    def _epilogue(self, c_el: cute.Tensor, c_el2: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor,
+                  sSum: cute.Tensor, sigma: Float32, sigma2: Float32, m0: Float32, m1: Float32, thr_pv,
+                  mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, warp, lane, quad, bar_id: cutlass.Constexpr):
         """The last corrections, then the partial output ``acc / l`` and LSE (base 2) of one warpgroup's tiles
-        into partial slot ``split``."""
+        into partial slot ``split`` (token-wise V with two channel groups: ``c_el2``, ``sigma2`` are the
+        second group's)."""
         cfg = self.cfg
         D = cfg.head_dim
         G = cfg.group
-        self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
+        if cutlass.const_expr(cfg.vc == 2):
+            self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id, 0)
+            self._flush(c_el2, accO, sSum, sigma2, warp, lane, quad, bar_id, 1)
+        else:
+            self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
         l0, l1 = self._column_sums(l_el, sSum, warp, lane, quad, bar_id)
         # ---- the split's partial output and LSE (base 2) ---------------------------------------------------
         inv0 = Float32(0.0)
         inv1 = Float32(0.0)
+        top = Float32(1.0) if cfg.vc == 2 else sigma  # two groups: each element takes its group's sigma below
         if l0 > 0:
-            inv0 = sigma / l0
+            inv0 = top / l0
         if l1 > 0:
-            inv1 = sigma / l1
+            inv1 = top / l1
         thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
         for e in cutlass.range_constexpr(cute.size(accO)):
             ch, h = thr_c[e]
             if h < G:
-                mOP[b, kvh * G + h, split, ch] = accO[e] * (inv0 if e % 2 == 0 else inv1)
+                if cutlass.const_expr(cfg.vc == 2):
+                    mOP[b, kvh * G + h, split, ch] = (accO[e] * (sigma if e // 4 == 0 else sigma2)
+                                                      * (inv0 if e % 2 == 0 else inv1))
+                else:
+                    mOP[b, kvh * G + h, split, ch] = accO[e] * (inv0 if e % 2 == 0 else inv1)
         if warp == 0 and lane < 4:
             lse0 = -Float32.inf
             lse1 = -Float32.inf
@@ -302,12 +332,14 @@ class FoldDecodeSm90:
     @cute.jit
     def _tile_step(self, tile, t0, t_lo, n, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, vpar: cute.Tensor,
                    m0: Float32,
-                   m1: Float32, sigma: Float32, kgroup: Int32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+                   m1: Float32, sigma: Float32, sigma2: Float32, kgroup: Int32, qk_mma: cute.TiledMma,
+                   pv_mma: cute.TiledMma, c_el2: cute.Tensor, tOrP2: cute.Tensor,
                    tSrK: cute.Tensor, tSrK_u32: cute.Tensor, tSrQ: cute.Tensor, tSrQk: cute.Tensor, accS: cute.Tensor,
                    tOrV: cute.Tensor, tOrV_u32: cute.Tensor, tOrP: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor,
-                   c_el: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, sP: cute.Tensor, sQ: cute.Tensor,
-                   sQk: cute.Tensor, sKr: cute.Tensor, sKf: cute.Tensor, qsum0: Float32, qsum1: Float32,
-                   qk_scale: Float32, ctid, warp, lane, quad, row0, bar_id: cutlass.Constexpr):
+                   c_el: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, sP: cute.Tensor, sP2: cute.Tensor,
+                   sQ: cute.Tensor,
+                   sQk: cute.Tensor, sKr: cute.Tensor, sKf: cute.Tensor, sQsum: cute.Tensor, qsum0: Float32,
+                   qsum1: Float32, qk_scale: Float32, ctid, warp, lane, quad, row0, bar_id: cutlass.Constexpr):
         """One KV tile for one warpgroup, from its packed words and ``(s', z')`` in registers (``kw``, ``vw``,
         ``par``): S^T = K Q^T with the acc-fold of token-wise K (or, channel-wise, the operand-fold
         ``Q' = Q s'`` of the tile's token group, rebuilt in ``sQk`` when the group changes, ``kgroup``),
@@ -320,7 +352,8 @@ class FoldDecodeSm90:
         per_word = 16 // cfg.bits
         nib = 4 // cfg.bits
         ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
-        vs0, vz0, vs1, vz1 = par[4], par[5], par[6], par[7]
+        vo = 4 * cfg.kc  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
+        vs0, vz0, vs1, vz1 = par[vo], par[vo + 1], par[vo + 2 * cfg.vc], par[vo + 2 * cfg.vc + 1]
         valid0 = t0 + row0 < n
         valid1 = t0 + row0 + 8 < n
         if not valid0:  # rows past the length: whatever the page holds there must not reach P'
@@ -329,6 +362,17 @@ class FoldDecodeSm90:
         if not valid1:
             vs1 = Float32(0.0)
             vz1 = Float32(0.0)
+        if cutlass.const_expr(cfg.vc == 2):  # token-wise V, the second channel group's (s', z') of both rows
+            ws0 = par[vo + 2]
+            wz0 = par[vo + 3]
+            ws1 = par[vo + 6]
+            wz1 = par[vo + 7]
+            if not valid0:
+                ws0 = Float32(0.0)
+                wz0 = Float32(0.0)
+            if not valid1:
+                ws1 = Float32(0.0)
+                wz1 = Float32(0.0)
         # ---- S^T = K Q^T: K built in registers -------------------------------------------------------
         for r in cutlass.range_constexpr(cute.size(tSrK_u32)):
             w = Uint32(kw[r // per_word])
@@ -339,10 +383,16 @@ class FoldDecodeSm90:
                 self._fold_q(sQ, sQk, sKr, sKf, ks0, kz0, ctid, warp, lane, bar_id)
                 kgroup = grp
         accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the caller: no state set in here)
+        if cutlass.const_expr(cfg.kc == 2):  # token-wise K, 2 channel groups: the second group's partial
+            accS2 = cute.make_rmem_tensor(accS.layout, Float32)
+            accS2.fill(0.0)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+        n_kb = cute.size(tSrK, mode=[2])
+        for kb in cutlass.range_constexpr(n_kb):
             if cutlass.const_expr(cfg.k_channel):
                 cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQk[None, None, kb], accS)
+            elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
+                cute.gemm(qk_mma, accS2, tSrK[None, None, kb], tSrQ[None, None, kb], accS2)
             else:
                 cute.gemm(qk_mma, accS, tSrK[None, None, kb], tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
@@ -355,6 +405,23 @@ class FoldDecodeSm90:
             s01 = (accS[1] + kc1) * qk_scale
             s10 = (accS[2] + kc0) * qk_scale
             s11 = (accS[3] + kc1) * qk_scale
+        elif cutlass.const_expr(cfg.kc == 2):  # acc-fold per channel group: each group-local partial scaled
+            s00 = Float32(0.0)
+            s01 = Float32(0.0)
+            s10 = Float32(0.0)
+            s11 = Float32(0.0)
+            for c in cutlass.range_constexpr(2):
+                acc_c = accS if c == 0 else accS2
+                q0 = sQsum[2 * quad, c]
+                q1 = sQsum[2 * quad + 1, c]
+                ka0 = par[c * 2] * qk_scale  # row 0: (s', z') at (0 * kc + c) * 2
+                ka1 = par[(2 + c) * 2] * qk_scale  # row 1
+                ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
+                ke1 = (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale
+                s00 = s00 + (acc_c[0] - cfg.k_pivot * q0) * ka0 + q0 * ke0
+                s01 = s01 + (acc_c[1] - cfg.k_pivot * q1) * ka0 + q1 * ke0
+                s10 = s10 + (acc_c[2] - cfg.k_pivot * q0) * ka1 + q0 * ke1
+                s11 = s11 + (acc_c[3] - cfg.k_pivot * q1) * ka1 + q1 * ke1
         else:  # acc-fold of token-wise K, centred: s' (part - c sum Q) + mid sum Q (scaled)
             a0 = ks0 * qk_scale
             a1 = ks1 * qk_scale
@@ -380,12 +447,18 @@ class FoldDecodeSm90:
             vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
         vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
         vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
+        if cutlass.const_expr(cfg.vc == 2):
+            wmx = cute.arch.fmax(cute.arch.fmax(ws0, -ws0), cute.arch.fmax(ws1, -ws1))
+            for sh in cutlass.range_constexpr(5):
+                wmx = cute.arch.fmax(wmx, cute.arch.shuffle_sync_bfly(wmx, 16 >> sh))
         buf = tile % 2
         if lane < 4:
             sRed[buf, warp, 2 * lane] = mx0
             sRed[buf, warp, 2 * lane + 1] = mx1
         if lane == 0:
             sRed[buf, warp, HEADS] = vmx
+            if cutlass.const_expr(cfg.vc == 2):
+                sRed[buf, warp, HEADS + 1] = wmx
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
         tm0 = sRed[buf, 0, 2 * quad]
         tm1 = sRed[buf, 0, 2 * quad + 1]
@@ -404,6 +477,13 @@ class FoldDecodeSm90:
         sig_new = sigma
         while sig_new < tv:
             sig_new = sig_new * 2.0
+        sig_new2 = sigma2
+        if cutlass.const_expr(cfg.vc == 2):  # the second group's sigma
+            tv2 = sRed[buf, 0, HEADS + 1]
+            for wi in cutlass.range_constexpr(1, 4):
+                tv2 = cute.arch.fmax(tv2, sRed[buf, wi, HEADS + 1])
+            while sig_new2 < tv2:
+                sig_new2 = sig_new2 * 2.0
         p00 = cute.math.exp2(s00 - mn0, fastmath=True)
         p01 = cute.math.exp2(s01 - mn1, fastmath=True)
         p10 = cute.math.exp2(s10 - mn0, fastmath=True)
@@ -457,6 +537,72 @@ class FoldDecodeSm90:
                 vs_e = vpar[2 * e]
                 accO[e] = (accO[e] * (al0 if e % 2 == 0 else al1) + (accT[e] - cfg.v_pivot * ps) * vs_e
                            + ps * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
+        elif cutlass.const_expr(cfg.vc == 2):
+            # ---- token-wise V, two channel groups (the two m64 halves of V^T): P'_c = P s'_V[c] / sigma_c per
+            # group, each the B operand of its half; corrections per element and group ------------------
+            r0 = vs0 / sig_new
+            r1 = vs1 / sig_new
+            w0 = ws0 / sig_new2
+            w1 = ws1 / sig_new2
+            q00 = Float16(p00 * r0)
+            q01 = Float16(p01 * r0)
+            q10 = Float16(p10 * r1)
+            q11 = Float16(p11 * r1)
+            u00 = Float16(p00 * w0)
+            u01 = Float16(p01 * w0)
+            u10 = Float16(p10 * w1)
+            u11 = Float16(p11 * w1)
+            vm0 = vz0 + cfg.v_mid * vs0
+            vm1 = vz1 + cfg.v_mid * vs1
+            wm0 = wz0 + cfg.v_mid * ws0
+            wm1 = wz1 + cfg.v_mid * ws1
+            cs = cfg.v_pivot * sig_new
+            cs2 = cfg.v_pivot * sig_new2
+            c_el[0] = c_el[0] * al0 + (p00 * vm0 - cs * Float32(q00))
+            c_el[1] = c_el[1] * al1 + (p01 * vm0 - cs * Float32(q01))
+            c_el[2] = c_el[2] * al0 + (p10 * vm1 - cs * Float32(q10))
+            c_el[3] = c_el[3] * al1 + (p11 * vm1 - cs * Float32(q11))
+            c_el2[0] = c_el2[0] * al0 + (p00 * wm0 - cs2 * Float32(u00))
+            c_el2[1] = c_el2[1] * al1 + (p01 * wm0 - cs2 * Float32(u01))
+            c_el2[2] = c_el2[2] * al0 + (p10 * wm1 - cs2 * Float32(u10))
+            c_el2[3] = c_el2[3] * al1 + (p11 * wm1 - cs2 * Float32(u11))
+            sP[2 * quad, row0] = q00
+            sP[2 * quad + 1, row0] = q01
+            sP[2 * quad, row0 + 8] = q10
+            sP[2 * quad + 1, row0 + 8] = q11
+            sP2[2 * quad, row0] = u00
+            sP2[2 * quad + 1, row0] = u01
+            sP2[2 * quad, row0 + 8] = u10
+            sP2[2 * quad + 1, row0 + 8] = u11
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+            ratio = sigma / sig_new
+            ratio2 = sigma2 / sig_new2
+            for e in cutlass.range_constexpr(cute.size(accO)):  # element e: half e // 4, column 2 quad + e % 2
+                accO[e] = accO[e] * ((al0 if e % 2 == 0 else al1) * (ratio if e // 4 == 0 else ratio2))
+            sigma = sig_new
+            sigma2 = sig_new2
+            for r in cutlass.range_constexpr(cute.size(tOrV_u32)):
+                j = r % 4
+                mk = r // 4
+                mh = mk % cfg.mh
+                kb = mk // cfg.mh
+                w = Uint32(vw[mh, kb // nib])
+                tOrV_u32[r] = _inject(w, cfg.bits * (4 * (kb % nib) + j), cfg.v_shl, cfg.bits, cfg.v_pattern)
+            warpgroup.fence()
+            for half in cutlass.range_constexpr(2):  # each half with its own B: one (64 x 8) MMA chain each
+                acc_h = accO[(None, half, None)]
+                acc3 = cute.make_tensor(acc_h.iterator, cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0)))
+                for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                    a_h = tOrV[(None, half, kb)]
+                    a2 = cute.make_tensor(a_h.iterator, cute.make_layout(((2, 2, 2), 1), stride=((1, 2, 4), 0)))
+                    b_h = tOrP[(None, None, kb)] if half == 0 else tOrP2[(None, None, kb)]
+                    cute.gemm(pv_mma, acc3, a2, b_h, acc3)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if (tile - t_lo) % FLUSH == FLUSH - 1:
+                self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id, 0)
+                self._flush(c_el2, accO, sSum, sigma2, warp, lane, quad, bar_id, 1)
         else:
             # ---- P' = P s'_V / sigma (FP16) to shared memory, the correction per element -----------------
             r0 = vs0 / sig_new
@@ -497,7 +643,29 @@ class FoldDecodeSm90:
             warpgroup.wait_group(0)
             if (tile - t_lo) % FLUSH == FLUSH - 1:
                 self._flush(c_el, accO, sSum, sigma, warp, lane, quad, bar_id)
-        return m0, m1, sigma, kgroup
+        return m0, m1, sigma, sigma2, kgroup
+
+    @cute.jit
+    def _q_sums(self, sQ: cute.Tensor, sQsum: cute.Tensor, tidx):
+        """``sum(Q)`` of the BF16 operand per head and channel group of a token-wise K (``sQsum[h, c]``):
+        the acc-fold's offset term."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        if cutlass.const_expr(cfg.kc == 1):
+            if tidx < HEADS:
+                acc_q = Float32(0.0)
+                for d in cutlass.range(D, unroll=8):
+                    acc_q += Float32(sQ[tidx, d])
+                sQsum[tidx] = acc_q
+        else:
+            width = D // cfg.kc
+            if tidx < HEADS * cfg.kc:
+                h = tidx % HEADS
+                c = tidx // HEADS
+                acc_q = Float32(0.0)
+                for d in cutlass.range(width, unroll=8):
+                    acc_q += Float32(sQ[h, c * width + d])
+                sQsum[h, c] = acc_q
 
     @cute.jit
     def _fold_q(self, sQ: cute.Tensor, sQk: cute.Tensor, sKr: cute.Tensor, sKf: cute.Tensor, s_d: Float32,
@@ -565,11 +733,13 @@ class FoldDecodeSm90:
                         row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
                         par[j] = mKP[page, kvh, row, tidx % D, j]
                 else:
-                    par[2 * r + j] = mKP[page, kvh, off + row0 + 8 * r, 0, j]
-                if cutlass.const_expr(cfg.v_channel):
-                    par[4 + 2 * r + j] = Float32(0.0)  # no per-token V scale (sigma stays 1)
-                else:
-                    par[4 + 2 * r + j] = mVP[page, kvh, off + row0 + 8 * r, 0, j]
+                    for c in cutlass.range_constexpr(cfg.kc):
+                        par[(r * cfg.kc + c) * 2 + j] = mKP[page, kvh, off + row0 + 8 * r, c, j]
+                for c in cutlass.range_constexpr(cfg.vc):
+                    if cutlass.const_expr(cfg.v_channel):
+                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = Float32(0.0)  # no per-token V scale
+                    else:
+                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = mVP[page, kvh, off + row0 + 8 * r, c, j]
         if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
             vrow = off // cfg.group_size if cfg.page >= cfg.group_size else 0
             for e in cutlass.range_constexpr(cfg.acc_elems):
@@ -597,11 +767,13 @@ class FoldDecodeSm90:
 
     @cute.jit
     def _flush(self, c_el: cute.Tensor, accO: cute.Tensor, sSum: cute.Tensor, sigma: Float32, warp, lane, quad,
-               bar_id: cutlass.Constexpr):
-        """The offset corrections gathered per element join the accumulator (units of sigma)."""
+               bar_id: cutlass.Constexpr, half: cutlass.Constexpr = -1):
+        """The offset corrections gathered per element join the accumulator (units of sigma): all of it, or
+        (token-wise V with two channel groups) the m64 half ``half`` whose channels are one group."""
         c0, c1 = self._column_sums(c_el, sSum, warp, lane, quad, bar_id)
         for e in cutlass.range_constexpr(cute.size(accO)):
-            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
+            if cutlass.const_expr(half < 0 or e // 4 == half):
+                accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
         c_el.fill(0.0)
 
 
@@ -689,9 +861,14 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         full = smem.allocate_array(Int64, slots)
         empty = smem.allocate_array(Int64, slots)
         sQ = smem.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        sQsum = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sQsum = smem.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
         sP0 = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sP1 = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sP0b = sP0  # token-wise V with two channel groups: each consumer's second P' buffer
+        sP1b = sP1
+        if cutlass.const_expr(cfg.vc == 2):
+            sP0b = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+            sP1b = smem.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sRed0 = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sRed1 = smem.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sSum0 = smem.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
@@ -719,11 +896,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                             val = mQ[b, kvh * G + h, d]
                         sQ[h, d] = val
         cute.arch.sync_threads()
-        if tidx < HEADS:
-            acc_q = Float32(0.0)
-            for d in cutlass.range(D, unroll=8):
-                acc_q += Float32(sQ[tidx, d])
-            sQsum[tidx] = acc_q
+        self._q_sums(sQ, sQsum, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -765,14 +938,16 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
             if wg == c + 1:
                 cute.arch.setmaxregister_increase(232)
                 self._consume(c, qk_mma, pv_mma, sK, sV, sKP, sVP, full, empty, sQ, sQsum,
-                              sP0 if c == 0 else sP1, sRed0 if c == 0 else sRed1, sSum0 if c == 0 else sSum1,
+                              sP0 if c == 0 else sP1, sP0b if c == 0 else sP1b,
+                              sRed0 if c == 0 else sRed1, sSum0 if c == 0 else sSum1,
                               sQk0 if c == 0 else sQk1, sKr0 if c == 0 else sKr1, sKf0 if c == 0 else sKf1,
                               mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
 
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sK: cute.Tensor,
                  sV: cute.Tensor, sKP: cute.Tensor, sVP: cute.Tensor, full, empty, sQ: cute.Tensor,
-                 sQsum: cute.Tensor, sP: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor, sQk: cute.Tensor,
+                 sQsum: cute.Tensor, sP: cute.Tensor, sP2: cute.Tensor, sRed: cute.Tensor, sSum: cute.Tensor,
+                 sQk: cute.Tensor,
                  sKr: cute.Tensor, sKf: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
                  qk_scale: Float32):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
@@ -796,20 +971,24 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
         tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
         tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        tOrP2 = thr_pv.make_fragment_B(thr_pv.partition_B(sP2))
         accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
         accO.fill(0.0)
         kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
         vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
-        par = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        par = cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32)
         vpar = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)  # channel-wise V
         thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
         l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el2 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         l_el.fill(0.0)
         c_el.fill(0.0)
+        c_el2.fill(0.0)
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
+        sigma2 = Float32(1.0)
         kgroup = Int32(-1)
         kwpb = words_per_block(cfg.bits, D, "k")
         vwpb = words_per_block(cfg.bits, D, "v")
@@ -829,23 +1008,26 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                         if cutlass.const_expr(r == 0):
                             par[j] = sKP[2 * (ctid % D) + j, slot]
                     else:
-                        par[2 * r + j] = sKP[(row0 + 8 * r) * 2 + j, slot]
-                    if cutlass.const_expr(cfg.v_channel):
-                        par[4 + 2 * r + j] = Float32(0.0)  # no per-token V scale (sigma stays 1)
-                    else:
-                        par[4 + 2 * r + j] = sVP[(row0 + 8 * r) * 2 + j, slot]
+                        for cc in cutlass.range_constexpr(cfg.kc):
+                            par[(r * cfg.kc + cc) * 2 + j] = sKP[((row0 + 8 * r) * cfg.kc + cc) * 2 + j, slot]
+                    for cc in cutlass.range_constexpr(cfg.vc):
+                        if cutlass.const_expr(cfg.v_channel):
+                            par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = Float32(0.0)  # no per-token V scale
+                        else:
+                            par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = sVP[((row0 + 8 * r) * cfg.vc + cc) * 2 + j,
+                                                                              slot]
             if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
                 for e in cutlass.range_constexpr(cfg.acc_elems):
                     ch, _ = thr_c[e]
                     for j in cutlass.range_constexpr(2):
                         vpar[2 * e + j] = sVP[2 * ch + j, slot]
             cute.arch.mbarrier_arrive(empty + slot)  # the stage is in registers: the producer may refill it
-            m0, m1, sigma, kgroup = self._tile_step(
-                k, tile * TILE, 0, n, kw, vw, par, vpar, m0, m1, sigma, kgroup, qk_mma, pv_mma, tSrK, tSrK_u32, tSrQ,
-                tSrQk, accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sQ, sQk, sKr, sKf, qsum0, qsum1,
-                qk_scale, ctid, warp, lane, quad, row0, 1 + c)
-        self._epilogue(c_el, accO, l_el, sSum, sigma, m0, m1, thr_pv, mOP, mLP, b, kvh, split * CONSUMERS + c,
-                       warp, lane, quad, 1 + c)
+            m0, m1, sigma, sigma2, kgroup = self._tile_step(
+                k, tile * TILE, 0, n, kw, vw, par, vpar, m0, m1, sigma, sigma2, kgroup, qk_mma, pv_mma, c_el2, tOrP2,
+                tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, accO, l_el, c_el, sRed, sSum, sP, sP2, sQ, sQk,
+                sKr, sKf, sQsum, qsum0, qsum1, qk_scale, ctid, warp, lane, quad, row0, 1 + c)
+        self._epilogue(c_el, c_el2, accO, l_el, sSum, sigma, sigma2, m0, m1, thr_pv, mOP, mLP, b, kvh,
+                       split * CONSUMERS + c, warp, lane, quad, 1 + c)
 
 
 def config_for(fmt, group: int, page: int) -> Sm90Config:
@@ -857,11 +1039,10 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
     from ..format import operand_for
     from ..triton.launch import _injection_args
     g = fmt.group_size
-    token_wise = "token" in (fmt.k_axis, fmt.v_axis)
-    if (token_wise and g != fmt.head_dim) or g % TILE:
+    if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
-                               "the CuTe kernels need g = head_dim for a token-wise axis (one group per token), "
-                               "and g a multiple of 64 tokens for channel-wise ones")
+                               "the CuTe kernels need g a multiple of 64 (channels of a token-wise axis, tokens of "
+                               "a channel-wise one), dividing the head dim for a token-wise axis")
     if fmt.head_dim not in (64, 128) or group > HEADS or page % TILE or fmt.mapping != "bf16":
         raise UnsupportedError(f"head_dim={fmt.head_dim}, G={group}, page={page}, mapping={fmt.mapping!r}",
                                "the CuTe v0 kernel needs head_dim 64/128, G <= 8, pages of 64k tokens, bf16")
@@ -885,9 +1066,9 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         "kc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
         "vc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
         "kp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.k_channel
-               else torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32)),
+               else torch.zeros(pages, Hkv, cfg.page, cfg.kc, 2, dtype=torch.float32)),
         "vp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.v_channel
-               else torch.zeros(pages, Hkv, cfg.page, 1, 2, dtype=torch.float32)),
+               else torch.zeros(pages, Hkv, cfg.page, cfg.vc, 2, dtype=torch.float32)),
         "bt": torch.zeros(B, pages, dtype=torch.int32),
         "seq": torch.zeros(B, dtype=torch.int32),
         "op": torch.zeros(B, Hkv * cfg.group, S, D, dtype=torch.float32),
