@@ -27,8 +27,8 @@ v0 (:class:`FoldDecodeSm90`, validated on the H200): one warpgroup per CTA (batc
 split) loading the next tile's words into registers while it computes one. v1
 (:class:`FoldDecodeSm90WS`, compiled for sm_90a, not yet run on a GPU): a TMA producer warpgroup and two
 consumer warpgroups on alternating tiles. The channel-wise axes and g < D compile in both and await their
-GPU run too (their code is in static branches: the validated v0 configurations compile to the same PTX).
-Next (issue 4): the GPU runs.
+GPU run too (in static branches: the earlier variants compile to unchanged PTX). v0 was refactored after its
+GPU run (the shared tile step, lengths read in the kernel). Next (issue 4): the GPU runs.
 """
 from __future__ import annotations
 
