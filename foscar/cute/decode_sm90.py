@@ -153,15 +153,7 @@ class FoldDecodeSm90:
         """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
         graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
         kernel)."""
-        cfg = self.cfg
-        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-        pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
-        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
-        sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+        qk_mma, pv_mma, sQ_layout, sP_layout = self._mmas_and_layouts()
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP,
@@ -174,7 +166,6 @@ class FoldDecodeSm90:
                mLP: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         D = cfg.head_dim
-        G = cfg.group
         tidx, _, _ = cute.arch.thread_idx()
         kvh, b, split = cute.arch.block_idx()
         n_splits = cute.arch.grid_dim()[2]
@@ -197,14 +188,7 @@ class FoldDecodeSm90:
         sKf = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
 
         # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
-        for h in cutlass.range_constexpr(HEADS):
-            for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
-                d = d0 * THREADS + tidx
-                if d < D:
-                    val = BFloat16(0.0)
-                    if h < G:
-                        val = mQ[b, kvh * G + h, d]
-                    sQ[h, d] = val
+        self._load_q(mQ, sQ, b, kvh, tidx)
         cute.arch.sync_threads()
         self._q_sums(sQ, sQsum, tidx)
         cute.arch.fence_view_async_shared()
@@ -213,34 +197,10 @@ class FoldDecodeSm90:
         qsum1 = sQsum[2 * quad + 1]
 
         # ---- the split's tiles ------------------------------------------------------------------------
-        n = cfg.quantized_length(mSEQ[b])
-        n_tiles = (n + TILE - 1) // TILE
-        per = (n_tiles + n_splits - 1) // n_splits
-        t_lo = split * per
-        t_hi = cutlass.min(t_lo + per, n_tiles)
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
 
-        thr_qk = qk_mma.get_slice(tidx)
-        tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
-        tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
-        tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
-        tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(sQk))
-        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
-        thr_pv = pv_mma.get_slice(tidx)
-        tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
-        tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
-        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
-        tOrP2 = thr_pv.make_fragment_B(thr_pv.partition_B(sP2))
-        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
-        accO.fill(0.0)
-
-        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
-        vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
-        l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        c_el2 = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # token-wise V, second channel group
-        l_el.fill(0.0)
-        c_el.fill(0.0)
-        c_el2.fill(0.0)
+        (thr_pv, tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, tOrP2, accO, kw, vw, l_el, c_el,
+         c_el2) = self._warpgroup_state(qk_mma, pv_mma, sQ, sQk, sP, sP2, tidx)
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
@@ -283,6 +243,73 @@ class FoldDecodeSm90:
 
         self._epilogue(c_el, c_el2, accO, l_el, sSum, sigma, sigma2, m0, m1, thr_pv, mOP, mLP, b, kvh, split, warp, lane,
                        quad, 1)
+
+    def _mmas_and_layouts(self):
+        """Host side, both versions: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16) and ``O^T = V^T P^T``
+        (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
+        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, self.cfg.head_dim), (0, 1))
+        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+        sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+        return qk_mma, pv_mma, sQ_layout, sP_layout
+
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b, kvh, tidx):
+        """Q^T of KV head ``kvh``'s query heads into shared memory (padded heads zero), by one warpgroup."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        G = cfg.group
+        for h in cutlass.range_constexpr(HEADS):
+            for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    val = BFloat16(0.0)
+                    if h < G:
+                        val = mQ[b, kvh * G + h, d]
+                    sQ[h, d] = val
+
+    @cute.jit
+    def _split_tiles(self, mSEQ: cute.Tensor, b, split, n_splits):
+        """``(n_quant, t_lo, t_hi)``: the quantized length of sequence ``b`` and the KV tiles of ``split``."""
+        n = self.cfg.quantized_length(mSEQ[b])
+        n_tiles = (n + TILE - 1) // TILE
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = split * per
+        t_hi = cutlass.min(t_lo + per, n_tiles)
+        return n, t_lo, t_hi
+
+    def _warpgroup_state(self, qk_mma, pv_mma, sQ, sQk, sP, sP2, wtid):
+        """One computing warpgroup's MMA fragments (thread ``wtid`` of it) and zeroed per-element state:
+        ``(thr_pv, tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, tOrP2, accO, kw, vw, l_el, c_el,
+        c_el2)``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        thr_qk = qk_mma.get_slice(wtid)
+        tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
+        tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
+        tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+        tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(sQk))
+        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        thr_pv = pv_mma.get_slice(wtid)
+        tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
+        tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
+        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        tOrP2 = thr_pv.make_fragment_B(thr_pv.partition_B(sP2))
+        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
+        accO.fill(0.0)
+        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+        l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_el2 = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # token-wise V, second channel group
+        l_el.fill(0.0)
+        c_el.fill(0.0)
+        c_el2.fill(0.0)
+        return thr_pv, tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, tOrP2, accO, kw, vw, l_el, c_el, c_el2
 
     @cute.jit
     def _epilogue(self, c_el: cute.Tensor, c_el2: cute.Tensor, accO: cute.Tensor, l_el: cute.Tensor,
@@ -796,14 +823,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
                  num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
-        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-        pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
-        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
-        sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+        qk_mma, pv_mma, sQ_layout, sP_layout = self._mmas_and_layouts()
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
         # (s', z') (TILE x 2 floats), by (tile in page, KV head, page)
         chunk = cfg.tile_words
@@ -838,8 +858,6 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
                   mLP: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
-        D = cfg.head_dim
-        G = cfg.group
         chunk = cfg.tile_words
         ci = min(chunk, 256)
         co = chunk // ci
@@ -887,24 +905,13 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         cute.arch.mbarrier_init_fence()
         # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
         if wg == 0:
-            for h in cutlass.range_constexpr(HEADS):
-                for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
-                    d = d0 * THREADS + tidx
-                    if d < D:
-                        val = BFloat16(0.0)
-                        if h < G:
-                            val = mQ[b, kvh * G + h, d]
-                        sQ[h, d] = val
+            self._load_q(mQ, sQ, b, kvh, tidx)
         cute.arch.sync_threads()
         self._q_sums(sQ, sQsum, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        n = cfg.quantized_length(mSEQ[b])
-        n_tiles = (n + TILE - 1) // TILE
-        per = (n_tiles + n_splits - 1) // n_splits
-        t_lo = split * per
-        t_hi = cutlass.min(t_lo + per, n_tiles)
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         if wg == 0:  # ---- producer ----------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(40)
             gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
@@ -961,30 +968,11 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         row0 = 16 * warp + lane // 4
         qsum0 = sQsum[2 * quad]
         qsum1 = sQsum[2 * quad + 1]
-        thr_qk = qk_mma.get_slice(ctid)
-        tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
-        tSrK_u32 = cute.recast_tensor(tSrK, Uint32)
-        tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
-        tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(sQk))
-        accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
-        thr_pv = pv_mma.get_slice(ctid)
-        tOrV = thr_pv.make_fragment_A(thr_pv.partition_shape_A((D, TILE)))
-        tOrV_u32 = cute.recast_tensor(tOrV, Uint32)
-        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
-        tOrP2 = thr_pv.make_fragment_B(thr_pv.partition_B(sP2))
-        accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((D, HEADS)), Float32)
-        accO.fill(0.0)
-        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
-        vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+        (thr_pv, tSrK, tSrK_u32, tSrQ, tSrQk, accS, tOrV, tOrV_u32, tOrP, tOrP2, accO, kw, vw, l_el, c_el,
+         c_el2) = self._warpgroup_state(qk_mma, pv_mma, sQ, sQk, sP, sP2, ctid)
         par = cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32)
         vpar = cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32)  # channel-wise V
         thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
-        l_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        c_el = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        c_el2 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        l_el.fill(0.0)
-        c_el.fill(0.0)
-        c_el2.fill(0.0)
         m0 = -Float32.inf
         m1 = -Float32.inf
         sigma = Float32(1.0)
