@@ -485,14 +485,18 @@ def _nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def _quant_runner(decode: Callable, inp: QuantInputs, args, **kw) -> Runner:
+    """A foscar decode over the quantized cache into a NaN-poisoned ``out`` (``--num-splits`` passed on)."""
+    out = _nan_like(inp.q)
+    kw["out"] = out
+    if args.num_splits is not None:
+        kw["num_splits"] = args.num_splits
+    return Runner(lambda: decode(inp.q, inp.cache, **kw), out)
+
+
 def build_foscar_quant(kernel: str):
     def build(inp: QuantInputs, args) -> Runner:
-        decode = _foscar_triton("decode")
-        out = _nan_like(inp.q)
-        kw = {"out": out, "kernel": kernel}
-        if args.num_splits is not None:
-            kw["num_splits"] = args.num_splits
-        return Runner(lambda: decode(inp.q, inp.cache, **kw), out)
+        return _quant_runner(_foscar_triton("decode"), inp, args, kernel=kernel)
     return build
 
 
@@ -503,11 +507,7 @@ def build_foscar_cute(warp_specialized: bool):
             from foscar.cute.launch import decode
         except ImportError as e:
             raise KernelMissing(f"import foscar.cute.launch failed: {type(e).__name__}: {e}") from e
-        out = _nan_like(inp.q)
-        kw = {"out": out, "warp_specialized": warp_specialized}
-        if args.num_splits is not None:
-            kw["num_splits"] = args.num_splits
-        return Runner(lambda: decode(inp.q, inp.cache, **kw), out)
+        return _quant_runner(decode, inp, args, warp_specialized=warp_specialized)
     return build
 
 
