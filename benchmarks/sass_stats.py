@@ -13,14 +13,13 @@ import subprocess
 import tempfile
 from collections import Counter
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from foscar.format import KVFormat
 from foscar.triton.decode import fold_decode_stage1
-from foscar.triton.launch import _injection_args, merge_chunk, operand_for
+from foscar.triton.launch import stage1_constexprs
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "SEQ": "*i32",
             "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEM": "*i32"}
@@ -31,14 +30,8 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
                    max_registers=None, prefetch=1, fused_combine=True):
-    constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page, GROUP=fmt.group_size,
-                      K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
-                      SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush, PV_F16=True,
-                      FOLD=fold, INTERPRET=False, PREFETCH=prefetch, FUSED_COMBINE=fused_combine, WINDOWS=0,
-                      MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, fmt.head_dim),
-                      WRITE_LSE=False,
-                      **_injection_args("K", operand_for(torch.bfloat16, fmt.bits), fmt),
-                      **_injection_args("V", operand_for(torch.float16, fmt.bits), fmt))
+    constexprs = stage1_constexprs(fmt, G, block_n=block_n, page=page, fold=fold, prefetch=prefetch,
+                                   fused_combine=fused_combine)
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}

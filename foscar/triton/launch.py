@@ -170,11 +170,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     parts = num_splits + num_window_parts(fmt)
     o_part, l_part, sem = workspace_for(workspace, B, Hq, parts, D, q.device, Hkv)
     qk_scale = sm_scale * LOG2E
-    fold_h = max(8, triton.next_power_of_2(G))  # the quantized kernel: heads along N (S^T = K Q^T)
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
-    k_op = operand_for(torch.bfloat16, fmt.bits)
-    v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     bt = cache.page_table.block_table
     cap = max_registers(fmt, prefetch, G) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
@@ -186,18 +183,31 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
-        BITS=fmt.bits, D=D, G=G, BLOCK_H=fold_h, BLOCK_N=bn, PAGE=cache.page_size, GROUP=fmt.group_size,
-        K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
-        SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
-        **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
-        PV_F16=pv_fp16, FOLD=kernel == "folded", INTERPRET=interp, PREFETCH=prefetch,
-        FUSED_COMBINE=fused_combine, WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G),
-        CHUNK=merge_chunk(G, D), WRITE_LSE=lse is not None,
+        **stage1_constexprs(fmt, G, block_n=bn, page=cache.page_size, pv_fp16=pv_fp16, fold=kernel == "folded",
+                            interpret=interp, prefetch=prefetch, fused_combine=fused_combine,
+                            write_lse=lse is not None),
         num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
         _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out
+
+
+def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = True, fold: bool = True,
+                      interpret: bool = False, prefetch: int = 1, fused_combine: bool = True,
+                      write_lse: bool = False) -> dict:
+    """The constexprs of :func:`fold_decode_stage1` for a format, GQA ratio and launch (one home: the
+    launcher and ``benchmarks/sass_stats.py`` compile the same kernel). Heads run along N, padded to 8."""
+    D = fmt.head_dim
+    k_op = operand_for(torch.bfloat16, fmt.bits)
+    v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
+    return dict(BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page,
+                GROUP=fmt.group_size, K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
+                SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
+                **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
+                PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
+                WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
+                WRITE_LSE=write_lse)
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a decode's constexprs are its format's
