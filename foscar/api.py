@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_tensor
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
 from .format import KVFormat
@@ -276,6 +277,9 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     """
     if backend not in ("auto", *WRITE_BACKENDS):
         raise InvalidArgumentError("backend", f"'auto' or one of {WRITE_BACKENDS}", repr(backend))
+    if not isinstance(cache, QuantKVCache):
+        raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
+    check_tensor("k_new", k_new, ndim=4)  # the rest (shape, dtype, device, values) as each writer checks it
     status = _triton_status(cache.device, cache.fmt)
     why_not = None if status.usable else status.why
     if why_not is None and quantizer != "minmax":

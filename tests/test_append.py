@@ -258,6 +258,10 @@ def test_foscar_append_picks_a_writer_and_says_why_not():
     assert all(torch.equal(x, y) for x, y in zip(snapshot(a).values(), snapshot(b).values()))
     with pytest.raises(InvalidArgumentError, match="^backend: expected"):
         foscar.append(a, k[:, :, :1], v[:, :, :1], backend="cute")
+    with pytest.raises(InvalidArgumentError, match="^cache: expected a foscar.QuantKVCache"):
+        foscar.append(object(), k[:, :, :1], v[:, :, :1])
+    with pytest.raises(InvalidArgumentError, match="^k_new: expected a torch.Tensor"):
+        foscar.append(a, [1.0], v[:, :, :1])
     if DEV == "cpu":
         with pytest.raises(foscar.UnsupportedError, match="needs a CUDA GPU"):
             foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton")

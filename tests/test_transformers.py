@@ -93,6 +93,8 @@ def test_cache_keyword_follows_the_installed_transformers():
 
     c = object()
     assert fit.cache_kwargs(Old(), c) == {"past_key_values": c} and fit.cache_kwargs(New(), c) == {"cache": c}
+    with pytest.raises(fit.foscar.InvalidArgumentError, match="^model: expected a transformers model"):
+        fit.cache_kwargs(object(), c)
 
 
 def test_unsupported_use_says_so():

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import foscar
 
 from ..cache import QuantKVCache
-from ..errors import UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import KVFormat
 
 ATTN_IMPL = "foscar"
@@ -155,7 +155,10 @@ def cache_kwargs(model, cache: Cache) -> dict:
     """``{keyword: cache}`` for ``model(...)`` and ``model.generate(...)``: transformers renamed
     ``past_key_values`` to ``cache`` during 5.x, and an older version silently ignores ``cache=`` (it
     builds its own BF16 cache), so the keyword is read from the model's own signature."""
-    params = inspect.signature(model.forward).parameters
+    forward = getattr(model, "forward", None)
+    if not callable(forward):
+        raise InvalidArgumentError("model", "a transformers model (with a forward method)", type(model).__name__)
+    params = inspect.signature(forward).parameters
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
