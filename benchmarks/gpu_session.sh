@@ -4,7 +4,9 @@
 # and prints a short summary; a failing step does not stop the later ones.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, HF, SASS)
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, then the CuTe tests
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe: paper grid, axes, GQA 1/2/8
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune             # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy         # the stress study on the GPU backends
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-step="${1:?usage: gpu_session.sh tests|cute BUNDLE|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
+step="${1:?usage: gpu_session.sh tests|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
@@ -29,18 +31,38 @@ case "$step" in
       python3 -m pytest -q "$f" > "$OUT/tests-$(basename "$f" .py).log" 2>&1
       echo "$f: $(tail -1 "$OUT/tests-$(basename "$f" .py).log")"
     done ;;
-  cute)
+  cute)  # install cutlass-dsl; a bounded smoke run of v0 and v1 (a pipeline hang costs 90 s, not the command);
+          # then the GPU tests of v0, and of v1 when its smoke run came back
     bundle="${2:?cute needs the cutlass-dsl bundle folder (install-cute-dsl.sh beside it)}"
     bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
-    python3 -m pytest -q -s tests/test_cute_decode.py tests/test_cute_fragment.py > "$OUT/cute.log" 2>&1
-    grep -E "error|passed|failed" "$OUT/cute.log" | tail -12
+    echo "install rc=$? $(tail -1 "$OUT/cute-install.log")"
+    sel="v0"
+    for kind in cute cute_ws; do
+      timeout 90 python3 benchmarks/sanitize_one.py $kind > "$OUT/smoke-$kind.log" 2>&1; rc=$?
+      echo "smoke $kind rc=$rc $(tail -1 "$OUT/smoke-$kind.log")"
+      [ "$kind" = cute_ws ] && [ $rc = 0 ] && sel="v0 or v1"
+    done
+    timeout 300 python3 -m pytest -q -s -m gpu -k "$sel or auto" tests/test_cute_decode.py > "$OUT/cute.log" 2>&1
+    grep -E "error|passed|failed" "$OUT/cute.log" | tail -14
+    timeout 200 python3 -m pytest -q tests/test_api.py > "$OUT/cute-api.log" 2>&1  # backend='auto' is now CuTe
+    echo "tests/test_api.py (auto = cute): $(tail -1 "$OUT/cute-api.log")" ;;
+  sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for kind in cute cute_ws; do for tool in memcheck racecheck synccheck; do
-      timeout 120 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
+    for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do
+      timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
-    done; done
+    done; done ;;
+  cute-bench)  # Triton against CuTe v0 (and v1 on the paper grid): paper grid, the four axis combinations, and
+               # GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed by the cute step
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
-      --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log" ;;
+      --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
+    python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute \
+      --out "$OUT/cute-axes" > "$OUT/cute-axes.log" 2>&1; grep "done in" "$OUT/cute-axes.log"
+    for h in 32:32 32:16 32:4; do
+      python3 -m foscar.bench.decode --shapes 1:128K,8:8K,8:128K,64:32K --heads $h --cuda-graph \
+        --kernels foscar_folded foscar_cute --out "$OUT/cute-heads/${h/:/-}" > "$OUT/cute-heads-${h/:/-}.log" 2>&1
+      echo "heads $h"; grep "done in" "$OUT/cute-heads-${h/:/-}.log"
+    done ;;
   tune)
     python3 -m foscar.tune --preset paper --bits 2 4 --out tuning/configs > "$OUT/tune.md" 2> "$OUT/tune.log"
     tail -30 "$OUT/tune.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;

@@ -3,8 +3,9 @@
 Backends, in the order ``backend="auto"`` tries them (:func:`backend_status` says which are usable here
 and why the others are not):
 
-- ``"cute"``: the CuTe DSL sm_90a kernel (:mod:`foscar.cute`). Not picked by ``auto`` until it has been
-  validated on a GPU; ``backend="cute"`` runs it.
+- ``"cute"``: the CuTe DSL sm_90a kernel (:mod:`foscar.cute`), on Hopper with nvidia-cutlass-dsl
+  installed, for the formats it supports (:func:`foscar.cute.decode_sm90.config_for` says why not);
+  measured at least as fast as Triton on every shape of the paper grid (``docs/results-h200.md``).
 - ``"triton"``: the Triton kernels, on any CUDA GPU.
 - ``"reference"``: :func:`foscar.decode_folded` in PyTorch (BF16 QK and FP16 PV operands, float32
   accumulation: the kernels' arithmetic), on any device. ``auto`` uses it on the CPU.
@@ -30,7 +31,7 @@ from .errors import InvalidArgumentError, UnsupportedError
 from .format import KVFormat
 
 BACKENDS = ("cute", "triton", "reference")
-AUTO_ORDER = ("triton", "reference")  # "cute" joins once validated on the GPU (issue 4)
+AUTO_ORDER = ("cute", "triton", "reference")
 ENV = "FOSCAR_BACKEND"
 
 
@@ -59,14 +60,16 @@ def _cute_status(dev, fmt, gqa, page_size) -> BackendStatus:
                              + ("; the sm_100a kernel is not written yet" if cap[0] == 10 else ""))
     if importlib.util.find_spec("cutlass") is None:
         return BackendStatus("cute", False, "nvidia-cutlass-dsl is not installed (pip install 'foscar[cute]')")
-    if fmt is not None:
+    try:
         from .cute.decode_sm90 import config_for  # imports cutlass
+    except Exception as e:  # noqa: BLE001 -- a broken install is reported, never raised from a status query
+        return BackendStatus("cute", False, f"nvidia-cutlass-dsl does not import: {type(e).__name__}: {e}")
+    if fmt is not None:
         try:
             config_for(fmt, gqa or 1, page_size or 64)
         except UnsupportedError as e:
             return BackendStatus("cute", False, str(e))
-    return BackendStatus("cute", True, "CuTe DSL sm_90a kernel (explicit choice only: not yet faster than Triton "
-                                       "on every shape)")
+    return BackendStatus("cute", True, f"CuTe DSL sm_90a kernel on {torch.cuda.get_device_name(dev)}")
 
 
 def _triton_status(dev, fmt) -> BackendStatus:
@@ -188,7 +191,7 @@ class DecodePlan:
     shape: tuple[int, int, int]  # q: [B, Hq, D]
     sm_scale: float
     num_splits: int | None
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # Triton: partials, LSEs, counters
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # GPU: partials, LSEs, (Triton) counters
 
     def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor, lse: torch.Tensor | None = None):
         """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``)."""
@@ -199,6 +202,10 @@ class DecodePlan:
             from .triton import decode as triton_decode
             triton_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
                           workspace=self.workspace)
+        elif self.backend == "cute":
+            from .cute.launch import decode as cute_decode
+            cute_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
+                        workspace=self.workspace)
         else:
             from .reference import decode_out_buffers
             decode_out_buffers(q, out, lse, False)  # checks what was given; allocates nothing
@@ -225,6 +232,14 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
         _, num_splits, _, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
         parts = num_splits + launch.num_window_parts(cache.fmt)
         workspace = launch.new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
+    elif chosen == "cute":
+        from .cute import launch as cute_launch
+        from .triton.launch import new_workspace
+        if num_splits is None:
+            num_splits = cute_launch.default_num_splits(q.shape[0], cache.num_kv_heads,
+                                                        cute_launch.max_tiles_of(cache), q.device)
+        parts = cute_launch.num_parts(cache.fmt, num_splits)
+        workspace = new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
     return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace)
 
 

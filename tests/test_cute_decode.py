@@ -145,3 +145,42 @@ def test_cuda_graph_replay_gpu(ws):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, decode(q, cache, num_splits=4, warp_specialized=ws))
+
+
+@pytest.mark.parametrize("B,L,want", [(8, 8192, 8), (64, 8192, 2), (1, 8192, 64), (8, 131072, 32), (64, 131072, 4),
+                                      (1, 64, 1)])
+def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
+    """v0's split rule on an H200 (132 SMs, four resident CTAs each): one wave when splits are short, up to
+    four waves of splits of 64 tiles or more; the counts measured best with benchmarks/sweep_cute.py."""
+    from foscar.cute import launch
+    from foscar.triton import launch as triton_launch
+    monkeypatch.setattr(triton_launch, "_sm_count", lambda device: 132)
+    assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda")) == want
+    assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=8), want) == want + 2
+    assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128), want, True) == 2 * want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu():
+    """On Hopper with cutlass-dsl, backend='auto' runs the CuTe kernel; a plan holds its workspace, so a CUDA
+    graph of plan.run allocates nothing and replays the eager result bit for bit, whatever the lengths."""
+    from test_triton import make
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
+    q, cache = make(fmt, [3000, 64, 1], Hkv=2, G=4, page=64, seed=5)
+    p = foscar.plan(q, cache)
+    assert p.backend == "cute" and p.workspace is not None
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+    p.run(q, cache, out, lse)  # compile and warm up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        p.run(q, cache, out, lse)
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    eager, eager_lse = foscar.decode(q, cache, return_lse=True, backend="cute", num_splits=p.num_splits)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    exact = foscar.decode_exact(q, cache)
+    assert float((out.double() - exact).norm() / exact.norm()) < 2e-2
