@@ -44,8 +44,8 @@ case "$step" in
     done
     timeout 300 python3 -m pytest -q -s -m gpu -k "$sel or auto" tests/test_cute_decode.py > "$OUT/cute.log" 2>&1
     grep -E "error|passed|failed" "$OUT/cute.log" | tail -14
-    timeout 200 python3 -m pytest -q tests/test_api.py > "$OUT/cute-api.log" 2>&1  # backend='auto' is now CuTe
-    echo "tests/test_api.py (auto = cute): $(tail -1 "$OUT/cute-api.log")" ;;
+    timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
+    echo "tests/test_api.py tests/test_cli.py (auto = cute): $(tail -1 "$OUT/cute-api.log")" ;;
   sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do

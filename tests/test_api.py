@@ -78,6 +78,19 @@ def test_torch_compile_traces_a_decode_step_without_graph_breaks():
     assert torch.equal(step(q), eager * 2)
 
 
+def test_auto_prefers_cute_then_triton(monkeypatch):
+    """backend='auto' on a CUDA device: the CuTe kernel where it can run (Hopper, cutlass-dsl, a supported
+    format), else Triton; the reference only on the CPU."""
+    import foscar.api as api
+    from foscar.api import BackendStatus, _select, _fmt_values
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    triton_ok = lambda dev, fmt: BackendStatus("triton", True, "Fake GPU")  # noqa: E731
+    monkeypatch.setattr(api, "_triton_status", triton_ok)
+    for cute_ok, want in ((True, "cute"), (False, "triton")):
+        monkeypatch.setattr(api, "_cute_status", lambda dev, fmt, g, p, ok=cute_ok: BackendStatus("cute", ok, "x"))
+        assert _select("cuda:0", _fmt_values(fmt), 4, 64, "auto", "auto") == want
+
+
 def test_the_custom_op_passes_opcheck():
     """Schema, fake implementation and in-place mutation of ``out``/``lse`` (torch.library.opcheck)."""
     from foscar.api import op_args
@@ -93,7 +106,8 @@ def test_auto_on_a_gpu_and_cuda_graph_replay():
     q, cache = make(lens=(3000, 17), D=128)
     from test_triton import to_device
     q, cache = q.cuda(), to_device(cache, "cuda")
-    assert foscar.select_backend(q, cache) == "triton"
+    status = {s.name: s for s in foscar.backend_status(q.device, cache.fmt, 4, cache.page_size)}
+    assert foscar.select_backend(q, cache) == ("cute" if status["cute"].usable else "triton")  # Hopper: CuTe
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     eager = foscar.decode(q, cache).clone()
     g = torch.cuda.CUDAGraph()
@@ -129,12 +143,16 @@ def test_plan_then_run():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
-def test_planned_runs_allocate_nothing_and_replay_in_a_graph():
+@pytest.mark.parametrize("backend", ("triton", "cute"))
+def test_planned_runs_allocate_nothing_and_replay_in_a_graph(backend):
     from test_triton import to_device
     q, cache = make(lens=(3000, 17), D=128, sink=4, recent=16)
     q, cache = q.cuda(), to_device(cache, "cuda")
-    p = foscar.plan(q, cache)
-    assert p.backend == "triton" and p.workspace[0].shape[2] == p.num_splits + 2
+    status = {s.name: s for s in foscar.backend_status(q.device, cache.fmt, 4, cache.page_size)}
+    if not status[backend].usable:
+        pytest.skip(f"{backend}: {status[backend].why}")
+    p = foscar.plan(q, cache, backend=backend)
+    assert p.backend == backend and p.workspace[0].shape[2] == p.num_splits + 2
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     p.run(q, cache, out)  # compile
     torch.cuda.synchronize()
