@@ -101,6 +101,13 @@ def _fmt_values(fmt: KVFormat) -> tuple:
     return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent)
 
 
+def cute_preferred(fmt: KVFormat) -> bool:
+    """Where ``auto`` takes the CuTe kernel over Triton (both usable): token-wise K and V. Measured on the
+    H200 (``docs/results-h200.md``, CuTe vs Triton): token/token 1.07-1.17x at every shape, GQA 1 to 8;
+    channel-wise V at INT4 0.75-0.93x, channel-wise K 0.86-1.14x; there Triton is kept."""
+    return fmt.k_axis == fmt.v_axis == "token"
+
+
 @torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
 def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
     fmt = KVFormat(*fmt_values)
@@ -118,7 +125,7 @@ def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str
             raise UnsupportedError(f"{source}={choice!r}", s.why)
         return choice
     for name in AUTO_ORDER:
-        if status[name].usable and (name != "reference" or dev.type == "cpu"):
+        if status[name].usable and (name != "reference" or dev.type == "cpu") and (name != "cute" or cute_preferred(fmt)):
             return name
     raise UnsupportedError(f"backend='auto' on {dev}",
                            "; ".join(f"{s.name}: {s.why}" for s in status.values() if not s.usable))

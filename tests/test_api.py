@@ -80,7 +80,7 @@ def test_torch_compile_traces_a_decode_step_without_graph_breaks():
 
 def test_auto_prefers_cute_then_triton(monkeypatch):
     """backend='auto' on a CUDA device: the CuTe kernel where it can run (Hopper, cutlass-dsl, a supported
-    format), else Triton; the reference only on the CPU."""
+    format) and was measured faster (token-wise K and V), else Triton; the reference only on the CPU."""
     import foscar.api as api
     from foscar.api import BackendStatus, _select, _fmt_values
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
@@ -89,6 +89,10 @@ def test_auto_prefers_cute_then_triton(monkeypatch):
     for cute_ok, want in ((True, "cute"), (False, "triton")):
         monkeypatch.setattr(api, "_cute_status", lambda dev, fmt, g, p, ok=cute_ok: BackendStatus("cute", ok, "x"))
         assert _select("cuda:0", _fmt_values(fmt), 4, 64, "auto", "auto") == want
+        chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, v_axis="channel")  # measured faster on Triton
+        assert _select("cuda:0", _fmt_values(chan), 4, 64, "auto", "auto") == "triton"
+        if cute_ok:  # an explicit choice still runs it
+            assert _select("cuda:0", _fmt_values(chan), 4, 64, "cute", "auto") == "cute"
 
 
 def test_the_custom_op_passes_opcheck():

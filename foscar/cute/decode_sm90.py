@@ -1072,4 +1072,7 @@ def as_cute(x):
     """A torch tensor as a CuTe tensor with dynamic shape and strides (one compile serves every batch,
     length and pool size)."""
     from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(x, assumed_align=16).mark_layout_dynamic()
+    # the unit-stride dim named: CuTe cannot deduce it where several dims have stride 1 and size 1
+    # (a block table [1, 1], one sequence of one page)
+    lead = x.dim() - 1 if x.stride(-1) == 1 else None
+    return from_dlpack(x, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
