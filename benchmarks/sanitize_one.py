@@ -25,9 +25,9 @@ def main(backend: str) -> None:
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
-    if backend == "cute_ws":  # the warp-specialized CuTe kernel (v1)
+    if backend.startswith("cute_ws"):  # the warp-specialized CuTe kernel (v1; cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
-        out = decode(q, cache, num_splits=5, warp_specialized=True)
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
     else:
         out = foscar.decode(q, cache, backend=backend, num_splits=5)
     torch.cuda.synchronize()

@@ -19,8 +19,8 @@ from bench_decode import Case, bytes_read, make_random_cache, parse_shapes
 
 from foscar.bench import as_graph, make_block_table
 from foscar.bench import time_call as time_fn
+from foscar.cute import launch
 from foscar.cute.launch import decode
-from foscar.triton import launch
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     p.add_argument("--shapes", type=parse_shapes, nargs="+", default=[parse_shapes("8:8K")])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     p.add_argument("--splits", type=float, nargs="+", default=[0.5, 1, 2, 4], help="multiples of the default")
-    p.add_argument("--variants", nargs="+", default=["v0", "v1"])
+    p.add_argument("--variants", nargs="+", default=["v0", "v1"], help="v0, v1 (one CTA per SM), v1x2 (two)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ceiling-tbps", type=float, default=4.6)
     p.add_argument("--json", help="write the records here")
@@ -40,11 +40,12 @@ def main():
         case = Case(B, L, bits, "token", "token")
         cache = make_random_cache(case, make_block_table(B, L // 64, "shuffled", 0).to(dev))
         q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
-        base = launch.default_num_splits(B, 8, L // 64, dev)
         best = None
-        for variant, splits in itertools.product(a.variants, sorted({max(1, round(base * m)) for m in a.splits})):
-            fn = as_graph(lambda q=q, cache=cache, s=splits, ws=variant == "v1":
-                          decode(q, cache, num_splits=s, warp_specialized=ws))
+        for variant, m in itertools.product(a.variants, a.splits):
+            base = launch.default_num_splits(B, 8, L // 64, dev, {"v0": 4, "v1": 1, "v1x2": 2}[variant])
+            splits = max(1, round(base * m))
+            fn = as_graph(lambda q=q, cache=cache, s=splits, ws=variant != "v0", c=2 if variant == "v1x2" else 1:
+                          decode(q, cache, num_splits=s, warp_specialized=ws, ctas_per_sm=c))
             t = time_fn(fn, iters=a.iters, warmup=3, flush=flush)["median_us"]
             frac = bytes_read(B, L, bits) / (t * 1e-6) / (a.ceiling_tbps * 1e12)
             rec = dict(batch=B, seq_len=L, bits=bits, variant=variant, num_splits=splits, default=base, us=t,

@@ -66,19 +66,24 @@ def test_two_channel_groups_compile_for_sm90a(k_axis, v_axis, bits, ws):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
+@pytest.mark.parametrize("ctas", (1, 2))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("bits", (2, 4))
-def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim):
+def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim, ctas):
     """v1: one producer warpgroup issuing four TMA copies per tile (K and V words, their (s', z')), two
-    consumer warpgroups with the products of v0 each, register budgets moved by setmaxnreg, no spills."""
+    consumer warpgroups with the products of v0 each, register budgets moved by setmaxnreg (one or two
+    CTAs per SM), no spills."""
+    from foscar.cute.decode_sm90 import WS_REGISTERS
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim), 4, 64)
-    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True).__ptx__
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
+    producer, consumer = WS_REGISTERS[ctas]
+    assert re.search(rf"\.minnctapersm {ctas}\b", ptx)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == 4
     mmas = WGMMA_RS.findall(ptx)
     per_consumer = head_dim // 16 + (head_dim // 64) * 4
     assert len(mmas) == 2 * per_consumer and len(re.findall(r"wgmma\.mma_async", ptx)) == len(mmas)
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx)
-    assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)) == 2
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer}\b", ptx)
+    assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer}\b", ptx)) == 2
     assert "mbarrier.try_wait" in ptx or "mbarrier.wait" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
@@ -97,7 +102,7 @@ def test_unsupported_configurations_say_why(kw, what):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
-@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("ws", (False, 1, 2), ids=("v0", "v1", "v1x2"))
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("lens,G,num_splits,windows", [
     ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([300], 8, 1, {}),
@@ -115,7 +120,7 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=ws)
+    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=bool(ws), ctas_per_sm=ws or None)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)

@@ -806,6 +806,11 @@ class FoldDecodeSm90:
 
 STAGES = 4  # shared-memory stages per consumer warpgroup (v1)
 CONSUMERS = 2  # consumer warpgroups per CTA (v1), on alternating KV tiles
+#: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
+#: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
+#: v0 runs): launched at 80 a thread (65,536 / 768, rounded down to 8), the producer gives 56 back and
+#: each consumer takes 24 (128 x 56 >= 256 x 24).
+WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 
 
 class FoldDecodeSm90WS(FoldDecodeSm90):
@@ -817,6 +822,10 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
     runs v0's tile step (:meth:`FoldDecodeSm90._tile_step`) with its own online-softmax state and
     accumulators. Each consumer writes its own partial (``split * CONSUMERS + c``); the LSE combine merges
     them with the other splits'. ``setmaxnreg`` moves registers from the producer to the consumers."""
+
+    def __init__(self, cfg: Sm90Config, ctas_per_sm: int = 1):
+        super().__init__(cfg)
+        self.ctas_per_sm = ctas_per_sm
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
@@ -849,7 +858,8 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP,
                        qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
-                                        stream=stream, min_blocks_per_mp=1)
+                                        stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+                                        preferred_smem_carveout=100)  # all of the SM's shared memory
 
     @cute.kernel
     def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
@@ -913,7 +923,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
 
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         if wg == 0:  # ---- producer ----------------------------------------------------------------------
-            cute.arch.setmaxregister_decrease(40)
+            cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
             gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
             gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
             gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
@@ -943,7 +953,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                     cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if wg == c + 1:
-                cute.arch.setmaxregister_increase(232)
+                cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
                 self._consume(c, qk_mma, pv_mma, sK, sV, sKP, sVP, full, empty, sQ, sQsum,
                               sP0 if c == 0 else sP1, sP0b if c == 0 else sP1b,
                               sRed0 if c == 0 else sRed1, sSum0 if c == 0 else sSum1,
@@ -1041,10 +1051,12 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
                       fmt.sink, fmt.recent, fmt.k_axis == "channel", fmt.group_size, fmt.v_axis == "channel")
 
 
-def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False):
+def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False,
+                   ctas_per_sm: int = 1):
     """Compile the kernel for ``cfg`` (on any machine: set ``CUTE_DSL_ARCH=sm_90a`` without a GPU), with
     placeholder tensors of the right dtypes and ranks: v0, or v1 (``warp_specialized``: TMA producer and
-    two consumer warpgroups). Returns the compiled function."""
+    two consumer warpgroups; ``ctas_per_sm`` of them resident, 1 or 2, :data:`WS_REGISTERS`). Returns the
+    compiled function."""
     import torch
 
     B, Hkv, pages, S = 2, 2, 4, 3
@@ -1064,7 +1076,9 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
     }
     args = [as_cute(x) for x in t.values()]
     fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
-    kernel = FoldDecodeSm90WS(cfg) if warp_specialized else FoldDecodeSm90(cfg)
+    if ctas_per_sm not in WS_REGISTERS:
+        raise ValueError(f"ctas_per_sm: expected one of {sorted(WS_REGISTERS)}, got {ctas_per_sm!r}")
+    kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
     return fn(kernel, *args, Float32(1.0), Int32(S), make_fake_stream())
 
 
