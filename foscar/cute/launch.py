@@ -38,7 +38,7 @@ def compile_seconds() -> dict:
 #: CTAs resident per SM: v0 (one warpgroup, 127 registers a thread) fits four.
 V0_RESIDENT = 4
 #: v1's default CTAs per SM (:data:`foscar.cute.decode_sm90.WS_REGISTERS` gives their register budgets).
-WS_CTAS_PER_SM = 1
+WS_CTAS_PER_SM = 2
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device,
