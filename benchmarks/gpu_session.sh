@@ -7,7 +7,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe: paper grid, axes, GQA 1/2/8
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune             # foscar tune --preset paper -> tuning/configs
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy         # the stress study on the GPU backends
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
@@ -52,20 +52,21 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
-  cute-bench)  # Triton against CuTe v0 (and v1 on the paper grid): paper grid, the four axis combinations, and
+  cute-bench)  # Triton against CuTe v0 and v1: paper grid, the four axis combinations, and
                # GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed by the cute step
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
-    python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute \
+    python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-axes" > "$OUT/cute-axes.log" 2>&1; grep "done in" "$OUT/cute-axes.log"
     for h in 32:32 32:16 32:4; do
       python3 -m foscar.bench.decode --shapes 1:128K,8:8K,8:128K,64:32K --heads $h --cuda-graph \
-        --kernels foscar_folded foscar_cute --out "$OUT/cute-heads/${h/:/-}" > "$OUT/cute-heads-${h/:/-}.log" 2>&1
+        --kernels foscar_folded foscar_cute foscar_cute_ws --out "$OUT/cute-heads/${h/:/-}" > "$OUT/cute-heads-${h/:/-}.log" 2>&1
       echo "heads $h"; grep "done in" "$OUT/cute-heads-${h/:/-}.log"
     done ;;
-  tune)
-    python3 -m foscar.tune --preset paper --bits 2 4 --out tuning/configs > "$OUT/tune.md" 2> "$OUT/tune.log"
-    tail -30 "$OUT/tune.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;
+  tune)  # tune [BACKEND]: triton (default) or cute (cutlass-dsl installed by the cute step)
+    python3 -m foscar.tune --backend "${2:-triton}" --preset paper --bits 2 4 --out tuning/configs \
+      > "$OUT/tune-${2:-triton}.md" 2> "$OUT/tune-${2:-triton}.log"
+    tail -30 "$OUT/tune-${2:-triton}.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;
   speed)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?speed needs the FlashInfer wheels folder}"/*.whl
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi

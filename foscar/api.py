@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -199,6 +199,7 @@ class DecodePlan:
     sm_scale: float
     num_splits: int | None
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # GPU: partials, LSEs, (Triton) counters
+    options: dict = field(default_factory=dict)  # the kernel's planned variant (CuTe: warp_specialized, ctas_per_sm)
 
     def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor, lse: torch.Tensor | None = None):
         """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``)."""
@@ -212,7 +213,7 @@ class DecodePlan:
         elif self.backend == "cute":
             from .cute.launch import decode as cute_decode
             cute_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
-                        workspace=self.workspace)
+                        workspace=self.workspace, **self.options)
         else:
             from .reference import decode_out_buffers
             decode_out_buffers(q, out, lse, False)  # checks what was given; allocates nothing
@@ -233,7 +234,7 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     _check_num_splits(num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
-    workspace = None
+    workspace, options = None, {}
     if chosen == "triton":
         from .triton import launch
         _, num_splits, _, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
@@ -242,12 +243,11 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     elif chosen == "cute":
         from .cute import launch as cute_launch
         from .triton.launch import new_workspace
-        if num_splits is None:
-            num_splits = cute_launch.default_num_splits(q.shape[0], cache.num_kv_heads,
-                                                        cute_launch.max_tiles_of(cache), q.device)
-        parts = cute_launch.num_parts(cache.fmt, num_splits)
+        ws, ctas, num_splits = cute_launch.launch_config(q, cache, G, num_splits=num_splits)
+        options = {"warp_specialized": ws, "ctas_per_sm": ctas}
+        parts = cute_launch.num_parts(cache.fmt, num_splits, ws)
         workspace = new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
-    return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace)
+    return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace, options)
 
 
 def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:

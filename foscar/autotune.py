@@ -3,8 +3,9 @@
 A **key** (:class:`TuneKey`) names the backend, the GPU (normalised like vLLM's device names), the cache
 format (bits, K axis, V axis, group size, head dim), the GQA ratio, the page size and two buckets:
 batch (powers of two) and context length (powers of two from 1K). A **config** is a dict of the
-backend's launch parameters (Triton: ``num_splits``, ``num_warps``, ``block_n``, ``prefetch``; ``None`` values leave
-the kernel's heuristic in charge).
+backend's launch parameters (Triton: ``num_splits``, ``num_warps``, ``block_n``, ``prefetch``; CuTe:
+``warp_specialized``, ``ctas_per_sm``, ``num_splits``; ``None`` values leave the kernel's heuristic in
+charge). :func:`tuned_config` is what the launchers call.
 
 Files: ``<dir>/<GPU>.json``, schema :data:`SCHEMA`, with metadata (foscar, Triton, cutlass-dsl and CUDA
 versions, GPU name) and a list of entries. :func:`lookup` reads, in order, ``$FOSCAR_TUNING_DIR``, the
@@ -21,6 +22,7 @@ naming it and is skipped as a whole: never a crash, never half-read.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -196,6 +198,30 @@ def lookup(key: TuneKey) -> tuple[dict, str]:
             k, c = min(family, key=lambda kc: (key.distance(kc[0]), kc[0].batch_bucket, kc[0].ctx_bucket))
             return c, f"{d / f'{key.gpu}.json'} (B<={k.batch_bucket}, L<={k.ctx_bucket})"
     return {}, "heuristic"
+
+
+def tuned_config(backend: str, q, cache, G: int) -> dict:
+    """The tuned launch config of ``backend`` for a decode of ``q`` over ``cache`` (``{}``: none tuned),
+    keyed by GPU, format, GQA, page size and the batch and capacity buckets: host facts only, no device
+    read. Each kernel's launcher reads its own keys from it."""
+    import torch
+    capacity = cache.page_table.block_table.shape[1] * cache.page_size
+    index = q.device.index
+    if index is None:
+        index = torch.cuda.current_device() if q.device.type == "cuda" else 0
+    return _cached_lookup(backend, index, cache.fmt, G, cache.page_size, q.shape[0], capacity)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_lookup(backend: str, device_index: int, fmt, G: int, page: int, batch: int, capacity: int) -> dict:
+    """Looked up once per process and call shape (files written later in the same process are not seen:
+    :func:`clear_lookup_cache`)."""
+    import torch
+    return lookup(make_key(backend, torch.cuda.get_device_name(device_index), fmt, G, page, batch, capacity))[0]
+
+
+def clear_lookup_cache() -> None:
+    _cached_lookup.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: A contiguous cache's capacity is a multiple of this (and of the format's alignment): whole 64-token
+#: tiles, the unit the CuTe kernels copy (one TMA box per tile), so every backend reads it.
+CONTIGUOUS_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,13 @@ class PageTable:
 
     def pages_of(self, b: int) -> torch.Tensor:
         return self.block_table[b, : int(self.num_pages[b])].long()
+
+
+def _contiguous_alignment(fmt: KVFormat) -> int:
+    """A contiguous cache's capacity step: whole pack blocks, whole channel-wise groups, whole
+    :data:`CONTIGUOUS_TILE` tiles."""
+    align = math.lcm(fmt.token_alignment, CONTIGUOUS_TILE)
+    return math.lcm(align, fmt.group_size) if CHANNEL in (fmt.k_axis, fmt.v_axis) else align
 
 
 def _round_up(x: int, m: int) -> int:
@@ -348,10 +358,7 @@ class QuantKVCache:
             if page_table is not None or num_pages is not None:
                 raise InvalidArgumentError("page_table/num_pages", "None for a contiguous cache (page_size=None)",
                                            f"page_table={type(page_table).__name__}, num_pages={num_pages!r}")
-            align = fmt.token_alignment
-            if CHANNEL in (fmt.k_axis, fmt.v_axis):
-                align = math.lcm(align, fmt.group_size)
-            page_size = _round_up(max(max_q, 1), align)
+            page_size = _round_up(max(max_q, 1), _contiguous_alignment(fmt))
             page_table = PageTable.from_block_table(torch.arange(B, dtype=torch.int32, device=device)[:, None])
             num_pages = B
         else:
@@ -437,10 +444,7 @@ class QuantKVCache:
                                            None)
             check_int("max_len", max_len, minimum=1)
             if page_size is None:  # contiguous: one page per sequence, max_len rounded up to the alignment
-                align = fmt.token_alignment
-                if CHANNEL in (fmt.k_axis, fmt.v_axis):
-                    align = math.lcm(align, fmt.group_size)
-                cap = _round_up(max_len, align)
+                cap = _round_up(max_len, _contiguous_alignment(fmt))
                 cache = cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=num_kv_heads, page_size=cap,
                                       page_table=PageTable.from_block_table(
                                           torch.arange(batch, dtype=torch.int32, device=device)[:, None]),

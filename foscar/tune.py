@@ -92,7 +92,8 @@ def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=parse_heads, default=(32, 8), help="Hq:Hkv (default 32:8)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--backend", choices=("triton",), default="triton")
+    p.add_argument("--backend", choices=("triton", "cute"), default="triton",
+                   help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1, needs cutlass-dsl)")
     p.add_argument("--iters", type=int, default=10, help="timed replays per candidate (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder of the per-GPU file (default: the user folder)")
@@ -112,10 +113,13 @@ def cases(args) -> list[Case]:
     return out
 
 
-def candidates(case: Case, device: torch.device) -> list[dict]:
+def candidates(case: Case, device: torch.device, backend: str = "triton") -> list[dict]:
     """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV
-    tiles in flight, 4 warps; the heuristic's splits with 8 warps; the largest tile that fits. The first
-    is the launcher's own choice (the heuristic)."""
+    tiles in flight, 4 warps; the heuristic's splits with 8 warps; the largest tile that fits. CuTe
+    (``backend="cute"``): v0, v1 with two CTAs per SM and v1 with one, each at its split heuristic times
+    {1/2, 1, 2}. The first is the launcher's own choice (the heuristic)."""
+    if backend == "cute":
+        return _cute_candidates(case, device)
     from .triton.launch import block_n_for, default_num_splits
     tile = block_n_for(case.fmt, case.page)
     tiles = case.seq_len // tile
@@ -125,10 +129,27 @@ def candidates(case: Case, device: torch.device) -> list[dict]:
     return out + [{"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1}]
 
 
+def _cute_candidates(case: Case, device: torch.device) -> list[dict]:
+    from .cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
+    from .cute.decode_sm90 import TILE
+    tiles = case.seq_len // TILE
+    variants = [(False, None), (True, 2), (True, 1)]
+    first = (DEFAULT_WARP_SPECIALIZED, WS_CTAS_PER_SM if DEFAULT_WARP_SPECIALIZED else None)
+    out = []
+    for ws, ctas in [first] + [v for v in variants if v != first]:
+        base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
+        for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
+            out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Running (module-level hooks, so tests can stand in for the GPU)
 # --------------------------------------------------------------------------------------------
-def _decode(q, cache, config):
+def _decode(q, cache, config, backend="triton"):
+    if backend == "cute":
+        from .cute.launch import decode as cute_decode
+        return cute_decode(q, cache, **config)
     from .triton import decode
     return decode(q, cache, **config)
 
@@ -151,10 +172,10 @@ def tune_case(case: Case, args, flush, progress) -> dict:
                   operand_dtype=torch.bfloat16)[0].reshape(G, -1)
     limit = CHECK_FACTOR * rel_l2(bf16, exact) + 1e-4
     results = []
-    cands = candidates(case, torch.device(DEVICE))
+    cands = candidates(case, torch.device(DEVICE), args.backend)
     for i, cfg in enumerate(cands):
         try:
-            out = _decode(q, cache, cfg)
+            out = _decode(q, cache, cfg, args.backend)
         except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported, not fatal
             progress(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:120]}); not timed")
             results.append({"config": cfg, "us": None, "err": None, "error": f"{type(e).__name__}: {e}"})
@@ -164,7 +185,7 @@ def tune_case(case: Case, args, flush, progress) -> dict:
             progress(f"  {cfg}: wrong output (slice error {err:.2e} > {limit:.2e}); not timed")
             results.append({"config": cfg, "us": None, "err": err})
             continue
-        us = _time(lambda cfg=cfg: _decode(q, cache, cfg), args, flush)
+        us = _time(lambda cfg=cfg: _decode(q, cache, cfg, args.backend), args, flush)
         results.append({"config": cfg, "us": us, "err": err})
         progress(f"  [{i + 1}/{len(cands)}] {cfg}: {us:.1f} us")
     timed = [r for r in results if r["us"] is not None]
@@ -181,7 +202,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "foscar tune") -> int:
         print("(split counts follow the present GPU's SM count; 4 SMs are assumed without a GPU)")
         for case in todo:
             print(case.label())
-            for cfg in candidates(case, torch.device(DEVICE if torch.cuda.is_available() else "cpu")):
+            for cfg in candidates(case, torch.device(DEVICE if torch.cuda.is_available() else "cpu"), args.backend):
                 print(f"  {cfg}")
         return 0
     if DEVICE == "cuda" and not torch.cuda.is_available():

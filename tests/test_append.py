@@ -104,7 +104,7 @@ def test_empty_caches_need_a_capacity():
     with pytest.raises(InvalidArgumentError, match="^window_dtype: expected"):
         foscar.QuantKVCache.empty(fmt, 2, 2, max_len=64, window_dtype=torch.float32)
     c = foscar.QuantKVCache.empty(fmt, 3, 1, max_len=100, page_size=None)
-    assert c.contiguous and c.page_size == 112 and c.seq_lens.tolist() == [0, 0, 0]
+    assert c.contiguous and c.page_size == 128 and c.seq_lens.tolist() == [0, 0, 0]  # whole 64-token tiles
     table = foscar.PageTable.from_block_table(torch.tensor([[4, 1], [0, 2]], dtype=torch.int32))
     c = foscar.QuantKVCache.empty(fmt, 2, 1, page_table=table, num_pages=5)
     c.append(bf16_exact(2, 1, 128, 64, seed=0), bf16_exact(2, 1, 128, 64, seed=1))

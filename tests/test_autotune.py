@@ -116,13 +116,22 @@ def test_concurrent_writers_never_tear_the_file(dirs):
     assert sorted(c["num_splits"] for _, c in entries) == list(range(8))
 
 
-def test_the_triton_launcher_reads_the_tuned_config(dirs, monkeypatch):
+def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
+    """Each backend reads its own entries: a Triton entry is not a CuTe one."""
+    from foscar.cute import launch as cute_launch
     from foscar.triton import launch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
-    launch._lookup.cache_clear()
+    at.clear_lookup_cache()
     q = torch.zeros(8, 32, 128)
     cache = foscar.quantize_kv(torch.randn(8, 8, 64, 128), torch.randn(8, 8, 64, 128), FMT, page_size=64)
-    assert launch.tuned_config(q, cache, 4) == {}
-    at.write_entries(dirs / "env", GPU, [(key(8, 64), {"num_splits": 5, "num_warps": 8}, {})])
-    launch._lookup.cache_clear()
-    assert launch.tuned_config(q, cache, 4) == {"num_splits": 5, "num_warps": 8}
+    assert at.tuned_config("triton", q, cache, 4) == {}
+    at.write_entries(dirs / "env", GPU, [(key(8, 64), {"num_splits": 5, "num_warps": 8}, {}),
+                                         (key(8, 64, backend="cute"), {"warp_specialized": True, "ctas_per_sm": 2,
+                                                                        "num_splits": 3}, {})])
+    at.clear_lookup_cache()
+    assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
+    assert launch.launch_config(q, cache, 4)[1:3] == (5, 8)
+    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3)
+    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7)
+    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
+    at.clear_lookup_cache()

@@ -167,14 +167,20 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
-def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu():
-    """On Hopper with cutlass-dsl, backend='auto' runs the CuTe kernel; a plan holds its workspace, so a CUDA
-    graph of plan.run allocates nothing and replays the eager result bit for bit, whatever the lengths."""
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
+    """On Hopper with cutlass-dsl, backend='auto' runs the CuTe kernel (either variant as the default); a
+    plan holds its workspace, so a CUDA graph of plan.run allocates nothing and replays the eager result bit
+    for bit, whatever the lengths."""
     from test_triton import make
+
+    from foscar.cute import launch
+    monkeypatch.setattr(launch, "DEFAULT_WARP_SPECIALIZED", ws)
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
     q, cache = make(fmt, [3000, 64, 1], Hkv=2, G=4, page=64, seed=5)
     p = foscar.plan(q, cache)
-    assert p.backend == "cute" and p.workspace is not None
+    assert p.backend == "cute" and p.workspace is not None and p.options["warp_specialized"] is ws
+    assert p.workspace[0].shape[2] == (2 if ws else 1) * p.num_splits + 2
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
     p.run(q, cache, out, lse)  # compile and warm up
@@ -189,3 +195,33 @@ def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu():
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
     exact = foscar.decode_exact(q, cache)
     assert float((out.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("windows", ({}, {"k_axis": "channel", "sink": 4, "recent": 16}, {"v_axis": "channel"}))
+def test_contiguous_caches_gpu(ws, windows):
+    """A contiguous cache (one page per sequence, its capacity whole 64-token tiles) through both variants:
+    against the oracle, as the paged ones."""
+    from _helpers import bf16_attention, rel
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=4, head_dim=128, **{"group_size": 128, **windows})
+    q, cache = make(fmt, [2500, 700, 5], Hkv=2, G=4, seed=7)
+    assert cache.contiguous and cache.page_size % 64 == 0
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    decode(q, cache, out=out, warp_specialized=ws)
+    exact = foscar.decode_exact(q, cache)
+    assert rel(out, exact) <= rel(bf16_attention(q, cache, sdpa=True), exact) * 1.05 + 1e-4
+
+
+def test_contiguous_caches_are_whole_tiles():
+    """Every contiguous cache foscar makes has a capacity of whole 64-token tiles, so the CuTe kernels take it."""
+    for bits, kw in ((4, {}), (2, {}), (4, {"k_axis": "channel", "group_size": 128})):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **kw})
+        cache = foscar.quantize_kv(torch.randn(2, 1, 70, 128), torch.randn(2, 1, 70, 128), fmt)
+        assert cache.contiguous and cache.page_size % 64 == 0
+        config_for(fmt, 4, cache.page_size)  # supported
+        assert foscar.QuantKVCache.empty(fmt, 2, 1, max_len=100, page_size=None).page_size % 64 == 0

@@ -36,7 +36,7 @@ def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
     times = {}
 
-    def fake_decode(q, cache, config):
+    def fake_decode(q, cache, config, backend="triton"):
         out = foscar.decode(q, cache, backend="reference")
         if config["prefetch"] == 2 and config["num_splits"] == 2:
             out = out * 1.5  # a wrong candidate: must be caught by the check and never timed
@@ -70,3 +70,21 @@ def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
     key = autotune.make_key("triton", "Fake GPU 9000", foscar.KVFormat(bits=4, head_dim=64, group_size=64), 2, 64,
                             2, 256)
     assert autotune.lookup(key)[0] == entry["config"]
+
+
+def test_cute_candidates_and_entries(tmp_path, monkeypatch, capsys):
+    """--backend cute: v0 first (the launcher's default), then v1 with two CTAs per SM and with one, each at
+    its own split heuristic; the entries are keyed by backend 'cute', where the CuTe launcher reads them."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+    assert tune.main(["--dry-run", "--backend", "cute", "--shapes", "8:32K", "--bits", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "'warp_specialized': False" in out and "'ctas_per_sm': 2" in out and "'ctas_per_sm': 1" in out
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    monkeypatch.setattr(tune, "_decode", lambda q, cache, config, backend: foscar.decode(q, cache, backend="reference"))
+    monkeypatch.setattr(tune, "_time", lambda fn, args, flush: 10.0 - fn.__defaults__[0].get("ctas_per_sm", 0))
+    assert tune.main(["--backend", "cute", "--shapes", "2:256", "--bits", "4", "--heads", "4:2", "--head-dim", "64",
+                      "--group-size", "64", "--out", str(tmp_path)]) == 0
+    entry = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())["entries"][0]
+    assert entry["key"]["backend"] == "cute" and entry["config"]["ctas_per_sm"] == 2

@@ -1,10 +1,11 @@
 """Host side of the CuTe DSL Hopper kernels (issue 4): validation, the compile cache keyed by static
 config, the launch of stage 1 and the LSE combine (for now :mod:`foscar.triton.combine`'s).
 
-``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper) runs v0; v1, the
-warp-specialized TMA kernel (``warp_specialized=True``), is correct on the H200 but slower
-(``docs/results-h200.md``). The first call of a configuration compiles it (reported by
-:func:`compile_seconds`)."""
+``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K and V) runs v0;
+v1, the warp-specialized TMA kernel (``warp_specialized=True``, two CTAs per SM by default), is
+correct on the H200 and the fastest there (``docs/results-h200.md``: 1.01-1.42x the Triton kernels on
+the paper grid, v0 1.04-1.18x); it becomes the backend's default once its API path (plan, graphs) has
+run on the GPU. The first call of a configuration compiles it (reported by :func:`compile_seconds`)."""
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,9 @@ def compile_seconds() -> dict:
 
 #: CTAs resident per SM: v0 (one warpgroup, 127 registers a thread) fits four.
 V0_RESIDENT = 4
-#: v1's default CTAs per SM (:data:`foscar.cute.decode_sm90.WS_REGISTERS` gives their register budgets).
+#: v1's default CTAs per SM (:data:`foscar.cute.decode_sm90.WS_REGISTERS` gives their register budgets):
+#: two, four consumer warpgroups per SM (on the H200 0.98-1.39x the speed of one CTA, paper grid; the
+#: 0.98x at B = 1, 8K).
 WS_CTAS_PER_SM = 2
 
 
@@ -57,6 +60,35 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return max(1, min(splits, 64))
 
 
+#: The variant a call runs when neither the caller nor the autotune cache says: v0, the one whose API path
+#: (plan, CUDA graphs, torch.compile) has run on the GPU.
+DEFAULT_WARP_SPECIALIZED = False
+
+
+def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
+                  warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
+                  use_tuned: bool = True) -> tuple[bool, int, int]:
+    """``(warp_specialized, ctas_per_sm, num_splits)`` of a launch: the given values, else the autotune
+    cache's (backend ``"cute"``), else :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM` and
+    :func:`default_num_splits`. Host facts only: no device read."""
+    from .. import autotune
+    from .._checks import check_int
+    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
+    if warp_specialized is None:
+        warp_specialized = tuned.get("warp_specialized")
+        warp_specialized = DEFAULT_WARP_SPECIALIZED if warp_specialized is None else bool(warp_specialized)
+    if ctas_per_sm is None:
+        ctas_per_sm = tuned.get("ctas_per_sm") or WS_CTAS_PER_SM
+    check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
+    if num_splits is None:
+        num_splits = tuned.get("num_splits")
+    if num_splits is None:
+        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles_of(cache), q.device,
+                                        ctas_per_sm if warp_specialized else V0_RESIDENT)
+    check_int("num_splits", num_splits, minimum=1)
+    return warp_specialized, ctas_per_sm, num_splits
+
+
 def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
     BF16 windows'."""
@@ -72,12 +104,12 @@ def max_tiles_of(cache: QuantKVCache) -> int:
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
-           warp_specialized: bool = False, ctas_per_sm: int | None = None,
+           warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
            workspace: tuple[torch.Tensor, ...] | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
-    writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2; default :data:`WS_CTAS_PER_SM`)
-    resident per SM. ``workspace``: the partials as
+    writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
+    and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
     :func:`foscar.triton.launch.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``)."""
     import cuda.bindings.driver as cuda
@@ -92,10 +124,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     cfg = config_for(fmt, G, cache.page_size)
     B = q.shape[0]
     out, lse = decode_out_buffers(q, out, lse, return_lse)
-    ctas = WS_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    if num_splits is None:
-        num_splits = default_num_splits(B, cache.num_kv_heads, max_tiles_of(cache), q.device,
-                                        ctas if warp_specialized else V0_RESIDENT)
+    warp_specialized, ctas, num_splits = launch_config(q, cache, G, num_splits=num_splits,
+                                                      warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
     if warp_specialized and (cache.k_codes.stride(-1) != 1 or cache.k_params.stride(-1) != 1):
         raise UnsupportedError("cache", "v1 reads the pools by TMA: unit stride in their last dims")
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits

@@ -8,6 +8,7 @@ import os
 import torch
 import triton
 
+from .. import autotune
 from .._checks import check_int, check_tensor
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
@@ -59,7 +60,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
                   use_tuned: bool = True) -> tuple[int, int, int, int]:
     """``(block_n, num_splits, num_warps, prefetch)`` of a folded-kernel launch: the given values, else
     the autotune cache's (``use_tuned``), else the heuristics here. Host facts only: no device read."""
-    tuned = tuned_config(q, cache, G) if use_tuned else {}
+    tuned = autotune.tuned_config("triton", q, cache, G) if use_tuned else {}
     fmt, page = cache.fmt, cache.page_size
     if block_n is None and tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
         block_n = tuned["block_n"]
@@ -76,25 +77,6 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles, q.device)
     check_int("num_splits", num_splits, minimum=1)
     return bn, num_splits, num_warps, prefetch
-
-
-def tuned_config(q: torch.Tensor, cache: QuantKVCache, G: int) -> dict:
-    """The autotune cache's launch config for this call (``{}``: none tuned), keyed by GPU, format, GQA,
-    page size and the batch and capacity buckets: host facts only, so no device read."""
-    capacity = cache.page_table.block_table.shape[1] * cache.page_size
-    index = q.device.index
-    if index is None:
-        index = torch.cuda.current_device() if q.device.type == "cuda" else 0
-    return _lookup(index, cache.fmt, G, cache.page_size, q.shape[0], capacity)
-
-
-@functools.lru_cache(maxsize=1024)
-def _lookup(device_index: int, fmt, G: int, page: int, batch: int, capacity: int) -> dict:
-    """Looked up once per process and call shape: tuned files written later in the same process are not
-    seen (``_lookup.cache_clear()``)."""
-    from .. import autotune
-    key = autotune.make_key("triton", torch.cuda.get_device_name(device_index), fmt, G, page, batch, capacity)
-    return autotune.lookup(key)[0]
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
