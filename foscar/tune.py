@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import autotune
+from .progress import Progress
 from .bench.common import (L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, parse_tokens, random_cache,
                            rel_l2, time_call)
 from .errors import FoscarError
@@ -213,9 +214,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "foscar tune") -> int:
     flush = torch.empty(L2_FLUSH_BYTES if DEVICE == "cuda" else 1, dtype=torch.uint8, device=DEVICE)
     rows, entries = [], []
     t0 = time.perf_counter()
+    bar = Progress(len(todo))
     for i, case in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {case.label()} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         rec = tune_case(case, args, flush, lambda msg: print(msg, file=sys.stderr, flush=True))
+        bar.step(f"{case.label()}: best {rec['best']['us']:.1f} us")
         best, heur = rec["best"], rec["heuristic_us"]
         key = autotune.make_key(args.backend, gpu, case.fmt, case.q_heads // case.kv_heads, case.page, case.batch,
                                 case.seq_len)

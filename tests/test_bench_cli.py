@@ -1,5 +1,6 @@
 """``foscar bench``: the modes that run anywhere (accuracy on the CPU reference, the operation count)
 write their JSON, Markdown and plot; speed refuses to run without a GPU; the usage is printed."""
+import csv
 import json
 
 import pytest
@@ -21,6 +22,7 @@ def test_ops_mode_writes_table_and_plot(tmp_path, capsys):
     assert cli.main(["bench", "ops", "--out", str(tmp_path)]) == 0
     assert "| paper | 4 | 0.25 | 0.125 | 0.0625 | 2 |" in capsys.readouterr().out
     assert len(json.loads((tmp_path / "ops.json").read_text())) == 2 * 3 * 6
+    assert len((tmp_path / "ops.csv").read_text().splitlines()) == 1 + 2 * 3 * 6  # header and the rows
     pytest.importorskip("matplotlib")
     assert (tmp_path / "ops.png").stat().st_size > 1000
 
@@ -38,6 +40,10 @@ def test_accuracy_mode_on_the_cpu(tmp_path, capsys):
             assert r["err_vs_dequantized"] < r["err_vs_unquantized"]
     md = (tmp_path / "accuracy.md").read_text()
     assert "| INT4 min-max | 256 | 2 |" in md and "0.16-0.22" in md
+    rows = list(csv.DictReader((tmp_path / "accuracy.csv").open()))
+    assert [r["name"] for r in rows] == names and float(rows[1]["err_vs_dequantized"]) > 0
+    err = capsys.readouterr().err
+    assert "[------------------------] " not in err and "] 2/2 " in err and "] 1/2 " in err  # the progress bar
     pytest.importorskip("matplotlib")
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
 

@@ -1,6 +1,7 @@
 """CPU tests of the decode benchmark (foscar.bench.decode, benchmarks/bench_decode.py): grids, bytes, statistics, bars, Markdown, the inputs and
 references it builds, its read-ceiling kernel (Triton interpreter) and its driver end to end with
 fake CUDA timing and a fake foscar.triton. The GPU timings themselves need the GPU machine."""
+import csv
 import json
 import math
 import os
@@ -403,7 +404,10 @@ def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
     assert all(b["verdict"] == "n/a" for b in result["bars"])
     out = capsys.readouterr()
     assert "### Times" in out.out and "| bar |" in out.out and "### Every record" not in out.out
-    assert "[2/2] B=2 L=2K done" in out.err
+    assert "[2/2] B=2 L=2K done" in out.err and "[########################] 2/2 " in out.err  # and the bar
+    rows = list(csv.DictReader((tmp_path / "bench_decode.csv").open()))
+    assert len(rows) == len(recs) and rows[0].keys() == set(bd.CSV_COLUMNS)
+    assert [(int(r["B"]), r["kernel"], r["status"]) for r in rows] == [(r["B"], r["kernel"], r["status"]) for r in recs]
     assert (tmp_path / "bench_decode.md").read_text().count("### Every record") == 1
 
 

@@ -13,18 +13,25 @@ from pathlib import Path
 
 import torch
 
+from ..progress import Progress
+
 USAGE = "foscar bench {speed,accuracy,ops,plot} [options]   (foscar bench MODE --help)"
 
 
-def _write(out: Path, stem: str, doc, md: str, draw) -> int:
-    """``<out>/<stem>.json``, ``.md`` and (``draw(path)``, when matplotlib is there) ``.png``; the table
-    and what was written (or which plot is missing, and why) on stdout."""
+def _write(out: Path, stem: str, doc, md: str, draw, rows: list[dict] | None = None) -> int:
+    """``<out>/<stem>.json``, ``.md``, ``.csv`` (``rows``, when given) and (``draw(path)``, when matplotlib
+    is there) ``.png``; the table and what was written (or which plot is missing, and why) on stdout."""
+    from .common import to_csv
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / f"{stem}.md").write_text(md + "\n")
+    written = [out / f"{stem}.json", out / f"{stem}.md"]
+    if rows:
+        (out / f"{stem}.csv").write_text(to_csv(rows, list(dict.fromkeys(k for r in rows for k in r))))
+        written.append(out / f"{stem}.csv")
     drew = draw(out / f"{stem}.png")
     print(md)
-    print(f"\nwrote {out / f'{stem}.json'}, {out / f'{stem}.md'}"
+    print("\nwrote " + ", ".join(map(str, written))
           + (f", {out / f'{stem}.png'}" if drew else "; plot missing: matplotlib is not installed"))
     return 0
 
@@ -48,12 +55,13 @@ def _accuracy(argv: list[str], prog: str) -> int:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         foscar.decode(q, cache, out=out, backend=a.backend)
         return out
+    bar = Progress(len(a.lengths) * len(a.seeds))
     records = acc.study(a.lengths, a.seeds, decode=decode, backend=a.backend, device=device, q_heads=hq,
-                        kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size,
-                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+                        kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size, progress=bar.step)
     summ = acc.summary(records)
     return _write(a.out, "accuracy", {"command": f"{prog} accuracy " + " ".join(argv), "device": str(device),
-                                      "records": records}, acc.render_markdown(summ), lambda p: acc.plot(summ, p))
+                                      "records": records}, acc.render_markdown(summ), lambda p: acc.plot(summ, p),
+                  rows=records)
 
 
 def _ops(argv: list[str], prog: str) -> int:
@@ -62,7 +70,7 @@ def _ops(argv: list[str], prog: str) -> int:
     p.add_argument("--out", type=Path, default=Path("."))
     a = p.parse_args(argv)
     rows = ops.table()
-    return _write(a.out, "ops", rows, ops.render_markdown(rows), lambda p: ops.plot(rows, p))
+    return _write(a.out, "ops", rows, ops.render_markdown(rows), lambda p: ops.plot(rows, p), rows=rows)
 
 
 def _plot(argv: list[str], prog: str) -> int:

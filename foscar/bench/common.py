@@ -7,7 +7,7 @@ Used by ``foscar tune`` (:mod:`foscar.tune`), ``benchmarks/bench_decode.py`` and
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -141,3 +141,14 @@ def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def to_csv(rows: list[dict], columns: Sequence[str]) -> str:
+    """``rows`` as CSV text with a header of ``columns`` (a missing field is empty)."""
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()

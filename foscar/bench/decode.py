@@ -66,9 +66,10 @@ import torch
 
 from foscar import KVFormat, QuantKVCache, decode_exact, quantize_kv
 from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache, rel_l2
-from foscar.bench.common import parse_tokens
+from foscar.bench.common import parse_tokens, to_csv
 from foscar.bench import time_call as time_fn
 from foscar.errors import UnsupportedError
+from foscar.progress import Progress
 from foscar.reference import attend
 from foscar.synthetic import stress_inputs
 
@@ -983,10 +984,21 @@ def write_outputs(result: dict, out_dir: Path) -> None:
     result["bars"] = evaluate_bars(result["records"])
     result["failures"] = failures(result)
     for name, text in (("bench_decode.json", json.dumps(result, indent=1, default=str)),
-                       ("bench_decode.md", render_markdown(result, detailed=True))):
+                       ("bench_decode.md", render_markdown(result, detailed=True)),
+                       ("bench_decode.csv", records_csv(result["records"]))):
         tmp = out_dir / (name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, out_dir / name)
+
+
+CSV_COLUMNS = ("B", "L", "Hq", "Hkv", "bits", "k_axis", "v_axis", "kernel", "status", "median_us", "min_us",
+               "tbps", "ceiling_frac", "speedup_vs_baseline", "err", "bf16_err", "err_ratio", "first_call_s",
+               "host_sync", "timing")
+
+
+def records_csv(records: list[dict]) -> str:
+    """One row per record (its scalar fields, :data:`CSV_COLUMNS`), for spreadsheets and pandas."""
+    return to_csv(records, CSV_COLUMNS)
 
 
 def log(msg: str) -> None:
@@ -1073,6 +1085,7 @@ def main(argv: list[str] | None = None, prog: str = "python3 -m foscar.bench.dec
     shapes, result["skipped"] = plan_shapes(list(groups), args.bits, budget, contiguous_copy="fa4" in args.kernels)
     for s in result["skipped"]:
         log(f"skipping B={s['B']} L={s['L']}: {s['reason']}")
+    bar = Progress(len(shapes))
     for i, shape in enumerate(shapes):
         t0, first = time.time(), len(result["records"])
         log(f"[{i + 1}/{len(shapes)}] B={shape[0]} L={fmt_len(shape[1])}: building and timing")
@@ -1091,6 +1104,7 @@ def main(argv: list[str] | None = None, prog: str = "python3 -m foscar.bench.dec
         done = ", ".join(f"{r['kernel']}{'' if r['bits'] == 16 else ' INT%d' % r['bits']} {_cell(r)}"
                          for r in result["records"][first:])
         log(f"[{i + 1}/{len(shapes)}] B={shape[0]} L={fmt_len(shape[1])} done in {time.time() - t0:.0f} s: {done}")
+        bar.step(f"B={shape[0]} L={fmt_len(shape[1])}")
     write_outputs(result, args.out)
     log(f"wrote {args.out / 'bench_decode.md'} and {args.out / 'bench_decode.json'}")
     print(render_markdown(result))
