@@ -153,7 +153,7 @@ def test_cuda_graph_replay_gpu(ws):
 
 
 @pytest.mark.parametrize("B,L,want", [(8, 8192, 8), (64, 8192, 2), (1, 8192, 64), (8, 131072, 32), (64, 131072, 4),
-                                      (1, 64, 1)])
+                                      (1, 131072, 64), (1, 64, 1)])
 def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
     """v0's split rule on an H200 (132 SMs, four resident CTAs each): one wave when splits are short, up to
     four waves of splits of 64 tiles or more; the counts measured best with benchmarks/sweep_cute.py."""
@@ -161,6 +161,10 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
     from foscar.triton import launch as triton_launch
     monkeypatch.setattr(triton_launch, "_sm_count", lambda device: 132)
     assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda")) == want
+    # v1 at two CTAs per SM (half v0's resident CTAs): the counts it ran at on the H200 (sweep_cute.py)
+    v1 = {(8, 8192): 4, (8, 131072): 16, (1, 131072): 33}
+    if (B, L) in v1:
+        assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda"), resident=2) == v1[(B, L)]
     assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=8), want) == want + 2
     assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128), want, True) == 2 * want
 
