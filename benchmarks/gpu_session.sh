@@ -56,6 +56,7 @@ case "$step" in
                # GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed by the cute step
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
+    python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 > "$OUT/host-overhead.log" 2>&1; cat "$OUT/host-overhead.log"
     python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-axes" > "$OUT/cute-axes.log" 2>&1; grep "done in" "$OUT/cute-axes.log"
     for h in 32:32 32:16 32:4; do
