@@ -205,11 +205,10 @@ def tuned_config(backend: str, q, cache, G: int) -> dict:
     keyed by GPU, format, GQA, page size and the batch and capacity buckets: host facts only, no device
     read. Each kernel's launcher reads its own keys from it."""
     import torch
-    capacity = cache.page_table.block_table.shape[1] * cache.page_size
     index = q.device.index
     if index is None:
         index = torch.cuda.current_device() if q.device.type == "cuda" else 0
-    return _cached_lookup(backend, index, cache.fmt, G, cache.page_size, q.shape[0], capacity)
+    return _cached_lookup(backend, index, cache.fmt, G, cache.page_size, q.shape[0], cache.table_capacity)
 
 
 @functools.lru_cache(maxsize=1024)

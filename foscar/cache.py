@@ -174,6 +174,12 @@ class QuantKVCache:
         return self.seq_lens.shape[0]
 
     @property
+    def table_capacity(self) -> int:
+        """Quantized tokens per sequence the block table can address (its width times the page size): a
+        host fact, what launch configs and tuned-config buckets are chosen from."""
+        return self.page_table.block_table.shape[1] * self.page_size
+
+    @property
     def num_kv_heads(self) -> int:
         return self.k_codes.shape[1]
 

@@ -7,8 +7,8 @@ import time
 
 
 class Progress:
-    """``step(what)`` after each of ``total`` steps prints ``[#####-----] 3/10 12 s: what``, with the
-    elapsed time and, from the second step on, the estimated time left."""
+    """``step(what)`` after each of ``total`` steps prints ``[#####-----] 3/10 12 s: what``: the elapsed
+    time and, until the last step, the estimated time left."""
 
     def __init__(self, total: int, width: int = 24, stream=None):
         self.total, self.width, self.done = max(total, 1), width, 0

@@ -99,7 +99,7 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
 
 def max_tiles_of(cache: QuantKVCache) -> int:
     from .decode_sm90 import TILE
-    return cache.page_table.block_table.shape[1] * cache.page_size // TILE
+    return cache.table_capacity // TILE
 
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
@@ -115,7 +115,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     import cuda.bindings.driver as cuda
     from cutlass import Float32, Int32
 
-    from ..triton.launch import _combine, window_partials, workspace_for
+    from ..triton.launch import _combine, num_window_parts, window_partials, workspace_for
     from .decode_sm90 import as_cute, config_for
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -135,6 +135,6 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     qk_scale = sm_scale * 1.4426950408889634
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)  # graph capture sees the launch
     _compiled(cfg, warp_specialized, ctas)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits), stream)
-    window_partials(q, cache, o_part, l_part, parts - num_parts(fmt, 0), qk_scale, G, interp=False)
+    window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out

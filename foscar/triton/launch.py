@@ -73,8 +73,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     if not _block_n_fits(fmt, page, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
-        max_tiles = cache.page_table.block_table.shape[1] * page // bn
-        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles, q.device)
+        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, cache.table_capacity // bn, q.device)
     check_int("num_splits", num_splits, minimum=1)
     return bn, num_splits, num_warps, prefetch
 
