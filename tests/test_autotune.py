@@ -134,4 +134,8 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3)
     assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7)
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
+    with pytest.raises(InvalidArgumentError, match="^warp_specialized: expected"):
+        cute_launch.launch_config(q, cache, 4, warp_specialized=1)
+    with pytest.raises(InvalidArgumentError, match="^ctas_per_sm: expected"):
+        cute_launch.launch_config(q, cache, 4, ctas_per_sm=3)
     at.clear_lookup_cache()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import QuantKVCache
-from ..errors import UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..reference import check_decode_inputs, decode_out_buffers
 
 _COMPILED: dict = {}
@@ -73,6 +73,8 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     :func:`default_num_splits`. Host facts only: no device read."""
     from .. import autotune
     from .._checks import check_int
+    if warp_specialized is not None and not isinstance(warp_specialized, bool):
+        raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
