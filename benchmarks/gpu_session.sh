@@ -4,12 +4,13 @@
 # and prints a short summary; a failing step does not stop the later ones.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, HF, SASS)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tvm WHEELS       # install apache-tvm-ffi (the CuTe kernels' calls)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe: paper grid, axes, GQA 1/2/8
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy         # the stress study on the GPU backends
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy [cute]  # the stress study through one GPU backend
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
@@ -17,13 +18,17 @@
 # Each step also packs its outputs into $OUT/<step>.tgz: a reply brings back a limited number of files.
 #
 # The install steps take the offline bundles described in ../shared/device/README.md (cutlass-dsl) and
-# benchmarks/bench_decode.py's docstring (FlashInfer wheels).
+# benchmarks/bench_decode.py's docstring (FlashInfer wheels). The apache-tvm-ffi wheel (CPython 3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       -d .gpu-tvm apache-tvm-ffi==0.1.15.post2
+# The cutlass-dsl bundle and the wheel do not fit one device call together (64 MiB): run `tvm` with
+# carry [".gpu-tvm"], then `cute` with carry [".gpu"], on the same warm machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-step="${1:?usage: gpu_session.sh tests|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
+step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
@@ -31,9 +36,13 @@ case "$step" in
       python3 -m pytest -q "$f" > "$OUT/tests-$(basename "$f" .py).log" 2>&1
       echo "$f: $(tail -1 "$OUT/tests-$(basename "$f" .py).log")"
     done ;;
+  tvm)
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?tvm needs the apache-tvm-ffi wheel folder}"/*.whl
+    python3 -c "import tvm_ffi; print('apache-tvm-ffi', tvm_ffi.__version__)" ;;
   cute)  # install cutlass-dsl; a bounded smoke run of v0 and v1 (a pipeline hang costs 90 s, not the command);
-          # then the GPU tests of v0, and of v1 when its smoke run came back
+          # then the GPU tests of v0, and of v1 when its smoke run came back; the API tests; host time per call
     bundle="${2:?cute needs the cutlass-dsl bundle folder (install-cute-dsl.sh beside it)}"
+    python3 -c "import tvm_ffi" 2>/dev/null || { echo "apache-tvm-ffi is missing: run the tvm step first"; exit 1; }
     bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
     echo "install rc=$? $(tail -1 "$OUT/cute-install.log")"
     sel="v0"
@@ -44,8 +53,10 @@ case "$step" in
     done
     timeout 300 python3 -m pytest -q -s -m gpu -k "$sel or auto" tests/test_cute_decode.py > "$OUT/cute.log" 2>&1
     grep -E "error|passed|failed" "$OUT/cute.log" | tail -14
-    timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
-    echo "tests/test_api.py tests/test_cli.py (auto = cute): $(tail -1 "$OUT/cute-api.log")" ;;
+    timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py tests/test_transformers.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
+    echo "tests/test_api.py tests/test_cli.py tests/test_transformers.py (auto = cute): $(tail -1 "$OUT/cute-api.log")"
+    timeout 90 python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 --profile > "$OUT/host-overhead.log" 2>&1
+    head -12 "$OUT/host-overhead.log" ;;
   sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do
@@ -77,9 +88,10 @@ case "$step" in
       > "$OUT/axes.log" 2>&1
     grep -A8 "^| bar" "$OUT/paper.log"; grep "^Geomean" "$OUT/paper.log"
     python3 -m foscar.bench.cli plot "$OUT/paper/bench_decode.json" "$OUT/axes/bench_decode.json" --out "$OUT" ;;
-  accuracy)
-    python3 -m foscar.bench.cli accuracy --backend triton --out "$OUT/accuracy-triton" > "$OUT/accuracy.log" 2>&1
-    tail -14 "$OUT/accuracy.log" ;;
+  accuracy)  # accuracy [BACKEND]: triton (default) or cute (cutlass-dsl installed by the cute step)
+    b="${2:-triton}"
+    python3 -m foscar.bench.cli accuracy --backend "$b" --out "$OUT/accuracy-$b" > "$OUT/accuracy-$b.log" 2>&1
+    tail -14 "$OUT/accuracy-$b.log" ;;
   heads)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?heads needs the FlashInfer wheels folder}"/*.whl
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi

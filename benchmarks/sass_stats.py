@@ -30,8 +30,8 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
                    max_registers=None, prefetch=1, fused_combine=True):
-    constexprs = stage1_constexprs(fmt, G, block_n=block_n, page=page, fold=fold, prefetch=prefetch,
-                                   fused_combine=fused_combine)
+    constexprs = dict(stage1_constexprs(fmt, G, block_n=block_n, page=page, fold=fold, prefetch=prefetch,
+                                        fused_combine=fused_combine))
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}

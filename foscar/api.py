@@ -19,6 +19,7 @@ and allocates nothing else on the Triton path, so CUDA graphs capture it.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ def _cute_status(dev, fmt, gqa, page_size) -> BackendStatus:
                              + ("; the sm_100a kernel is not written yet" if cap[0] == 10 else ""))
     if importlib.util.find_spec("cutlass") is None:
         return BackendStatus("cute", False, "nvidia-cutlass-dsl is not installed (pip install 'foscar[cute]')")
+    if importlib.util.find_spec("tvm_ffi") is None:  # the kernels' calling convention (foscar.cute.decode_sm90)
+        return BackendStatus("cute", False, "apache-tvm-ffi is not installed (pip install 'foscar[cute]')")
     try:
         from .cute.decode_sm90 import config_for  # imports cutlass
     except Exception as e:  # noqa: BLE001 -- a broken install is reported, never raised from a status query
@@ -102,14 +105,23 @@ def _fmt_values(fmt: KVFormat) -> tuple:
 
 
 def cute_preferred(fmt: KVFormat) -> bool:
-    """Where ``auto`` takes the CuTe kernel over Triton (both usable): token-wise K and V. Measured on the
-    H200 (``docs/results-h200.md``, CuTe vs Triton): token/token 1.07-1.17x at every shape, GQA 1 to 8;
-    channel-wise V at INT4 0.75-0.93x, channel-wise K 0.86-1.14x; there Triton is kept."""
-    return fmt.k_axis == fmt.v_axis == "token"
+    """Where ``auto`` takes the CuTe kernel over Triton (both usable): token-wise K. Measured on the H200
+    with v1, the CuTe default (``docs/results-h200.md``, CuTe vs Triton, ``docs/bench/h200-v9``):
+    token-wise K and V 1.15-1.38x, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;
+    channel-wise K 0.85-1.31x (INT2 0.85-0.98x): there Triton is kept."""
+    return fmt.k_axis == "token"
 
 
 @torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
 def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
+    return _cached_select(device, fmt_values, G, page_size, backend, env)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
+    """The choice, made once per process and call signature (the status checks cost an eager decode
+    call about 100 us of host time: imports looked up, the device queried). An error is not cached.
+    :func:`clear_selection_cache` forgets the choices (after installing a backend, say)."""
     fmt = KVFormat(*fmt_values)
     choice = backend
     source = "backend"
@@ -129,6 +141,11 @@ def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str
             return name
     raise UnsupportedError(f"backend='auto' on {dev}",
                            "; ".join(f"{s.name}: {s.why}" for s in status.values() if not s.usable))
+
+
+def clear_selection_cache() -> None:
+    """Forget the backend choices :func:`decode`, :func:`plan` and :func:`select_backend` made."""
+    _cached_select.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------

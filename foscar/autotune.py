@@ -151,9 +151,10 @@ def _warn_once(path: Path, why: str) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def read_file(path: Path, gpu: str) -> list[tuple[TuneKey, dict]] | None:
-    """The entries of ``path`` if the whole file is usable here, else ``None`` (with one warning if it
-    exists but is corrupt, foreign or from another version)."""
+def read_file(path: Path, gpu: str, *, with_extra: bool = False) -> list[tuple] | None:
+    """The entries of ``path``, ``(key, config)`` (``with_extra``: ``(key, config, extra)``, the entry's
+    other fields, such as its measured times), if the whole file is usable here, else ``None`` (with one
+    warning if it exists but is corrupt, foreign or from another version)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -179,7 +180,8 @@ def read_file(path: Path, gpu: str) -> list[tuple[TuneKey, dict]] | None:
             key = TuneKey(**e["key"])
             if not isinstance(e["config"], dict):
                 raise ValueError("an entry's config is not an object")
-            entries.append((key, dict(e["config"])))
+            extra = {k: v for k, v in e.items() if k not in ("key", "config")}
+            entries.append((key, dict(e["config"]), extra) if with_extra else (key, dict(e["config"])))
         return entries
     except (ValueError, KeyError, TypeError) as e:
         _warn_once(path, str(e) if isinstance(e, ValueError) else f"malformed ({type(e).__name__}: {e})")
@@ -249,8 +251,8 @@ def write_entries(directory: Path, gpu: str, entries: list[tuple[TuneKey, dict, 
     with _locked(path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            old = read_file(path, gpu) or []
-        merged = {k: {"key": asdict(k), "config": c} for k, c in old}
+            old = read_file(path, gpu, with_extra=True) or []
+        merged = {k: {"key": asdict(k), "config": c, **extra} for k, c, extra in old}
         for k, c, extra in entries:
             merged[k] = {"key": asdict(k), "config": c, **extra}
         doc = {"schema": SCHEMA, "meta": current_meta(gpu),

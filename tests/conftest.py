@@ -31,3 +31,13 @@ def pytest_collection_modifyitems(config, items):
 # slower on a busy 2-core CI machine).
 torch.set_num_threads(1)
 
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_choice():
+    """Each test chooses its backend afresh: some replace the status checks (monkeypatch), and the API
+    caches its choices per process (:func:`foscar.api.clear_selection_cache`)."""
+    from foscar.api import clear_selection_cache
+    clear_selection_cache()
+    yield
+    clear_selection_cache()

@@ -80,7 +80,7 @@ def test_torch_compile_traces_a_decode_step_without_graph_breaks():
 
 def test_auto_prefers_cute_then_triton(monkeypatch):
     """backend='auto' on a CUDA device: the CuTe kernel where it can run (Hopper, cutlass-dsl, a supported
-    format) and was measured faster (token-wise K and V), else Triton; the reference only on the CPU."""
+    format) and was measured faster (token-wise K), else Triton; the reference only on the CPU."""
     import foscar.api as api
     from foscar.api import BackendStatus, _select, _fmt_values
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
@@ -88,11 +88,58 @@ def test_auto_prefers_cute_then_triton(monkeypatch):
     monkeypatch.setattr(api, "_triton_status", triton_ok)
     for cute_ok, want in ((True, "cute"), (False, "triton")):
         monkeypatch.setattr(api, "_cute_status", lambda dev, fmt, g, p, ok=cute_ok: BackendStatus("cute", ok, "x"))
+        api.clear_selection_cache()  # the choices are cached per process
         assert _select("cuda:0", _fmt_values(fmt), 4, 64, "auto", "auto") == want
-        chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, v_axis="channel")  # measured faster on Triton
+        chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel")  # measured faster on Triton
         assert _select("cuda:0", _fmt_values(chan), 4, 64, "auto", "auto") == "triton"
+        v_chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, v_axis="channel")
+        assert _select("cuda:0", _fmt_values(v_chan), 4, 64, "auto", "auto") == want
         if cute_ok:  # an explicit choice still runs it
             assert _select("cuda:0", _fmt_values(chan), 4, 64, "cute", "auto") == "cute"
+
+
+def test_the_backend_choice_is_made_once_per_call_signature(monkeypatch):
+    """The status checks (imports looked up, the device queried) run once per call signature, not per
+    decode (host time of eager calls); an error is not cached; clear_selection_cache forgets."""
+    import foscar.api as api
+    from foscar.api import BackendStatus, _fmt_values, _select
+    calls = []
+
+    def triton_status(dev, fmt):
+        calls.append(dev)
+        return BackendStatus("triton", ok, "Fake GPU" if ok else "no GPU")
+    monkeypatch.setattr(api, "_triton_status", triton_status)
+    monkeypatch.setattr(api, "_cute_status", lambda dev, fmt, g, p: BackendStatus("cute", False, "x"))
+    fmt = _fmt_values(foscar.KVFormat(bits=4, head_dim=128, group_size=128))
+    ok = False
+    for _ in range(2):
+        with pytest.raises(UnsupportedError, match="triton: no GPU"):
+            _select("cuda:0", fmt, 4, 64, "auto", "auto")
+    assert len(calls) == 2  # errors are checked again
+    ok = True
+    for _ in range(3):
+        assert _select("cuda:0", fmt, 4, 64, "auto", "auto") == "triton"
+    assert len(calls) == 3
+    ok = False
+    assert _select("cuda:0", fmt, 4, 64, "auto", "auto") == "triton"  # cached
+    api.clear_selection_cache()
+    with pytest.raises(UnsupportedError):
+        _select("cuda:0", fmt, 4, 64, "auto", "auto")
+
+
+def test_cute_status_names_a_missing_tvm_ffi(monkeypatch):
+    """The CuTe kernels are called through TVM-FFI: without apache-tvm-ffi the backend says so."""
+    import importlib.util
+
+    import foscar.api as api
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tvm_ffi" else real(name, *a))
+    status = api._cute_status(torch.device("cuda", 0), None, None, None)
+    if importlib.util.find_spec("cutlass") is None:
+        assert "nvidia-cutlass-dsl is not installed" in status.why
+    else:
+        assert not status.usable and "apache-tvm-ffi is not installed" in status.why
 
 
 def test_the_custom_op_passes_opcheck():

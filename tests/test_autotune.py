@@ -91,12 +91,12 @@ def test_a_bad_file_warns_once_and_falls_back(dirs, content, why):
 
 
 def test_merge_replaces_equal_keys_and_keeps_the_rest(dirs):
-    at.write_entries(dirs / "env", GPU, [(key(8), {"num_splits": 1}, {}), (key(64), {"num_splits": 2}, {})])
+    at.write_entries(dirs / "env", GPU, [(key(8), {"num_splits": 1}, {}), (key(64), {"num_splits": 2}, {"us": 5.0})])
     path = at.write_entries(dirs / "env", GPU, [(key(8), {"num_splits": 9}, {"us": 3.0})])
     doc = json.loads(path.read_text())
     assert doc["schema"] == at.SCHEMA and doc["meta"]["foscar"] == foscar.__version__
-    got = {e["key"]["batch_bucket"]: e["config"]["num_splits"] for e in doc["entries"]}
-    assert got == {8: 9, 64: 2}
+    got = {e["key"]["batch_bucket"]: (e["config"]["num_splits"], e.get("us")) for e in doc["entries"]}
+    assert got == {8: (9, 3.0), 64: (2, 5.0)}  # a kept entry keeps its measured times
     assert {p.name for p in (dirs / "env").iterdir()} == {path.name, path.name + ".lock"}  # no temporary left
 
 

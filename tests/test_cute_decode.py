@@ -169,6 +169,24 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
     assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128), want, True) == 2 * want
 
 
+def test_stage1_tensors_are_checked_by_name():
+    """The compiled kernels take unit-stride tensors on 16-byte aligned bases (TVM-FFI placeholders): a
+    tensor that is not is refused by its name before the call."""
+    from foscar.cute.decode_sm90 import ALIGN, STAGE1_TENSORS
+    from foscar.cute.launch import _check_stage1_tensors
+    good = [torch.zeros((4,) * rank, dtype=torch.float32) for _, _, rank in STAGE1_TENSORS]
+    _check_stage1_tensors(good)
+    for i, (name, _, rank) in enumerate(STAGE1_TENSORS):
+        bad = list(good)
+        bad[i] = torch.zeros((4,) * (rank - 1) + (8,))[..., ::2]  # stride 2 in the last dim
+        with pytest.raises(UnsupportedError, match=rf"^{name}: .*unit stride"):
+            _check_stage1_tensors(bad)
+        bad[i] = torch.zeros(4 ** rank + 1)[1:].view((4,) * rank)  # 4 bytes past an aligned base
+        assert bad[i].data_ptr() % ALIGN
+        with pytest.raises(UnsupportedError, match=rf"^{name}: .*{ALIGN}-byte aligned"):
+            _check_stage1_tensors(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
@@ -178,8 +196,10 @@ def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
     for bit, whatever the lengths."""
     from test_triton import make
 
+    from foscar import autotune
     from foscar.cute import launch
     monkeypatch.setattr(launch, "DEFAULT_WARP_SPECIALIZED", ws)
+    monkeypatch.setattr(autotune, "tuned_config", lambda *a: {})  # the variant from the default, not the H200 file
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
     q, cache = make(fmt, [3000, 64, 1], Hkv=2, G=4, page=64, seed=5)
     p = foscar.plan(q, cache)

@@ -32,6 +32,7 @@ GPU run (the shared tile step, lengths read in the kernel). Next (issue 4): the 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -1028,6 +1029,7 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
                        split * CONSUMERS + c, warp, lane, quad, 1 + c)
 
 
+@functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, group: int, page: int) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio and page size; the injection
     constants are the Triton kernels' (``foscar.triton.launch._injection_args``): one home."""
@@ -1051,42 +1053,35 @@ def config_for(fmt, group: int, page: int) -> Sm90Config:
                       fmt.sink, fmt.recent, fmt.k_axis == "channel", fmt.group_size, fmt.v_axis == "channel")
 
 
+#: The stage-1 arguments, in order (``__call__``'s tensors): (name, element type, rank). Every tensor has
+#: a dynamic shape and strides, unit stride in its last dim, and a 16-byte aligned base (TMA and
+#: vector loads): one compile serves every batch, length and pool size.
+STAGE1_TENSORS = (("q", BFloat16, 3), ("k_codes", Int32, 3), ("v_codes", Int32, 3), ("k_params", Float32, 5),
+                  ("v_params", Float32, 5), ("block_table", Int32, 2), ("seq_lens", Int32, 1),
+                  ("partial_out", Float32, 4), ("partial_lse", Float32, 3))
+ALIGN = 16
+
+
+def _placeholder(dtype, rank: int):
+    """A symbolic tensor of ``rank`` dims: dynamic extents and strides, the last stride 1."""
+    from cutlass.cute.runtime import make_fake_tensor
+    return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
+                            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=ALIGN)
+
+
 def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False,
                    ctas_per_sm: int = 1):
-    """Compile the kernel for ``cfg`` (on any machine: set ``CUTE_DSL_ARCH=sm_90a`` without a GPU), with
-    placeholder tensors of the right dtypes and ranks: v0, or v1 (``warp_specialized``: TMA producer and
-    two consumer warpgroups; ``ctas_per_sm`` of them resident, 1 or 2, :data:`WS_REGISTERS`). Returns the
-    compiled function."""
-    import torch
-
-    B, Hkv, pages, S = 2, 2, 4, 3
-    D = cfg.head_dim
-    t = {
-        "q": torch.zeros(B, Hkv * cfg.group, D, dtype=torch.bfloat16),
-        "kc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
-        "vc": torch.zeros(pages, Hkv, cfg.page * D * cfg.bits // 32, dtype=torch.int32),
-        "kp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.k_channel
-               else torch.zeros(pages, Hkv, cfg.page, cfg.kc, 2, dtype=torch.float32)),
-        "vp": (torch.zeros(pages, Hkv, max(1, cfg.page // cfg.group_size), D, 2, dtype=torch.float32) if cfg.v_channel
-               else torch.zeros(pages, Hkv, cfg.page, cfg.vc, 2, dtype=torch.float32)),
-        "bt": torch.zeros(B, pages, dtype=torch.int32),
-        "seq": torch.zeros(B, dtype=torch.int32),
-        "op": torch.zeros(B, Hkv * cfg.group, S, D, dtype=torch.float32),
-        "lp": torch.zeros(B, Hkv * cfg.group, S, dtype=torch.float32),
-    }
-    args = [as_cute(x) for x in t.values()]
-    fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
+    """Compile the kernel for ``cfg`` (on any machine: set ``CUTE_DSL_ARCH=sm_90a`` without a GPU): v0, or
+    v1 (``warp_specialized``: TMA producer and two consumer warpgroups; ``ctas_per_sm`` of them resident,
+    1 or 2, :data:`WS_REGISTERS`). The function is compiled for TVM-FFI (apache-tvm-ffi): it takes torch
+    tensors as they are (:data:`STAGE1_TENSORS`, checked against the placeholders' dtypes, ranks, unit
+    strides and alignment by the call itself), then ``qk_scale`` (float) and ``num_splits`` (int), and
+    launches on torch's current stream (CUDA graphs capture it). Host time of a call: a few
+    microseconds, where wrapping each tensor with ``from_dlpack`` took tens."""
     if ctas_per_sm not in WS_REGISTERS:
         raise ValueError(f"ctas_per_sm: expected one of {sorted(WS_REGISTERS)}, got {ctas_per_sm!r}")
+    options = (cute.KeepPTX, cute.EnableTVMFFI) if keep_ptx else (cute.EnableTVMFFI,)
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
-    return fn(kernel, *args, Float32(1.0), Int32(S), make_fake_stream())
-
-
-def as_cute(x):
-    """A torch tensor as a CuTe tensor with dynamic shape and strides (one compile serves every batch,
-    length and pool size)."""
-    from cutlass.cute.runtime import from_dlpack
-    # the unit-stride dim named: CuTe cannot deduce it where several dims have stride 1 and size 1
-    # (a block table [1, 1], one sequence of one page)
-    lead = x.dim() - 1 if x.stride(-1) == 1 else None
-    return from_dlpack(x, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
+    args = [_placeholder(dtype, rank) for _, dtype, rank in STAGE1_TENSORS]
+    return cute.compile[options](kernel, *args, Float32(1.0), Int32(1),
+                                 make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -1,12 +1,15 @@
 """Host side of the CuTe DSL Hopper kernels (issue 4): validation, the compile cache keyed by static
 config, the launch of stage 1 and the LSE combine (for now :mod:`foscar.triton.combine`'s).
 
-``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K and V) runs v0;
-v1, the warp-specialized TMA kernel (``warp_specialized=True``, two CTAs per SM by default), is
-correct on the H200 and the fastest there (``docs/results-h200.md``: 1.01-1.42x the Triton kernels on
-the paper grid, v0 1.04-1.18x); it becomes the backend's default once its API path (plan, graphs) has
-run on the GPU. The first call of a configuration compiles it (reported by :func:`compile_seconds`)."""
+``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K) runs the variant,
+CTAs per SM and split count of the autotune cache (``foscar tune --backend cute``), else v1, the
+warp-specialized TMA kernel at two CTAs per SM (``docs/results-h200.md``: 1.00-1.42x the Triton
+kernels on the paper grid, v0 1.02-1.18x). Stage 1 is called through TVM-FFI (torch tensors as they
+are, torch's current stream). The first call of a configuration compiles it (reported by
+:func:`compile_seconds`)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -60,9 +63,9 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return max(1, min(splits, 64))
 
 
-#: The variant a call runs when neither the caller nor the autotune cache says: v0, the one whose API path
-#: (plan, CUDA graphs, torch.compile) has run on the GPU.
-DEFAULT_WARP_SPECIALIZED = False
+#: The variant a call runs when neither the caller nor the autotune cache says: v1 (warp-specialized), the
+#: faster on the H200 at every shape of the paper grid but one (B 1, 8K, where v0 is tuned in).
+DEFAULT_WARP_SPECIALIZED = True
 
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
@@ -99,6 +102,22 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     return (CONSUMERS if warp_specialized else 1) * num_splits + num_window_parts(fmt)
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_stage1_tensors(tensors) -> None:
+    """What the compiled stage 1 takes (:data:`foscar.cute.decode_sm90.STAGE1_TENSORS`), checked here so
+    that a bad tensor is named in foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
+    from .decode_sm90 import ALIGN, STAGE1_TENSORS
+    for (name, _, _), t in zip(STAGE1_TENSORS, tensors):
+        if t.stride(-1) != 1 or t.data_ptr() % ALIGN:
+            raise UnsupportedError(name, f"the CuTe kernels read it with unit stride in the last dim "
+                                   f"and a {ALIGN}-byte aligned base (strides {tuple(t.stride())}, "
+                                   f"address {t.data_ptr():#x})")
+
+
 def max_tiles_of(cache: QuantKVCache) -> int:
     from .decode_sm90 import TILE
     return cache.table_capacity // TILE
@@ -114,13 +133,10 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
     :func:`foscar.triton.launch.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``)."""
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32
-
     from ..triton.launch import _combine, num_window_parts, window_partials, workspace_for
-    from .decode_sm90 import as_cute, config_for
+    from .decode_sm90 import config_for
     G, sm_scale = check_decode_inputs(q, cache, sm_scale)
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
     cfg = config_for(fmt, G, cache.page_size)
@@ -128,15 +144,13 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     out, lse = decode_out_buffers(q, out, lse, return_lse)
     warp_specialized, ctas, num_splits = launch_config(q, cache, G, num_splits=num_splits,
                                                       warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
-    if warp_specialized and (cache.k_codes.stride(-1) != 1 or cache.k_params.stride(-1) != 1):
-        raise UnsupportedError("cache", "v1 reads the pools by TMA: unit stride in their last dims")
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
                cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part)  # Q: BF16 operands
+    _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)  # graph capture sees the launch
-    _compiled(cfg, warp_specialized, ctas)(*[as_cute(t) for t in tensors], Float32(qk_scale), Int32(num_splits), stream)
+    _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
     window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     _combine(o_part, l_part, out, lse)
     return (out, lse) if (return_lse or lse is not None) else out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from types import MappingProxyType
 
 import torch
 import triton
@@ -174,21 +175,24 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     return (out, lse) if (return_lse or lse is not None) else out
 
 
+@functools.lru_cache(maxsize=256)  # host time per call: built once per format and launch
 def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = True, fold: bool = True,
                       interpret: bool = False, prefetch: int = 1, fused_combine: bool = True,
-                      write_lse: bool = False) -> dict:
+                      write_lse: bool = False) -> MappingProxyType:
     """The constexprs of :func:`fold_decode_stage1` for a format, GQA ratio and launch (one home: the
-    launcher and ``benchmarks/sass_stats.py`` compile the same kernel). Heads run along N, padded to 8."""
+    launcher and ``benchmarks/sass_stats.py`` compile the same kernel), read-only (they are cached).
+    Heads run along N, padded to 8."""
     D = fmt.head_dim
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
-    return dict(BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page,
-                GROUP=fmt.group_size, K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
-                SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
-                **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
-                PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
-                WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
-                WRITE_LSE=write_lse)
+    return MappingProxyType(dict(
+        BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page,
+        GROUP=fmt.group_size, K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
+        SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
+        **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
+        PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
+        WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
+        WRITE_LSE=write_lse))
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a decode's constexprs are its format's

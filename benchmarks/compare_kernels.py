@@ -1,0 +1,65 @@
+"""Side by side, from ``foscar.bench.decode`` records: each shape's time per kernel against a base kernel
+(default the Triton folded kernel), as a Markdown table, with the range and geomean of each ratio:
+
+    python benchmarks/compare_kernels.py docs/bench/h200-v9/cute-axes.json \
+        --kernels foscar_folded foscar_cute foscar_cute_ws
+
+A ratio is base time / kernel time (above 1: the kernel is faster). Rows are keyed by batch, length,
+heads, bits and K/V axes; a kernel missing from a row (or failed there) shows ``-``.
+"""
+import argparse
+import json
+import math
+from collections import defaultdict
+
+NAMES = {"foscar_folded": "Triton", "foscar_cute": "CuTe v0", "foscar_cute_ws": "CuTe v1"}
+
+
+def _len(L: int) -> str:
+    return f"{L // 1024}K" if L % 1024 == 0 else str(L)
+
+
+def table(records: list[dict], kernels: list[str]) -> tuple[list[str], dict]:
+    rows = defaultdict(dict)
+    for r in records:
+        if r.get("status") == "ok" and r["kernel"] in kernels:
+            key = (r["Hq"] // r["Hkv"], r["k_axis"], r["v_axis"], r["bits"], r["B"], r["L"])
+            rows[key][r["kernel"]] = r
+    base, others = kernels[0], kernels[1:]
+    head = ["GQA", "K/V", "bits", "B", "L", f"{NAMES.get(base, base)} µs (% ceil)"]
+    head += [f"{NAMES.get(k, k)} µs (% ceil), speedup" for k in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios = defaultdict(list)
+    for key in sorted(rows):
+        gqa, ka, va, bits, B, L = key
+        got = rows[key]
+        cell = lambda r: f"{r['median_us']:.1f} ({100 * r['ceiling_frac']:.0f}%)"  # noqa: E731
+        cells = [str(gqa), f"{ka[:3]}/{va[:3]}", f"INT{bits}", str(B), _len(L), cell(got[base]) if base in got else "-"]
+        for k in others:
+            if k in got and base in got:
+                ratio = got[base]["median_us"] / got[k]["median_us"]
+                ratios[(k, bits)].append(ratio)
+                cells.append(f"{cell(got[k])}, {ratio:.2f}x")
+            else:
+                cells.append("-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines, ratios
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("records", nargs="+", help="bench_decode.json files")
+    p.add_argument("--kernels", nargs="+", default=["foscar_folded", "foscar_cute", "foscar_cute_ws"],
+                   help="the base kernel first, then the kernels compared with it")
+    a = p.parse_args()
+    records = [r for path in a.records for r in json.load(open(path))["records"]]
+    lines, ratios = table(records, a.kernels)
+    print("\n".join(lines))
+    print()
+    for (k, bits), rs in sorted(ratios.items()):
+        geo = math.exp(sum(map(math.log, rs)) / len(rs))
+        print(f"{NAMES.get(k, k)} INT{bits}: {min(rs):.2f}-{max(rs):.2f}x, geomean {geo:.2f}x over {len(rs)} shapes")
+
+
+if __name__ == "__main__":
+    main()
