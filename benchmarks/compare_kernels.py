@@ -12,7 +12,7 @@ import json
 import math
 from collections import defaultdict
 
-NAMES = {"foscar_folded": "Triton", "foscar_cute": "CuTe v0", "foscar_cute_ws": "CuTe v1"}
+NAMES = {"foscar_folded": "Triton", "foscar_cute": "CuTe v0", "foscar_cute_ws": "CuTe v1", "foscar_auto": "auto"}
 
 
 def _len(L: int) -> str:

@@ -292,6 +292,19 @@ def test_check_output_flags_unwritten_and_wrong_outputs():
     assert status.startswith("wrong: slice error") and "BF16 attention" in status
 
 
+def test_foscar_auto_runs_what_decode_picks():
+    """``foscar_auto`` times the user's call: foscar.decode with its own choices (the reference on the
+    CPU), into a NaN-poisoned output that the check then passes."""
+    torch.manual_seed(2)
+    cache = bd.make_random_cache(bd.Case(2, 128, 4), bd.make_block_table(2, 2, "identity", 0))
+    q = torch.randn(2, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    inp = bd.QuantInputs(q, cache)
+    runner = bd.KERNELS["foscar_auto"].build(inp, bd.parse_args([]))
+    assert torch.isnan(runner.out).all()
+    runner.fn()
+    assert bd.check_output(runner.out, bd.quant_slice_reference(inp), 3.0)["status"] == "ok"
+
+
 # ---- the read-ceiling kernel -----------------------------------------------------------------
 def test_read_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
@@ -485,5 +498,5 @@ def test_iters_below_five_are_refused():
         bd.parse_args(["--iters", "3"])
     args = bd.parse_args(["--bits", "4", "2", "2"])
     assert args.bits == (2, 4) and args.grid == "paper"
-    opt_in = ("foscar_cute", "foscar_cute_ws", "flashinfer_fp8", "flashinfer_nvfp4", "fa4")  # v0 / peers / needs its own run: named
+    opt_in = ("foscar_cute", "foscar_cute_ws", "foscar_auto", "flashinfer_fp8", "flashinfer_nvfp4", "fa4")  # named
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]

@@ -11,8 +11,10 @@ each call and CUDA events around the call alone (median of ``--iters`` after ``-
 - ``cudnn_sdpa``          torch SDPA under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 - ``flashinfer_fp8``      FlashInfer FP8 (e4m3) KV, tensor cores (a low-bit peer; opt-in with --kernels)
 - ``flashinfer_nvfp4``    FlashInfer NVFP4 KV, fa2 backend: INT4's bytes (a low-bit peer; opt-in, timing only)
-- ``foscar_cute``         the CuTe DSL sm_90a kernel (opt-in: v0, not yet the fastest everywhere)
-- ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups (opt-in)
+- ``foscar_cute``         the CuTe DSL sm_90a kernel v0 (opt-in; its tuned split count where one is tuned for v0)
+- ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups (opt-in; likewise)
+- ``foscar_auto``         foscar.decode(q, cache, out=out): the backend, variant and launch the library picks
+                          (``backend="auto"``, the autotune cache; opt-in)
 - ``fa4``                 FlashAttention-4 (flash_attn.cute) over an unpaged copy of the BF16 cache (opt-in;
                           needs cutlass-dsl, flash-attn-4 and quack: with the cutlass-dsl bundle they
                           exceed one command's carry next to FlashInfer, so they run in a command of
@@ -512,6 +514,12 @@ def build_foscar_cute(warp_specialized: bool):
     return build
 
 
+def build_foscar_auto(inp: QuantInputs, args) -> Runner:
+    """What a user's call runs: ``foscar.decode`` with the backend, variant and launch config it picks."""
+    import foscar
+    return _quant_runner(foscar.decode, inp, args)
+
+
 def build_foscar_bf16(inp: Bf16Inputs, args) -> Runner:
     """decode_bf16 takes ``[pages, Hkv, page, D]`` and reads strides: the NHD pages FlashInfer reads, as a view."""
     decode_bf16 = _foscar_triton("decode_bf16")
@@ -622,6 +630,7 @@ KERNELS = {s.name: s for s in (
     KernelSpec("foscar_reconstruct", "quant", build_foscar_quant("reconstruct"), _foscar_unavailable),
     KernelSpec("foscar_cute", "quant", build_foscar_cute(False), _foscar_unavailable, default=False),  # v0: opt-in
     KernelSpec("foscar_cute_ws", "quant", build_foscar_cute(True), _foscar_unavailable, default=False),  # v1
+    KernelSpec("foscar_auto", "quant", build_foscar_auto, _foscar_unavailable, default=False),
     KernelSpec("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),
     KernelSpec("flashinfer_tc", "bf16", build_flashinfer(True)),
     KernelSpec("flashinfer", "bf16", build_flashinfer(False)),

@@ -72,13 +72,16 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
                   use_tuned: bool = True) -> tuple[bool, int, int]:
     """``(warp_specialized, ctas_per_sm, num_splits)`` of a launch: the given values, else the autotune
-    cache's (backend ``"cute"``), else :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM` and
-    :func:`default_num_splits`. Host facts only: no device read."""
+    cache's (backend ``"cute"``; only where its entry is the variant asked for), else
+    :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM` and :func:`default_num_splits`. Host facts
+    only: no device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
+    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm):
+        tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
         warp_specialized = DEFAULT_WARP_SPECIALIZED if warp_specialized is None else bool(warp_specialized)
@@ -92,6 +95,14 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
                                         ctas_per_sm if warp_specialized else V0_RESIDENT)
     check_int("num_splits", num_splits, minimum=1)
     return warp_specialized, ctas_per_sm, num_splits
+
+
+def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int | None) -> bool:
+    """Whether a tuned entry is the variant the caller asked for (``None``: any)."""
+    tuned_ws = bool(tuned.get("warp_specialized", DEFAULT_WARP_SPECIALIZED))
+    if warp_specialized is not None and warp_specialized != tuned_ws:
+        return False
+    return ctas_per_sm is None or not tuned_ws or tuned.get("ctas_per_sm", WS_CTAS_PER_SM) == ctas_per_sm
 
 
 def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
