@@ -94,7 +94,7 @@ def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
     p.add_argument("--heads", type=parse_heads, default=(32, 8), help="Hq:Hkv (default 32:8)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--backend", choices=("triton", "cute"), default="triton",
-                   help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1, needs cutlass-dsl)")
+                   help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1; needs foscar[cute])")
     p.add_argument("--iters", type=int, default=10, help="timed replays per candidate (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder of the per-GPU file (default: the user folder)")
