@@ -3,9 +3,11 @@
 Backends, in the order ``backend="auto"`` tries them (:func:`backend_status` says which are usable here
 and why the others are not):
 
-- ``"cute"``: the CuTe DSL sm_90a kernel (:mod:`foscar.cute`), on Hopper with nvidia-cutlass-dsl
-  installed, for the formats it supports (:func:`foscar.cute.decode_sm90.config_for` says why not);
-  measured at least as fast as Triton on every shape of the paper grid (``docs/results-h200.md``).
+- ``"cute"``: the CuTe DSL sm_90a kernels (:mod:`foscar.cute`), on Hopper with nvidia-cutlass-dsl and
+  apache-tvm-ffi installed (``foscar[cute]``), for the formats they support
+  (:func:`foscar.cute.decode_sm90.config_for` says why not); ``auto`` takes them for token-wise K
+  (:func:`cute_preferred`), measured faster than Triton on every shape of the paper grid
+  (``docs/results-h200.md``).
 - ``"triton"``: the Triton kernels, on any CUDA GPU.
 - ``"reference"``: :func:`foscar.decode_folded` in PyTorch (BF16 QK and FP16 PV operands, float32
   accumulation: the kernels' arithmetic), on any device. ``auto`` uses it on the CPU.
@@ -15,7 +17,8 @@ error that says why, never a silent switch to another backend.
 
 The call is the custom op ``torch.ops.foscar.decode`` (``torch.library``, with a fake implementation),
 so ``torch.compile`` traces a decode step without a graph break; it writes ``out`` and ``lse`` in place
-and allocates nothing else on the Triton path, so CUDA graphs capture it.
+and allocates nothing else on the Triton path, so CUDA graphs capture it. The backend choice is made
+once per call signature (:func:`clear_selection_cache`).
 """
 from __future__ import annotations
 

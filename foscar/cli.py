@@ -211,14 +211,17 @@ def _version(module: str) -> str:
 def _info(args: argparse.Namespace) -> int:
     from . import __version__, backend_status
     print(f"foscar {__version__}; python {sys.version.split()[0]}; torch {torch.__version__}; "
-          f"triton {_version('triton')}; nvidia-cutlass-dsl {_version('cutlass')}")
+          f"triton {_version('triton')}; nvidia-cutlass-dsl {_version('cutlass')}; "
+          f"apache-tvm-ffi {_version('apache-tvm-ffi')}")
     if torch.cuda.is_available():
         dev = torch.cuda.current_device()
         cap = torch.cuda.get_device_capability(dev)
         print(f"GPU: {torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]}), CUDA {torch.version.cuda}")
     else:
         print("GPU: none (CUDA not available)")
-    print("backends (foscar.decode(..., backend='auto') takes the first usable of triton, reference):")
+    from .api import AUTO_ORDER
+    print(f"backends (foscar.decode(..., backend='auto') takes the first usable of {', '.join(AUTO_ORDER)}; "
+          "cute for token-wise K, the reference on the CPU only):")
     for s in backend_status():
         print(f"  {s.name:10s} {'usable' if s.usable else 'unavailable':12s} {s.why}")
     return 0

@@ -113,7 +113,7 @@ def test_demo_on_the_gpu(capsys):
 def test_info_lists_versions_and_every_backend(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("foscar ") and "torch " in out and "nvidia-cutlass-dsl " in out
+    assert out.startswith("foscar ") and "torch " in out and "nvidia-cutlass-dsl " in out and "apache-tvm-ffi " in out
     for name in ("cute", "triton", "reference"):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     if not torch.cuda.is_available():
