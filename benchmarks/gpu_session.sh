@@ -7,7 +7,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tvm WHEELS       # install apache-tvm-ffi (the CuTe kernels' calls)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe: paper grid, axes, GQA 1/2/8
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> tuning/configs
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy [cute]  # the stress study through one GPU backend
@@ -63,11 +63,11 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
-  cute-bench)  # Triton against CuTe v0 and v1: paper grid, the four axis combinations, and
-               # GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed by the cute step
+  cute-bench)  # Triton against CuTe v0, v1 and foscar.decode's own pick: paper grid; v0 and v1 on the four
+               # axis combinations and GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed and
+               # the host time per call measured by the cute step
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
-      --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
-    python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 > "$OUT/host-overhead.log" 2>&1; cat "$OUT/host-overhead.log"
+      foscar_auto --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
     python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-axes" > "$OUT/cute-axes.log" 2>&1; grep "done in" "$OUT/cute-axes.log"
     for h in 32:32 32:16 32:4; do
