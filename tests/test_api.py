@@ -203,7 +203,8 @@ def test_planned_runs_allocate_nothing_and_replay_in_a_graph(backend):
     if not status[backend].usable:
         pytest.skip(f"{backend}: {status[backend].why}")
     p = foscar.plan(q, cache, backend=backend)
-    assert p.backend == backend and p.workspace[0].shape[2] == p.num_splits + 2
+    per_split = 2 if p.options.get("warp_specialized") else 1  # CuTe v1: one partial per consumer warpgroup
+    assert p.backend == backend and p.workspace[0].shape[2] == per_split * p.num_splits + 2  # + sink, recent
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     p.run(q, cache, out)  # compile
     torch.cuda.synchronize()
