@@ -9,14 +9,16 @@ heads, bits and K/V axes; a kernel missing from a row (or failed there) shows ``
 """
 import argparse
 import json
-import math
 from collections import defaultdict
+from pathlib import Path
+
+from foscar.bench.decode import fmt_len, geomean
 
 NAMES = {"foscar_folded": "Triton", "foscar_cute": "CuTe v0", "foscar_cute_ws": "CuTe v1", "foscar_auto": "auto"}
 
 
-def _len(L: int) -> str:
-    return f"{L // 1024}K" if L % 1024 == 0 else str(L)
+def _cell(r: dict) -> str:
+    return f"{r['median_us']:.1f} ({100 * r['ceiling_frac']:.0f}%)"
 
 
 def table(records: list[dict], kernels: list[str]) -> tuple[list[str], dict]:
@@ -33,13 +35,13 @@ def table(records: list[dict], kernels: list[str]) -> tuple[list[str], dict]:
     for key in sorted(rows):
         gqa, ka, va, bits, B, L = key
         got = rows[key]
-        cell = lambda r: f"{r['median_us']:.1f} ({100 * r['ceiling_frac']:.0f}%)"  # noqa: E731
-        cells = [str(gqa), f"{ka[:3]}/{va[:3]}", f"INT{bits}", str(B), _len(L), cell(got[base]) if base in got else "-"]
+        cells = [str(gqa), f"{ka[:3]}/{va[:3]}", f"INT{bits}", str(B), fmt_len(L),
+                 _cell(got[base]) if base in got else "-"]
         for k in others:
             if k in got and base in got:
                 ratio = got[base]["median_us"] / got[k]["median_us"]
                 ratios[(k, bits)].append(ratio)
-                cells.append(f"{cell(got[k])}, {ratio:.2f}x")
+                cells.append(f"{_cell(got[k])}, {ratio:.2f}x")
             else:
                 cells.append("-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -52,13 +54,13 @@ def main():
     p.add_argument("--kernels", nargs="+", default=["foscar_folded", "foscar_cute", "foscar_cute_ws"],
                    help="the base kernel first, then the kernels compared with it")
     a = p.parse_args()
-    records = [r for path in a.records for r in json.load(open(path))["records"]]
+    records = [r for path in a.records for r in json.loads(Path(path).read_text())["records"]]
     lines, ratios = table(records, a.kernels)
     print("\n".join(lines))
     print()
     for (k, bits), rs in sorted(ratios.items()):
-        geo = math.exp(sum(map(math.log, rs)) / len(rs))
-        print(f"{NAMES.get(k, k)} INT{bits}: {min(rs):.2f}-{max(rs):.2f}x, geomean {geo:.2f}x over {len(rs)} shapes")
+        print(f"{NAMES.get(k, k)} INT{bits}: {min(rs):.2f}-{max(rs):.2f}x, geomean {geomean(rs):.2f}x "
+              f"over {len(rs)} shapes")
 
 
 if __name__ == "__main__":

@@ -500,3 +500,18 @@ def test_iters_below_five_are_refused():
     assert args.bits == (2, 4) and args.grid == "paper"
     opt_in = ("foscar_cute", "foscar_cute_ws", "foscar_auto", "flashinfer_fp8", "flashinfer_nvfp4", "fa4")  # named
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]
+
+
+def test_compare_kernels_table():
+    """benchmarks/compare_kernels.py: each kernel's time beside the base kernel's, the ratio base / kernel,
+    ``-`` where a kernel did not run, and the ratios per bit width for the range and geomean."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import compare_kernels
+    rec = lambda kernel, us, status="ok": {"B": 8, "L": 8192, "Hq": 32, "Hkv": 8, "bits": 4, "k_axis": "token",  # noqa: E731
+                                           "v_axis": "token", "kernel": kernel, "median_us": us, "ceiling_frac": 0.5,
+                                           "status": status}
+    lines, ratios = compare_kernels.table([rec("foscar_folded", 30.0), rec("foscar_cute_ws", 20.0),
+                                           rec("foscar_cute", 1.0, "FAIL: x")],
+                                          ["foscar_folded", "foscar_cute", "foscar_cute_ws"])
+    assert lines[2] == "| 4 | tok/tok | INT4 | 8 | 8K | 30.0 (50%) | - | 20.0 (50%), 1.50x |"
+    assert dict(ratios) == {("foscar_cute_ws", 4): [1.5]}
