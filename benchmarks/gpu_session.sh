@@ -3,12 +3,14 @@
 # then optionally the tuner, the speed benchmark and the accuracy study. Each step writes under $OUT
 # and prints a short summary; a failing step does not stop the later ones.
 #
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, CLI, HF, SASS)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tests            # GPU tests (Triton, API, append, non-finite
+#                                                                #   inputs, API fuzz, CLI, HF, SASS; CuTe too
+#                                                                #   when the cute step installed it)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tvm WHEELS       # install apache-tvm-ffi (the CuTe kernels' calls)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> tuning/configs
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> foscar/tuning
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy [cute]  # the stress study through one GPU backend
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
@@ -31,8 +33,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
-    for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_cli.py tests/test_transformers.py \
-             tests/test_sass.py; do
+    for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_nonfinite.py tests/test_fuzz_api.py \
+             tests/test_cli.py tests/test_transformers.py tests/test_sass.py; do
       python3 -m pytest -q "$f" > "$OUT/tests-$(basename "$f" .py).log" 2>&1
       echo "$f: $(tail -1 "$OUT/tests-$(basename "$f" .py).log")"
     done ;;
@@ -76,9 +78,9 @@ case "$step" in
       echo "heads $h"; grep "done in" "$OUT/cute-heads-${h/:/-}.log"
     done ;;
   tune)  # tune [BACKEND]: triton (default) or cute (cutlass-dsl installed by the cute step)
-    python3 -m foscar.tune --backend "${2:-triton}" --preset paper --bits 2 4 --out tuning/configs \
+    python3 -m foscar.tune --backend "${2:-triton}" --preset paper --bits 2 4 --out foscar/tuning \
       > "$OUT/tune-${2:-triton}.md" 2> "$OUT/tune-${2:-triton}.log"
-    tail -30 "$OUT/tune-${2:-triton}.md"; cp tuning/configs/*.json "$OUT/" 2>/dev/null ;;
+    tail -30 "$OUT/tune-${2:-triton}.md"; cp foscar/tuning/*.json "$OUT/" 2>/dev/null ;;
   speed)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?speed needs the FlashInfer wheels folder}"/*.whl
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi

@@ -1,4 +1,4 @@
-"""The decode benchmark as a pytest-benchmark suite (issue 6), over the same code as ``foscar bench speed``:
+"""The decode benchmark as a pytest-benchmark suite, over the same code as ``foscar bench speed``:
 random packed caches from :mod:`foscar.bench.common`, ``foscar.decode`` on the auto backend, FlashInfer
 BF16 where installed. GPU only; not part of the test run (``testpaths = ["tests"]``):
 

@@ -1,13 +1,12 @@
-"""``foscar.decode``: one call over a foscar cache, the backend chosen for the machine (issue 5).
+"""``foscar.decode``: one call over a foscar cache, the backend chosen for the machine.
 
-Backends, in the order ``backend="auto"`` tries them (:func:`backend_status` says which are usable here
-and why the others are not):
+The backends live in :mod:`foscar.backends` (each states its limits once, in its ``status``); in the order
+``backend="auto"`` tries them (:func:`backend_status` says which are usable here and why the others are
+not):
 
 - ``"cute"``: the CuTe DSL sm_90a kernels (:mod:`foscar.cute`), on Hopper with nvidia-cutlass-dsl and
-  apache-tvm-ffi installed (``foscar[cute]``), for the formats they support
-  (:func:`foscar.cute.decode_sm90.config_for` says why not); ``auto`` takes them for token-wise K
-  (:func:`cute_preferred`), measured faster than Triton on every shape of the paper grid
-  (``docs/results-h200.md``).
+  apache-tvm-ffi installed (``foscar[cute]``), for the formats they support; ``auto`` takes them for
+  token-wise K, measured faster than Triton on every shape of the paper grid (``docs/results-h200.md``).
 - ``"triton"``: the Triton kernels, on any CUDA GPU.
 - ``"reference"``: :func:`foscar.decode_folded` in PyTorch (BF16 QK and FP16 PV operands, float32
   accumulation: the kernels' arithmetic), on any device. ``auto`` uses it on the CPU.
@@ -15,35 +14,31 @@ and why the others are not):
 An explicit choice (``backend=`` or the ``FOSCAR_BACKEND`` environment variable) that cannot run is an
 error that says why, never a silent switch to another backend.
 
-The call is the custom op ``torch.ops.foscar.decode`` (``torch.library``, with a fake implementation),
-so ``torch.compile`` traces a decode step without a graph break; it writes ``out`` and ``lse`` in place
-and allocates nothing else on the Triton path, so CUDA graphs capture it. The backend choice is made
-once per call signature (:func:`clear_selection_cache`).
+A call is validated once (:class:`foscar.problem.DecodeProblem`); the chosen backend runs it without
+checking again. The call is the custom op ``torch.ops.foscar.decode`` (``torch.library``, with a fake
+implementation), so ``torch.compile`` traces a decode step without a graph break; it writes ``out`` and
+``lse`` in place and allocates nothing else on the GPU paths given a plan, so CUDA graphs capture it.
+The backend choice is made once per call signature (:func:`clear_selection_cache`).
 """
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from . import backends
 from ._checks import check_tensor
+from .backends import AUTO_ORDER, BACKENDS, BackendStatus, LaunchPlan, ProblemKey
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
 from .format import KVFormat
+from .problem import DecodeProblem
 
-BACKENDS = ("cute", "triton", "reference")
-AUTO_ORDER = ("cute", "triton", "reference")
 ENV = "FOSCAR_BACKEND"
-
-
-@dataclass(frozen=True)
-class BackendStatus:
-    name: str
-    usable: bool
-    why: str  # what it runs on, or why it cannot run here
+__all__ = ["AUTO_ORDER", "BACKENDS", "BackendStatus", "DecodePlan", "append", "backend_status", "decode", "plan",
+           "select_backend"]
 
 
 def backend_status(device: torch.device | str | None = None, fmt: KVFormat | None = None,
@@ -52,45 +47,7 @@ def backend_status(device: torch.device | str | None = None, fmt: KVFormat | Non
     a cache of format ``fmt`` (GQA ratio ``gqa``, ``page_size``) when given."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    return [_cute_status(dev, fmt, gqa, page_size), _triton_status(dev, fmt), _reference_status(dev)]
-
-
-def _cute_status(dev, fmt, gqa, page_size) -> BackendStatus:
-    if dev.type != "cuda":
-        return BackendStatus("cute", False, f"needs an sm_90 GPU (device is {dev})")
-    cap = torch.cuda.get_device_capability(dev)
-    if cap != (9, 0):
-        return BackendStatus("cute", False, f"needs sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}"
-                             + ("; the sm_100a kernel is not written yet" if cap[0] == 10 else ""))
-    if importlib.util.find_spec("cutlass") is None:
-        return BackendStatus("cute", False, "nvidia-cutlass-dsl is not installed (pip install 'foscar[cute]')")
-    if importlib.util.find_spec("tvm_ffi") is None:  # the kernels' calling convention (foscar.cute.decode_sm90)
-        return BackendStatus("cute", False, "apache-tvm-ffi is not installed (pip install 'foscar[cute]')")
-    try:
-        from .cute.decode_sm90 import config_for  # imports cutlass
-    except Exception as e:  # noqa: BLE001 -- a broken install is reported, never raised from a status query
-        return BackendStatus("cute", False, f"nvidia-cutlass-dsl does not import: {type(e).__name__}: {e}")
-    if fmt is not None:
-        try:
-            config_for(fmt, gqa or 1, page_size or 64)
-        except UnsupportedError as e:
-            return BackendStatus("cute", False, str(e))
-    return BackendStatus("cute", True, f"CuTe DSL sm_90a kernel on {torch.cuda.get_device_name(dev)}")
-
-
-def _triton_status(dev, fmt) -> BackendStatus:
-    if dev.type != "cuda":
-        return BackendStatus("triton", False, f"needs a CUDA GPU (device is {dev})")
-    if importlib.util.find_spec("triton") is None:
-        return BackendStatus("triton", False, "triton is not installed")
-    if fmt is not None and fmt.mapping != "bf16":
-        return BackendStatus("triton", False, f"builds BF16 operands: needs mapping 'bf16', not {fmt.mapping!r}")
-    return BackendStatus("triton", True, f"Triton kernels on {torch.cuda.get_device_name(dev)}")
-
-
-def _reference_status(dev) -> BackendStatus:
-    return BackendStatus("reference", True, f"PyTorch reference (decode_folded) on {dev}"
-                         + ("; slow on a GPU" if dev.type == "cuda" else ""))
+    return backends.statuses(ProblemKey(dev, fmt, gqa, page_size))
 
 
 def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") -> str:
@@ -105,14 +62,6 @@ def _fmt_values(fmt: KVFormat) -> tuple:
     """The format as plain values (what the custom op takes, and what ``torch.compile`` can hold as a
     constant: older Dynamo cannot rebuild a frozen dataclass)."""
     return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent)
-
-
-def cute_preferred(fmt: KVFormat) -> bool:
-    """Where ``auto`` takes the CuTe kernel over Triton (both usable): token-wise K. Measured on the H200
-    with v1, the CuTe default (``docs/results-h200.md``, CuTe vs Triton, ``docs/bench/h200-v9``):
-    token-wise K and V 1.15-1.38x, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;
-    channel-wise K 0.85-1.31x (INT2 0.85-0.98x): there Triton is kept."""
-    return fmt.k_axis == "token"
 
 
 @torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
@@ -140,7 +89,8 @@ def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backe
             raise UnsupportedError(f"{source}={choice!r}", s.why)
         return choice
     for name in AUTO_ORDER:
-        if status[name].usable and (name != "reference" or dev.type == "cpu") and (name != "cute" or cute_preferred(fmt)):
+        b = backends.get(name)
+        if status[name].usable and dev.type in b.auto_devices and b.preferred(fmt):
             return name
     raise UnsupportedError(f"backend='auto' on {dev}",
                            "; ".join(f"{s.name}: {s.why}" for s in status.values() if not s.usable))
@@ -180,23 +130,9 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
     cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous),
                               (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
                                k_sink, v_sink, k_recent, v_recent))
-    _run_backend(backend, q, cache, out, lse, sm_scale, None if num_splits <= 0 else num_splits)
-
-
-def _run_backend(backend: str, q, cache: QuantKVCache, out, lse, sm_scale: float, num_splits: int | None) -> None:
-    """Write ``out`` and ``lse`` with the chosen backend (inputs validated by the caller)."""
-    if backend == "triton":
-        from .triton import decode as triton_decode
-        triton_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=num_splits)
-    elif backend == "cute":
-        from .cute.launch import decode as cute_decode
-        cute_decode(q, cache, sm_scale=sm_scale, out=out, lse=lse, num_splits=num_splits)
-    else:
-        from .fold import decode_folded
-        o, l_ = decode_folded(q, cache, sm_scale=sm_scale, operand_dtype=torch.bfloat16,
-                              pv_operand_dtype=torch.float16, dtype=torch.float32, return_lse=True)
-        out.copy_(o)
-        lse.copy_(l_)
+    problem = DecodeProblem(q, cache, out, lse, sm_scale, None if num_splits <= 0 else num_splits,
+                            q.shape[1] // cache.num_kv_heads)  # validated by the caller
+    backends.get(backend).run(problem)
 
 
 @_decode_op.register_fake
@@ -217,57 +153,52 @@ class DecodePlan:
     fmt: KVFormat
     shape: tuple[int, int, int]  # q: [B, Hq, D]
     sm_scale: float
-    num_splits: int | None
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # GPU: partials, LSEs, (Triton) counters
-    options: dict = field(default_factory=dict)  # the kernel's planned variant (CuTe: warp_specialized, ctas_per_sm)
+    launch: LaunchPlan  # the backend's config (num_splits; the CuTe variant) and workspace
 
-    def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor, lse: torch.Tensor | None = None):
-        """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``)."""
+    @property
+    def num_splits(self) -> int | None:
+        return self.launch.config.get("num_splits")
+
+    @property
+    def workspace(self):
+        return self.launch.workspace
+
+    @property
+    def options(self) -> dict:
+        """The planned kernel variant beyond the split count (CuTe: warp_specialized, ctas_per_sm)."""
+        return {k: v for k, v in self.launch.config.items() if k != "num_splits"}
+
+    def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None):
+        """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``).
+        Without ``out`` the call allocates it (outside a CUDA graph)."""
+        check_tensor("q", q, ndim=3)
+        if not isinstance(cache, QuantKVCache):
+            raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
         if tuple(q.shape) != self.shape or cache.fmt != self.fmt:
             raise InvalidArgumentError("q/cache", f"the planned shape {self.shape} and format",
                                        f"{tuple(q.shape)}, {cache.fmt}")
-        if self.backend == "triton":
-            from .triton import decode as triton_decode
-            triton_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
-                          workspace=self.workspace)
-        elif self.backend == "cute":
-            from .cute.launch import decode as cute_decode
-            cute_decode(q, cache, sm_scale=self.sm_scale, out=out, lse=lse, num_splits=self.num_splits,
-                        workspace=self.workspace, **self.options)
-        else:
-            from .reference import decode_out_buffers
-            decode_out_buffers(q, out, lse, False)  # checks what was given; allocates nothing
-            scratch = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
-            torch.ops.foscar.decode(*op_args(q, cache, out, scratch, self.sm_scale, self.backend, self.num_splits))
+        from ._checks import decode_out_buffers
+        out, lse = decode_out_buffers(q, out, lse, False)  # checks what was given; allocates only a missing out
+        problem = DecodeProblem(q, cache, out, lse, self.sm_scale, self.num_splits, q.shape[1] // cache.num_kv_heads)
+        backends.get(self.backend).run(problem, self.launch)
         return out if lse is None else (out, lse)
-
-
-def _check_num_splits(num_splits) -> None:
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
 
 
 def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, backend: str = "auto",
          num_splits: int | None = None) -> DecodePlan:
     """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`)."""
-    from .reference import check_decode_inputs
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
-    _check_num_splits(num_splits)
-    chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
-    workspace, options = None, {}
-    if chosen == "triton":
-        from .triton import launch
-        _, num_splits, _, _ = launch.launch_config(q, cache, G, num_splits=num_splits)
-        parts = num_splits + launch.num_window_parts(cache.fmt)
-        workspace = launch.new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
-    elif chosen == "cute":
-        from .cute import launch as cute_launch
-        from .triton.launch import new_workspace
-        ws, ctas, num_splits = cute_launch.launch_config(q, cache, G, num_splits=num_splits)
-        options = {"warp_specialized": ws, "ctas_per_sm": ctas}
-        parts = cute_launch.num_parts(cache.fmt, num_splits, ws)
-        workspace = new_workspace(q.shape[0], q.shape[1], cache.num_kv_heads, parts, q.shape[2], q.device)
-    return DecodePlan(chosen, cache.fmt, tuple(q.shape), float(sm_scale), num_splits, workspace, options)
+    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, num_splits=_num_splits(num_splits))
+    chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
+                     os.environ.get(ENV, "auto"))
+    launch = backends.get(chosen).plan(problem)
+    return DecodePlan(chosen, cache.fmt, tuple(q.shape), problem.sm_scale, launch)
+
+
+def _num_splits(num_splits):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
+    return num_splits
 
 
 def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
@@ -290,17 +221,16 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     (default), ``"cute"``, ``"triton"`` or ``"reference"`` (module docstring). ``num_splits``: KV splits
     per sequence for the GPU kernels (default: the kernel's heuristic).
     """
-    from .reference import check_decode_inputs, decode_out_buffers
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
-    _check_num_splits(num_splits)
-    chosen = _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
     want_lse = return_lse or lse is not None
-    out, lse = decode_out_buffers(q, out, lse, True)
+    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True,
+                                  num_splits=_num_splits(num_splits))
+    chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
+                     os.environ.get(ENV, "auto"))
     if torch.compiler.is_compiling():  # the custom op: what torch.compile traces
-        torch.ops.foscar.decode(*op_args(q, cache, out, lse, sm_scale, chosen, num_splits))
+        torch.ops.foscar.decode(*op_args(q, cache, problem.out, problem.lse, problem.sm_scale, chosen, num_splits))
     else:  # eager: the same implementation without the dispatcher's host time
-        _run_backend(chosen, q, cache, out, lse, sm_scale, num_splits)
-    return (out, lse) if want_lse else out
+        backends.get(chosen).run(problem)
+    return (problem.out, problem.lse) if want_lse else problem.out
 
 
 WRITE_BACKENDS = ("triton", "reference")
@@ -322,7 +252,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     if not isinstance(cache, QuantKVCache):
         raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
     check_tensor("k_new", k_new, ndim=4)  # the rest (shape, dtype, device, values) as each writer checks it
-    status = _triton_status(cache.device, cache.fmt)
+    status = backends.get("triton").status(ProblemKey(cache.device, cache.fmt))
     why_not = None if status.usable else status.why
     if why_not is None and quantizer != "minmax":
         why_not = f"quantizes min-max only (quantizer={quantizer!r})"

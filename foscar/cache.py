@@ -354,8 +354,9 @@ class QuantKVCache:
     @classmethod
     def _allocate(cls, fmt: KVFormat, *, seq_lens: torch.Tensor, num_kv_heads: int, page_size: int | None,
                   page_table: PageTable | None, num_pages: int | None, window_dtype: torch.dtype,
-                  device: torch.device) -> QuantKVCache:
-        """An all-zero cache with room for ``seq_lens``; the quantized parts are then written."""
+                  device: torch.device, size_name: str = "seq_lens") -> QuantKVCache:
+        """An all-zero cache with room for ``seq_lens``; the quantized parts are then written. An allocation
+        the device refuses is an error naming ``size_name``, the argument that sized it."""
         B, H, D = seq_lens.shape[0], num_kv_heads, fmt.head_dim
         _, n_quant, _ = fmt.split_length(seq_lens.long())
         max_q = int(n_quant.max()) if B else 0
@@ -392,17 +393,23 @@ class QuantKVCache:
                 raise InvalidArgumentError("page_table", "distinct pages for the quantized tokens being written",
                                            "a page used twice")
         W = fmt.words_per_page("k", page_size)
-        kw = dict(dtype=torch.float32, device=device)
         rk, ck = fmt.param_shape("k", page_size)
         rv, cv = fmt.param_shape("v", page_size)
-        win = dict(dtype=window_dtype, device=device)
-        return cls(fmt, k_codes=torch.zeros(num_pages, H, W, dtype=torch.int32, device=device),
-                   v_codes=torch.zeros(num_pages, H, W, dtype=torch.int32, device=device),
-                   k_params=torch.zeros(num_pages, H, rk, ck, 2, **kw), v_params=torch.zeros(num_pages, H, rv, cv, 2, **kw),
-                   seq_lens=seq_lens.to(device=device, dtype=torch.int32), page_table=page_table,
-                   k_sink=torch.zeros(B, H, fmt.sink, D, **win), v_sink=torch.zeros(B, H, fmt.sink, D, **win),
-                   k_recent=torch.zeros(B, H, fmt.recent_capacity, D, **win),
-                   v_recent=torch.zeros(B, H, fmt.recent_capacity, D, **win), contiguous=contiguous)
+        shapes = {"k_codes": ((num_pages, H, W), torch.int32), "v_codes": ((num_pages, H, W), torch.int32),
+                  "k_params": ((num_pages, H, rk, ck, 2), torch.float32),
+                  "v_params": ((num_pages, H, rv, cv, 2), torch.float32),
+                  "k_sink": ((B, H, fmt.sink, D), window_dtype), "v_sink": ((B, H, fmt.sink, D), window_dtype),
+                  "k_recent": ((B, H, fmt.recent_capacity, D), window_dtype),
+                  "v_recent": ((B, H, fmt.recent_capacity, D), window_dtype)}
+        try:
+            tensors = {n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in shapes.items()}
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # the allocator's refusal, said by the argument
+            need = sum(math.prod(shape) * dt.itemsize for shape, dt in shapes.values())
+            raise InvalidArgumentError(size_name, f"a cache that {device} can allocate",
+                                       f"{need / 2 ** 30:.3g} GiB ({num_pages} pages of {page_size} tokens, "
+                                       f"{H} KV heads): {type(e).__name__}") from None
+        return cls(fmt, **tensors, seq_lens=seq_lens.to(device=device, dtype=torch.int32), page_table=page_table,
+                   contiguous=contiguous)
 
     def _store_quantized(self, tensor: str, b: int, codes: torch.Tensor, sp: torch.Tensor, zp: torch.Tensor) -> None:
         """Write logical codes ``[H, n_quant, D]`` and FP32 ``s', z'`` of sequence ``b`` into its pages."""
@@ -444,6 +451,7 @@ class QuantKVCache:
             raise InvalidArgumentError("window_dtype", f"one of {WINDOW_DTYPES}", window_dtype)
         device = torch.device(device)
         seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        size_name = "num_pages" if page_table is not None else "max_len"
         if page_table is None:
             if max_len is None:
                 raise InvalidArgumentError("max_len", "the tokens per sequence to make room for (no page_table given)",
@@ -454,14 +462,24 @@ class QuantKVCache:
                 cache = cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=num_kv_heads, page_size=cap,
                                       page_table=PageTable.from_block_table(
                                           torch.arange(batch, dtype=torch.int32, device=device)[:, None]),
-                                      num_pages=max(batch, 1), window_dtype=window_dtype, device=device)
+                                      num_pages=max(batch, 1), window_dtype=window_dtype, device=device,
+                                      size_name="max_len")
                 cache.contiguous = True
                 return cache
+            check_int("page_size", page_size, minimum=1)
             per = -(-max_len // page_size)
-            table = torch.arange(batch * per, dtype=torch.int32, device=device).reshape(batch, per)
+            if batch * per >= 2 ** 31:
+                raise InvalidArgumentError("max_len", f"at most {2 ** 31 - 1} pages in all (int32 page indices)",
+                                           f"{max_len} tokens x {batch} sequences in pages of {page_size}")
+            try:
+                table = torch.arange(batch * per, dtype=torch.int32, device=device).reshape(batch, per)
+            except (torch.OutOfMemoryError, RuntimeError):
+                raise InvalidArgumentError("max_len", f"a page table that {device} can allocate",
+                                           f"{batch} x {per} pages") from None
             page_table, num_pages = PageTable.from_block_table(table), max(batch * per, 1)
         return cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=num_kv_heads, page_size=page_size,
-                             page_table=page_table, num_pages=num_pages, window_dtype=window_dtype, device=device)
+                             page_table=page_table, num_pages=num_pages, window_dtype=window_dtype, device=device,
+                             size_name=size_name)
 
     # ---- appending (the write path; PyTorch, host-driven: the reference for the GPU kernel) ------------
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, *, quantizer: str = "minmax",
@@ -492,12 +510,12 @@ class QuantKVCache:
                 if z > a:  # post-sink tokens [a, z) leave the ring (or arrive past it) and are quantized
                     p = torch.arange(a, z)
                     from_ring = p < P0
-                    src = torch.empty(H, z - a, D, dtype=torch.float32, device=self.device)
+                    src = torch.empty(H, z - a, D, dtype=torch.float64, device=self.device)
                     if from_ring.any():
-                        src[:, from_ring.to(self.device)] = ring[b][:, (p[from_ring] % cap).to(self.device)].float()
-                    if (~from_ring).any():
+                        src[:, from_ring.to(self.device)] = ring[b][:, (p[from_ring] % cap).to(self.device)].double()
+                    if (~from_ring).any():  # arriving past the window: quantized as the ring would hold them
                         j = (sink + p[~from_ring] - L0).to(self.device)
-                        src[:, (~from_ring).to(self.device)] = x_new[b][:, j].float()
+                        src[:, (~from_ring).to(self.device)] = fmt.as_quantized(x_new[b][:, j], ring.dtype).double()
                     codes, sp, zp = quantize_tensor(src, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op,
                                                     quantizer, clip)
                     writes += self._quantized_range_writes(tensor, b, a, codes, sp, zp)
@@ -533,6 +551,9 @@ class QuantKVCache:
         check_finite("k_new", k_new)
         check_finite("v_new", v_new)
         old = self.seq_lens.long().cpu()
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            for b in range(B):
+                fmt.check_storable(name, x[b], self.window_dtype, int(old[b]), (b,))
         new = old + T
         _, q0, _ = fmt.split_length(old)
         _, q1, _ = fmt.split_length(new)
@@ -600,7 +621,9 @@ class QuantKVCache:
         check_tensor("seq_lens", seq_lens, shape=(B,), device=dev)
         n_sink, n_quant, n_recent = fmt.split_length(seq_lens.long())
         if B and int(n_quant.max()) > Q:
-            raise InvalidArgumentError("k_codes", f"at least {int(n_quant.max())} quantized tokens in dim 2", Q)
+            b = int(n_quant.argmax())
+            raise InvalidArgumentError("seq_lens", f"lengths whose quantized parts fit the {Q} tokens of k_codes "
+                                       f"(dim 2)", f"{int(seq_lens[b])} at sequence {b} ({int(n_quant[b])} quantized)")
         g = fmt.group_size
         wdtype = None
         tensors = {}
@@ -616,6 +639,7 @@ class QuantKVCache:
             for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
                 check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
                 check_finite(nm, t)
+            fmt.check_folded((f"{tensor}_scale", f"{tensor}_offset"), s, z)
             for nm, t, need in ((f"{tensor}_sink", sink, n_sink), (f"{tensor}_recent", recent, n_recent)):
                 if t is None:
                     if B and int(need.max()) > 0:
@@ -626,6 +650,7 @@ class QuantKVCache:
                     raise InvalidArgumentError(nm, f"shape ({B}, {H}, >= {int(need.max()) if B else 0}, {D})",
                                                tuple(t.shape))
                 check_finite(nm, t)
+                fmt.check_magnitude(nm, t)
                 if wdtype is not None and t.dtype != wdtype:
                     raise InvalidArgumentError(nm, f"window dtype {wdtype} like the other windows", t.dtype)
                 wdtype = t.dtype
@@ -663,6 +688,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     B, H, L, D = k.shape
     if D != fmt.head_dim:
         raise InvalidArgumentError("k", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
+    if H == 0:
+        raise InvalidArgumentError("k", "at least one KV head in dim 1", f"shape {tuple(k.shape)}")
     check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
     if quantizer not in QUANTIZERS:
         raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
@@ -686,10 +713,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
         Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])
         for name, x in (("k", k), ("v", v)):
             check_finite(name, x[b, :, :Lb])
+            fmt.check_storable(name, x[b, :, :Lb], window_dtype, 0, (b,))
         for tensor, x in (("k", k), ("v", v)):
             if nq:
-                codes, sp, zp = quantize_tensor(x[b, :, ns: ns + nq], fmt.bits, fmt.axis(tensor), fmt.group_size,
-                                                fmt.op, quantizer, clip)
+                codes, sp, zp = quantize_tensor(fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), fmt.bits,
+                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip)
                 cache._store_quantized(tensor, b, codes, sp, zp)
         keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
         cache._store_windows(b, k[b][:, keep], v[b][:, keep])

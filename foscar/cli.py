@@ -4,8 +4,17 @@ Subcommands:
 
 ``foscar demo``
     Quantize the paper's synthetic stress input (Sec. 6.2, :func:`foscar.synthetic.stress_inputs`)
-    to INT2 and INT4, decode it on the best backend available, and print a table of bytes read per
-    token, output errors and times (``--json PATH`` also writes the numbers).
+    to INT2 and INT4, decode it on the best backend available, and print a table of the bytes the cache
+    holds per token, output errors and times (``--json PATH`` also writes the numbers).
+``foscar info``
+    The GPU, the versions, and which decode backends run here.
+``foscar tune``, ``foscar bench``
+    Handed to :mod:`foscar.tune` and :mod:`foscar.bench.cli`, whose parsers check their options the same way.
+
+A bad option is refused before any work starts, with exit status 2 and a one-line error on stderr naming
+the option: argparse's (after its usage line), or, for a combination only the library can judge, the
+library's message. An output path (``--json``, ``--out``) is checked for writing while the options are
+parsed. Errors while running are one line too, never a traceback.
 
 Backends (:func:`_select_backend`): what ``foscar.decode(backend="auto")`` picks: the Triton kernels on a
 CUDA GPU, the PyTorch reference (:func:`foscar.decode_folded`) on the CPU.
@@ -14,16 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .errors import FoscarError
-from .format import AXES, SUPPORTED_BITS, KVFormat
+from .format import AXES, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, KVFormat
 from .quantize import QUANTIZERS
 from .bench.accuracy import error_rows
+from .bench.common import int_in, parse_seed, run_reporting, writable_file
 from .synthetic import stress_inputs
 
 PROG = "foscar"
@@ -69,21 +79,17 @@ def _select_backend() -> Backend:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-    return parse
+_positive_int = int_in(1)
+_nonnegative_int = int_in(0)
+#: The most torch threads ``--threads`` takes: a huge count aborts the process in the OpenMP runtime, with no
+#: Python error.
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 
-
-_positive_int = _int_at_least(1)
-_nonnegative_int = _int_at_least(0)
+#: The option of ``foscar demo`` each library argument name comes from (for the library's messages).
+DEMO_OPTIONS = {"bits": "--bits", "group_size": "--group-size", "head_dim": "--head-dim", "sink": "--sink",
+                "recent": "--recent", "page_size": "--page-size", "num_qo_heads": "--qo-heads",
+                "num_kv_heads": "--kv-heads", "seq_len": "--seq-len", "batch": "--batch", "seed": "--seed",
+                "quantizer": "--quantizer", "k_axis": "--k-axis", "v_axis": "--v-axis"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +105,9 @@ def _add_demo(sub) -> None:
                    help="code widths to run (default: 2 4)")
     p.add_argument("--k-axis", choices=AXES, default="token", help="K quantization axis (default: token)")
     p.add_argument("--v-axis", choices=AXES, default="token", help="V quantization axis (default: token)")
-    p.add_argument("--group-size", type=_positive_int, default=128, help="values per (s, z) group (default: 128)")
+    p.add_argument("--group-size", type=_positive_int, default=128,
+                   help="values per (s, z) group: 32, 64, 128 or the head dim (token-wise), up to 256 tokens "
+                        "(channel-wise) (default: 128)")
     p.add_argument("--quantizer", choices=QUANTIZERS, default="minmax",
                    help="range of each group: min-max, MSE-clipped or quantile-clipped (default: minmax)")
     p.add_argument("--sink", type=_nonnegative_int, default=0, help="leading tokens kept in BF16 (default: 0)")
@@ -107,15 +115,18 @@ def _add_demo(sub) -> None:
     p.add_argument("--page-size", type=_positive_int, default=None,
                    help="tokens per page of a paged cache (default: a contiguous cache)")
     p.add_argument("--batch", type=_positive_int, default=1, help="sequences (default: 1)")
-    p.add_argument("--seq-len", type=_positive_int, default=4096, help="tokens per sequence (default: 4096)")
+    p.add_argument("--seq-len", type=int_in(2), default=4096, help="tokens per sequence, at least 2 (default: 4096)")
     p.add_argument("--qo-heads", type=_positive_int, default=32, help="query heads (default: 32)")
     p.add_argument("--kv-heads", type=_positive_int, default=8, help="KV heads (default: 8)")
-    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension (default: 128)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic input (default: 0)")
-    p.add_argument("--threads", type=_nonnegative_int, default=1,
-                   help="torch CPU threads, 0 for torch's default (default: 1: the reference decode is a loop of "
-                        "small ops, which more threads slow down, by up to 100x on a busy CPU)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the numbers to PATH as JSON")
+    p.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128,
+                   help="head dimension (default: 128)")
+    p.add_argument("--seed", type=parse_seed, default=0, help="seed of the synthetic input (default: 0)")
+    p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=1,
+                   help=f"torch CPU threads, 0 for torch's default, at most {MAX_THREADS} (4x the CPUs) (default: 1: "
+                        "the reference decode is a loop of small ops, which more threads slow down, by up to 100x on "
+                        "a busy CPU)")
+    p.add_argument("--json", metavar="PATH", type=writable_file, default=None,
+                   help="also write the numbers to PATH as JSON (its folder must exist)")
     p.set_defaults(func=_demo)
 
 
@@ -130,13 +141,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    backend = _select_backend()
     bits_list = list(dict.fromkeys(args.bits))  # de-duplicated, in the given order
     D = args.head_dim
+    formats = [KVFormat(b, D, args.group_size, args.k_axis, args.v_axis, sink=args.sink, recent=args.recent)
+               for b in bits_list]  # every format, and the page size for each, checked before any work
+    if args.page_size is not None:
+        for fmt in formats:
+            fmt.check_page_size(args.page_size)
+    backend = _select_backend()
     q, k, v = stress_inputs(args.batch, args.qo_heads, args.kv_heads, args.seq_len, D, seed=args.seed,
                             dtype=torch.bfloat16, device=backend.device)
-    formats = [KVFormat(b, D, args.group_size, args.k_axis, args.v_axis, sink=args.sink, recent=args.recent)
-               for b in bits_list]  # validate every format before the slow part
+    n_sink, n_quant, n_recent = formats[0].split_length(args.seq_len)  # the same for every width
 
     named = [(f"INT{fmt.bits} {args.quantizer}", fmt, args.quantizer) for fmt in formats]
     rows = error_rows(q, k, v, named, backend.decode, backend.name, page_size=args.page_size)
@@ -147,12 +162,12 @@ def _run_demo(args: argparse.Namespace) -> int:
               "num_kv_heads": args.kv_heads, "head_dim": D, "seed": args.seed, "input_dtype": "bfloat16",
               "k_axis": args.k_axis, "v_axis": args.v_axis, "group_size": args.group_size,
               "quantizer": args.quantizer, "sink": args.sink, "recent": args.recent, "page_size": args.page_size,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "quantized_tokens": n_quant, "window_tokens": n_sink + n_recent}
     _print_demo(backend, config, rows)
     if args.json:
         doc = {"command": "demo", "backend": backend.name, "backend_description": backend.description,
                "device": str(backend.device), "config": config, "results": rows}
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as f:  # checked for writing while the options were parsed
             json.dump(doc, f, indent=2)
             f.write("\n")
         print(f"wrote {args.json}")
@@ -169,6 +184,9 @@ def _print_demo(backend: Backend, config: dict, rows: list[dict]) -> None:
     paging = "contiguous" if c["page_size"] is None else f"pages of {c['page_size']}"
     print(f"cache:   K {c['k_axis']}-wise, V {c['v_axis']}-wise, g={c['group_size']}, quantizer {c['quantizer']}, "
           f"sink {c['sink']}, recent {c['recent']}, {paging}; {c['threads']} CPU thread(s)")
+    if c["window_tokens"]:
+        print(f"windows: {c['window_tokens']} of the {c['seq_len']} tokens of each sequence stay BF16"
+              + (f", {c['quantized_tokens']} are quantized" if c["quantized_tokens"] else ": nothing is quantized"))
     print()
     cols = [("format", 6, "{}"), ("backend", 16, "{}"), ("B/tok/head", 10, "{:.1f}"), ("BF16 B", 6, "{:.0f}"),
             ("ratio", 6, "{:.2f}x"), ("err unquant", 11, "{:.3e}"), ("err dequant", 11, "{:.3e}"),
@@ -185,14 +203,15 @@ def _print_demo(backend: Backend, config: dict, rows: list[dict]) -> None:
             cells.append(f"{text:>{w}}" if i > 1 else f"{text:<{w}}")
         print("  ".join(cells))
     print()
-    print("B/tok/head: HBM bytes per quantized token per KV head, K and V (codes + FP32 s', z'); ratio = BF16 / that.")
+    print("B/tok/head: bytes the cache holds per token per KV head, K and V: a quantized token its codes + FP32 "
+          "s', z', a BF16 window token 2 per value; ratio = BF16 / that.")
     print("err unquant: relative L2 error of the output vs exact (float64) attention over the unquantized cache.")
     print("err dequant: vs exact attention over the dequantized cache (decode_exact): the kernel's arithmetic error "
           "(BF16 operands, FP32 accumulation).")
     print("bf16 err deq: BF16 attention (q, k, v, P in BF16, FP32 accumulation) over the dequantized cache, vs the "
           "same oracle.")
-    print("Times are wall-clock of one call (the first includes compilation); benchmarks/bench_decode.py times "
-          "kernels properly.")
+    print("Times are wall-clock of one call (the first includes compilation); on a CUDA GPU, `foscar bench speed` "
+          "times the kernels properly.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +243,13 @@ def _info(args: argparse.Namespace) -> int:
           "cute for token-wise K, the reference on the CPU only):")
     for s in backend_status():
         print(f"  {s.name:10s} {'usable' if s.usable else 'unavailable':12s} {s.why}")
+    from .autotune import shipped_folder, tuning_report
+    if torch.cuda.is_available():
+        for line in tuning_report(torch.cuda.get_device_name(torch.cuda.current_device())).lines():
+            print(line)
+    else:
+        names = sorted(f.name for f in shipped_folder().iterdir() if f.name.endswith(".json"))
+        print(f"tuned configs shipped (package data): {', '.join(names) or 'none'}; none applies without a GPU")
     return 0
 
 
@@ -240,7 +266,10 @@ def _add_bench(sub) -> None:
 
 
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="the GPU, versions, and which decode backends run here (and why not)")
+    p = sub.add_parser("info", help="the GPU, versions, and which decode backends run here (and why not)",
+                       description="Print the versions of foscar, Python, torch, Triton, nvidia-cutlass-dsl and "
+                                   "apache-tvm-ffi, the GPU, which decode backends can run here (and why the "
+                                   "others cannot), and which tuning file and tuned configs apply.")
     p.set_defaults(func=_info)
 
 
@@ -271,15 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    try:
-        return args.func(args)
-    except FoscarError as e:  # a bad combination of options, named by the library
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # e.g. --json PATH not writable
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 1
-
+    return run_reporting(lambda: args.func(args), f"{PROG} {args.command}: error:", options=DEMO_OPTIONS,
+                         oom_hint="smaller --seq-len, --batch or heads?")
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

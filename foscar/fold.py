@@ -52,11 +52,17 @@ from ._checks import check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
 from .format import TOKEN, operand_for, unpack_codes
-from .reference import attend, check_decode_inputs
+from ._checks import check_decode_inputs
+from .reference import attend
+from .splitkv import split_ranges
 
 
 def combine_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """LSE combine of partial attentions ``out_i [..., D]`` with ``lse_i [...]`` (``-inf`` = empty)."""
+    """LSE combine of partial attentions ``out_i [..., D]`` with ``lse_i [...]`` (``-inf`` = empty).
+
+    An empty partial weighs 0 whatever its output holds; all empty gives ``out = 0``, ``lse = -inf``. A NaN
+    (or ``+inf``) LSE or a NaN output of a non-empty partial makes the merged output and LSE NaN: a broken
+    partial is never dropped or zeroed."""
     if not isinstance(outs, (list, tuple)) or not outs:
         raise InvalidArgumentError("outs", "a non-empty list of tensors",
                                    outs if isinstance(outs, (list, tuple)) else type(outs).__name__)
@@ -65,11 +71,12 @@ def combine_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tupl
                                    len(lses) if isinstance(lses, (list, tuple)) else type(lses).__name__)
     lse = torch.stack(lses)  # [S, ...]
     m = lse.max(dim=0).values
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m_safe)  # empty partials weigh 0
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)  # NaN and +inf stay: their weights are NaN
+    w = torch.exp(lse - m_safe)  # empty partials weigh 0; a NaN LSE gives a NaN weight
     total = w.sum(0)
-    num = sum(wi[..., None] * oi for wi, oi in zip(w, outs))
-    out = torch.where(total[..., None] > 0, num / torch.where(total > 0, total, 1)[..., None], torch.zeros_like(num))
+    num = sum(wi[..., None] * torch.where(wi[..., None] == 0, 0.0, oi) for wi, oi in zip(w, outs))
+    empty = total == 0  # NaN != 0: a NaN total divides and stays NaN
+    out = torch.where(empty[..., None], torch.zeros_like(num), num / torch.where(empty, 1, total)[..., None])
     return out, m_safe + torch.log(total)
 
 
@@ -233,6 +240,15 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
             raise InvalidArgumentError(name, "None, torch.bfloat16, torch.float16 or torch.float32", dt)
     if pv_operand_dtype is None:
         pv_operand_dtype = operand_dtype
+    out, lse = folded(q, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits, dtype=dtype,
+                      operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype)
+    return (out, lse) if return_lse else out
+
+
+def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, tile_tokens: int = 64,
+           num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
+           pv_operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_folded` of validated arguments (``G`` query heads per KV head): ``(out, lse)``."""
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
@@ -240,10 +256,9 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
         seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype)
         Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
         n_tiles = -(-seq.n_quant // tile_tokens)
-        per = -(-n_tiles // num_splits) if n_tiles else 0
         outs, lses = [], []
-        for s in range(num_splits):
-            o, l_ = seq.split(Qt, range(s * per, min((s + 1) * per, n_tiles)), tile_tokens, sm_scale)
+        for tiles in split_ranges(n_tiles, num_splits):  # the split rule every kernel follows
+            o, l_ = seq.split(Qt, tiles, tile_tokens, sm_scale)
             outs.append(o)
             lses.append(l_)
         kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
@@ -252,4 +267,4 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)
         out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
-    return (out, lse) if return_lse else out
+    return out, lse

@@ -127,6 +127,20 @@ def injection(operand: str, beta: int) -> OperandMapping:
                           f"  ->  q + {beta}")
 
 
+@functools.lru_cache(maxsize=256)  # host time per call: a launch's constants are its format's
+def injection_constants(prefix: str, op: OperandMapping, fmt) -> dict:
+    """What a kernel needs to build one product's operands by mantissa injection: ``<prefix>_PATTERN`` (the
+    16-bit pattern of ``beta``), ``<prefix>_SHL`` (the shift that puts a code in the top mantissa bits),
+    ``<prefix>_PIVOT`` (the operand of the middle code) and ``<prefix>_MID``: the group's middle value is
+    ``z' + MID s'`` from the cache's stored ``z'`` (made for ``fmt``'s mapping). One home for the Triton
+    and CuTe kernels."""
+    pattern = int(op.inject_bits(torch.zeros((), dtype=torch.int32))) & 0xFFFF
+    shl = INJECTION_FORMATS[op.operand][1] - int(math.log2(op.beta))
+    pivot = op.pivot(fmt.bits)
+    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
+            f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}
+
+
 def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:
     """Decode 4-bit E2M1 (FP4) bit patterns (sign, 2 exponent bits, 1 mantissa bit, bias 1)."""
     b = bits.to(torch.int64)
@@ -143,6 +157,18 @@ F16_INJECTION = injection("f16", 1024)  # 0x6400 | q -> q + 1024
 E4M3_PLACEMENT = OperandMapping("e4m3", 2.0 ** -9, 0.0, "e4m3", "q in the low bits of a byte  ->  q * 2^-9 (Blackwell)")
 E2M1_PLACEMENT = OperandMapping("e2m1", 0.5, 0.0, "e2m1", "q in the low bits of a nibble  ->  q / 2 (Blackwell, INT2)")
 MAPPINGS = {m.name: m for m in (BF16_INJECTION, F16_INJECTION, E4M3_PLACEMENT, E2M1_PLACEMENT)}
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@functools.lru_cache(maxsize=16)
+def _max_abs_value(bits: int, mapping: str) -> float:
+    op = MAPPINGS[mapping]
+    qmax = (1 << bits) - 1
+    scale = 2.0 / (qmax * op.alpha)  # s' per unit of M
+    reach = abs(op.beta) + (1 << bits) + qmax  # the largest pivot or offset a kernel multiplies s' by
+    return 2.0 ** math.floor(math.log2(FP32_MAX / (2.0 ** 31 * max(scale, 1.0 + reach * scale))))
 
 
 def operand_for(dtype, bits: int) -> OperandMapping:
@@ -378,6 +404,77 @@ class KVFormat:
 
     def words_per_page(self, tensor: str, page_size: int) -> int:
         return page_size * self.head_dim * self.bits // 32
+
+    @property
+    def max_abs_value(self) -> float:
+        """The largest magnitude a stored value may have: a power of two at which no FP32 number a decode
+        forms can overflow, at any length an int32 holds. A group's folded constants are at most
+        ``s' <= 2M / (qmax*alpha)`` and ``|z'| <= M + |beta| s'``, a kernel's middle value ``z' + c s'`` (``c``
+        at most ``|beta| + 2^bits + qmax``, the re-based pivot), and the unnormalised softmax sums
+        ``sum_t p_t x_t`` (``p_t <= 1``) up to ``2^31`` times that. The write paths refuse larger values by
+        name, rather than store or compute an infinity. Scores ``q.k`` are the query's: a query large
+        enough to overflow them gives a NaN output."""
+        return _max_abs_value(self.bits, self.mapping)
+
+    # ---- what a cache can store ---------------------------------------------------------------
+    @property
+    def passes_window(self) -> bool:
+        """Whether every post-sink token passes through the recent ring before it is quantized (a ring
+        exists: ``recent > 0`` or a channel-wise axis). Appending in chunks then quantizes each token from
+        the window dtype, so every write path does: :meth:`as_quantized`."""
+        return self.recent_capacity > 0
+
+    def as_quantized(self, x: torch.Tensor, window_dtype: torch.dtype) -> torch.Tensor:
+        """The values the quantizer reads for post-sink tokens ``x``: rounded to ``window_dtype`` when the
+        tokens pass the recent ring (:attr:`passes_window`), else as given. Every write path quantizes
+        these, so a cache is the same whatever the chunking of its appends."""
+        return x.to(window_dtype) if self.passes_window else x
+
+    def check_storable(self, name: str, x: torch.Tensor, window_dtype: torch.dtype, first: int,
+                       index: tuple = ()) -> None:
+        """Refuse values of tokens ``first, first + 1, ...`` of one sequence (``x [H, T, D]``, finite) that
+        the cache cannot hold: a token kept in a window (the sink, or any token when the format has a
+        recent ring) must be finite in ``window_dtype``, and every value at most :attr:`max_abs_value` in
+        magnitude. ``index`` prefixes the reported index (the sequence)."""
+        if not x.numel():
+            return
+        pos = first + torch.arange(x.shape[1], device=x.device)
+        windowed = (pos < self.sink) | self.passes_window
+        stored = torch.where(windowed[None, :, None], x.to(window_dtype).to(x.dtype), x)
+        bad = windowed[None, :, None] & ~torch.isfinite(stored)
+        if bool(bad.any()):
+            i = tuple(bad.nonzero()[0].tolist())
+            lim = torch.finfo(window_dtype).max
+            raise InvalidArgumentError(name, f"values the {str(window_dtype).replace('torch.', '')} windows hold "
+                                       f"(|x| <= {lim:.6g})", f"{x[i].item()} at index {index + i}")
+        self.check_magnitude(name, stored, index)
+
+    def check_magnitude(self, name: str, x: torch.Tensor, index: tuple = ()) -> None:
+        """Refuse stored values past :attr:`max_abs_value` (``index`` prefixes the reported index)."""
+        limit = self.max_abs_value
+        bad = x.abs() > limit
+        if x.numel() and bool(bad.any()):
+            i = tuple(bad.nonzero()[0].tolist())
+            raise InvalidArgumentError(name, f"values of magnitude <= {limit:.4g} (what FP32 decode arithmetic "
+                                       f"holds for {self.bits}-bit codes, mapping {self.mapping!r})",
+                                       f"{x[i].item()} at index {index + i}")
+
+    def check_folded(self, names: tuple[str, str], s: torch.Tensor, z: torch.Tensor) -> None:
+        """Refuse given ``(s, z)`` of ``x = s*q + z`` whose group values ``z`` and ``z + s*qmax`` exceed
+        :attr:`max_abs_value` (their FP32 ``(s', z')`` would overflow, or a kernel's middle value would):
+        named ``names[1]`` (the offset) when ``z`` is out of range, else ``names[0]`` (the scale)."""
+        if not s.numel():
+            return
+        limit = self.max_abs_value
+        s, z = s.double(), z.double()
+        z_bad = z.abs() > limit
+        bad = z_bad | ((z + s * ((1 << self.bits) - 1)).abs() > limit)
+        if bool(bad.any()):
+            i = tuple(bad.nonzero()[0].tolist())
+            name = names[1] if bool(z_bad[i]) else names[0]
+            raise InvalidArgumentError(name, f"groups whose values z .. z + s*{(1 << self.bits) - 1} lie within "
+                                       f"+-{limit:.4g} (FP32 folded constants for mapping {self.mapping!r})",
+                                       f"s={s[i].item():.6g}, z={z[i].item():.6g} at index {i}")
 
     def bytes_per_token(self) -> float:
         """HBM bytes one quantized token costs per KV head, K and V together (codes + s' + z')."""

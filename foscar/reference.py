@@ -9,59 +9,9 @@ import math
 
 import torch
 
-from ._checks import check_finite, check_tensor
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-
-QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-COMPUTE_DTYPES = (torch.float64, torch.float32)
-
-
-def check_decode_inputs(q: torch.Tensor, cache: QuantKVCache, sm_scale: float | None,
-                        dtype: torch.dtype | None = None) -> tuple[int, float]:
-    """Validate a decode call; return ``(gqa_ratio, sm_scale)``."""
-    if not isinstance(cache, QuantKVCache):
-        raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
-    B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
-    check_tensor("q", q, ndim=3, dtypes=QUERY_DTYPES, device=cache.device)
-    if q.shape[0] != B or q.shape[2] != D:
-        raise InvalidArgumentError("q", f"shape ({B}, Hq, {D}) for this cache", tuple(q.shape))
-    Hq = q.shape[1]
-    if Hq == 0 or Hq % Hkv:
-        raise InvalidArgumentError("q", f"a head count that is a positive multiple of num_kv_heads={Hkv}", Hq)
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_finite("q", q)  # on a GPU (or in a compiled graph) it would wait for the values
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
-            or sm_scale <= 0:
-        raise InvalidArgumentError("sm_scale", "a finite float > 0", sm_scale)
-    if dtype is not None and dtype not in COMPUTE_DTYPES:
-        raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", dtype)
-    return Hq // Hkv, float(sm_scale)
-
-
-#: dtypes a decode writes its output in
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def decode_out_buffers(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
-                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decode's ``out [B, Hq, D]`` (checked when given; else ``q``'s dtype, float32 for other query
-    dtypes) and ``lse [B, Hq]`` float32 (checked when given; allocated when ``return_lse``)."""
-    B, Hq, D = q.shape
-    if out is None:
-        out = torch.empty(B, Hq, D, dtype=q.dtype if q.dtype in OUT_DTYPES else torch.float32, device=q.device)
-    else:
-        check_tensor("out", out, shape=(B, Hq, D), dtypes=OUT_DTYPES, device=q.device)
-        if out.stride(-1) != 1:
-            raise InvalidArgumentError("out", "unit stride in the last dim", tuple(out.stride()))
-    if lse is not None:
-        check_tensor("lse", lse, shape=(B, Hq), dtypes=(torch.float32,), device=q.device)
-    elif return_lse:
-        lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    return out, lse
-
+from ._checks import check_decode_inputs
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *,
            operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,16 +23,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from . import autotune
+from . import autotune, backends
 from .progress import Progress
-from .bench.common import (L2_FLUSH_BYTES, as_graph, make_block_table, one_head_cache, parse_tokens, random_cache,
-                           rel_l2, time_call)
+from .bench.common import (L2_FLUSH_BYTES, as_graph, first_line, int_in, library_option, make_block_table,
+                           one_head_cache, parse_heads, parse_tokens, random_cache, rel_l2, time_call, writable_dir)
 from .errors import FoscarError
-from .format import AXES, SUPPORTED_BITS, KVFormat
+from .format import AXES, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, KVFormat
 from .reference import attend, decode_exact
 
 KI = 1024
@@ -62,6 +61,7 @@ class Case:
 
 
 def parse_shape(text: str) -> tuple[int, int]:
+    """An argparse type: ``"B:L"``, ``L`` in tokens, possibly ending in K or M (``"8:128K"``)."""
     try:
         b, n = text.split(":")
         shape = (int(b), parse_tokens(n))
@@ -72,32 +72,44 @@ def parse_shape(text: str) -> tuple[int, int]:
     return shape
 
 
-def parse_heads(text: str) -> tuple[int, int]:
-    try:
-        hq, hkv = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"heads {text!r}: expected Hq:Hkv, e.g. 32:8") from None
-    if hkv < 1 or hq < hkv or hq % hkv:
-        raise argparse.ArgumentTypeError(f"heads {text!r}: Hq must be a positive multiple of Hkv")
-    return hq, hkv
+DESCRIPTION = ("Autotune the decode kernels on this GPU and write the per-GPU config file that foscar.decode "
+               "reads. Every candidate launch config is checked against the float64 oracle before it is timed, "
+               "and the fastest per shape family is merged into <out>/<GPU>.json. --dry-run lists the cases and "
+               "candidates without a GPU.")
+#: The option each library argument name comes from (for the library's messages about a format).
+LIBRARY_OPTIONS = {"group_size": "--group-size", "head_dim": "--head-dim", "page_size": "--page-size"}
 
 
 def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="paper", help="the shapes (default: the paper grid)")
-    p.add_argument("--shapes", type=parse_shape, nargs="+", help="B:L shapes instead of the preset, e.g. 8:128K")
-    p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[2, 4])
-    p.add_argument("--k-axis", nargs="+", choices=AXES, default=["token"])
-    p.add_argument("--v-axis", nargs="+", choices=AXES, default=["token"])
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--heads", type=parse_heads, default=(32, 8), help="Hq:Hkv (default 32:8)")
-    p.add_argument("--page-size", type=int, default=64)
+    """The options, each checked by its argparse type while the arguments are parsed; :func:`checked_cases`
+    checks the formats they make together."""
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="paper",
+                   help="the shapes: paper, the paper's 13; quick, 2 (default: paper)")
+    p.add_argument("--shapes", type=parse_shape, nargs="+", metavar="B:L",
+                   help="shapes instead of the preset, L in tokens, possibly ending in K or M, e.g. 8:128K")
+    p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[2, 4],
+                   help="code widths to tune (default: 2 4)")
+    p.add_argument("--k-axis", nargs="+", choices=AXES, default=["token"],
+                   help="K quantization axes to tune (default: token)")
+    p.add_argument("--v-axis", nargs="+", choices=AXES, default=["token"],
+                   help="V quantization axes to tune (default: token)")
+    p.add_argument("--group-size", type=int_in(1), default=128,
+                   help="values per (s, z) group: 32, 64, 128 or the head dim (token-wise), up to 256 tokens "
+                        "(channel-wise) (default: 128)")
+    p.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128,
+                   help="head dimension (default: 128)")
+    p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
+                   help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8)")
+    p.add_argument("--page-size", type=int_in(1), default=64, help="tokens per page of the paged cache (default: 64)")
     p.add_argument("--backend", choices=("triton", "cute"), default="triton",
-                   help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1; needs foscar[cute])")
-    p.add_argument("--iters", type=int, default=10, help="timed replays per candidate (median)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="folder of the per-GPU file (default: the user folder)")
+                   help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1; needs foscar[cute]) "
+                        "(default: triton)")
+    p.add_argument("--iters", type=int_in(1), default=10, help="timed replays per candidate, the median (default: 10)")
+    p.add_argument("--warmup", type=int_in(0), default=3, help="untimed replays per candidate first (default: 3)")
+    p.add_argument("--out", type=writable_dir, default=None, metavar="DIR",
+                   help="folder of the per-GPU file, made if missing (default: $FOSCAR_TUNING_DIR, else the user "
+                        "cache folder)")
     p.add_argument("--dry-run", action="store_true", help="list cases and candidates; needs no GPU")
     return p
 
@@ -115,44 +127,16 @@ def cases(args) -> list[Case]:
 
 
 def candidates(case: Case, device: torch.device, backend: str = "triton") -> list[dict]:
-    """Triton launch configs: the launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV
-    tiles in flight, 4 warps; the heuristic's splits with 8 warps; the largest tile that fits. CuTe
-    (``backend="cute"``): v0, v1 with two CTAs per SM and v1 with one, each at its split heuristic times
-    {1/2, 1, 2}. The first is the launcher's own choice (the heuristic)."""
-    if backend == "cute":
-        return _cute_candidates(case, device)
-    from .triton.launch import block_n_for, default_num_splits
-    tile = block_n_for(case.fmt, case.page)
-    tiles = case.seq_len // tile
-    base = default_num_splits(case.batch, case.kv_heads, tiles, device)
-    splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
-    out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf} for pf in (1, 2) for s in splits]
-    return out + [{"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1}]
-
-
-def _cute_candidates(case: Case, device: torch.device) -> list[dict]:
-    from .cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
-    from .cute.decode_sm90 import TILE
-    tiles = case.seq_len // TILE
-    variants = [(False, None), (True, 2), (True, 1)]
-    first = (DEFAULT_WARP_SPECIALIZED, WS_CTAS_PER_SM if DEFAULT_WARP_SPECIALIZED else None)
-    out = []
-    for ws, ctas in [first] + [v for v in variants if v != first]:
-        base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
-        for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
-            out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
-    return out
+    """The launch configs ``backend`` lists for ``case`` (:meth:`foscar.backends.Backend.candidates`); the
+    first is the launcher's own choice (the heuristic)."""
+    return backends.get(backend).candidates(case, device)
 
 
 # --------------------------------------------------------------------------------------------
 # Running (module-level hooks, so tests can stand in for the GPU)
 # --------------------------------------------------------------------------------------------
 def _decode(q, cache, config, backend="triton"):
-    if backend == "cute":
-        from .cute.launch import decode as cute_decode
-        return cute_decode(q, cache, **config)
-    from .triton import decode
-    return decode(q, cache, **config)
+    return backends.get(backend).launch(q, cache, config)
 
 
 def _time(fn, args, flush) -> float:
@@ -196,9 +180,34 @@ def tune_case(case: Case, args, flush, progress) -> dict:
             "heuristic_us": results[0]["us"]}  # the first candidate is the launcher's own choice (None: it failed)
 
 
+def checked_cases(parser: argparse.ArgumentParser, args) -> list[Case]:
+    """:func:`cases`, each format and its page size checked; a bad one is refused by ``parser`` (exit 2),
+    naming the option."""
+    try:
+        todo = cases(args)
+        for case in todo:
+            case.fmt.check_page_size(args.page_size)
+    except FoscarError as e:
+        option = library_option(e, LIBRARY_OPTIONS)
+        parser.error(f"argument {option}: {first_line(e)}" if option else first_line(e))
+    return todo
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "foscar tune") -> int:
-    args = build_parser(prog).parse_args(argv)
-    todo = cases(args)
+    """``prog`` is how it was invoked (its usage and error lines). A bad option, or a run that ends in a
+    library error, is one line on stderr and exit status 2."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    todo = checked_cases(parser, args)
+    try:
+        return _run(args, todo, prog)
+    except FoscarError as e:
+        print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _run(args, todo: list[Case], prog: str) -> int:
+    """The dry run's listing, or each case tuned and the entries merged into the per-GPU file."""
     if args.dry_run:
         print("(split counts follow the present GPU's SM count; 4 SMs are assumed without a GPU)")
         for case in todo:

@@ -41,3 +41,11 @@ def bf16_attention(q: torch.Tensor, cache, *, sdpa: bool = False) -> torch.Tenso
                                            1 / math.sqrt(D), operand_dtype=torch.bfloat16)
             out[b] = o.reshape(Hq, D).bfloat16().float()  # a BF16 kernel writes BF16
     return out
+
+
+def kernel_error_bound(fmt, base: float) -> float:
+    """What a GPU kernel's error against the float64 oracle is held to, given BF16 attention's ``base`` on
+    the same dequantized cache: 1.05x for token-wise K; 1.25x for channel-wise K, where the operand-folded
+    ``Q' = Q s'`` is itself a BF16 operand (measured on the H200: 1.1-1.2x BF16 attention's error when the
+    cache was quantized from BF16 values, whose group extremes BF16 attention then holds exactly)."""
+    return base * (1.25 if fmt.k_axis == "channel" else 1.05) + 1e-4

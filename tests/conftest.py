@@ -19,8 +19,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip without a CUDA GPU; ``slow`` tests (minutes on the CI machine) run only with
     FOSCAR_SLOW=1. Each skip says why."""
-    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); run on the GPU machine before resolving")
-    slow = pytest.mark.skip(reason="slow: set FOSCAR_SLOW=1 to run it (run before resolving)")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    slow = pytest.mark.skip(reason="slow (minutes on a CPU): set FOSCAR_SLOW=1 to run it")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)

@@ -208,8 +208,7 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine); run on the GPU "
-                                                          "machine before resolving")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_decode_steps_as_one_cuda_graph():
     """Append (Triton, check=False) and decode (a plan) captured once, replayed step after step: the
     same cache and outputs as eager steps through the reference append."""

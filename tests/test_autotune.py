@@ -1,8 +1,14 @@
-"""The autotune cache (foscar.autotune): keys, buckets, lookup order, nearest bucket, bad files, merges and
-concurrent writers. CPU only."""
+"""The autotune cache (foscar.autotune): keys, buckets, lookup order, nearest bucket, bad files, validity
+per entry and backend, the shipped H200 file, the report of ``foscar info``, merges and concurrent
+writers. CPU only."""
 import json
 import multiprocessing as mp
+import os
 import warnings
+from collections import Counter
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,15 +19,29 @@ from foscar.errors import InvalidArgumentError
 
 FMT = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
 GPU = "NVIDIA H200"
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_FOLDER = at.shipped_folder  # the package data, which the fixture below hides
 
 
 @pytest.fixture(autouse=True)
 def dirs(tmp_path, monkeypatch):
-    """An empty $FOSCAR_TUNING_DIR and user cache; the repository's tuning/configs stays where it is."""
+    """An empty $FOSCAR_TUNING_DIR, user cache and package data folder (the tests that read the shipped
+    file put :data:`SHIPPED_FOLDER` back)."""
     monkeypatch.setenv("FOSCAR_TUNING_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(at, "shipped_folder", lambda: tmp_path / "shipped")
     at._WARNED.clear()
     return tmp_path
+
+
+def installed(monkeypatch, triton, cutlass_dsl):
+    """Stand in for the installed Triton and nvidia-cutlass-dsl versions."""
+    monkeypatch.setattr(at, "_dist_version", {"triton": triton, "nvidia-cutlass-dsl": cutlass_dsl}.get)
+    at._WARNED.clear()
+
+
+def tuning_doc(meta, entries) -> str:
+    return json.dumps({"schema": at.SCHEMA, "meta": {"gpu": "NVIDIA_H200", **meta}, "entries": entries})
 
 
 def key(batch=8, length=32768, **kw):
@@ -76,6 +96,8 @@ def test_lookup_order_env_then_user_cache_then_heuristic(dirs, monkeypatch):
      "written by another version: foscar 9.9.0"),
     ('{"schema": "foscar-tuning-v1", "meta": {"gpu": "NVIDIA_H200"}, "entries": [{"key": {"backend": "triton"}, '
      '"config": {}}]}', "malformed"),
+    (tuning_doc({}, [{"key": {**asdict(key()), "batch_bucket": 0}, "config": {}}]), "malformed"),
+    (tuning_doc({}, [{"key": asdict(key()), "config": {}, "versions": "3.6.0"}]), "malformed"),
 ])
 def test_a_bad_file_warns_once_and_falls_back(dirs, content, why):
     at.write_entries(dirs / "xdg" / "foscar" / "tuning", GPU, [(key(), {"num_splits": 3}, {})])
@@ -88,6 +110,127 @@ def test_a_bad_file_warns_once_and_falls_back(dirs, content, why):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert at.lookup(key())[0] == {"num_splits": 3}  # one warning per file
+
+
+def test_a_file_that_is_not_utf8_is_skipped_whole(dirs):
+    bad = dirs / "env" / "NVIDIA_H200.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b'{"schema": "\xff"}')
+    with pytest.warns(RuntimeWarning, match="not UTF-8"):
+        assert at.lookup(key()) == ({}, "heuristic")
+
+
+def test_search_path_env_then_user_cache_then_package_data(dirs, monkeypatch):
+    monkeypatch.setattr(at, "shipped_folder", SHIPPED_FOLDER)
+    path = at.search_path()
+    assert [s.origin for s in path] == ["$FOSCAR_TUNING_DIR", "user cache", "package data"]
+    assert (path[0].folder, path[1].folder) == (dirs / "env", dirs / "xdg" / "foscar" / "tuning")
+    assert path[2].file(GPU).is_file() and at.user_dir() == dirs / "env"
+    monkeypatch.delenv("FOSCAR_TUNING_DIR")
+    assert [s.origin for s in at.search_path()] == ["user cache", "package data"]
+    assert at.user_dir() == dirs / "xdg" / "foscar" / "tuning"
+
+
+def test_validity_is_per_entry_and_backend(dirs):
+    """A Triton entry from another Triton and a CuTe entry from the installed cutlass-dsl, in one file whose
+    metadata records both versions: the CuTe entry applies, the Triton one does not (one warning)."""
+    here = at.current_meta(GPU)
+    cute_config = {"warp_specialized": True, "ctas_per_sm": 2, "num_splits": 5}
+    path = dirs / "env" / "NVIDIA_H200.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(tuning_doc({"foscar": foscar.__version__, "triton": "2.0.0", "cutlass_dsl": here["cutlass_dsl"]},
+                               [{"key": asdict(key()), "config": {"num_splits": 7}},
+                                {"key": asdict(key(backend="cute")), "config": cute_config, "us": 1.0}]))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            config, source = at.lookup(key(backend="cute"))
+            assert config == cute_config and source.startswith(str(path))
+            assert at.lookup(key()) == ({}, "heuristic")
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert str(path) in message and "1 triton entry tuned with triton 2.0.0" in message
+    assert at.read_file(path, GPU) == [(key(backend="cute"), cute_config)]
+    # the stale Triton entry does not hide a valid one in the next folder
+    at.write_entries(dirs / "xdg" / "foscar" / "tuning", GPU, [(key(), {"num_splits": 3}, {})])
+    config, source = at.lookup(key())
+    assert config == {"num_splits": 3} and "xdg" in source
+
+
+def test_a_merge_keeps_the_versions_entries_were_tuned_with(dirs, monkeypatch):
+    installed(monkeypatch, "3.6.0", "4.8.1")
+    at.write_entries(dirs / "env", GPU, [(key(), {"num_splits": 1}, {}), (key(backend="cute"), {"num_splits": 2}, {})])
+    installed(monkeypatch, "3.8.1", "4.8.1")
+    path = at.write_entries(dirs / "env", GPU, [(key(64), {"num_splits": 3}, {"us": 2.0})])
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["triton"] == "3.8.1"
+    assert {(e["key"]["backend"], e["key"]["batch_bucket"]): e["versions"] for e in doc["entries"]} == {
+        ("triton", 8): {"triton": "3.6.0"}, ("cute", 8): {"cutlass_dsl": "4.8.1"}, ("triton", 64): {"triton": "3.8.1"}}
+    with pytest.warns(RuntimeWarning, match=r"1 triton entry tuned with triton 3\.6\.0 \(installed: 3\.8\.1\)"):
+        assert at.lookup(key())[0] == {"num_splits": 3}  # the nearest entry that applies
+    assert at.lookup(key(backend="cute"))[0] == {"num_splits": 2}
+    installed(monkeypatch, "3.6.2", "4.8.2")  # Triton: major.minor; cutlass-dsl: the exact version
+    with pytest.warns(RuntimeWarning, match=r"1 triton entry tuned with triton 3\.8\.1 \(installed: 3\.6\.2\)"):
+        assert at.lookup(key())[0] == {"num_splits": 1}
+    with pytest.warns(RuntimeWarning, match=r"1 cute entry tuned with nvidia-cutlass-dsl 4\.8\.1 \(installed: 4\.8\.2"):
+        assert at.lookup(key(backend="cute")) == ({}, "heuristic")
+    installed(monkeypatch, "3.6.2", None)
+    with pytest.warns(RuntimeWarning, match="which is not installed"):
+        assert at.lookup(key(backend="cute")) == ({}, "heuristic")
+
+
+def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypatch):
+    monkeypatch.setattr(at, "shipped_folder", SHIPPED_FOLDER)
+    res = resources.files("foscar.tuning").joinpath("NVIDIA_H200.json")
+    assert res.is_file() and not (ROOT / "tuning" / "configs").exists()  # one copy, in the package
+    doc = json.loads(res.read_text())
+    meta = doc["meta"]
+    assert doc["schema"] == at.SCHEMA and (meta["gpu"], meta["triton"], meta["cutlass_dsl"]) == (
+        "NVIDIA_H200", "3.6.0", "4.8.1")
+    assert at.meta_mismatch(meta, {"foscar": foscar.__version__}) is None  # this foscar reads it
+    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 26, "cute": 26}
+    tuned = {e["key"]["backend"]: e["config"] for e in doc["entries"]
+             if {**e["key"], "backend": "triton"} == asdict(key())}  # B = 8, L = 32K, INT4, GQA 4, page 64
+    installed(monkeypatch, "3.6.1", "4.8.1")
+    for backend in ("triton", "cute"):
+        config, source = at.lookup(key(backend=backend))
+        assert config == tuned[backend] and source.startswith(str(res))
+    installed(monkeypatch, "3.8.0", "4.8.1")
+    with pytest.warns(RuntimeWarning, match="26 triton entries tuned with triton 3.6.0"):
+        assert at.lookup(key()) == ({}, "heuristic")
+    assert at.lookup(key(backend="cute"))[0] == tuned["cute"]
+
+
+def test_tuning_report(dirs, monkeypatch):
+    monkeypatch.setattr(at, "shipped_folder", SHIPPED_FOLDER)
+    installed(monkeypatch, "3.8.0", "4.8.1")
+    at.write_entries(dirs / "env", GPU, [(key(), {"num_splits": 2}, {})])
+    (dirs / "xdg" / "foscar" / "tuning").mkdir(parents=True)
+    (dirs / "xdg" / "foscar" / "tuning" / "NVIDIA_H200.json").write_text("{")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = at.tuning_report(GPU)
+    env, user, shipped = report.files
+    assert [f.origin for f in report.files] == ["$FOSCAR_TUNING_DIR", "user cache", "package data"]
+    assert (report.gpu, env.backends) == ("NVIDIA_H200", (at.BackendTuning("triton", 1, 1),))
+    assert user.exists and "malformed JSON" in user.skipped
+    assert shipped.location.endswith(os.path.join("foscar", "tuning", "NVIDIA_H200.json"))
+    assert shipped.meta["triton"] == "3.6.0" and shipped.backends == (
+        at.BackendTuning("triton", 26, 0, (("tuned with triton 3.6.0 (installed: 3.8.0)", 26),)),
+        at.BackendTuning("cute", 26, 26))
+    assert report.in_use("triton") is env and report.in_use("cute") is shipped
+    text = "\n".join(report.lines())
+    assert "tuning files for NVIDIA_H200 (triton 3.8.0, nvidia-cutlass-dsl 4.8.1)" in text
+    assert f"user cache: {user.location}: skipped as a whole: malformed JSON" in text
+    assert f"package data: {shipped.location} (written with foscar 0.1.0, triton 3.6.0" in text
+    assert "triton: 26 entries, 0 apply here; not: 26 tuned with triton 3.6.0 (installed: 3.8.0)" in text
+    assert "cute: 26 entries, 26 apply here" in text
+    assert "in use: triton: $FOSCAR_TUNING_DIR; cute: package data" in text
+    monkeypatch.delenv("FOSCAR_TUNING_DIR")
+    monkeypatch.setattr(at, "shipped_folder", lambda: dirs / "shipped")
+    lines = at.tuning_report("NVIDIA A100-SXM4-40GB").lines()
+    assert "$FOSCAR_TUNING_DIR: not set" in lines[1] and lines[-2].endswith("NVIDIA_A100-SXM4-40GB.json: none")
+    assert lines[-1] == "  in use: triton: none (the launcher heuristic); cute: none (the launcher heuristic)"
 
 
 def test_merge_replaces_equal_keys_and_keeps_the_rest(dirs):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import foscar
+from foscar import backends
 
 from foscar import cli
 from foscar.cli import main
@@ -97,7 +98,7 @@ def test_cuda_machine_selects_the_triton_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
-    monkeypatch.setattr(api, "_triton_status", lambda dev, fmt: api.BackendStatus("triton", True, "Fake GPU"))
+    monkeypatch.setattr(backends.get("triton"), "status", lambda key: api.BackendStatus("triton", True, "Fake GPU"))
     backend = cli._select_backend()
     assert backend.name == "triton" and "Fake GPU" in backend.description and backend.device.type == "cuda"
 
@@ -118,3 +119,6 @@ def test_info_lists_versions_and_every_backend(capsys):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     if not torch.cuda.is_available():
         assert "GPU: none" in out and "needs a CUDA GPU" in out
+        assert "tuned configs shipped (package data): NVIDIA_H200.json" in out
+    else:  # the tuning file in use and which of its entries apply
+        assert "tuning files for" in out and "in use:" in out

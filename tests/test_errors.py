@@ -727,14 +727,15 @@ def test_from_quantized_v_codes_shape(cache, make):
 
 
 def test_from_quantized_too_short_q_dim(cache):
-    """``Q`` (dim 2) must hold every sequence's quantized tokens."""
+    """``Q`` (dim 2) must hold every sequence's quantized tokens: lengths longer than the codes given are
+    the lengths' fault, and the message says how many tokens the codes hold."""
     kw = fq_kwargs(cache)
     Q = kw["k_codes"].shape[2]
     for name in ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset"):
         kw[name] = kw[name][:, :, : Q - 1]
-    with bad_arg("k_codes") as info:
+    with bad_arg("seq_lens") as info:
         QuantKVCache.from_quantized(FMT, **kw)
-    assert f"at least {Q}" in str(info.value)
+    assert f"fit the {Q - 1} tokens of k_codes" in str(info.value)
     # Control: shorter sequences need fewer quantized tokens.
     QuantKVCache.from_quantized(FMT, **{**kw, "seq_lens": torch.tensor([Q - 1, Q - 1], dtype=torch.int32)})
 

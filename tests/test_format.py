@@ -172,7 +172,7 @@ def test_minmax_roundtrip_within_half_step(case):
         else:
             s_el = s.repeat_interleave(fmt.group_size, -2)
             z_el = z.repeat_interleave(fmt.group_size, -2)
-        xq = x.double()[:, :, :n_quant]
+        xq = fmt.as_quantized(x, torch.bfloat16).double()[:, :, :n_quant]  # what the quantizer reads
         err = (xd[:, :, :n_quant] - xq).abs()
         # s/2 from rounding, plus the FP32 resolution of the stored constants (z' = z - beta s' is
         # rounded once to FP32: half an ulp of |z'| and a few ulps of the operands' magnitude).

@@ -57,8 +57,7 @@ def test_quantized_cache_stays_close_to_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine); run on the GPU "
-                                                          "machine before resolving")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_on_the_gpu_decode_runs_the_triton_kernels(monkeypatch):
     """The same tiny model on the GPU: every decode step goes to a fast backend (never the reference), and
     the quantized caches keep the perplexity close to transformers' own cache (INT4 5%, INT2 15%)."""

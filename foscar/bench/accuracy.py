@@ -54,11 +54,23 @@ def _timed(fn, *args, **kwargs):
     return res, (time.perf_counter() - t0) * 1e3
 
 
+def held_bytes_per_token(cache) -> float:
+    """Bytes per token per KV head, K and V together, that ``cache`` holds for its tokens: a quantized
+    token its codes and FP32 ``(s', z')`` (:meth:`KVFormat.bytes_per_token`), a token of the sink or
+    recent window ``head_dim`` values of the window dtype; averaged over every token of the batch."""
+    n_sink, n_quant, n_recent = (int(x.sum()) for x in cache.split())
+    tokens = n_sink + n_quant + n_recent
+    window = 2 * cache.head_dim * cache.window_dtype.itemsize
+    return (n_quant * cache.fmt.bytes_per_token() + (n_sink + n_recent) * window) / max(tokens, 1)
+
+
 def error_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: list[tuple[str, KVFormat, str]],
                decode: Callable, backend: str, page_size: int | None = None) -> list[dict]:
     """The study's rows for one input: BF16 decode, then each ``(name, format, quantizer)``, decoded by
     ``decode(q, cache)``. Errors: against exact attention over the unquantized cache, and (quantized)
-    against exact attention over the dequantized cache, next to BF16 attention's on that cache."""
+    against exact attention over the dequantized cache, next to BF16 attention's on that cache. Bytes:
+    what each cache holds per token (:func:`held_bytes_per_token`: window tokens at the window dtype's
+    size)."""
     D = q.shape[-1]
     exact = attention(q, k, v)
     bf16_out, bf16_ms = _timed(attention, q, k, v, bf16=True)
@@ -72,9 +84,10 @@ def error_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: list[
         out, decode_ms = _timed(decode, q, cache)
         oracle = decode_exact(q, cache)
         kd, vd = cache.dequantize(torch.float64)
+        held = held_bytes_per_token(cache)
         rows.append({"format": f"int{fmt.bits}", "name": name, "bits": fmt.bits, "backend": backend,
-                     "bytes_per_token": fmt.bytes_per_token(), "bf16_bytes_per_token": float(bf16_bytes),
-                     "compression": bf16_bytes / fmt.bytes_per_token(),
+                     "bytes_per_token": held, "bf16_bytes_per_token": float(bf16_bytes),
+                     "compression": bf16_bytes / held,
                      "err_vs_unquantized": rel_l2(out, exact), "err_vs_dequantized": rel_l2(out, oracle),
                      "bf16_err_vs_dequantized": rel_l2(attention(q, kd, vd, bf16=True), oracle),
                      "quantize_ms": quant_ms, "decode_ms": decode_ms})

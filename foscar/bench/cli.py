@@ -2,7 +2,10 @@
 synthetic stress study, any device), ``ops`` (affine operations per stored value) and ``plot`` (the
 speed records as the paper's figures). Each writes JSON and
 Markdown under ``--out`` and, with matplotlib installed, a plot; a missing plotting library is reported,
-not skipped silently."""
+not skipped silently.
+
+Every option is checked before any work starts (``--out`` for writing too); a bad one is refused with exit
+status 2 and a one-line error naming it (after argparse's usage line)."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +16,27 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgumentError
+from ..format import SUPPORTED_HEAD_DIMS
 from ..progress import Progress
+from .common import int_in, parse_heads, parse_seed, readable_file, run_reporting, writable_dir
 
-USAGE = "foscar bench {speed,accuracy,ops,plot} [options]   (foscar bench MODE --help)"
+MODES_TEXT = "{speed,accuracy,ops,plot}"
+
+ACCURACY_DESCRIPTION = (
+    "The accuracy study on the paper's synthetic stress input (Sec. 6.2, Fig. 11). For each context length and "
+    "seed it measures the relative L2 output error against exact attention of BF16 decode, INT4 min-max, INT2 "
+    "with the MSE-clipped quantizer and INT2 min-max, and each quantized decode's arithmetic error against the "
+    "dequantized cache next to BF16 attention's on that cache. It writes accuracy.json, .csv and .md under --out, "
+    "and accuracy.png when matplotlib is installed.")
+OPS_DESCRIPTION = (
+    "Scalar affine operations per stored value: folding against per-value reconstruction (paper Fig. 14), for "
+    "the paper's count and the kernels' padded MMA. It writes ops.json, .csv and .md under --out, and ops.png "
+    "when matplotlib is installed.")
+PLOT_DESCRIPTION = (
+    "Draw the records of foscar bench speed (bench_decode.json) as the paper's figures: speedup over FlashInfer "
+    "BF16 per shape (Fig. 8/9), the four K/V axis combinations (Fig. 13) and the head-ratio sweep (Fig. 15), "
+    "whichever the records allow. It needs matplotlib.")
 
 
 def _write(out: Path, stem: str, doc, md: str, draw, rows: list[dict] | None = None) -> int:
@@ -36,20 +57,42 @@ def _write(out: Path, stem: str, doc, md: str, draw, rows: list[dict] | None = N
     return 0
 
 
+def _out_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=writable_dir, default=".", metavar="DIR",
+                   help="folder of the output files, made if missing (default: the current folder)")
+
+
 def _accuracy(argv: list[str], prog: str) -> int:
     from . import accuracy as acc
-    p = argparse.ArgumentParser(prog=f"{prog} accuracy", description=acc.__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--backend", default="auto", help="the decode backend of foscar.decode (default: auto)")
-    p.add_argument("--heads", default="32:8", help="Hq:Hkv")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--out", type=Path, default=Path("."))
+    from ..api import BACKENDS, backend_status
+    from ..format import KVFormat
+    p = argparse.ArgumentParser(prog=f"{prog} accuracy", description=ACCURACY_DESCRIPTION)
+    p.add_argument("--lengths", type=int_in(2), nargs="+", default=[1024, 4096, 16384], metavar="L",
+                   help="context lengths in tokens, each at least 2 (default: 1024 4096 16384)")
+    p.add_argument("--seeds", type=parse_seed, nargs="+", default=[0, 1, 2], metavar="SEED",
+                   help="seeds of the synthetic input: one input per length and seed (default: 0 1 2)")
+    p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                   help="the decode backend of foscar.decode (default: auto, the one it picks here)")
+    p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
+                   help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8)")
+    p.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=128,
+                   help="head dimension (default: 128)")
+    p.add_argument("--group-size", type=int_in(1), default=128,
+                   help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
+                        "the head dim (default: 128)")
+    _out_option(p)
     a = p.parse_args(argv)
-    import foscar
-    hq, hkv = (int(x) for x in a.heads.split(":"))
+    hq, hkv = a.heads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        fmt = KVFormat(2, a.head_dim, a.group_size)
+    except InvalidArgumentError as e:
+        p.error(f"argument --group-size: {e}")
+    if a.backend != "auto":
+        status = next(s for s in backend_status(device, fmt, hq // hkv) if s.name == a.backend)
+        if not status.usable:
+            p.error(f"argument --backend: {a.backend} cannot run here: {status.why}")
+    import foscar
 
     def decode(q, cache):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -66,21 +109,33 @@ def _accuracy(argv: list[str], prog: str) -> int:
 
 def _ops(argv: list[str], prog: str) -> int:
     from . import ops
-    p = argparse.ArgumentParser(prog=f"{prog} ops", description=ops.__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("."))
+    p = argparse.ArgumentParser(prog=f"{prog} ops", description=OPS_DESCRIPTION)
+    _out_option(p)
     a = p.parse_args(argv)
     rows = ops.table()
     return _write(a.out, "ops", rows, ops.render_markdown(rows), lambda p: ops.plot(rows, p), rows=rows)
 
 
+def _file_stem(text: str) -> str:
+    """An argparse type: a file-name stem (not empty, no folder separator)."""
+    if not text or "/" in text or "\\" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file-name stem without a folder, got {text!r}")
+    return text
+
+
 def _plot(argv: list[str], prog: str) -> int:
     from . import plots
-    p = argparse.ArgumentParser(prog=f"{prog} plot", description=plots.__doc__.splitlines()[0])
-    p.add_argument("json", type=Path, nargs="+", help="bench_decode.json files (records of one or more runs)")
-    p.add_argument("--out", type=Path, default=Path("."))
-    p.add_argument("--name", default="bench", help="file name stem of the plots")
+    p = argparse.ArgumentParser(prog=f"{prog} plot", description=PLOT_DESCRIPTION)
+    p.add_argument("json", type=readable_file, nargs="+",
+                   help="bench_decode.json files written by foscar bench speed (records of one or more runs)")
+    _out_option(p)
+    p.add_argument("--name", type=_file_stem, default="bench",
+                   help="file name stem of the plots: <out>/<name>-speedup.png, ... (default: bench)")
     a = p.parse_args(argv)
-    records = plots.load_records(a.json)
+    try:
+        records = plots.load_records(a.json)
+    except ValueError as e:
+        p.error(f"argument json: {e}")
     a.out.mkdir(parents=True, exist_ok=True)
     drawn = []
     for suffix, fn in (("speedup", plots.speedup_by_shape), ("axes", plots.speedup_by_axes),
@@ -106,11 +161,19 @@ MODES = {"speed": _speed, "accuracy": _accuracy, "ops": _ops, "plot": _plot}
 
 def main(argv: Sequence[str] | None = None, prog: str = "foscar bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in MODES:
-        print(f"usage: {USAGE}\n\n{__doc__}", file=sys.stderr if argv[:1] not in (["-h"], ["--help"]) else sys.stdout)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return MODES[argv[0]](argv[1:], prog)
-
+    usage = f"usage: {prog} {MODES_TEXT} [options]   ({prog} MODE --help)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
+    if not argv:
+        print(f"{usage}\n\n{__doc__}", file=sys.stderr)
+        return 2
+    mode = argv[0]
+    if mode not in MODES:
+        print(f"{usage}\n{prog}: error: unknown mode {mode!r}: expected one of {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    return run_reporting(lambda: MODES[mode](argv[1:], prog), f"{prog} {mode}: error:",
+                         oom_hint="shorter --lengths or fewer --heads?")
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m foscar.bench.cli"))

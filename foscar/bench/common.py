@@ -2,19 +2,144 @@
 timing with the L2 flushed and CUDA events, CUDA-graph capture, and slicing a cache for a float64 check.
 
 Used by ``foscar tune`` (:mod:`foscar.tune`), ``benchmarks/bench_decode.py`` and
-``benchmarks/sweep_triton.py``.
+``benchmarks/sweep_triton.py``; the argparse types (:func:`int_in`, :func:`writable_dir`, ...) by the
+``foscar`` command line, so that a bad option is refused while the arguments are parsed.
 """
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import statistics
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from ..cache import PageTable, QuantKVCache
+from ..errors import FoscarError, InvalidArgumentError
 from ..format import CHANNEL, KVFormat
 
 L2_FLUSH_BYTES = 512 * 2 ** 20
+
+
+def int_in(minimum: int, maximum: int | None = None, want: str | None = None):
+    """An argparse type: an integer in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None);
+    ``want`` says so in the error message (default: the bounds)."""
+    want = want or (f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {value}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+#: Seeds a ``torch.Generator`` takes.
+parse_seed = int_in(-2 ** 63, 2 ** 64 - 1, "an integer in [-2**63, 2**64)")
+
+
+def library_option(e: FoscarError, options: dict[str, str]) -> str | None:
+    """The command-line option (``options``: library argument name -> option) a library error is about:
+    an :class:`InvalidArgumentError`'s argument, or the ``name=value`` an :class:`UnsupportedError` names."""
+    name = e.argument if isinstance(e, InvalidArgumentError) else getattr(e, "what", "").split("=")[0]
+    return options.get(name)
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """An argparse type: ``"Hq:Hkv"``, query heads a positive multiple of the KV heads."""
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Hq:Hkv, e.g. 32:8, got {text!r}") from None
+    if hkv < 1 or hq < hkv or hq % hkv:
+        raise argparse.ArgumentTypeError(f"expected Hq:Hkv with Hq a positive multiple of Hkv >= 1, got {text!r}")
+    return hq, hkv
+
+
+def _probe_writable(folder: Path, text: str) -> None:
+    """Create and remove a file in ``folder``: the one test of writability that holds for every user
+    (root included) and file system."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in folder {str(folder)!r} "
+                                         f"({e.strerror or e})") from None
+
+
+def writable_dir(text: str) -> Path:
+    """An argparse type: an output folder that is writable, or that can be made (its nearest existing
+    parent is a writable folder). Nothing is created."""
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a folder, got a file")
+        _probe_writable(path, text)
+        return path
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(parent)!r} is a file, not a folder")
+    _probe_writable(parent, text)
+    return path
+
+
+def writable_file(text: str) -> Path:
+    """An argparse type: an output file whose folder exists and is writable (the file itself is neither
+    a folder nor read-only). Nothing is created."""
+    path = Path(text)
+    parent = path.absolute().parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file name, got a folder")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(parent)!r} does not exist")
+    _probe_writable(parent, text)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the file is not writable")
+    return path
+
+
+def readable_file(text: str) -> Path:
+    """An argparse type: an existing file this process can read."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file, got a folder")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the file is not readable")
+    return path
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocator's refusal (torch raises a plain RuntimeError for host memory)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (its first), for a command's one-line error."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def parse_tokens(text: str) -> int:
@@ -152,3 +277,24 @@ def to_csv(rows: list[dict], columns: Sequence[str]) -> str:
     w.writeheader()
     w.writerows(rows)
     return buf.getvalue()
+
+
+def run_reporting(fn: Callable[[], int], where: str, *, oom_hint: str, options: dict | None = None) -> int:
+    """``fn()``, with what stops a command reported as one line after ``where`` ("prog mode: error:"): a
+    foscar error (exit 2; named by its option when ``options`` maps the library's argument names to the
+    command's, :func:`library_option`), an OS error while it ran (exit 1), running out of memory (exit 1,
+    with ``oom_hint``). Anything else is a bug and propagates."""
+    try:
+        return fn()
+    except FoscarError as e:
+        option = library_option(e, options) if options else None
+        print(f"{where} {'argument ' + option + ': ' if option else ''}{first_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output folder made unwritable, or the disk full, while it ran
+        print(f"{where} {first_line(e)}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        print(f"{where} out of memory ({oom_hint}): {first_line(e)}", file=sys.stderr)
+        return 1

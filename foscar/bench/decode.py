@@ -68,7 +68,7 @@ import torch
 
 from foscar import KVFormat, QuantKVCache, decode_exact, quantize_kv
 from foscar.bench import as_graph, cache_to, make_block_table, one_head_cache, random_cache, rel_l2
-from foscar.bench.common import parse_tokens, to_csv
+from foscar.bench.common import int_in, parse_heads, parse_tokens, positive_float, to_csv, writable_dir
 from foscar.bench import time_call as time_fn
 from foscar.errors import UnsupportedError
 from foscar.progress import Progress
@@ -1014,63 +1014,75 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+DESCRIPTION = (
+    "Time foscar's decode kernels over INT2 and INT4 KV caches against FlashInfer BF16 and cuDNN SDPA on this GPU, "
+    "per shape of a grid (--grid) or of --shapes: the L2 flushed before each call, CUDA events around it, the "
+    "median of --iters calls after --warmup, and the streaming-read ceiling. Every kernel's output is checked "
+    "against a float64 reference on one slice of the timed shape; a kernel that is not installed is reported as "
+    "missing, and a wrong output, a failed --check or a kernel error exits with status 1. It writes "
+    "bench_decode.json, .md and .csv under --out and prints a Markdown table. It needs a CUDA GPU.")
+PROG = "python3 -m foscar.bench.decode"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The options, each checked by its argparse type while the arguments are parsed."""
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                 epilog="Kernels: " + ", ".join(KERNELS) + f". Baseline for speedups: {BASELINE}.")
     p.add_argument("--grid", choices=sorted(GRIDS), default="paper",
                    help="paper: 13 shapes, token-wise K/V; axes: B {1,8} x L {32K,128K} x 4 K/V axis combinations; "
-                        "quick: 2 small shapes")
-    p.add_argument("--shapes", type=parse_shapes, default=None, help="B:L,B:L (L may end in K or M); replaces "
-                   "the grid's shapes, keeps its axis combinations")
-    p.add_argument("--bits", type=int, nargs="+", choices=(2, 4), default=[2, 4])
-    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=[k for k, s in KERNELS.items() if s.default])
-    p.add_argument("--iters", type=int, default=5, help="timed calls per kernel (median; at least 5)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp"))
-    p.add_argument("--max-gb", type=float, default=None,
-                   help="skip (and report) shapes needing more device memory; default: free memory - 4 GB")
+                        "quick: 2 small shapes (default: paper)")
+    p.add_argument("--shapes", type=parse_shapes, default=None, metavar="B:L,...",
+                   help=f"B:L,B:L (L may end in K or M, a multiple of {LENGTH_QUANTUM}); replaces the grid's shapes, "
+                        "keeps its axis combinations")
+    p.add_argument("--bits", type=int, nargs="+", choices=(2, 4), default=[2, 4],
+                   help="code widths of the quantized kernels (default: 2 4)")
+    defaults = [k for k, s in KERNELS.items() if s.default]
+    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=defaults, metavar="KERNEL",
+                   help=f"kernels to time, of those listed below (default: {' '.join(defaults)})")
+    p.add_argument("--iters", type=int_in(5, want="an integer >= 5 (the median of >= 5 timed calls)"), default=5,
+                   help="timed calls per kernel, at least 5 (the median; default: 5)")
+    p.add_argument("--warmup", type=int_in(1), default=5,
+                   help="untimed calls per kernel first, at least 1 (default: 5)")
+    p.add_argument("--out", type=writable_dir, default=os.environ.get("OUT") or "/tmp", metavar="DIR",
+                   help="folder of the output files, made if missing (default: $OUT, else /tmp)")
+    p.add_argument("--max-gb", type=positive_float, default=None,
+                   help="skip (and report) shapes needing more device memory (default: free memory - 4 GB)")
     p.add_argument("--check", action="store_true",
                    help="first hold foscar kernels to decode_exact on small ragged caches (exit 1 on failure)")
-    p.add_argument("--num-splits", type=int, default=None, help="passed to foscar.triton.decode (default: its own)")
-    p.add_argument("--heads", default="32:8", help="Hq:Hkv (default 32:8); the head-ratio sweep (paper "
-                   "Fig. 15) runs one --heads per invocation and `foscar bench plot` joins them")
+    p.add_argument("--num-splits", type=int_in(1), default=None,
+                   help="passed to foscar.triton.decode, at least 1 (default: its own)")
+    p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
+                   help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8); the head-ratio sweep "
+                        "(paper Fig. 15) runs one --heads per invocation and `foscar bench plot` joins them")
     p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays of each call")
     p.add_argument("--kernel-time", action="store_true",
                    help="also sum each call's GPU kernel times with the profiler (leaves out host gaps)")
     p.add_argument("--page-order", choices=("shuffled", "identity"), default="shuffled",
                    help="pages of each sequence in its own pool range, shuffled (default) or in order")
-    p.add_argument("--ceiling-gib", type=float, default=8.0, help="buffer read to measure the read ceiling")
-    p.add_argument("--shape-factor", type=float, default=SHAPE_FACTOR,
-                   help="per-shape slice check: error at most this x BF16 attention's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ceiling-gib", type=positive_float, default=8.0,
+                   help="GiB of the buffer read to measure the read ceiling (default: 8)")
+    p.add_argument("--shape-factor", type=positive_float, default=SHAPE_FACTOR,
+                   help=f"per-shape slice check: error at most this x BF16 attention's (default: {SHAPE_FACTOR:g})")
+    p.add_argument("--seed", type=int_in(-2 ** 63, 2 ** 63 - 1, "an integer in [-2**63, 2**63)"), default=0,
+                   help="seed of the random inputs; shape i draws from seed + i (default: 0)")
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.iters < 5:
-        parser.error("--iters: at least 5 (the median of >= 5 timed calls)")
-    if args.warmup < 1:
-        parser.error("--warmup: at least 1")
-    if args.num_splits is not None and args.num_splits < 1:
-        parser.error("--num-splits: at least 1")
+def parse_args(argv=None, prog: str = PROG) -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
     args.bits = tuple(sorted(set(args.bits)))
     args.kernels = list(dict.fromkeys(args.kernels))
-    try:
-        set_heads(*(int(x) for x in args.heads.split(":")))
-    except ValueError as e:
-        parser.error(f"--heads: {e}")
+    set_heads(*args.heads)
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python3 -m foscar.bench.decode") -> int:
-    """Run the benchmark; ``prog`` is how it was invoked (recorded with the arguments in the JSON)."""
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Run the benchmark; ``prog`` is how it was invoked (its usage and error lines, and recorded with the
+    arguments in the JSON)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     if not torch.cuda.is_available():
-        log("bench_decode: no CUDA device; this script times GPU kernels (see the docstring for the device command)")
+        log(f"{prog}: error: needs a CUDA GPU (no CUDA device here): it times GPU kernels")
         return 1
     cases = build_grid(args.grid, args.bits, args.shapes)
     result = {"meta": device_meta(args, argv, prog), "ceiling": None, "checks": [], "records": [], "skipped": [], "fatal": []}

@@ -40,12 +40,25 @@ def _len_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+#: The fields every plot reads from a record.
+RECORD_FIELDS = ("kernel", "bits", "B", "L")
+
+
 def load_records(paths) -> list[dict]:
-    """The records of every JSON file given (``{"records": [...]}`` as ``bench_decode.json`` writes)."""
+    """The records of every JSON file given (``{"records": [...]}`` as ``bench_decode.json`` writes, or the
+    list alone). A file that cannot be read or is not such a document raises ``ValueError`` naming it."""
     records = []
     for p in paths:
-        doc = json.loads(Path(p).read_text())
-        records += doc["records"] if isinstance(doc, dict) else doc
+        try:
+            doc = json.loads(Path(p).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(p)!r}: cannot be read as JSON ({e})") from None
+        recs = doc.get("records") if isinstance(doc, dict) else doc
+        if not isinstance(recs, list) or not all(isinstance(r, dict) and all(f in r for f in RECORD_FIELDS)
+                                                 for r in recs):
+            raise ValueError(f"{str(p)!r}: expected a bench_decode.json ({{\"records\": [...]}}, each record with "
+                             f"{', '.join(RECORD_FIELDS)})")
+        records += recs
     return records
 
 

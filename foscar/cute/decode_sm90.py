@@ -332,9 +332,9 @@ class FoldDecodeSm90:
         inv0 = Float32(0.0)
         inv1 = Float32(0.0)
         top = Float32(1.0) if cfg.vc == 2 else sigma  # two groups: each element takes its group's sigma below
-        if l0 > 0:
+        if l0 != 0:  # a NaN sum is not empty: its output and LSE stay NaN, never a dropped partial
             inv0 = top / l0
-        if l1 > 0:
+        if l1 != 0:
             inv1 = top / l1
         thr_c = thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
         for e in cutlass.range_constexpr(cute.size(accO)):
@@ -348,9 +348,9 @@ class FoldDecodeSm90:
         if warp == 0 and lane < 4:
             lse0 = -Float32.inf
             lse1 = -Float32.inf
-            if l0 > 0:
+            if l0 != 0:
                 lse0 = m0 + cute.math.log2(l0)
-            if l1 > 0:
+            if l1 != 0:
                 lse1 = m1 + cute.math.log2(l1)
             if 2 * quad < G:
                 mLP[b, kvh * G + 2 * quad, split] = lse0
@@ -1032,12 +1032,12 @@ class FoldDecodeSm90WS(FoldDecodeSm90):
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, group: int, page: int) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio and page size; the injection
-    constants are the Triton kernels' (``foscar.triton.launch._injection_args``): one home."""
+    constants are the Triton kernels' (:func:`foscar.format.injection_constants`): one home."""
     import torch
 
     from ..errors import UnsupportedError
     from ..format import operand_for
-    from ..triton.launch import _injection_args
+    from ..format import injection_constants as _injection_args
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",

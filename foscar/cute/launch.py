@@ -1,5 +1,5 @@
-"""Host side of the CuTe DSL Hopper kernels (issue 4): validation, the compile cache keyed by static
-config, the launch of stage 1 and the LSE combine (for now :mod:`foscar.triton.combine`'s).
+"""Host side of the CuTe DSL Hopper kernels: validation, the compile cache keyed by static config, the
+launch of stage 1, then the windows' partials and the LSE combine of :mod:`foscar.splitkv`.
 
 ``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K) runs the variant,
 CTAs per SM and split count of the autotune cache (``foscar tune --backend cute``), else v1, the
@@ -15,28 +15,30 @@ import torch
 
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..reference import check_decode_inputs, decode_out_buffers
+from ..problem import DecodeProblem
 
-_COMPILED: dict = {}
-_COMPILE_SECONDS: dict = {}
+_COMPILED: dict = {}  # (cfg, warp_specialized, ctas_per_sm or 0) -> the stage-1 function
+_COMPILE_RECORDS: dict = {}  # the same keys -> compile_cache.CompileRecord of the first call
 
 
 def _compiled(cfg, warp_specialized: bool = False, ctas_per_sm: int = 1):
-    import time
-
-    from .decode_sm90 import compile_stage1
+    """The stage-1 function of ``cfg`` and the variant: this process's, else the disk compile cache's
+    (:func:`foscar.cute.compile_cache.load_or_compile`: loaded, or compiled and written)."""
     key = (cfg, warp_specialized, ctas_per_sm if warp_specialized else 0)
     fn = _COMPILED.get(key)
     if fn is None:
-        t0 = time.perf_counter()
-        fn = _COMPILED[key] = compile_stage1(cfg, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
-        _COMPILE_SECONDS[key] = time.perf_counter() - t0
+        from .compile_cache import load_or_compile
+        fn, _COMPILE_RECORDS[key] = load_or_compile(cfg, warp_specialized, ctas_per_sm)
+        _COMPILED[key] = fn
     return fn
 
 
-def compile_seconds() -> dict:
-    """Seconds each compiled configuration took to compile in this process (its first call)."""
-    return dict(_COMPILE_SECONDS)
+def compile_seconds(detail: bool = False) -> dict:
+    """Seconds the first call of each configuration of this process took to get its kernel (compiled,
+    or loaded from the disk compile cache), by ``(cfg, warp_specialized, ctas_per_sm or 0)``.
+    ``detail``: each value is its :class:`foscar.cute.compile_cache.CompileRecord` instead (``source``
+    ``"disk"`` or ``"compiled"``; compile, load and store seconds apart; the entry's path)."""
+    return {k: (r if detail else r.seconds) for k, r in _COMPILE_RECORDS.items()}
 
 
 #: CTAs resident per SM: v0 (one warpgroup, 127 registers a thread) fits four.
@@ -54,9 +56,9 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     tiles or longer, up to four waves (a shorter tail), never splits under 64 tiles; at most 64.
     Measured on the H200 (``benchmarks/sweep_cute.py``, ``docs/results-h200.md``): at B = 8, L = 8K,
     8 splits take 40.8 us where 32 (the Triton rule) take 53.6; at B = 64, L = 8K, 1 and 2 splits tie."""
-    from ..triton.launch import _sm_count
+    from ..splitkv import sm_count
     heads = max(1, batch * kv_heads)
-    one_wave = max(1, resident * _sm_count(device) // heads)  # no CTA left for a second wave
+    one_wave = max(1, resident * sm_count(device) // heads)  # no CTA left for a second wave
     splits = min(one_wave, max_tiles)
     if max_tiles // one_wave >= 64:
         splits = min(4 * one_wave, max_tiles // 64)
@@ -108,7 +110,7 @@ def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int |
 def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
     BF16 windows'."""
-    from ..triton.launch import num_window_parts
+    from ..splitkv import num_window_parts
     from .decode_sm90 import CONSUMERS
     return (CONSUMERS if warp_specialized else 1) * num_splits + num_window_parts(fmt)
 
@@ -142,19 +144,29 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
     and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
-    :func:`foscar.triton.launch.new_workspace` makes them with :func:`num_parts` parts (what
+    :func:`foscar.splitkv.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``)."""
-    from ..triton.launch import _combine, num_window_parts, window_partials, workspace_for
+    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                                  num_splits=num_splits)
+    run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace)
+    return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
+
+
+def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
+        ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None) -> None:
+    """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
+    the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
+    from ..splitkv import combine, num_window_parts, window_partials, workspace_for
     from .decode_sm90 import config_for
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
     cfg = config_for(fmt, G, cache.page_size)
     B = q.shape[0]
-    out, lse = decode_out_buffers(q, out, lse, return_lse)
-    warp_specialized, ctas, num_splits = launch_config(q, cache, G, num_splits=num_splits,
-                                                      warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
+    warp_specialized, ctas, num_splits = launch_config(
+        q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
+        warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
@@ -163,5 +175,4 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
     window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
-    _combine(o_part, l_part, out, lse)
-    return (out, lse) if (return_lse or lse is not None) else out
+    combine(o_part, l_part, out, lse)

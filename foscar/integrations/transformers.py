@@ -1,5 +1,5 @@
 """Hugging Face transformers: a ``Cache`` that keeps packed foscar codes (not dequantized copies), and an
-attention function that decodes through ``foscar.decode`` (issue 7).
+attention function that decodes through ``foscar.decode``.
 
     from foscar.integrations.transformers import FoscarCache, register
     register()  # attn_implementation "foscar" (attention and mask interfaces)

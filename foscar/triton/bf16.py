@@ -1,7 +1,8 @@
 """Plain BF16 split-KV decode (stage 1) over a paged BF16 cache ``[pages, Hkv, page, D]``.
 
 Two uses: the unquantized sink and recent windows of a foscar cache (one page per sequence, the
-recent ring read with wrap-around), and the BF16 baseline decode with the same tiling.
+recent ring read with wrap-around), and the BF16 baseline decode with the same tiling. Q, K, V and P
+reach the MMA as BF16 whatever the window dtype (an FP16 window is rounded to BF16 per tile).
 """
 import triton
 import triton.language as tl
@@ -65,6 +66,8 @@ def bf16_decode_stage1(
                     mask=valid[:, None], other=0.0)
         v = tl.load(VB + page[:, None] * stride_vp + kvh * stride_vh + row[:, None] * stride_vt + dd[None, :],
                     mask=valid[:, None], other=0.0)
+        k = round_operand(k, INTERPRET)  # FP16 windows too: the MMA takes BF16 operands on both sides
+        v = round_operand(v, INTERPRET)
         s = tl.where(valid[None, :], dot(q, tl.trans(k), INTERPRET) * qk_scale, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
         acc = acc * alpha[:, None] + dot(round_operand(p, INTERPRET), v, INTERPRET)

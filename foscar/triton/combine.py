@@ -22,7 +22,8 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
 
     Partial LSEs are base 2 (of the scaled scores); the written LSE is natural log, like
     :func:`foscar.decode_exact`. Empty partials (``lse = -inf``) weigh 0 whatever their output holds;
-    all empty (a sequence of length 0): ``O = 0``, ``LSE = -inf``. ``CACHED=False`` reads the partials
+    all empty (a sequence of length 0): ``O = 0``, ``LSE = -inf``. A NaN LSE (a broken partial) makes
+    ``O`` and ``LSE`` NaN, never a merge of the others. ``CACHED=False`` reads the partials
     past the L1 (``.cg``): the fused epilogue reads what other SMs just wrote.
     """
     cc = tl.arange(0, CHUNK)
@@ -40,19 +41,19 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
         else:
             lse = tl.load(lp, mask=pm, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(op, mask=pm[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_new = tl.maximum(m, tl.max(lse, axis=1))  # a NaN may be skipped here: its weight below is NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale = tl.exp2(m - m_safe)  # 0 while nothing was seen
         w = tl.exp2(lse - m_safe[:, None])  # [H, CHUNK]; empty partials weigh 0
         total = total * scale + tl.sum(w, axis=1)
         acc = acc * scale[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o, 0.0) * w[:, :, None], axis=1)
         m = m_new
-    nonempty = total > 0
-    out = acc / tl.where(nonempty, total, 1.0)[:, None]
+    empty = total == 0  # NaN != 0: a NaN total divides and stays NaN
+    out = acc / tl.where(empty, 1.0, total)[:, None]
     tl.store(O + hh[:, None] * stride_oh + dd[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
     if WRITE_LSE:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        lse_out = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * LN2, float("-inf"))
+        lse_out = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
         tl.store(LSE + hh * stride_lh, lse_out, mask=hmask)
 
 

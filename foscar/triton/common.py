@@ -39,10 +39,11 @@ def online_softmax(m_i, l_i, s):
 
 @triton.jit
 def partial_result(m_i, l_i):
-    """``(denominator, lse)`` of a split: ``lse = m + log2(l)``, ``-inf`` (and denominator 1) when empty."""
-    nonempty = l_i > 0
-    den = tl.where(nonempty, l_i, 1.0)
-    return den, tl.where(nonempty, m_i + tl.log2(den), float("-inf"))
+    """``(denominator, lse)`` of a split: ``lse = m + log2(l)``, ``-inf`` (and denominator 1) when empty.
+    A NaN sum (a NaN or infinite score) is not empty: the LSE is NaN, and so is every merge it joins."""
+    empty = l_i == 0
+    den = tl.where(empty, 1.0, l_i)
+    return den, tl.where(empty, float("-inf"), m_i + tl.log2(den))
 
 
 @triton.jit

@@ -10,13 +10,12 @@ import torch
 import triton
 
 from .. import autotune
-from .._checks import check_int, check_tensor
+from .._checks import check_int, check_tensor, decode_out_buffers
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import INJECTION_FORMATS, operand_for
-from ..reference import check_decode_inputs, decode_out_buffers
-from .bf16 import bf16_decode_stage1
-from .combine import combine_stage2
+from ..format import injection_constants, operand_for
+from ..problem import DecodeProblem
+from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
 from .decode import LOG2E, fold_decode_stage1
 
 KERNELS = ("folded", "reconstruct")
@@ -31,12 +30,6 @@ def _check_device(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not interpreting():
         raise UnsupportedError("backend 'triton'", f"needs a CUDA device (q is on {q.device}); "
                                                    "TRITON_INTERPRET=1 runs it on the CPU")
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _block_n_fits(fmt, page: int, bn: int) -> bool:
@@ -86,7 +79,7 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     split shorter than that. Measured on the H200 with ``benchmarks/sweep_triton.py``
     (``docs/triton-perf.md``): B = 8, L = 32K runs best at 16 splits, B = 8, L = 128K at 33."""
     heads = max(1, batch * kv_heads)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     splits = max(1, min(math.ceil(16 * sms / heads), 64, max_tiles // 4))
     if heads * (max_tiles // 32) >= 4 * sms:
         splits = min(splits, max(math.ceil(4 * sms / heads), max_tiles // 32))
@@ -134,7 +127,20 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :class:`foscar.DecodePlan` holds them): the call then allocates nothing. Without it, the counters
     are a zeroed buffer kept per device and stream (they reset themselves after each call).
     """
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale)
+    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                                  num_splits=num_splits)
+    run(problem, kernel=kernel, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_fp16=pv_fp16,
+        prefetch=prefetch, fused_combine=fused_combine, workspace=workspace)
+    return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
+
+
+def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = "folded", block_n: int | None = None,
+        num_warps: int | None = None, num_stages: int = 1, pv_fp16: bool = True, prefetch: int | None = None,
+        fused_combine: bool = True, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
+    the Triton backend's own checks (a CUDA device or the interpreter, the ``bf16`` mapping, unit-stride
+    ``q``), then the launches, writing ``problem.out`` and ``problem.lse``."""
+    q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     _check_device(q)
     fmt = cache.fmt
     if fmt.mapping != "bf16":
@@ -145,10 +151,9 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         raise InvalidArgumentError("q", "unit stride in the last dim", tuple(q.stride()))
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
-    out, lse = decode_out_buffers(q, out, lse, return_lse)
     bn, num_splits, num_warps, prefetch = launch_config(
-        q, cache, G, num_splits=num_splits, block_n=block_n, num_warps=num_warps, prefetch=prefetch,
-        use_tuned=kernel == "folded" and not interpreting())
+        q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
+        num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting())
     parts = num_splits + num_window_parts(fmt)
     o_part, l_part, sem = workspace_for(workspace, B, Hq, parts, D, q.device, Hkv)
     qk_scale = sm_scale * LOG2E
@@ -171,8 +176,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
-        _combine(o_part, l_part, out, lse)
-    return (out, lse) if (return_lse or lse is not None) else out
+        combine(o_part, l_part, out, lse)
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: built once per format and launch
@@ -189,109 +193,10 @@ def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = T
         BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page,
         GROUP=fmt.group_size, K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
-        **_injection_args("K", k_op, fmt), **_injection_args("V", v_op, fmt),
+        **injection_constants("K", k_op, fmt), **injection_constants("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
         WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
         WRITE_LSE=write_lse))
-
-
-@functools.lru_cache(maxsize=256)  # host time per call: a decode's constexprs are its format's
-def _injection_args(prefix: str, op, fmt) -> dict:
-    """Constexprs of one product's operand injection, its pivot, and how the group's middle value is
-    formed from the cache's stored ``z'``."""
-    pattern = int(op.inject_bits(torch.zeros((), dtype=torch.int32))) & 0xFFFF
-    shl = INJECTION_FORMATS[op.operand][1] - int(math.log2(op.beta))
-    pivot = op.pivot(fmt.bits)
-    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
-            f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}  # mid = z' + MID s': the group's middle value
-
-
-def new_workspace(B: int, Hq: int, Hkv: int, parts: int, D: int, device) -> tuple[torch.Tensor, ...]:
-    """A decode's workspace: partial outputs ``[B, Hq, parts, D]`` and LSEs ``[B, Hq, parts]`` (float32),
-    and the fused merge's counters ``[B * Hkv]`` (int32, zero; each call leaves them zero)."""
-    return (torch.empty(B, Hq, parts, D, dtype=torch.float32, device=device),
-            torch.empty(B, Hq, parts, dtype=torch.float32, device=device),
-            torch.zeros(B * Hkv, dtype=torch.int32, device=device))
-
-
-def workspace_for(workspace, B: int, Hq: int, parts: int, D: int, device, Hkv: int) -> tuple[torch.Tensor, ...]:
-    """The workspace of a call: the given one (checked), else new partial buffers and the shared
-    counters of this device and stream (:func:`_counters`)."""
-    if workspace is None:
-        return (torch.empty(B, Hq, parts, D, dtype=torch.float32, device=device),
-                torch.empty(B, Hq, parts, dtype=torch.float32, device=device), _counters(device, B * Hkv))
-    if not isinstance(workspace, (tuple, list)) or len(workspace) != 3:
-        raise InvalidArgumentError("workspace", "(partial outputs, partial LSEs, counters), as new_workspace makes",
-                                   type(workspace).__name__)
-    o_part, l_part, sem = workspace
-    check_tensor("workspace[0]", o_part, shape=(B, Hq, parts, D), dtypes=(torch.float32,), device=device)
-    check_tensor("workspace[1]", l_part, shape=(B, Hq, parts), dtypes=(torch.float32,), device=device)
-    check_tensor("workspace[2]", sem, shape=(B * Hkv,), dtypes=(torch.int32,), device=device)
-    return o_part, l_part, sem
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters (at least ``n``) for the fused merge, one buffer per device and stream (two
-    streams never share one; every call leaves its counters at zero). Grown by a new zeroed buffer."""
-    device = torch.device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf[:n]
-
-
-def num_window_parts(fmt) -> int:
-    """The partials the BF16 windows add after the KV splits: one for the sink, one for the recent ring."""
-    return int(fmt.sink > 0) + int(fmt.recent_capacity > 0)
-
-
-def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale: float, G: int,
-                    interp: bool) -> None:
-    """The BF16 sink and recent ring of ``cache`` as partials ``part0, part0 + 1, ...`` (any backend's
-    stage 1 writes the KV splits before them; the combine merges all)."""
-    block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
-    fmt = cache.fmt
-    split = (fmt.sink, fmt.recent, fmt.flush)
-    lens = cache.seq_lens  # the kernel derives each window's range from the length: nothing computed here
-    part = part0
-    if fmt.sink > 0:
-        _bf16_stage1(q, cache.k_sink, cache.v_sink, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
-                     page=cache.k_sink.shape[2], part0=part, num_splits=1, wrap=False, interp=interp, window=1,
-                     split=split)
-        part += 1
-    if fmt.recent_capacity > 0:
-        _bf16_stage1(q, cache.k_recent, cache.v_recent, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
-                     page=cache.k_recent.shape[2], part0=part, num_splits=1, wrap=True, interp=interp, window=2,
-                     split=split)
-
-
-def _bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,
-                 wrap, interp, block_n=16, num_warps=4, num_stages=2, window=0, split=(0, 0, 1)):
-    B, _, D = q.shape
-    identity = bt is None
-    bt_ = start if identity else bt  # unused pointer when the pages are the batch entries
-    bf16_decode_stage1[(B, kb.shape[1], num_splits)](
-        q, kb, vb, bt_, start, length, o_part, l_part, qk_scale,
-        q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
-        0 if identity else bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        l_part.stride(0), l_part.stride(1), part0,
-        D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, IDENTITY_PAGES=identity,
-        WRAP=wrap, INTERPRET=interp, WINDOW=window, SINK=split[0], RECENT=split[1], FLUSH=split[2],
-        num_warps=num_warps, num_stages=num_stages)
-
-
-def _combine(o_part, l_part, out, lse):
-    B, Hq, parts, D = o_part.shape
-    combine_stage2[(B, Hq)](
-        o_part, l_part, out, lse if lse is not None else l_part,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts), D=D, WRITE_LSE=lse is not None, num_warps=4)
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -319,10 +224,10 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     G = Hq // Hkv
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
-    _bf16_stage1(q, k_cache, v_cache, block_table, torch.zeros_like(seq_lens), seq_lens, o_part, l_part,
+    bf16_stage1(q, k_cache, v_cache, block_table, torch.zeros_like(seq_lens), seq_lens, o_part, l_part,
                  sm_scale * LOG2E, G, max(16, triton.next_power_of_2(G)), page=page, part0=0, num_splits=num_splits,
                  wrap=False, interp=interpreting(), block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    _combine(o_part, l_part, out, None)
+    combine(o_part, l_part, out, None)
     return out
 
 
@@ -408,5 +313,5 @@ def _append_tensors(cache: QuantKVCache, k_new, v_new):
         constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink,
                           RECENT=fmt.recent, CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush,
                           CHANNEL=fmt.axis(tensor) == "channel", BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
-                          BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits)
+                          BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, PASS_WINDOW=fmt.passes_window)
         yield tensor, x, codes, params, sink, ring, {"bt": pt.block_table, "np": pt.num_pages, "constexprs": constexprs}

@@ -1,4 +1,4 @@
-"""Appending K/V tokens to a foscar cache on the GPU (issue 7): the graph-safe write path, every axis
+"""Appending K/V tokens to a foscar cache on the GPU: the graph-safe write path, every axis
 combination. One decode step's token per sequence: :func:`append_token_kernel` (one launch per
 tensor); several tokens (a prefill, a speculative step): :func:`append_quantize_kernel` then
 :func:`append_window_kernel`, parallel over flush units and tokens.
@@ -104,11 +104,13 @@ def append_token_kernel(
     stride_rb, stride_rh, stride_rt,  # ring [B, Hkv, cap, D]
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
-    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr,
 ):
     """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
     the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
-    tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels."""
+    tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels;
+    ``PASS_WINDOW``: the format has a recent ring, so a token is quantized from the ring's dtype
+    (:meth:`foscar.KVFormat.as_quantized`) even when it never sat there."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     dd = tl.arange(0, D)
@@ -126,7 +128,8 @@ def append_token_kernel(
             t = q0 + tok  # [FLUSH] post-sink indices
             from_ring = t < p
             src = tl.load(ring + (t % CAP)[:, None] * stride_rt + dd[None, :], mask=from_ring[:, None], other=0.0)
-            src = tl.where(from_ring[:, None], src.to(tl.float64), x.to(tl.float64)[None, :])  # [FLUSH, D]
+            xq = x.to(RING.dtype.element_ty) if PASS_WINDOW else x  # as the ring would hold it
+            src = tl.where(from_ring[:, None], src.to(tl.float64), xq.to(tl.float64)[None, :])  # [FLUSH, D]
             _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
                            stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)
         if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
@@ -148,7 +151,7 @@ def append_quantize_kernel(
     stride_btb, stride_cp, stride_ch, stride_pp, stride_ph, stride_rb, stride_rh, stride_rt,
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
-    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr,
 ):
     """Appending ``T`` tokens, part 1 of 2: program (sequence ``b``, head ``h``, unit ``u``) quantizes the
     ``u``-th flush unit of the post-sink tokens that leave the recent window in this append, taken from
@@ -170,6 +173,8 @@ def append_quantize_kernel(
         j = t + SINK - L0  # the input token of a post-sink index past the old length
         new = tl.load(X + b * stride_xb + h * stride_xh + j[:, None] * stride_xt + dd[None, :],
                       mask=(~from_ring)[:, None], other=0.0)
+        if PASS_WINDOW:  # arriving past the window: quantized as the ring would hold them
+            new = new.to(RING.dtype.element_ty)
         src = tl.where(from_ring[:, None], old.to(tl.float64), new.to(tl.float64))
         _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
                        stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)

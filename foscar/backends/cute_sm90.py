@@ -1,0 +1,76 @@
+"""The CuTe DSL sm_90a backend: the kernels of :mod:`foscar.cute`, on Hopper with nvidia-cutlass-dsl and
+apache-tvm-ffi (``foscar[cute]``), for the formats :func:`foscar.cute.decode_sm90.config_for` takes.
+``auto`` takes it for token-wise K (:meth:`CuteSm90.preferred`)."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..errors import UnsupportedError
+from .base import Backend, BackendStatus, ProblemKey
+
+
+class CuteSm90(Backend):
+    name = "cute"
+
+    def status(self, key: ProblemKey) -> BackendStatus:
+        dev = key.device
+        if dev.type != "cuda":
+            return BackendStatus(self.name, False, f"needs an sm_90 GPU (device is {dev})")
+        cap = torch.cuda.get_device_capability(dev)
+        if cap != (9, 0):
+            return BackendStatus(self.name, False, f"needs sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+                                 + ("; the sm_100a kernel is not written yet" if cap[0] == 10 else ""))
+        if importlib.util.find_spec("cutlass") is None:
+            return BackendStatus(self.name, False, "nvidia-cutlass-dsl is not installed (pip install 'foscar[cute]')")
+        if importlib.util.find_spec("tvm_ffi") is None:  # the kernels' calling convention
+            return BackendStatus(self.name, False, "apache-tvm-ffi is not installed (pip install 'foscar[cute]')")
+        try:
+            from ..cute.decode_sm90 import config_for  # imports cutlass
+        except Exception as e:  # noqa: BLE001 -- a broken install is reported, never raised from a status query
+            return BackendStatus(self.name, False, f"nvidia-cutlass-dsl does not import: {type(e).__name__}: {e}")
+        if key.fmt is not None:
+            try:
+                config_for(key.fmt, key.gqa or 1, key.page_size or 64)
+            except UnsupportedError as e:
+                return BackendStatus(self.name, False, str(e))
+        return BackendStatus(self.name, True, f"CuTe DSL sm_90a kernel on {torch.cuda.get_device_name(dev)}")
+
+    def preferred(self, fmt) -> bool:
+        """Token-wise K. Measured on the H200 with v1, the CuTe default (``docs/results-h200.md``): token-wise
+        K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;
+        channel-wise K 0.85-1.31x (INT2 0.85-0.98x): there Triton is kept."""
+        return fmt.k_axis == "token"
+
+    def launch_config(self, problem) -> dict:
+        from ..cute.launch import launch_config
+        ws, ctas, num_splits = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)
+        return {"num_splits": num_splits, "warp_specialized": ws, "ctas_per_sm": ctas}
+
+    def num_parts(self, fmt, config: dict) -> int:
+        from ..cute.launch import num_parts
+        return num_parts(fmt, config["num_splits"], config["warp_specialized"])
+
+    def execute(self, problem, workspace=None, **config) -> None:
+        from ..cute.launch import run
+        run(problem, workspace=workspace, **config)
+
+    def candidates(self, case, device: torch.device) -> list[dict]:
+        """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
+        heuristic times {1/2, 1, 2}."""
+        from ..cute.decode_sm90 import TILE
+        from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
+        tiles = case.seq_len // TILE
+        variants = [(False, None), (True, 2), (True, 1)]
+        first = (DEFAULT_WARP_SPECIALIZED, WS_CTAS_PER_SM if DEFAULT_WARP_SPECIALIZED else None)
+        out = []
+        for ws, ctas in [first] + [v for v in variants if v != first]:
+            base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
+            for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
+                out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
+        return out
+
+    def launch(self, q, cache, config: dict):
+        from ..cute.launch import decode
+        return decode(q, cache, **config)

@@ -1,0 +1,52 @@
+"""The Triton backend: the Triton kernels of :mod:`foscar.triton`, on any CUDA GPU, for the ``bf16`` mapping
+(they build BF16 operands), every other format option."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .base import Backend, BackendStatus, ProblemKey
+
+
+class Triton(Backend):
+    name = "triton"
+
+    def status(self, key: ProblemKey) -> BackendStatus:
+        dev = key.device
+        if dev.type != "cuda":
+            return BackendStatus(self.name, False, f"needs a CUDA GPU (device is {dev})")
+        if importlib.util.find_spec("triton") is None:
+            return BackendStatus(self.name, False, "triton is not installed")
+        if key.fmt is not None and key.fmt.mapping != "bf16":
+            return BackendStatus(self.name, False,
+                                 f"builds BF16 operands: needs mapping 'bf16', not {key.fmt.mapping!r}")
+        return BackendStatus(self.name, True, f"Triton kernels on {torch.cuda.get_device_name(dev)}")
+
+    def launch_config(self, problem) -> dict:
+        from ..triton.launch import launch_config
+        _, num_splits, _, _ = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)
+        return {"num_splits": num_splits}
+
+    def num_parts(self, fmt, config: dict) -> int:
+        from ..splitkv import num_window_parts
+        return config["num_splits"] + num_window_parts(fmt)
+
+    def execute(self, problem, workspace=None, **config) -> None:
+        from ..triton.launch import run
+        run(problem, workspace=workspace, **config)
+
+    def candidates(self, case, device: torch.device) -> list[dict]:
+        """The launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV tiles in flight, 4 warps;
+        the heuristic's splits with 8 warps; the largest tile that fits."""
+        from ..triton.launch import block_n_for, default_num_splits
+        tile = block_n_for(case.fmt, case.page)
+        tiles = case.seq_len // tile
+        base = default_num_splits(case.batch, case.kv_heads, tiles, device)
+        splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
+        out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf} for pf in (1, 2) for s in splits]
+        return out + [{"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1}]
+
+    def launch(self, q, cache, config: dict):
+        from ..triton import decode
+        return decode(q, cache, **config)

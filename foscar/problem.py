@@ -1,0 +1,66 @@
+"""One decode call, validated once: :class:`DecodeProblem`.
+
+:func:`foscar.decode`, :func:`foscar.plan` and the backends' own entry points build it with
+:meth:`DecodeProblem.build` (every argument checked, in foscar's words); a backend's ``run`` then takes it
+as it is and checks nothing again. Its checks are :func:`foscar._checks.check_decode_inputs` and
+:func:`foscar._checks.decode_out_buffers`, which the oracle and the folded spec share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_decode_inputs, check_int, decode_out_buffers
+from .backends.base import ProblemKey
+from .cache import QuantKVCache
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """A validated decode of ``q [B, Hq, D]`` over ``cache`` into ``out`` (and ``lse`` when wanted)."""
+
+    q: torch.Tensor
+    cache: QuantKVCache
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    sm_scale: float
+    num_splits: int | None
+    gqa: int  # query heads per KV head
+
+    @classmethod
+    def build(cls, q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
+              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+              num_splits: int | None = None) -> DecodeProblem:
+        gqa, sm_scale = check_decode_inputs(q, cache, sm_scale)
+        if num_splits is not None:
+            check_int("num_splits", num_splits, minimum=1)
+        out, lse = decode_out_buffers(q, out, lse, return_lse)
+        return cls(q, cache, out, lse, sm_scale, num_splits, gqa)
+
+    @property
+    def fmt(self):
+        return self.cache.fmt
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.cache.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def key(self) -> ProblemKey:
+        return ProblemKey(self.q.device, self.cache.fmt, self.gqa, self.cache.page_size)
