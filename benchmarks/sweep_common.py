@@ -1,6 +1,8 @@
 """What the launch-config sweeps (``sweep_triton.py``, ``sweep_cute.py``) share: the common flags, and
-the loop that builds a random paged cache per (shape, bits), times every candidate as CUDA-graph replays
-(L2 flushed, CUDA events, median), prints one line each and the best per case, and writes the records."""
+the loop that builds a random paged cache per (shape, bits) and runs every candidate through the
+benchmark's driver (:func:`foscar.bench.measure.measure`): checked against the float64 slice reference
+first (a candidate that fails is printed and never timed), then timed as CUDA-graph replays (L2 flushed,
+CUDA events, median). It prints one line each and the best per case, and writes the records."""
 import argparse
 import itertools
 import json
@@ -13,8 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import Case, bytes_read, make_random_cache, parse_shapes
 
-from foscar.bench import as_graph, make_block_table
-from foscar.bench import time_call as time_fn
+from foscar.bench import make_block_table, measure, slice_check
 
 
 def add_common_args(p: argparse.ArgumentParser, default_shape: str) -> None:
@@ -26,7 +27,7 @@ def add_common_args(p: argparse.ArgumentParser, default_shape: str) -> None:
 
 
 #: ``candidates(B, L, device)``: ``(fields, run)`` pairs, ``fields`` the candidate's record entries and
-#: ``run(q, cache)`` one decode with it.
+#: ``run(q, cache, out)`` one decode with it into ``out``.
 Candidates = Callable[[int, int, torch.device], Iterable[tuple[dict, Callable]]]
 
 
@@ -37,14 +38,16 @@ def sweep(a: argparse.Namespace, candidates: Candidates, k_axis: str = "token", 
     for (B, L), bits in itertools.product([s for group in a.shapes for s in group], a.bits):
         cache = make_random_cache(Case(B, L, bits, k_axis, v_axis), make_block_table(B, L // 64, "shuffled", 0).to(dev))
         q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
+        check = slice_check(q, cache)
         best = None
         for fields, run in candidates(B, L, dev):
-            try:
-                fn = as_graph(lambda run=run: run(q, cache))  # replays only
-                t = time_fn(fn, iters=a.iters, warmup=3, flush=flush)["median_us"]
-            except Exception as e:  # noqa: BLE001 -- a config that does not compile is reported, not fatal
-                print(f"B={B} L={L} INT{bits} {fields}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            out = torch.full_like(q, float("nan"))
+            got = measure(lambda run=run, out=out: run(q, cache, out), check, iters=a.iters, warmup=3, flush=flush,
+                          cuda_graph=True)
+            if got["status"] != "ok":  # a config that does not compile, or a wrong output: reported, not timed
+                print(f"B={B} L={L} INT{bits} {fields}: {got['status'][:160]}", flush=True)
                 continue
+            t = got["median_us"]
             frac = bytes_read(B, L, bits) / (t * 1e-6) / (a.ceiling_tbps * 1e12)
             rec = dict(batch=B, seq_len=L, bits=bits, k_axis=k_axis, v_axis=v_axis, **fields, us=t, frac=frac)
             records.append(rec)

@@ -2,9 +2,11 @@
 
     python benchmarks/sweep_cute.py --shapes 8:8K 8:32K --bits 2 4 --splits 0.5 1 2 4
 
-One line per (shape, bits, variant, splits): median time (CUDA-graph replays, L2 flushed, CUDA events)
-and the fraction of the read ceiling; then the best per shape. A working tool for the CuTe kernels'
-split heuristic and tuned configs; the product's tuned configs come from ``foscar tune``.
+Every candidate's output is first checked against the float64 slice reference (a wrong one is printed
+and not timed). One line per (shape, bits, variant, splits): median time (CUDA-graph replays, L2
+flushed, CUDA events) and the fraction of the read ceiling; then the best per shape. A working tool
+for the CuTe kernels' split heuristic and tuned configs; the product's tuned configs come from
+``foscar tune``.
 """
 import argparse
 import itertools
@@ -33,8 +35,8 @@ def main():
             base = launch.default_num_splits(B, 8, L // 64, dev, ctas if ws else launch.V0_RESIDENT)
             splits = max(1, round(base * m))
             yield ({"variant": variant, "num_splits": splits, "default": base},
-                   lambda q, cache, s=splits, ws=ws, c=ctas: launch.decode(q, cache, num_splits=s,
-                                                                          warp_specialized=ws, ctas_per_sm=c))
+                   lambda q, cache, out, s=splits, ws=ws, c=ctas: launch.decode(q, cache, out=out, num_splits=s,
+                                                                               warp_specialized=ws, ctas_per_sm=c))
     sweep(a, candidates)
 
 

@@ -3,9 +3,10 @@ prefetch depth x merge placement.
 
     python benchmarks/sweep_triton.py --shapes 8:128K 64:32K 1:128K --bits 2 4
 
-Prints one line per (shape, bits, config) with the median time (CUDA-graph replays, L2 flushed, CUDA
-events) and the fraction of the read ceiling, then the best config per shape. A working tool for
-``docs/triton-perf.md``; the tuned configs of the product come from ``foscar tune``.
+Every config's output is first checked against the float64 slice reference (a wrong one is printed and
+not timed). Prints one line per (shape, bits, config) with the median time (CUDA-graph replays, L2
+flushed, CUDA events) and the fraction of the read ceiling, then the best config per shape. A working
+tool for ``docs/triton-perf.md``; the tuned configs of the product come from ``foscar tune``.
 """
 import argparse
 import itertools
@@ -40,7 +41,7 @@ def main():
                                                                       a.prefetch, a.fused):
             cfg = {"num_splits": splits, "num_warps": warps, "num_stages": stages, "block_n": bn, "prefetch": pf,
                    "fused_combine": bool(fused)}
-            yield cfg, lambda q, cache, cfg=cfg: launch.decode(q, cache, **cfg)
+            yield cfg, lambda q, cache, out, cfg=cfg: launch.decode(q, cache, out=out, **cfg)
     sweep(a, candidates, a.k_axis, a.v_axis)
 
 

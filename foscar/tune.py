@@ -4,9 +4,10 @@ per-GPU config file the launchers read (:mod:`foscar.autotune`).
 For every case (a shape from ``--shapes`` or a ``--preset``, times the formats of ``--bits``,
 ``--k-axis``, ``--v-axis``), on a random packed cache of that size:
 
-1. every candidate launch config is run once and its output checked against the float64 oracle on one
-   (sequence, KV head) slice: its error must stay within 3x BF16 attention's on the same slice. A
-   candidate that fails is reported and never timed;
+1. every candidate launch config is run once into a NaN-poisoned output, and the output checked
+   (:func:`foscar.bench.measure.measure`, the driver the decode benchmark and the launch sweeps share):
+   every value finite, and on one (sequence, KV head) slice an error against the float64 oracle within
+   3x BF16 attention's on the same slice. A candidate that fails is reported and never timed;
 2. the others are timed as CUDA-graph replays, the L2 flushed before each, CUDA events, median of
    ``--iters`` after ``--warmup``; the heuristic config is one of the candidates;
 3. the fastest is recorded with its time and the heuristic's.
@@ -28,18 +29,18 @@ import torch
 
 from . import autotune, backends
 from .progress import Progress
-from .bench.common import (L2_FLUSH_BYTES, as_graph, first_line, int_in, library_option, make_block_table,
-                           one_head_cache, parse_heads, parse_tokens, random_cache, rel_l2, time_call, writable_dir)
+from .bench.common import (L2_FLUSH_BYTES, first_line, int_in, library_option, make_block_table, parse_heads,
+                           parse_tokens, random_cache, writable_dir)
+from .bench.measure import SLICE_FACTOR, measure, slice_check, time_run
 from .errors import FoscarError
 from .format import AXES, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, KVFormat
-from .reference import attend, decode_exact
 
 KI = 1024
 PRESETS = {
     "paper": tuple([(b, n * KI) for b in (1, 8) for n in (8, 32, 128, 512)] + [(64, n * KI) for n in (8, 16, 32, 64, 128)]),
     "quick": ((1, 8 * KI), (8, 32 * KI)),
 }
-CHECK_FACTOR = 3.0  # a candidate's slice error may be at most this times BF16 attention's
+CHECK_FACTOR = SLICE_FACTOR  # a candidate's slice error may be at most this times BF16 attention's
 DEVICE = "cuda"
 
 
@@ -135,44 +136,43 @@ def candidates(case: Case, device: torch.device, backend: str = "triton") -> lis
 # --------------------------------------------------------------------------------------------
 # Running (module-level hooks, so tests can stand in for the GPU)
 # --------------------------------------------------------------------------------------------
-def _decode(q, cache, config, backend="triton"):
-    return backends.get(backend).launch(q, cache, config)
+def _decode(q, cache, config, backend, out):
+    """One decode with launch ``config`` into ``out`` (``backend``'s ``launch``); returns the output."""
+    return backends.get(backend).launch(q, cache, {**config, "out": out})
 
 
-def _time(fn, args, flush) -> float:
-    return time_call(as_graph(fn), iters=args.iters, warmup=args.warmup, flush=flush)["median_us"]
+def _time(run, *, iters, warmup, flush, cuda_graph) -> dict:
+    """The timer :func:`foscar.bench.measure.measure` calls (:func:`foscar.bench.measure.time_run`)."""
+    return time_run(run, iters=iters, warmup=warmup, flush=flush, cuda_graph=cuda_graph)
 
 
 def tune_case(case: Case, args, flush, progress) -> dict:
+    """Every candidate of ``case`` through :func:`foscar.bench.measure.measure`: run once into a NaN-poisoned
+    output, held to the slice check (every output finite; the last sequence's last KV head within
+    :data:`CHECK_FACTOR` x BF16 attention's error against the float64 oracle), and only then timed as
+    CUDA-graph replays. The fastest that passed, and the heuristic's time (the first candidate)."""
     table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0).to(DEVICE)
     cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
     q = torch.randn(case.batch, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16, device=DEVICE)
-    G = case.q_heads // case.kv_heads
-    b = case.batch - 1
-    one = one_head_cache(cache, b, 0)
-    qs = q[b: b + 1, :G]
-    exact = decode_exact(qs, one)[0]
-    k, v = one.dequantize(torch.float32)
-    bf16 = attend(qs[0].float().reshape(1, G, -1), k[0], v[0], case.fmt.head_dim ** -0.5,
-                  operand_dtype=torch.bfloat16)[0].reshape(G, -1)
-    limit = CHECK_FACTOR * rel_l2(bf16, exact) + 1e-4
+    check = slice_check(q, cache, CHECK_FACTOR)
     results = []
     cands = candidates(case, torch.device(DEVICE), args.backend)
     for i, cfg in enumerate(cands):
-        try:
-            out = _decode(q, cache, cfg, args.backend)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported, not fatal
-            progress(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:120]}); not timed")
-            results.append({"config": cfg, "us": None, "err": None, "error": f"{type(e).__name__}: {e}"})
-            continue
-        err = rel_l2(out[b, :G], exact)
-        if not err <= limit:
-            progress(f"  {cfg}: wrong output (slice error {err:.2e} > {limit:.2e}); not timed")
-            results.append({"config": cfg, "us": None, "err": err})
-            continue
-        us = _time(lambda cfg=cfg: _decode(q, cache, cfg, args.backend), args, flush)
-        results.append({"config": cfg, "us": us, "err": err})
-        progress(f"  [{i + 1}/{len(cands)}] {cfg}: {us:.1f} us")
+        out = torch.full_like(q, float("nan"))
+        got = measure(lambda cfg=cfg, out=out: _decode(q, cache, cfg, args.backend, out), check, iters=args.iters,
+                      warmup=args.warmup, flush=flush, cuda_graph=True, timer=_time)
+        status = got["status"]
+        if status == "ok":
+            us = got["median_us"]
+            results.append({"config": cfg, "us": us, "err": got["err"]})
+            progress(f"  [{i + 1}/{len(cands)}] {cfg}: {us:.1f} us")
+        elif status.startswith("wrong"):
+            progress(f"  {cfg}: wrong output ({status.removeprefix('wrong: ')}); not timed")
+            results.append({"config": cfg, "us": None, "err": got.get("err")})
+        else:  # a config that does not compile, launch or capture is reported, not fatal
+            why = status.split(": ", 2)[-1]
+            progress(f"  {cfg}: failed ({why[:160]}); not timed")
+            results.append({"config": cfg, "us": None, "err": got.get("err"), "error": why})
     timed = [r for r in results if r["us"] is not None]
     if not timed:
         raise FoscarError(f"{case.label()}: no candidate passed its check")

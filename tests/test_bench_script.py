@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import foscar
-
-import foscar.bench.decode as bd  # noqa: E402
+import foscar.bench.decode as bd
+from foscar import backends
+from foscar.backends import BackendStatus
+from foscar.bench.kernels import problem_key
 K = 1024
 
 
@@ -305,6 +307,90 @@ def test_foscar_auto_runs_what_decode_picks():
     assert bd.check_output(runner.out, bd.quant_slice_reference(inp), 3.0)["status"] == "ok"
 
 
+# ---- the one driver: check, then time -------------------------------------------------------
+def _driver_case():
+    torch.manual_seed(3)
+    cache = bd.make_random_cache(bd.Case(2, 128, 4), bd.make_block_table(2, 2, "identity", 0))
+    q = torch.randn(2, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    return q, cache, foscar.decode_exact(q, cache).to(torch.bfloat16)
+
+
+def test_measure_times_only_what_passes_its_check(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    q, cache, good = _driver_case()
+    check = bd.slice_check(q, cache)
+    assert check.factor == bd.SLICE_FACTOR == bd.SHAPE_FACTOR == 3.0
+    timed = []
+
+    def timer(run, *, iters, warmup, flush, cuda_graph):
+        timed.append((iters, warmup, cuda_graph))
+        run()
+        return {"median_us": 1.0, "min_us": 1.0, "all_us": [1.0] * iters}
+    kw = dict(iters=5, warmup=1, flush=torch.empty(8, dtype=torch.uint8), timer=timer)
+    got = bd.measure(lambda: good, check, cuda_graph=True, **kw)
+    assert got["status"] == "ok" and got["median_us"] == 1.0 and got["first_call_s"] >= 0 and timed == [(5, 1, True)]
+    assert list(got)[:5] == ["nonfinite", "err", "bf16_err", "err_ratio", "status"]
+    unwritten = torch.full_like(good, float("nan"))
+    for out, word in ((unwritten, "wrong: 8192 non-finite"), (good.flip(0), "wrong: slice error"),
+                      (good[:1], "wrong: the check failed")):
+        got = bd.measure(lambda out=out: out, check, **kw)
+        assert got["status"].startswith(word) and "median_us" not in got, got["status"]
+    assert len(timed) == 1  # none of them was timed
+
+    def boom():
+        raise NotImplementedError("not written")
+    assert bd.measure(boom, check, **kw)["status"] == "error: first call: NotImplementedError: not written"
+    assert bd.measure(boom, check, unavailable=lambda e: True, **kw)["status"].startswith("missing: NotImpl")
+    assert bd.measure(lambda: unwritten, bd.NotHeld("timing only"), **kw)["note"] == "timing only"
+    assert len(timed) == 2  # a peer not held to the check is timed
+
+    def broken_timer(run, **kw):
+        raise RuntimeError("capture failed")
+    got = bd.measure(lambda: good, check, **{**kw, "timer": broken_timer})
+    assert got["status"] == "error: timing: RuntimeError: capture failed" and got["err_ratio"] <= 3.0
+
+
+def test_foscar_kernels_go_through_the_backend_registry(monkeypatch):
+    """A foscar kernel's availability is its backend's status (its ``why`` when not usable); its call is the
+    backend's ``launch`` with the kernel's options and a NaN-poisoned ``out``. Baselines are kernels of their
+    own."""
+    kinds = {name: type(k).__name__ for name, k in bd.KERNELS.items()}
+    assert kinds == {"foscar_folded": "BackendKernel", "foscar_reconstruct": "Baseline",
+                     "foscar_cute": "BackendKernel", "foscar_cute_ws": "BackendKernel", "foscar_auto": "AutoKernel",
+                     "foscar_bf16": "Baseline", "flashinfer_tc": "Baseline", "flashinfer": "Baseline",
+                     "cudnn_sdpa": "Baseline", "flashinfer_fp8": "Baseline", "flashinfer_nvfp4": "Baseline",
+                     "fa4": "Baseline"}
+    q, cache, good = _driver_case()
+    inp, args = bd.QuantInputs(q, cache), bd.parse_args(["--num-splits", "3"])
+    for name in ("foscar_folded", "foscar_cute_ws"):
+        kernel = bd.KERNELS[name]
+        why = backends.get(kernel.backend).status(problem_key(inp)).why
+        with pytest.raises(bd.KernelMissing, match=why.split("(")[0]):  # on the CPU: needs a GPU
+            kernel.build(inp, args)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def launch(q, cache, config):
+        calls.append(config)
+        return config["out"].copy_(good)
+    cute = backends.get("cute")
+    monkeypatch.setattr(cute, "status", lambda key: BackendStatus("cute", True, "fake"))
+    monkeypatch.setattr(cute, "launch", launch)
+    runner = bd.KERNELS["foscar_cute"].build(inp, args)
+    assert not calls and torch.isnan(runner.keep[0]).all()  # built, not called: its output poisoned
+    got = bd.measure(runner.fn, bd.slice_check(q, cache), output=runner.output, iters=5, warmup=1,
+                     flush=torch.empty(8, dtype=torch.uint8),
+                     timer=lambda run, **kw: {"median_us": 2.0, "min_us": 2.0, "all_us": [2.0]})
+    assert got["status"] == "ok" and calls[0]["warp_specialized"] is False and calls[0]["num_splits"] == 3
+    assert calls[0]["out"] is runner.keep[0]
+
+
+def test_the_sweeps_import():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import sweep_common
+    assert sweep_common.measure is bd.measure and sweep_common.slice_check is bd.slice_check
+
+
 # ---- the read-ceiling kernel -----------------------------------------------------------------
 def test_read_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
@@ -364,10 +450,20 @@ def _fake_triton_module(folded_ok=True):
     return mod
 
 
+def _no_triton_reader():
+    raise RuntimeError("no GPU for the Triton reader here")  # (its own test runs it interpreted)
+
+
+#: The CPU stands in for the GPU: a small L2 flush, no Triton reader.
+CPU_TARGET = bd.Target(device="cpu", flush_bytes=1 << 20, read_kernel=_no_triton_reader)
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(bd, "DEVICE", "cpu")
-    monkeypatch.setattr(bd, "FLUSH_BYTES", 1 << 20)
+    """``use(module)``: foscar.triton replaced by ``module``, CUDA's host calls stood in for, the Triton
+    backend usable on the CPU; run the driver with ``bd.main(argv, target=CPU_TARGET)``."""
+    triton_backend = backends.get("triton")
+    monkeypatch.setattr(triton_backend, "status", lambda key: BackendStatus("triton", True, "fake Triton on the CPU"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -377,10 +473,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: types.SimpleNamespace(multi_processor_count=0, total_memory=0))
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)
-
-    def no_triton_reader():
-        raise RuntimeError("no GPU for the Triton reader here")  # (its own test runs it interpreted)
-    monkeypatch.setattr(bd, "read_kernel", no_triton_reader)
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as on a machine without the wheel
 
     def use(module):
@@ -393,7 +485,7 @@ def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
     fake_gpu(_fake_triton_module())
     argv = ["--shapes", "1:1K,2:2K", "--check", "--out", str(tmp_path), "--ceiling-gib", "0.01", "--max-gb", "100",
             "--warmup", "1"]
-    assert bd.main(argv) == 0
+    assert bd.main(argv, target=CPU_TARGET) == 0
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     recs = result["records"]
     assert len(recs) == 2 * (4 + 2 * 2)  # per shape: 4 BF16 kernels, then 2 quantized kernels x 2 bits
@@ -427,21 +519,23 @@ def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
 def test_driver_fails_on_a_wrong_kernel_before_timing(fake_gpu, tmp_path, capsys):
     fake_gpu(_fake_triton_module(folded_ok=False))
     argv = ["--grid", "quick", "--bits", "4", "--check", "--out", str(tmp_path), "--max-gb", "100"]
-    assert bd.main(argv) == 1
+    assert bd.main(argv, target=CPU_TARGET) == 1
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert result["records"] == [] and result["checks"][0]["status"].startswith("FAIL: ")
     assert "--check failed" in capsys.readouterr().err
 
 
-def test_driver_flags_wrong_outputs_and_skips_loudly(fake_gpu, tmp_path):
+def test_driver_flags_wrong_outputs_untimed_and_skips_loudly(fake_gpu, tmp_path):
     fake_gpu(_fake_triton_module(folded_ok=False))
     argv = ["--shapes", "1:1K,64:128K", "--bits", "2", "--kernels", "foscar_folded", "--out", str(tmp_path),
             "--max-gb", "1", "--ceiling-gib", "0.01", "--warmup", "1"]
-    assert bd.main(argv) == 1
+    assert bd.main(argv, target=CPU_TARGET) == 1
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [r["status"][:26] for r in result["records"]] == ["wrong: 128 non-finite outp"]
     assert result["skipped"][0]["B"] == 64 and "budget 1.0 GB" in result["skipped"][0]["reason"]
-    assert math.isfinite(result["records"][0]["median_us"])
+    wrong = result["records"][0]
+    assert "median_us" not in wrong and "host_sync" not in wrong and wrong["first_call_s"] >= 0  # never timed
+    assert wrong["nonfinite"] == 128 and not math.isfinite(wrong["err"])
 
 
 def test_host_sync_detector(monkeypatch):

@@ -30,3 +30,12 @@ def test_the_api_snippet_runs():
     exec(compile(block.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own README
     assert scope["out"].shape == (2, 32, 128) and scope["lse"].shape == (2, 32)
     assert scope["ref"].shape == scope["spec"].shape == (2, 32, 128)
+
+
+def test_the_value_limits_quoted_are_the_formats():
+    """The supported-configurations table quotes ``fmt.max_abs_value`` of the ``bf16`` mapping."""
+    import foscar
+    readme = (ROOT / "README.md").read_text()
+    for bits in (2, 4):
+        lim = foscar.KVFormat(bits=bits, head_dim=128, group_size=128).max_abs_value
+        assert f"{lim:.1e}".replace("e+", "e") + f" at INT{bits}" in readme, (bits, lim)

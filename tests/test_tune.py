@@ -30,23 +30,36 @@ def test_bad_flags_are_refused(bad):
         tune.main(bad + ["--dry-run"])
 
 
-def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
+def _stand_in_for_the_gpu(monkeypatch):
     monkeypatch.setattr(tune, "DEVICE", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
-    times = {}
 
-    def fake_decode(q, cache, config, backend="triton"):
-        out = foscar.decode(q, cache, backend="reference")
+
+def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
+    _stand_in_for_the_gpu(monkeypatch)
+    times, called, first_calls = {}, {}, []
+
+    def fake_decode(q, cache, config, backend, out):
+        called["config"] = config
+        if str(config) not in first_calls:  # every candidate's first call writes a NaN-poisoned output
+            first_calls.append(str(config))
+            assert torch.isnan(out).all()
+        if config["num_warps"] == 8:
+            return out  # unwritten: caught by the check (non-finite outputs) and never timed
+        out.copy_(foscar.decode(q, cache, backend="reference"))
         if config["prefetch"] == 2 and config["num_splits"] == 2:
-            out = out * 1.5  # a wrong candidate: must be caught by the check and never timed
+            out.mul_(1.5)  # a wrong candidate: must be caught by the check and never timed
         return out
 
-    def fake_time(fn, args, flush):
-        fn()
-        cfg = fn.__defaults__[0]
-        times[str(cfg)] = 100.0 / cfg["num_splits"] + cfg["num_warps"]  # more splits: faster here
-        return times[str(cfg)]
+    def fake_time(run, *, iters, warmup, flush, cuda_graph):
+        assert cuda_graph  # the tuner times graph replays
+        run()
+        cfg = called["config"]
+        us = 100.0 / cfg["num_splits"] + cfg["num_warps"]  # more splits: faster here
+        times[str(cfg)] = us
+        return {"median_us": us, "min_us": us, "all_us": [us]}
 
     monkeypatch.setattr(tune, "_decode", fake_decode)
     monkeypatch.setattr(tune, "_time", fake_time)
@@ -54,7 +67,10 @@ def test_the_loop_checks_times_picks_and_writes(tmp_path, monkeypatch, capsys):
             "--out", str(tmp_path)]
     assert tune.main(argv) == 0
     captured = capsys.readouterr()
-    assert "wrong output" in captured.err and "| case |" in captured.out
+    assert "wrong output (slice error" in captured.err and "| case |" in captured.out
+    assert "wrong output (512 non-finite outputs" in captured.err  # all B * Hq * D = 2 * 4 * 64 unwritten
+    assert all("'num_warps': 8" not in cfg and not ("'num_splits': 2" in cfg and "'prefetch': 2" in cfg)
+               for cfg in times)  # the candidates that failed the check were never timed
     doc = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())
     assert doc["schema"] == autotune.SCHEMA and len(doc["entries"]) == 1
     entry = doc["entries"][0]
@@ -79,11 +95,19 @@ def test_cute_candidates_and_entries(tmp_path, monkeypatch, capsys):
     assert tune.main(["--dry-run", "--backend", "cute", "--shapes", "8:32K", "--bits", "4"]) == 0
     out = capsys.readouterr().out
     assert "'warp_specialized': False" in out and "'ctas_per_sm': 2" in out and "'ctas_per_sm': 1" in out
-    monkeypatch.setattr(tune, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
-    monkeypatch.setattr(tune, "_decode", lambda q, cache, config, backend: foscar.decode(q, cache, backend="reference"))
-    monkeypatch.setattr(tune, "_time", lambda fn, args, flush: 10.0 - fn.__defaults__[0].get("ctas_per_sm", 0))
+    _stand_in_for_the_gpu(monkeypatch)
+    called = {}
+
+    def fake_decode(q, cache, config, backend, out):
+        called["config"] = config
+        return foscar.decode(q, cache, backend="reference", out=out)
+
+    def fake_time(run, **kw):
+        run()
+        us = 10.0 - called["config"].get("ctas_per_sm", 0)
+        return {"median_us": us, "min_us": us, "all_us": [us]}
+    monkeypatch.setattr(tune, "_decode", fake_decode)
+    monkeypatch.setattr(tune, "_time", fake_time)
     assert tune.main(["--backend", "cute", "--shapes", "2:256", "--bits", "4", "--heads", "4:2", "--head-dim", "64",
                       "--group-size", "64", "--out", str(tmp_path)]) == 0
     entry = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())["entries"][0]
