@@ -17,98 +17,20 @@ The BF16 windows are per sequence: ``sink [B, Hkv, sink, D]`` holds the first to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
+from .pagetable import INDEX_DTYPES, PageTable
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
 
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
 #: A contiguous cache's capacity is a multiple of this (and of the format's alignment): whole 64-token
 #: tiles, the unit the CuTe kernels copy (one TMA box per tile), so every backend reads it.
 CONTIGUOUS_TILE = 64
-
-
-@dataclass(frozen=True)
-class PageTable:
-    """Pages of each sequence: ``block_table[b, :num_pages[b]]`` are indices into the page pool."""
-
-    block_table: torch.Tensor  # int32 [B, max_pages]
-    num_pages: torch.Tensor  # int32 [B]
-    #: FlashInfer's ``page_size*(pages-1) + last_page_len`` when given: the caller's quantized lengths,
-    #: checked against ``KVFormat.split_length(seq_lens)`` by the cache.
-    quantized_lens: torch.Tensor | None = None
-    page_size: int | None = None
-
-    def __post_init__(self):
-        check_tensor("block_table", self.block_table, ndim=2, dtypes=INDEX_DTYPES)
-        check_tensor("num_pages", self.num_pages, shape=(self.block_table.shape[0],), dtypes=INDEX_DTYPES,
-                     device=self.block_table.device)
-
-    @classmethod
-    def from_block_table(cls, block_table: torch.Tensor, num_pages: torch.Tensor | None = None) -> PageTable:
-        """vLLM-style block table ``[B, max_pages]``; ``num_pages[b]`` valid entries (default: all)."""
-        check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
-        B = block_table.shape[0]
-        if num_pages is None:
-            num_pages = torch.full((B,), block_table.shape[1], dtype=torch.int32, device=block_table.device)
-        check_tensor("num_pages", num_pages, shape=(B,), dtypes=INDEX_DTYPES, device=block_table.device)
-        if B and (int(num_pages.min()) < 0 or int(num_pages.max()) > block_table.shape[1]):
-            raise InvalidArgumentError("num_pages", f"counts in [0, {block_table.shape[1]}]", num_pages.tolist())
-        return cls(block_table.to(torch.int32), num_pages.to(torch.int32))
-
-    @classmethod
-    def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor | None = None,
-                 page_size: int | None = None) -> PageTable:
-        """FlashInfer-style CSR: pages of sequence ``b`` are ``indices[indptr[b]:indptr[b+1]]``.
-
-        With ``last_page_len`` (and ``page_size``), the quantized length of sequence ``b`` is
-        ``page_size*(pages - 1) + last_page_len[b]`` as in FlashInfer; the cache checks it against the
-        lengths it is given (with no BF16 windows and token-wise axes it equals ``seq_lens``).
-        """
-        check_tensor("indptr", indptr, ndim=1, dtypes=INDEX_DTYPES)
-        check_tensor("indices", indices, ndim=1, dtypes=INDEX_DTYPES, device=indptr.device)
-        if indptr.numel() < 1:
-            raise InvalidArgumentError("indptr", "a tensor of B+1 offsets", "an empty tensor")
-        ip = indptr.long().cpu()
-        if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > indices.numel():
-            raise InvalidArgumentError("indptr", f"non-decreasing offsets from 0 to at most len(indices)={indices.numel()}",
-                                       ip.tolist())
-        counts = ip[1:] - ip[:-1]
-        B = counts.numel()
-        width = max(1, int(counts.max()) if B else 1)
-        col = torch.arange(width)
-        valid = col[None, :] < counts[:, None]
-        src = (ip[:-1, None] + col[None, :]).clamp(max=max(indices.numel() - 1, 0))
-        table = torch.where(valid, indices.long().cpu()[src] if indices.numel() else torch.zeros_like(src),
-                            torch.zeros_like(src))
-        dev = indptr.device
-        qlens = None
-        if last_page_len is not None:
-            check_int("page_size", page_size, minimum=1)
-            check_tensor("last_page_len", last_page_len, shape=(B,), dtypes=INDEX_DTYPES, device=dev)
-            lp = last_page_len.long().cpu()
-            bad = ((counts > 0) & ((lp < 1) | (lp > page_size))) | ((counts == 0) & (lp != 0))
-            if bad.any():
-                b = int(bad.nonzero()[0])
-                raise InvalidArgumentError("last_page_len", f"values in [1, page_size={page_size}] (0 for a "
-                                           "sequence without pages)", f"{int(lp[b])} for sequence {b}")
-            qlens = torch.where(counts > 0, page_size * (counts - 1) + lp, 0).to(torch.int32).to(dev)
-        elif page_size is not None:
-            raise InvalidArgumentError("page_size", "None unless last_page_len is given", page_size)
-        return cls(table.to(torch.int32).to(dev), counts.to(torch.int32).to(dev), qlens, page_size)
-
-    @property
-    def batch_size(self) -> int:
-        return self.block_table.shape[0]
-
-    def pages_of(self, b: int) -> torch.Tensor:
-        return self.block_table[b, : int(self.num_pages[b])].long()
 
 
 def _contiguous_alignment(fmt: KVFormat) -> int:
@@ -481,122 +403,17 @@ class QuantKVCache:
                              page_table=page_table, num_pages=num_pages, window_dtype=window_dtype, device=device,
                              size_name=size_name)
 
-    # ---- appending (the write path; PyTorch, host-driven: the reference for the GPU kernel) ------------
+    # ---- appending (the write path: foscar.write_path) ------------------------------------------------
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, *, quantizer: str = "minmax",
                clip: float = DEFAULT_QUANTILE) -> None:
-        """Append ``T`` tokens to every sequence: ``k_new, v_new [B, Hkv, T, D]`` (one decode step: ``T = 1``;
-        a prefill: the prompt).
-
-        Tokens fill the BF16 sink first; the rest go to the recent ring, and the ring's oldest tokens are
-        quantized as soon as they leave the recent window: one at a time with token-wise groups on both
-        tensors, a whole group of ``g`` tokens at a time otherwise (:attr:`KVFormat.flush`). Quantized
-        tokens go to the sequence's pages through the page table (pages are the caller's: the table must
-        already list enough of them). Everything is checked and computed before anything is written: a
-        bad call raises and leaves the cache exactly as it was.
-        """
-        checked = self._check_append(k_new, v_new, quantizer)
-        if checked is None:
-            return
-        T, old, new, q0, q1 = checked
-        fmt, D, H = self.fmt, self.head_dim, self.num_kv_heads
-        B = self.batch_size
-        sink, cap = fmt.sink, max(fmt.recent_capacity, 1)
-        writes = []  # (destination tensor, index, value): applied only after everything is computed
-        for b in range(B):
-            L0, L1, a, z = int(old[b]), int(new[b]), int(q0[b]), int(q1[b])
-            P0 = max(0, L0 - sink)  # post-sink tokens before the call
-            for tensor, x_new, win_sink, ring in (("k", k_new, self.k_sink, self.k_recent),
-                                                  ("v", v_new, self.v_sink, self.v_recent)):
-                if z > a:  # post-sink tokens [a, z) leave the ring (or arrive past it) and are quantized
-                    p = torch.arange(a, z)
-                    from_ring = p < P0
-                    src = torch.empty(H, z - a, D, dtype=torch.float64, device=self.device)
-                    if from_ring.any():
-                        src[:, from_ring.to(self.device)] = ring[b][:, (p[from_ring] % cap).to(self.device)].double()
-                    if (~from_ring).any():  # arriving past the window: quantized as the ring would hold them
-                        j = (sink + p[~from_ring] - L0).to(self.device)
-                        src[:, (~from_ring).to(self.device)] = fmt.as_quantized(x_new[b][:, j], ring.dtype).double()
-                    codes, sp, zp = quantize_tensor(src, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op,
-                                                    quantizer, clip)
-                    writes += self._quantized_range_writes(tensor, b, a, codes, sp, zp)
-                i = torch.arange(L0, L1)
-                in_sink = i < sink
-                if in_sink.any():
-                    writes.append((win_sink, (b, slice(None), i[in_sink].to(self.device)),
-                                   x_new[b][:, in_sink.nonzero().flatten().to(self.device)].to(win_sink.dtype)))
-                pp = i - sink
-                keep = (~in_sink) & (pp >= z)  # new tokens that stay in the BF16 ring
-                if keep.any():
-                    writes.append((ring, (b, slice(None), (pp[keep] % cap).to(self.device)),
-                                   x_new[b][:, keep.nonzero().flatten().to(self.device)].to(ring.dtype)))
-        for dest, index, value in writes:
-            dest[index] = value
-        self.seq_lens.add_(T)
+        """Append ``T`` tokens to every sequence, ``k_new, v_new [B, Hkv, T, D]`` (:func:`foscar.write_path.append`,
+        PyTorch, host-driven: the reference of the GPU write kernels)."""
+        from .write_path import append
+        append(self, k_new, v_new, quantizer=quantizer, clip=clip)
 
     def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
-        """Everything :meth:`append` checks before writing (it reads lengths back: a host sync). Returns
-        ``(T, old, new, q0, q1)``: lengths and quantized counts before and after, or ``None`` for T = 0."""
-        fmt, D, H, page = self.fmt, self.head_dim, self.num_kv_heads, self.page_size
-        B = self.batch_size
-        check_tensor("k_new", k_new, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
-                     device=self.device)
-        if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
-            raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
-        check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=self.device)
-        if quantizer not in QUANTIZERS:
-            raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
-        T = k_new.shape[2]
-        if T == 0:
-            return None
-        check_finite("k_new", k_new)
-        check_finite("v_new", v_new)
-        old = self.seq_lens.long().cpu()
-        for name, x in (("k_new", k_new), ("v_new", v_new)):
-            for b in range(B):
-                fmt.check_storable(name, x[b], self.window_dtype, int(old[b]), (b,))
-        new = old + T
-        _, q0, _ = fmt.split_length(old)
-        _, q1, _ = fmt.split_length(new)
-        have = self.page_table.num_pages.long().cpu()
-        need = torch.div(q1 + page - 1, page, rounding_mode="floor")
-        short = (need > have).nonzero()
-        if short.numel():
-            b = int(short[0])
-            raise InvalidArgumentError("k_new", f"tokens that fit the pages of sequence {b} ({int(have[b])} pages of "
-                                       f"{page}; {int(q1[b])} quantized tokens need {int(need[b])})",
-                                       f"{T} more tokens after {int(old[b])}")
-        self._check_page_indices(need)
-        return T, old, new, q0, q1
-
-    def _quantized_range_writes(self, tensor: str, b: int, start: int, codes: torch.Tensor, sp: torch.Tensor,
-                                zp: torch.Tensor) -> list:
-        """The writes that put logical codes ``[H, n, D]`` and ``(s', z')`` of quantized tokens
-        ``[start, start + n)`` of sequence ``b`` into its pages: whole pages of words re-packed (a word
-        mixes tokens), parameter rows set. Returned, not applied."""
-        fmt, page, D = self.fmt, self.page_size, self.head_dim
-        n = codes.shape[1]
-        pages = self.page_table.block_table[b].long()
-        first, last = start // page, (start + n - 1) // page
-        ids = pages[first: last + 1]
-        words = self._codes(tensor)[ids]  # [P, H, W]
-        logical = unpack_codes(words, fmt.bits, tensor, D)  # [P, H, page, D]
-        flat = logical.permute(1, 0, 2, 3).reshape(codes.shape[0], -1, D)  # [H, P*page, D]
-        lo = start - first * page
-        flat[:, lo: lo + n] = codes.to(flat.dtype).to(flat.device)
-        new_words = pack_codes(flat.reshape(codes.shape[0], -1, page, D).permute(1, 0, 2, 3), fmt.bits, tensor)
-        out = [(self._codes(tensor), ids, new_words)]
-        params = self._params(tensor)
-        par = torch.stack([sp, zp], dim=-1).to(torch.float32).to(self.device)  # [H, rows, cols, 2]
-        if fmt.axis(tensor) == TOKEN:  # one row per token
-            for r, t in enumerate(range(start, start + n)):
-                out.append((params, (pages[t // page], slice(None), t % page), par[:, r]))
-        else:  # one row per token group; a page shorter than a group keeps its group's row as row 0
-            g = fmt.group_size
-            for r, t0 in enumerate(range(start, start + n, g)):
-                for t in range(t0, t0 + g, page) if page < g else (t0,):
-                    out.append((params, (pages[t // page], slice(None), (t % page) // g if page >= g else 0),
-                                par[:, r]))
-        return out
+        from .write_path import check_append
+        return check_append(self, k_new, v_new, quantizer)
 
     @classmethod
     def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
