@@ -39,8 +39,22 @@ centred ``q - (2^bits - 1)/2``. A correction from the unrounded operand instead 
 the small injected offset and the single rounding of ``mid`` (formed in float64 here, by an FMA in
 the kernels) keep every configuration within 1e-5 of the exact result.
 
+E4M3 operands (``operand_dtype=torch.float8_e4m3fn``, :mod:`foscar.e4m3`): the K and V operands are
+the codes placed in a byte, ``y = q 2^-9`` (beta = 0), with the constants of that mapping converted per
+group from the stored ones, ``s_e = s' alpha/2^-9`` and the middle value ``z' + s' (beta + alpha
+(2^bits - 1)/2)`` (float64, one rounding to FP32). The other operand (``Q``, ``Q'``, ``P'``, ``P``) is
+split into ``operand_terms`` E4M3 terms with a power-of-two scale per slice: per query row for ``Q``,
+per query row and token group for ``Q'``, per query row (and channel group) and KV tile for ``P'`` and
+``P``. Each term's tile product is exact products summed in FP32 (:func:`foscar.e4m3.term_product`);
+the terms are added after the MMA. The offsets stay centred on the pivot, ``c = 2^-9 (2^bits - 1)/2``,
+with the corrections from the consumed operand (the sum of its terms): with ``beta = 0`` nothing large
+cancels, but the residual error of the split still multiplies ``y - c`` instead of the one-signed
+``y``, which measures 1.7-3x less output error (``tests/test_e4m3.py``), at the cost of the operand's
+sum that the BF16 kernels form anyway. One term (3 mantissa bits) is 7-14% output error: a study
+option only.
+
 Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
-(plain attention); an LSE combine merges them all.
+(plain attention, BF16 query); an LSE combine merges them all.
 """
 from __future__ import annotations
 
@@ -51,10 +65,14 @@ import torch
 from ._checks import check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from .format import TOKEN, operand_for, unpack_codes
+from . import e4m3
+from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
 from ._checks import check_decode_inputs
 from .reference import attend
 from .splitkv import split_ranges
+
+E4M3 = torch.float8_e4m3fn
+OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32, E4M3)
 
 
 def combine_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +109,11 @@ class _FoldedSequence:
     """Folded decode of one sequence, all KV heads at once (``[H, G, ...]`` tensors)."""
 
     def __init__(self, cache: QuantKVCache, b: int, dtype: torch.dtype, operand_dtype: torch.dtype | None,
-                 pv_operand_dtype: torch.dtype | None):
+                 pv_operand_dtype: torch.dtype | None, operand_terms: int | None = None):
         self.cache, self.fmt, self.b, self.dtype = cache, cache.fmt, b, dtype
         self.operand_dtype, self.pv_operand_dtype = operand_dtype, pv_operand_dtype
+        self.terms = operand_terms
+        self.e4m3 = {"k": operand_dtype == E4M3, "v": pv_operand_dtype == E4M3}
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
         raw = {t: cache.quantized_params(t, b) for t in ("k", "v")}
@@ -106,20 +126,36 @@ class _FoldedSequence:
             self.op["k"] = operand_for(torch.bfloat16, self.fmt.bits)
             self.op["v"] = operand_for(pv_operand_dtype if pv_operand_dtype == torch.float16 else torch.bfloat16,
                                        self.fmt.bits)
-        self.pivot = {t: self.op[t].pivot(self.fmt.bits) for t in ("k", "v")}  # operand value of the middle code
-        # Every fold takes its offset term around the pivot c: x = s' (y - c) + mid, where
-        # mid = z' + (c - (beta_op - beta_cache)) s' is the group's middle value, formed from the stored
-        # FP32 constants in float64 and rounded once to the compute dtype.
+        for t in ("k", "v"):
+            if self.e4m3[t]:
+                self.op[t] = E4M3_PLACEMENT  # q in a byte's low bits: q 2^-9
+        self.pivot = {t: self.pivot_of(t) for t in ("k", "v")}
+        # Every fold takes its offset term around the pivot c: x = s_o (y - c) + mid, with the operand's
+        # scale s_o = s' alpha_cache / alpha_op and the group's middle value mid = z' + (beta_cache +
+        # alpha_cache (c - beta_op) / alpha_op) s', formed from the stored FP32 constants in float64 and
+        # rounded once to the compute dtype.
         self.params = {}
         for t in ("k", "v"):
             sp, zp = (x.double() for x in raw[t])
-            mid = zp + (self.pivot[t] - (self.op[t].beta - self.fmt.op.beta)) * sp
-            self.params[t] = (sp.to(dtype), mid.to(dtype))
+            op, ratio = self.op[t], self.fmt.op.alpha / self.op[t].alpha  # a power of two
+            mid = zp + (self.fmt.op.beta + (self.pivot[t] - op.beta) * ratio) * sp
+            self.params[t] = ((sp * ratio).to(dtype), mid.to(dtype))
+
+    def pivot_of(self, tensor: str) -> float:
+        """The operand value of the middle code, which every offset term is taken around."""
+        return self.op[tensor].pivot(self.fmt.bits)
 
     def rnd(self, x: torch.Tensor, tensor: str = "k") -> torch.Tensor:
-        """Round to the operand format the tensor core consumes (identity in exact mode)."""
+        """Round to the operand format the tensor core consumes (identity in exact mode; E4M3 operands are
+        split per product: :meth:`split_operand`)."""
         dt = self.operand_dtype if tensor == "k" else self.pv_operand_dtype
-        return x if dt is None else x.to(dt).to(self.dtype)
+        return x if dt is None or dt == E4M3 else x.to(dt).to(self.dtype)
+
+    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``) and the consumed operand,
+        their sum (exact in FP32)."""
+        terms = e4m3.split_terms(x, self.terms, dims)
+        return terms, sum(terms).to(self.dtype)
 
     def rnd_scaled(self, p: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
         """The PV operand ``P s'`` (``p [H, G, n]``, ``s' [H, n, C]`` -> ``[H, G, n, C]``). In FP16
@@ -162,14 +198,25 @@ class _FoldedSequence:
         if self.fmt.k_axis == TOKEN:  # acc-fold over channel groups
             sp, mid = sp[:, tile.t0: tile.t0 + tile.n], mid[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
             C = D // g
-            partial = torch.einsum("hgcj,hncj->hgnc", Qt.reshape(H, G, C, g), yk.reshape(H, tile.n, C, g))
-            q_sum = Qt.reshape(H, G, C, g).sum(-1)[:, :, None, :]  # sum of the consumed (rounded) Q per group
+            eq, yg = "hgcj,hncj->hgnc", yk.reshape(H, tile.n, C, g)
+            if self.e4m3["k"]:  # Q split per query row
+                terms, Qc = self.split_operand(Qt, (-1,))
+                partial = e4m3.term_product(eq, [t.reshape(H, G, C, g) for t in terms], yg, self.dtype)
+            else:
+                Qc = Qt
+                partial = torch.einsum(eq, Qt.reshape(H, G, C, g), yg)
+            q_sum = Qc.reshape(H, G, C, g).sum(-1)[:, :, None, :]  # sum of the consumed (rounded) Q per group
             return ((partial - c * q_sum) * sp[:, None] + mid[:, None] * q_sum).sum(-1)
         S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
         for gi, seg in self.group_segments(tile):
-            Qp = self.rnd(Qt * sp[:, gi][:, None, :])  # Q' = Q s', the operand
+            if self.e4m3["k"]:  # Q' = Q s' split per query row of the group
+                terms, Qp = self.split_operand(Qt * sp[:, gi][:, None, :], (-1,))
+                prod = e4m3.term_product("hgd,hnd->hgn", terms, yk[:, seg], self.dtype)
+            else:
+                Qp = self.rnd(Qt * sp[:, gi][:, None, :])  # Q' = Q s', the operand
+                prod = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg])
             corr = (Qt * mid[:, gi][:, None, :]).sum(-1) - c * Qp.sum(-1)
-            S[..., seg] = torch.einsum("hgd,hnd->hgn", Qp, yk[:, seg]) + corr[..., None]
+            S[..., seg] = prod + corr[..., None]
         return S
 
     # ---- PV: output contribution with the V offset corrections (before the division) -----------
@@ -180,15 +227,26 @@ class _FoldedSequence:
         c = self.pivot["v"]
         if self.fmt.v_axis == TOKEN:  # operand-fold into P, per channel group
             sp, mid = sp[:, tile.t0: tile.t0 + n], mid[:, tile.t0: tile.t0 + n]  # [H, n, C]
-            Pp = self.rnd_scaled(p, sp)  # [H, G, n, C]: P' = P s', the operand
             C = D // g
-            prod = torch.einsum("hgnc,hncj->hgcj", Pp, yv.reshape(H, n, C, g))
+            eq, yg = "hgnc,hncj->hgcj", yv.reshape(H, n, C, g)
+            if self.e4m3["v"]:  # P' split per query row and channel group, over the tile
+                terms, Pp = self.split_operand(p[..., None] * sp[:, None], (2,))
+                prod = e4m3.term_product(eq, terms, yg, self.dtype)
+            else:
+                Pp = self.rnd_scaled(p, sp)  # [H, G, n, C]: P' = P s', the operand
+                prod = torch.einsum(eq, Pp, yg)
             corr = torch.einsum("hgn,hnc->hgc", p, mid) - c * Pp.sum(2)
             return (prod + corr[..., None]).reshape(H, G, D)
         out = p.new_zeros(H, G, D)  # acc-fold over token groups
-        Pt = self.rnd(p, "v")
+        if self.e4m3["v"]:  # P split per query row, over the tile
+            terms, Pt = self.split_operand(p, (-1,))
+        else:
+            Pt = self.rnd(p, "v")
         for gi, seg in self.group_segments(tile):
-            partial = torch.einsum("hgn,hnd->hgd", Pt[..., seg], yv[:, seg])  # group-local partial
+            if self.e4m3["v"]:
+                partial = e4m3.term_product("hgn,hnd->hgd", [t[..., seg] for t in terms], yv[:, seg], self.dtype)
+            else:
+                partial = torch.einsum("hgn,hnd->hgd", Pt[..., seg], yv[:, seg])  # group-local partial
             p_sum = Pt[..., seg].sum(-1, keepdim=True)
             out += sp[:, gi][:, None] * (partial - c * p_sum) + mid[:, gi][:, None] * p_sum
         return out
@@ -215,7 +273,8 @@ class _FoldedSequence:
 
 def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, tile_tokens: int = 64,
                   num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
-                  pv_operand_dtype: torch.dtype | None = None, return_lse: bool = False):
+                  pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
+                  return_lse: bool = False):
     """Folded decode of ``q [B, Hq, D]`` over ``cache``: what every kernel computes.
 
     ``tile_tokens``: KV tile (a multiple of the format's pack block: 16, or 32 for INT2).
@@ -227,6 +286,11 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     bits (``y = q + 2^bits``, :func:`foscar.format.operand_for`). ``pv_operand_dtype`` (default:
     ``operand_dtype``): the PV product's operands; ``torch.float16`` rounds ``P s'`` to FP16 after
     scaling it by a power of two per tile (the Triton kernel on the GPU: 8x finer than BF16).
+    ``torch.float8_e4m3fn`` (for either product; it needs ``operand_terms``) emulates an FP8 wgmma
+    kernel: codes placed as E4M3 ``q 2^-9``, the other operand split into ``operand_terms`` E4M3 terms
+    (see the module docstring, :mod:`foscar.e4m3`); 3 terms are within the error of BF16 operands, 2
+    within BF16 attention's for token-wise K, and 1 is 7-14% output error (a study option: never a
+    kernel's numerics). The sink and recent windows are attended with the query in BF16.
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
@@ -236,25 +300,33 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     check_int("tile_tokens", tile_tokens, minimum=1, multiple_of=fmt.token_alignment)
     check_int("num_splits", num_splits, minimum=1)
     for name, dt in (("operand_dtype", operand_dtype), ("pv_operand_dtype", pv_operand_dtype)):
-        if dt is not None and dt not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgumentError(name, "None, torch.bfloat16, torch.float16 or torch.float32", dt)
+        if dt is not None and dt not in OPERAND_DTYPES or dt == E4M3 and operand_terms is None:
+            raise InvalidArgumentError(name, "None, torch.bfloat16, torch.float16, torch.float32 or "
+                                       "torch.float8_e4m3fn (with operand_terms)", dt)
     if pv_operand_dtype is None:
         pv_operand_dtype = operand_dtype
+    if operand_terms is not None:
+        check_int("operand_terms", operand_terms, allowed=(1, 2, 3))
+        if E4M3 not in (operand_dtype, pv_operand_dtype):
+            raise InvalidArgumentError("operand_terms", "None without a torch.float8_e4m3fn operand dtype",
+                                       operand_terms)
     out, lse = folded(q, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits, dtype=dtype,
-                      operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype)
+                      operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype, operand_terms=operand_terms)
     return (out, lse) if return_lse else out
 
 
 def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, tile_tokens: int = 64,
            num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
-           pv_operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_folded` of validated arguments (``G`` query heads per KV head): ``(out, lse)``."""
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
-        seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype)
+        seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms)
         Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
+        Qw = Qt.to(torch.bfloat16).to(dtype) if seq.e4m3["k"] else Qt  # the windows' (BF16) query
         n_tiles = -(-seq.n_quant // tile_tokens)
         outs, lses = [], []
         for tiles in split_ranges(n_tiles, num_splits):  # the split rule every kernel follows
@@ -262,7 +334,7 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
             outs.append(o)
             lses.append(l_)
         kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-        o, l_ = attend(Qt, kw, vw, sm_scale)
+        o, l_ = attend(Qw, kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)

@@ -132,7 +132,6 @@ def test_cute_status_names_a_missing_tvm_ffi(monkeypatch):
     """The CuTe kernels are called through TVM-FFI: without apache-tvm-ffi the backend says so."""
     import importlib.util
 
-    import foscar.api as api
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tvm_ffi" else real(name, *a))

@@ -1,19 +1,18 @@
-"""The CuTe DSL Hopper kernel, v0 (issue 4). CPU: every supported variant compiles for sm_90a, and its
+"""The CuTe DSL Hopper kernels (v0 and v1). CPU: every supported variant compiles for sm_90a, and its
 PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
 oracle, no worse than BF16 attention on the same dequantized cache."""
 import os
 import re
-import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="foscar-cute-"))  # kept PTX: not in the cwd
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from foscar.cute.decode_sm90 import compile_stage1, config_for  # noqa: E402
+from foscar.cute.compile import compile_stage1  # noqa: E402
+from foscar.cute.config import config_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
 WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.(bf16|f16)\.\1\s+\{[^}]*\},\s*\{([^}]*)\}")
@@ -73,7 +72,7 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim, ctas):
     """v1: one producer warpgroup issuing four TMA copies per tile (K and V words, their (s', z')), two
     consumer warpgroups with the products of v0 each, register budgets moved by setmaxnreg (one or two
     CTAs per SM), no spills."""
-    from foscar.cute.decode_sm90 import WS_REGISTERS
+    from foscar.cute.config import WS_REGISTERS
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim), 4, 64)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     producer, consumer = WS_REGISTERS[ctas]
@@ -88,13 +87,30 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim, ctas):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
+def test_kept_ptx_leaves_no_files():
+    """compile_stage1(keep_ptx=True) dumps the PTX into a temporary folder of its own: nothing appears in
+    the current directory, nor in CuTe DSL's default dump folder (the current directory when cutlass was
+    imported, unless CUTE_DSL_DUMP_DIR said otherwise), and the PTX is the compiled function's."""
+    from cutlass.cutlass_dsl import CuTeDSL
+    dump_dir = CuTeDSL._get_dsl().envar.dump_dir
+    folders = {os.getcwd(), os.path.abspath(dump_dir)}
+    before = {f: set(os.listdir(f)) for f in folders}
+    cfg = config_for(foscar.KVFormat(bits=2, head_dim=64, group_size=64, k_axis="channel"), 1, 64)
+    for ws in (False, True):
+        ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
+        assert ptx.startswith("//") and ".visible .entry" in ptx
+    artifacts = (".ptx", ".cubin", ".sass", ".mlir")
+    for f in folders:
+        assert not [n for n in set(os.listdir(f)) - before[f] if n.endswith(artifacts)], f
+
+
 @pytest.mark.parametrize("kw,what", [({"group_size": 32}, "multiple of 64"),
                                      ({"group_size": 32, "k_axis": "channel", "v_axis": "channel"}, "multiple of 64")])
 def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
     with pytest.raises(UnsupportedError, match=what):
         config_for(foscar.KVFormat(**args), 4, 64)
-    with pytest.raises(UnsupportedError, match="G <= 8"):
+    with pytest.raises(UnsupportedError, match="gqa <= 8"):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 16, 64)
     with pytest.raises(UnsupportedError, match="pages of 64k"):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 48)
@@ -172,7 +188,7 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
 def test_stage1_tensors_are_checked_by_name():
     """The compiled kernels take unit-stride tensors on 16-byte aligned bases (TVM-FFI placeholders): a
     tensor that is not is refused by its name before the call."""
-    from foscar.cute.decode_sm90 import ALIGN, STAGE1_TENSORS
+    from foscar.cute.config import ALIGN, STAGE1_TENSORS
     from foscar.cute.launch import _check_stage1_tensors
     good = [torch.zeros((4,) * rank, dtype=torch.float32) for _, _, rank in STAGE1_TENSORS]
     _check_stage1_tensors(good)

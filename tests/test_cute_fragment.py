@@ -1,7 +1,10 @@
 """The cache layout is the register fragment CuTe DSL builds for Hopper ``wgmma.m64nNk16`` with A from
-registers: for every thread, register and half, the code the CuTe kernel extracts from the packed
-words (``foscar.cute.fragment.tile_register_source``) is the code of the element CuTe assigns to that
-slot (``rs_fragment_ownership``, traced on the host: no GPU)."""
+registers. The index functions the CuTe kernels trace to build their A registers
+(``foscar.cute.fragment.k_word``/``v_word``: which word a thread loads; ``k_register_source``/
+``v_register_source``: which word and bit a register comes from), evaluated here on the host for every
+thread, register and half (``tile_register_source``), give the word and bit :func:`foscar.format.block_map`
+puts the code of the element CuTe assigns to that slot (``rs_fragment_ownership``, traced on the host: no
+GPU)."""
 import os
 
 import pytest
@@ -11,12 +14,36 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # trace and compile for Hopper
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 from foscar.cute.fragment import TILE_TOKENS, rs_fragment_ownership, tile_register_source, tile_words  # noqa: E402
-from foscar.format import pack_codes  # noqa: E402
+from foscar.format import block_map, block_tokens, pack_codes, words_per_block  # noqa: E402
 
 
 def decode(words, word, shift, bits):
     w = words.long() & 0xFFFFFFFF
     return (w[word] >> shift) & ((1 << bits) - 1)
+
+
+def ownership(tensor, head_dim):
+    """(token, channel) of the element CuTe assigns to each (thread, register, half) of the tile's A operand."""
+    if tensor == "k":  # S^T = K Q^T: rows = tokens, k = channels
+        own = rs_fragment_ownership(TILE_TOKENS, head_dim)
+        return own[..., 0], own[..., 1]
+    own = rs_fragment_ownership(head_dim, TILE_TOKENS)  # O^T = V^T P^T: rows = channels, k = tokens
+    return own[..., 1], own[..., 0]
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("tensor", ("k", "v"))
+def test_index_functions_are_the_block_map(tensor, bits, head_dim):
+    """For every thread, register and half: the kernels' (word, bit) is block_map's for CuTe's element."""
+    token, channel = ownership(tensor, head_dim)
+    assert (token >= 0).all(), "a fragment slot CuTe did not assign"
+    block = block_tokens(bits, tensor)
+    map_word, map_shift = block_map(bits, head_dim, tensor)
+    expected_word = token // block * words_per_block(bits, head_dim, tensor) + map_word[token % block, channel]
+    word, shift = tile_register_source(bits, head_dim, tensor)
+    assert torch.equal(word, expected_word)
+    assert torch.equal(shift, map_shift[token % block, channel])
 
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
@@ -28,14 +55,8 @@ def test_packed_tile_feeds_the_cute_fragment(tensor, bits, head_dim):
     words = pack_codes(codes, bits, tensor)
     assert words.numel() == tile_words(bits, head_dim, tensor)
     word, shift = tile_register_source(bits, head_dim, tensor)
-    if tensor == "k":  # S^T = K Q^T: rows = tokens, k = channels
-        own = rs_fragment_ownership(TILE_TOKENS, head_dim)
-        expected = codes[own[..., 0], own[..., 1]]
-    else:  # O^T = V^T P^T: rows = channels, k = tokens
-        own = rs_fragment_ownership(head_dim, TILE_TOKENS)
-        expected = codes[own[..., 1], own[..., 0]]
-    assert (own >= 0).all(), "a fragment slot CuTe did not assign"
-    assert torch.equal(decode(words, word, shift, bits), expected.long())
+    token, channel = ownership(tensor, head_dim)
+    assert torch.equal(decode(words, word, shift, bits), codes[token, channel].long())
     # every word of the tile is read, by exactly one thread
     readers = torch.zeros(words.numel(), dtype=torch.long)
     for t in range(word.shape[0]):
@@ -43,11 +64,44 @@ def test_packed_tile_feeds_the_cute_fragment(tensor, bits, head_dim):
     assert bool((readers == 1).all())
 
 
+def test_the_kernels_trace_the_index_functions(monkeypatch):
+    """Both kernels build their A registers and load their words through the functions checked above."""
+    import foscar
+    from foscar.cute import fragment, kernel_v0, kernel_v1, operands
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import config_for
+    calls = {}
+
+    def spy(module, name):
+        real = getattr(fragment, name)
+
+        def wrapper(*args):
+            calls[(module.__name__, name)] = calls.get((module.__name__, name), 0) + 1
+            return real(*args)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, names in ((operands, ("k_register_source", "v_register_source")), (kernel_v0, ("k_word", "v_word")),
+                          (kernel_v1, ("k_word", "v_word"))):
+        for name in names:
+            spy(module, name)
+    cfg = config_for(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 4, 64)
+    compile_stage1(cfg)  # v0: one tile step, the first tile's words loaded before the loop and the next in it
+    compile_stage1(cfg, warp_specialized=True)  # v1: two consumers, each with its tile step and stage reads
+    k_regs, v_regs = TILE_TOKENS * cfg.head_dim // 2 // 128, 4 * cfg.mh * TILE_TOKENS // 16
+    v_words = cfg.v_blocks * cfg.mh
+    assert calls == {("foscar.cute.operands", "k_register_source"): 3 * k_regs,
+                     ("foscar.cute.operands", "v_register_source"): 3 * v_regs,
+                     ("foscar.cute.kernel_v0", "k_word"): 2 * cfg.k_words,
+                     ("foscar.cute.kernel_v0", "v_word"): 2 * v_words,
+                     ("foscar.cute.kernel_v1", "k_word"): 2 * cfg.k_words,
+                     ("foscar.cute.kernel_v1", "v_word"): 2 * v_words}
+
+
 @pytest.mark.parametrize("m", (64, 128, 256))
 def test_accumulator_ownership(m):
-    """What ``foscar.cute.decode_sm90`` assumes of the C fragment (``S^T`` with m = 64, ``O^T`` with
-    m = head_dim): thread 32w + l holds in register e = v0 + 2 v1 + 4 mt the row
-    64 mt + 16 w + l // 4 + 8 v1 and the column 2 (l % 4) + v0."""
+    """What the kernels assume of the C fragment (``S^T`` with m = 64, ``O^T`` with m = head_dim): thread
+    32w + l holds in register e = v0 + 2 v1 + 4 mt the row 64 mt + 16 w + l // 4 + 8 v1 and the column
+    2 (l % 4) + v0."""
     from foscar.cute.fragment import rs_accumulator_ownership
     own = rs_accumulator_ownership(m)
     t = torch.arange(128)[:, None]

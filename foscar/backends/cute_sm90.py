@@ -1,5 +1,5 @@
 """The CuTe DSL sm_90a backend: the kernels of :mod:`foscar.cute`, on Hopper with nvidia-cutlass-dsl and
-apache-tvm-ffi (``foscar[cute]``), for the formats :func:`foscar.cute.decode_sm90.config_for` takes.
+apache-tvm-ffi (``foscar[cute]``), for the formats :func:`foscar.cute.config.config_for` takes.
 ``auto`` takes it for token-wise K (:meth:`CuteSm90.preferred`)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class CuteSm90(Backend):
         if importlib.util.find_spec("tvm_ffi") is None:  # the kernels' calling convention
             return BackendStatus(self.name, False, "apache-tvm-ffi is not installed (pip install 'foscar[cute]')")
         try:
-            from ..cute.decode_sm90 import config_for  # imports cutlass
+            from ..cute.config import config_for  # imports cutlass
         except Exception as e:  # noqa: BLE001 -- a broken install is reported, never raised from a status query
             return BackendStatus(self.name, False, f"nvidia-cutlass-dsl does not import: {type(e).__name__}: {e}")
         if key.fmt is not None:
@@ -59,7 +59,7 @@ class CuteSm90(Backend):
     def candidates(self, case, device: torch.device) -> list[dict]:
         """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
         heuristic times {1/2, 1, 2}."""
-        from ..cute.decode_sm90 import TILE
+        from ..cute.config import TILE
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]

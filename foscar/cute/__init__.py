@@ -1,8 +1,19 @@
-"""CuTe DSL kernels (Hopper sm_90a, Blackwell sm_100a): the fast path (issue 4). They read the cache
-layout of :mod:`foscar.format` (``docs/layout.md``) and implement :func:`foscar.decode_folded`.
+"""CuTe DSL kernels for Hopper (sm_90a). They read the cache layout of :mod:`foscar.format`
+(``docs/layout.md``) and implement :func:`foscar.decode_folded`. Importing this package does not import
+cutlass.
 
-So far: :mod:`foscar.cute.fragment`, the register fragment of Hopper ``wgmma`` with A from registers and
-where each thread finds its codes in a packed tile, checked against CuTe DSL's own tiled MMA
-(``tests/test_cute_fragment.py``). The decode kernel is not written yet; nothing here is imported by
-the rest of foscar, and importing this package does not import cutlass.
+One module per role:
+
+- :mod:`~foscar.cute.config`: the static configuration (:class:`~foscar.cute.config.Sm90Config`,
+  :func:`~foscar.cute.config.config_for`) and the constants the host side reads;
+- :mod:`~foscar.cute.fragment`: where each thread finds the codes of its wgmma A registers (the index
+  functions the kernels trace), and CuTe's fragment ownership for the tests;
+- :mod:`~foscar.cute.operands`: the tiled MMAs, Q^T in shared memory, the K and V^T A registers;
+- :mod:`~foscar.cute.softmax`: the online softmax; :mod:`~foscar.cute.folds`: the acc-folds, the
+  operand-folds and the offset corrections;
+- :mod:`~foscar.cute.warpgroup`: a computing warpgroup's state and the tile step both kernels share;
+- :mod:`~foscar.cute.kernel_v0` and :mod:`~foscar.cute.kernel_v1`: the two kernels;
+- :mod:`~foscar.cute.compile`: :func:`~foscar.cute.compile.compile_stage1`; :mod:`~foscar.cute.compile_cache`:
+  its disk cache; :mod:`~foscar.cute.launch`: validation, launch configs and the decode call;
+- :mod:`~foscar.cute.decode_sm90`: the names the rest of foscar imports.
 """

@@ -5,12 +5,12 @@ An **entry** is the compiled function exported ahead of time (``export_to_c``: a
 host code, the cubin and the TVM-FFI entry point ``__tvm_ffi_<symbol>``), followed by a trailer
 (:data:`TRAILER_MAGIC`, the key's sha256, the object's sha256). :func:`load_or_compile` checks the
 trailer, loads the object with ``cutlass.runtime.load_module(path, enable_tvm_ffi=True)`` and returns
-its ``tvm_ffi.Function``: called as the compiled function is (the :data:`~foscar.cute.decode_sm90.STAGE1_TENSORS`
+its ``tvm_ffi.Function``: called as the compiled function is (the :data:`~foscar.cute.config.STAGE1_TENSORS`
 as torch tensors, then ``qk_scale``, ``num_splits``; it launches on torch's current stream, TVM-FFI's
 environment stream, and loads its CUDA module on its first call).
 
 The **key** (:func:`entry_key`, a JSON text; the file name is its sha256) holds the static config (every
-field of :class:`~foscar.cute.decode_sm90.Sm90Config`), the variant (v0, or v1 and its CTAs per SM) and
+field of :class:`~foscar.cute.config.Sm90Config`), the variant (v0, or v1 and its CTAs per SM) and
 the :class:`Toolchain`: the sha256 of foscar's kernel sources (every ``.py`` file under ``foscar/cute/``
 and ``foscar/format.py``, as bytes), the nvidia-cutlass-dsl and apache-tvm-ffi versions, the CUDA
 version of the cutlass-dsl runtime and the target arch (``CUTE_DSL_ARCH``, else the current CUDA
@@ -194,7 +194,7 @@ def _warn_once(kind: str, path, message: str) -> None:
 
 
 def _compile(cfg, warp_specialized: bool, ctas_per_sm: int):
-    from .decode_sm90 import compile_stage1
+    from .compile import compile_stage1
     return compile_stage1(cfg, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
 
 
@@ -264,7 +264,7 @@ def _write_entry(fn, folder: Path, path: Path, key: str) -> bool:
 
 def load_or_compile(cfg, warp_specialized: bool = False, ctas_per_sm: int = 1):
     """``(fn, record)``: the stage-1 kernel of ``cfg`` and the variant (see
-    :func:`foscar.cute.decode_sm90.compile_stage1`), loaded from the disk cache, else compiled (and
+    :func:`foscar.cute.compile.compile_stage1`), loaded from the disk cache, else compiled (and
     written to it); ``record`` is its :class:`CompileRecord`."""
     folder = cache_dir()
     toolchain = current_toolchain() if folder is not None else None

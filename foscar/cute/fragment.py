@@ -1,19 +1,22 @@
-"""The register A fragment of Hopper ``wgmma.m64nNk16`` (RS) and where each thread of the CuTe kernel
-finds its codes in the packed cache.
+"""Where each thread of the CuTe kernels finds the codes of its wgmma A registers, and the register
+fragment CuTe DSL assigns (Hopper ``wgmma.m64nNk16``, A from registers).
 
-Two sides of one contract:
+The index functions are the kernels' own: the kernels call them while they are traced (the arguments
+are then DSL values: thread, warp, lane, page offsets) and :func:`tile_register_source` calls them on the
+host with Python integers. They use only ``+ * // %``, so both evaluate the same expressions.
 
-- :func:`rs_fragment_ownership` asks CuTe DSL (at trace time; no GPU) which ``(row, k)`` element of
-  an ``M x K`` BF16 A operand each thread holds in each half of each 32-bit register of its fragment,
-  for the one-warpgroup ``(64, N)`` tiled MMA the kernel uses.
-- :func:`tile_register_source` says, from :mod:`foscar.format` alone, which word of a 64-token tile
-  of packed codes, and which bit, feeds each of those registers: the indexing the kernel compiles in.
-  A register is then ``((word >> shift) & mask) | pattern``, one shift and one ``lop3``.
+- :func:`k_word` and :func:`v_word`: the word of a 64-token tile's packed codes (a page's, or one TMA
+  stage's) that a thread loads into its word registers;
+- :func:`k_register_source` and :func:`v_register_source`: which of those word registers, and which
+  bit, A register ``r`` is built from (``((word >> field) & mask) | pattern``: one shift, one ``lop3``;
+  the odd k of the register is 16 bits above the even one).
 
-``tests/test_cute_fragment.py`` checks that the two agree for K (``S^T = K Q^T``: rows = tokens,
-k = channels) and V (``O^T = V^T P^T``: rows = channels, k = tokens), at every bit width and head dim:
-the cache layout of ``docs/layout.md`` is the fragment CuTe builds, so the Triton and CuTe kernels
-read one cache.
+The other side of the contract is CuTe's: :func:`rs_fragment_ownership` asks CuTe DSL (at trace time;
+no GPU) which ``(row, k)`` element of the A operand each thread holds in each half of each 32-bit register,
+for the one-warpgroup ``(64, N)`` tiled MMA the kernels use. ``tests/test_cute_fragment.py`` checks that
+the two agree for K (``S^T = K Q^T``: rows = tokens, k = channels) and V (``O^T = V^T P^T``: rows =
+channels, k = tokens), at every bit width and head dim, against :func:`foscar.format.pack_codes`: the
+cache layout of ``docs/layout.md`` is the fragment CuTe builds.
 """
 from __future__ import annotations
 
@@ -26,6 +29,73 @@ from ..format import K_BLOCK_TOKENS, v_block_tokens, words_per_block
 
 TILE_TOKENS = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
 THREADS = 128  #: one warpgroup
+
+
+def k_word(bits: int, head_dim: int, first, warp, lane, i: int):
+    """The ``i``-th word lane ``lane`` of warp ``warp`` reads for a 64-token tile whose first K pack block
+    is ``first`` (counted in pack blocks from the start of the words indexed): warp ``w`` reads the tile's
+    K block ``w`` (its 16 token rows of the m64 tile), each lane ``head_dim * bits / 64`` contiguous words."""
+    return (first + warp) * words_per_block(bits, head_dim, "k") + lane * (head_dim * bits // 64) + i
+
+
+def k_register_source(bits: int, r: int) -> tuple[int, int]:
+    """``(i, field)``: K register ``r`` of a thread is built from its ``i``-th word (:func:`k_word`), the
+    codes of the register's two k at bits ``field`` and ``field + 16``."""
+    per_word = 16 // bits
+    return r // per_word, bits * (r % per_word)
+
+
+def v_word(bits: int, head_dim: int, first, thread, vb: int, mh: int):
+    """The word thread ``thread`` reads for m64 half ``mh`` of the channels from the ``vb``-th V pack block
+    of a 64-token tile whose first V pack block is ``first``: each thread's ``head_dim / 64`` words of a
+    block are contiguous."""
+    wpb = words_per_block(bits, head_dim, "v")
+    return first * wpb + thread * (head_dim // 64) + vb * wpb + mh
+
+
+def v_register_source(bits: int, head_dim: int, r: int) -> tuple[int, int, int]:
+    """``(vb, mh, field)``: V^T register ``r`` of a thread is built from its word of V block ``vb`` and m64
+    half ``mh`` (:func:`v_word`), the codes of the register's two k (tokens) at bits ``field`` and
+    ``field + 16``. The fragment order of ``make_fragment_A((head_dim, 64))`` is ``((2, 2, 2), m64 halves,
+    k16 blocks)``: ``r = 4 * (mh + halves * kb) + j``; a word spans ``4 / bits`` k16 blocks."""
+    halves = head_dim // 64
+    j, mk = r % 4, r // 4
+    mh, kb = mk % halves, mk // halves
+    nib = 4 // bits  # k16 blocks per V pack block
+    return kb // nib, mh, bits * (4 * (kb % nib) + j)
+
+
+def tile_register_source(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(word, shift)``, each ``[128, regs, 2]``: the word of a 64-token tile's packed codes (index into
+    the tile's ``64 * head_dim * bits / 32`` words, pack blocks in token order) and the bit holding the
+    code of half ``h`` of register ``r`` of thread ``t``, evaluated with the kernels' index functions
+    (K: :func:`k_word` and :func:`k_register_source`; V: :func:`v_word` and :func:`v_register_source`)."""
+    if tensor == "k":
+        regs = TILE_TOKENS * head_dim // 2 // THREADS
+    elif tensor == "v":
+        regs = 4 * (head_dim // 64) * (TILE_TOKENS // 16)
+    else:
+        raise ValueError(f"tensor {tensor!r}: expected 'k' or 'v'")
+    word = torch.empty((THREADS, regs, 2), dtype=torch.int64)
+    shift = torch.empty((THREADS, regs, 2), dtype=torch.int64)
+    for t in range(THREADS):
+        for r in range(regs):
+            if tensor == "k":
+                i, field = k_register_source(bits, r)
+                w = k_word(bits, head_dim, 0, t // 32, t % 32, i)
+            else:
+                vb, mh, field = v_register_source(bits, head_dim, r)
+                w = v_word(bits, head_dim, 0, t, vb, mh)
+            word[t, r] = w
+            shift[t, r, 0] = field
+            shift[t, r, 1] = field + 16
+    return word, shift
+
+
+def tile_words(bits: int, head_dim: int, tensor: str) -> int:
+    """Words of one 64-token tile of packed codes."""
+    block = K_BLOCK_TOKENS if tensor == "k" else v_block_tokens(bits)
+    return TILE_TOKENS // block * words_per_block(bits, head_dim, tensor)
 
 
 def _tiled_mma(n: int):
@@ -92,47 +162,3 @@ def rs_accumulator_ownership(m: int, n: int = 8) -> torch.Tensor:
         warnings.simplefilter("ignore")
         cute.compile(probe)
     return own
-
-
-def tile_register_source(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(word, shift)``, each ``[128, regs, 2]``: the word of a 64-token tile's packed codes (index into
-    the tile's ``64 * head_dim * bits / 32`` words, pack blocks in token order) and the bit holding the
-    code of half ``h`` of register ``r`` of thread ``t``, for the fragment of :func:`rs_fragment_ownership`
-    (K: ``m = 64`` tokens, ``k = head_dim``; V: ``m = head_dim``, ``k = 64`` tokens).
-
-    K: warp ``w`` reads pack block ``w`` (16 tokens); lane ``l`` its ``head_dim*bits/64`` contiguous words,
-    register ``r`` in word ``r // (16/bits)``. V: an m64 half ``mh`` of the channels and a k16 block
-    ``kb`` of the tokens; pack block ``kb // (4/bits)`` (``64/bits`` tokens), thread ``t``'s word ``mh``
-    of it, registers ``4 * (kb % (4/bits)) + j``.
-    """
-    per_word = 16 // bits
-    t = torch.arange(THREADS)[:, None, None]
-    h = torch.arange(2)[None, None, :]
-    if tensor == "k":
-        regs = TILE_TOKENS * head_dim // 2 // THREADS
-        r = torch.arange(regs)[None, :, None]
-        wpl = head_dim * bits // 64  # words per lane per K block
-        block = t // 32
-        word = block * words_per_block(bits, head_dim, "k") + (t % 32) * wpl + r // per_word
-        shift = bits * (r % per_word) + 16 * h
-    elif tensor == "v":
-        kblocks = TILE_TOKENS // 16
-        mhalves = head_dim // 64
-        regs = 4 * mhalves * kblocks
-        r = torch.arange(regs)[None, :, None]
-        # fragment order of make_fragment_A((head_dim, 64)): ((2,2,2), m-tiles, k-blocks) -> r = 4*(mh + mhalves*kb) + j
-        j, mk = r % 4, r // 4
-        mh, kb = mk % mhalves, mk // mhalves
-        nib = 4 // bits  # k16 blocks per V pack block
-        block = kb // nib
-        word = block * words_per_block(bits, head_dim, "v") + t * mhalves + mh
-        shift = bits * (4 * (kb % nib) + j) + 16 * h
-    else:
-        raise ValueError(f"tensor {tensor!r}: expected 'k' or 'v'")
-    return word.expand(THREADS, regs, 2).contiguous(), shift.expand(THREADS, regs, 2).contiguous()
-
-
-def tile_words(bits: int, head_dim: int, tensor: str) -> int:
-    """Words of one 64-token tile of packed codes."""
-    block = K_BLOCK_TOKENS if tensor == "k" else v_block_tokens(bits)
-    return TILE_TOKENS // block * words_per_block(bits, head_dim, tensor)

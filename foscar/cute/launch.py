@@ -43,7 +43,7 @@ def compile_seconds(detail: bool = False) -> dict:
 
 #: CTAs resident per SM: v0 (one warpgroup, 127 registers a thread) fits four.
 V0_RESIDENT = 4
-#: v1's default CTAs per SM (:data:`foscar.cute.decode_sm90.WS_REGISTERS` gives their register budgets):
+#: v1's default CTAs per SM (:data:`foscar.cute.config.WS_REGISTERS` gives their register budgets):
 #: two, four consumer warpgroups per SM (on the H200 0.98-1.39x the speed of one CTA, paper grid; the
 #: 0.98x at B = 1, 8K).
 WS_CTAS_PER_SM = 2
@@ -111,7 +111,7 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
     BF16 windows'."""
     from ..splitkv import num_window_parts
-    from .decode_sm90 import CONSUMERS
+    from .config import CONSUMERS
     return (CONSUMERS if warp_specialized else 1) * num_splits + num_window_parts(fmt)
 
 
@@ -121,9 +121,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _check_stage1_tensors(tensors) -> None:
-    """What the compiled stage 1 takes (:data:`foscar.cute.decode_sm90.STAGE1_TENSORS`), checked here so
+    """What the compiled stage 1 takes (:data:`foscar.cute.config.STAGE1_TENSORS`), checked here so
     that a bad tensor is named in foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
-    from .decode_sm90 import ALIGN, STAGE1_TENSORS
+    from .config import ALIGN, STAGE1_TENSORS
     for (name, _, _), t in zip(STAGE1_TENSORS, tensors):
         if t.stride(-1) != 1 or t.data_ptr() % ALIGN:
             raise UnsupportedError(name, f"the CuTe kernels read it with unit stride in the last dim "
@@ -132,7 +132,7 @@ def _check_stage1_tensors(tensors) -> None:
 
 
 def max_tiles_of(cache: QuantKVCache) -> int:
-    from .decode_sm90 import TILE
+    from .config import TILE
     return cache.table_capacity // TILE
 
 
@@ -157,7 +157,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..splitkv import combine, num_window_parts, window_partials, workspace_for
-    from .decode_sm90 import config_for
+    from .config import config_for
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")

@@ -1,0 +1,166 @@
+"""Static configuration of the CuTe DSL Hopper (sm_90a) decode kernels.
+
+:class:`Sm90Config` holds everything one compiled kernel depends on (it is the compile-cache key);
+:func:`config_for` makes it from a cache format, a GQA ratio and a page size, or says why the kernels
+cannot take them. The constants are the tile geometry both kernels share and what the host side
+(:mod:`foscar.cute.launch`) reads: :data:`TILE`, :data:`CONSUMERS`, :data:`WS_REGISTERS`,
+:data:`STAGE1_TENSORS` and :data:`ALIGN`.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from ..format import v_block_tokens
+
+TILE = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
+HEADS = 8  #: query heads of one KV head, padded: the wgmma N
+THREADS = 128  #: threads of one warpgroup
+RED_SLOTS = 16  #: reduction slots per warp in shared memory: 8 column maxima, the |s'_V| maxima, padding
+CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
+STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
+CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
+#: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
+#: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
+#: v0 runs): launched at 80 a thread (65,536 / 768, rounded down to 8), the producer gives 56 back and
+#: each consumer takes 24 (128 x 56 >= 256 x 24).
+WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
+
+#: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank). Every
+#: tensor has a dynamic shape and strides, unit stride in its last dim, and a 16-byte aligned base (TMA and
+#: vector loads): one compile serves every batch, length and pool size.
+STAGE1_TENSORS = (("q", BFloat16, 3), ("k_codes", Int32, 3), ("v_codes", Int32, 3), ("k_params", Float32, 5),
+                  ("v_params", Float32, 5), ("block_table", Int32, 2), ("seq_lens", Int32, 1),
+                  ("partial_out", Float32, 4), ("partial_lse", Float32, 3))
+ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """Static configuration of one compiled kernel (the compile-cache key).
+
+    The injection constants build each product's operands from the codes: BF16 bits
+    ``k_pattern | q << k_shl`` are ``q + beta_K`` (V: FP16, ``v_*``); ``*_pivot`` is the operand of the
+    middle code, and a group's middle value is ``z' + *_mid * s'``.
+    """
+
+    bits: int
+    head_dim: int
+    page: int  #: tokens per page (a multiple of TILE)
+    gqa: int  #: query heads per KV head (at most HEADS)
+    k_pattern: int
+    k_shl: int
+    k_pivot: float
+    k_mid: float
+    v_pattern: int
+    v_shl: int
+    v_pivot: float
+    v_mid: float
+    sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
+    recent: int = 0
+    k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
+    group_size: int = 0  #: values sharing one (s', z'): channels of a token-wise axis, tokens of a channel-wise one
+    v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
+
+    @property
+    def kc(self) -> int:
+        """Channel groups of a token-wise K (1 when channel-wise)."""
+        return 1 if self.k_channel else self.head_dim // self.group_size
+
+    @property
+    def vc(self) -> int:
+        """Channel groups of a token-wise V (1 when channel-wise)."""
+        return 1 if self.v_channel else self.head_dim // self.group_size
+
+    @property
+    def par_words(self) -> int:
+        """Per-thread ``(s', z')`` registers of a tile: K's, then V's (from ``4 * kc``)."""
+        return 4 * self.kc + 4 * self.vc
+
+    @property
+    def flush(self) -> int:
+        """Tokens quantized together (``KVFormat.flush``)."""
+        return self.group_size if (self.k_channel or self.v_channel) else 1
+
+    @property
+    def k_param_words(self) -> int:
+        """Floats of a tile's K ``(s', z')``: per token and channel group, or the token group's row."""
+        return 2 * self.head_dim if self.k_channel else 2 * TILE * self.kc
+
+    @property
+    def k_param_rows(self) -> int:
+        """Rows of K ``(s', z')`` per page: tiles, or token groups (at least one)."""
+        return max(1, self.page // self.group_size) if self.k_channel else self.page // TILE
+
+    @property
+    def v_param_words(self) -> int:
+        """Floats of a tile's V ``(s', z')``."""
+        return 2 * self.head_dim if self.v_channel else 2 * TILE * self.vc
+
+    @property
+    def v_param_rows(self) -> int:
+        """Rows of V ``(s', z')`` per page."""
+        return max(1, self.page // self.group_size) if self.v_channel else self.page // TILE
+
+    @property
+    def acc_elems(self) -> int:
+        """O^T accumulator elements per thread."""
+        return self.head_dim * HEADS // THREADS
+
+    @property
+    def k_words(self) -> int:
+        """Packed K words per thread per tile."""
+        return self.head_dim * self.bits // 64
+
+    @property
+    def tile_words(self) -> int:
+        """Packed words of one tensor's 64-token tile (one KV head)."""
+        return TILE * self.head_dim * self.bits // 32
+
+    @property
+    def v_blocks(self) -> int:
+        """V pack blocks per tile."""
+        return TILE // v_block_tokens(self.bits)
+
+    @property
+    def mh(self) -> int:
+        """m64 halves of the head dim (the row blocks of V^T)."""
+        return self.head_dim // 64
+
+    @cute.jit
+    def quantized_length(self, L):
+        """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
+        rest = L - cutlass.min(L, self.sink) - self.recent
+        return cutlass.max(rest, 0) // self.flush * self.flush
+
+
+@functools.lru_cache(maxsize=256)  # host time per call
+def config_for(fmt, gqa: int, page: int) -> Sm90Config:
+    """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head) and
+    page size; the injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`):
+    one home."""
+    import torch
+
+    from ..errors import UnsupportedError
+    from ..format import injection_constants, operand_for
+    g = fmt.group_size
+    if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
+        raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
+                               "the CuTe kernels need g a multiple of 64 (channels of a token-wise axis, tokens of "
+                               "a channel-wise one), dividing the head dim for a token-wise axis")
+    if fmt.head_dim not in (64, 128) or gqa > HEADS or page % TILE or fmt.mapping != "bf16":
+        raise UnsupportedError(f"head_dim={fmt.head_dim}, gqa={gqa}, page={page}, mapping={fmt.mapping!r}",
+                               "the CuTe kernels need head_dim 64/128, gqa <= 8 query heads per KV head, pages of "
+                               "64k tokens, bf16")
+    k = injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt)
+    v = injection_constants("V", operand_for(torch.float16, fmt.bits), fmt)
+    return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
+                      k_shl=k["K_SHL"], k_pivot=float(k["K_PIVOT"]), k_mid=float(k["K_MID"]),
+                      v_pattern=v["V_PATTERN"], v_shl=v["V_SHL"], v_pivot=float(v["V_PIVOT"]),
+                      v_mid=float(v["V_MID"]), sink=fmt.sink, recent=fmt.recent,
+                      k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
+                      v_channel=fmt.v_axis == "channel")

@@ -1,0 +1,295 @@
+"""Affine folding in the tile step (paper Sec. 4.1, Fig. 4): where each axis puts its ``(s', z')``.
+
+- K, token-wise: the **acc-fold** of the tile's ``S^T`` partial per channel group, centred on the pivot
+  like :func:`foscar.decode_folded` (:func:`k_acc_fold`, with the offset term ``sum(Q)`` of
+  :func:`q_sums`);
+- K, channel-wise: the **operand-fold** ``Q' = bf16(Q s')`` of the tile's token group and its offset
+  correction per head (:func:`k_operand_fold`, :func:`k_operand_fold_scores`);
+- V, token-wise: the **operand-fold** ``P' = P s'_V / sigma`` into the B operand, the offset correction
+  gathered per element (:func:`v_operand_fold`) and added to the accumulator every
+  :data:`~foscar.cute.config.CORRECTION_TILES` tiles (:func:`add_offset_corrections`);
+- V, channel-wise: ``P~ = fp16(P)`` as the B operand and the **acc-fold** of the tile's PV partial per
+  channel (:func:`v_acc_fold`).
+
+:class:`OutputAccumulator` is the O^T accumulator these act on.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from .config import HEADS, THREADS
+from .operands import build_vt_registers
+from .softmax import column_sums
+
+
+class OutputAccumulator:
+    """One warpgroup's O^T accumulator ``acc`` (this thread's ``head_dim * 8 / 128`` elements, element
+    ``e``: m64 half ``e // 4``, head column ``2 quad + e % 2``) in units of ``sigma``, and the offset
+    corrections gathered per S^T element since the last fold (``corr``). Token-wise V has one ``sigma`` (a
+    power of two at least every ``|s'_V|`` so far) and one ``corr`` per channel group, each group one m64
+    half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries ``sigma``."""
+
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list):
+        self.acc = acc
+        self.sigma = sigma
+        self.corr = corr
+
+    def __extract_mlir_values__(self):
+        return [s.ir_value() for s in self.sigma]
+
+    def __new_from_mlir_values__(self, values) -> OutputAccumulator:
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr)
+
+    def rescale(self, al: tuple, sigma: list):
+        """Rescale the accumulator to new running maxima (``al``, per head column) and new units ``sigma``."""
+        ratio = [self.sigma[g] / sigma[g] for g in range(len(sigma))]
+        for e in range(cute.size(self.acc)):  # element e: half e // 4, column 2 quad + e % 2
+            self.acc[e] = self.acc[e] * (al[e % 2] * ratio[e // 4 if len(sigma) == 2 else 0])
+        self.sigma = sigma
+
+
+@cute.jit
+def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx):
+    """``sum(Q)`` of the BF16 operand per head and channel group of a token-wise K (``sQsum[h, c]``): the
+    acc-fold's offset term."""
+    D = cfg.head_dim
+    if cutlass.const_expr(cfg.kc == 1):
+        if tidx < HEADS:
+            acc_q = Float32(0.0)
+            for d in cutlass.range(D, unroll=8):
+                acc_q += Float32(sQ[tidx, d])
+            sQsum[tidx] = acc_q
+    else:
+        width = D // cfg.kc
+        if tidx < HEADS * cfg.kc:
+            h = tidx % HEADS
+            c = tidx // HEADS
+            acc_q = Float32(0.0)
+            for d in cutlass.range(width, unroll=8):
+                acc_q += Float32(sQ[h, c * width + d])
+            sQsum[h, c] = acc_q
+
+
+@cute.jit
+def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
+    """Token-wise K: the scaled scores of a tile's four S^T elements from its partial(s) ``accS`` (one per
+    channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
+    ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``)."""
+    qk_scale = wg.qk_scale
+    s = []
+    if cutlass.const_expr(cfg.kc == 2):
+        quad = wg.thr.quad
+        s00 = Float32(0.0)
+        s01 = Float32(0.0)
+        s10 = Float32(0.0)
+        s11 = Float32(0.0)
+        for c in cutlass.range_constexpr(2):
+            acc_c = accS[c]
+            q0 = wg.smem.sQsum[2 * quad, c]
+            q1 = wg.smem.sQsum[2 * quad + 1, c]
+            ka0 = par[c * 2] * qk_scale  # row 0: (s', z') at (0 * kc + c) * 2
+            ka1 = par[(2 + c) * 2] * qk_scale  # row 1
+            ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
+            ke1 = (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale
+            s00 = s00 + (acc_c[0] - cfg.k_pivot * q0) * ka0 + q0 * ke0
+            s01 = s01 + (acc_c[1] - cfg.k_pivot * q1) * ka0 + q1 * ke0
+            s10 = s10 + (acc_c[2] - cfg.k_pivot * q0) * ka1 + q0 * ke1
+            s11 = s11 + (acc_c[3] - cfg.k_pivot * q1) * ka1 + q1 * ke1
+        s = [s00, s01, s10, s11]
+    else:
+        ks0, kz0, ks1, kz1 = sc.k
+        qsum0, qsum1 = wg.qsum
+        acc = accS[0]
+        a0 = ks0 * qk_scale
+        a1 = ks1 * qk_scale
+        e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
+        e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
+        s = [(acc[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0, (acc[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0,
+             (acc[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1, (acc[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1]
+    return s
+
+
+@cute.jit
+def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
+    """Channel-wise K, at a token group's first tile: ``Q' = bf16(Q s')`` into ``sQk`` (the QK product's B
+    operand) and the group's offset correction per head, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot
+    ``c``, from the BF16 ``Q'`` the MMA consumes), into ``sKf``. Thread ``tidx`` holds channel
+    ``tidx % D``'s ``(s', z')`` (``s_d``, ``z_d``) and handles its ``HEADS * D / 128`` elements of ``Q``."""
+    D = cfg.head_dim
+    thr = wg.thr
+    sQ = wg.smem.sQ
+    sQk = wg.smem.sQk
+    sKr = wg.smem.sKr
+    sKf = wg.smem.sKf
+    ctid = thr.tidx
+    warp = thr.warp
+    lane = thr.lane
+    per = HEADS * D // THREADS  # heads per thread: 8 (D = 128) or 4 (D = 64)
+    d = ctid % D
+    h0 = (ctid // D) * per
+    mid = z_d + cfg.k_mid * s_d
+    part = cute.make_rmem_tensor(cute.make_layout(per), Float32)
+    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)  # earlier readers of sQk, sKf are done
+    for i in cutlass.range_constexpr(per):
+        qv = Float32(sQ[h0 + i, d])
+        qs = BFloat16(qv * s_d)
+        sQk[h0 + i, d] = qs
+        part[i] = qv * mid - cfg.k_pivot * Float32(qs)
+    for i in cutlass.range_constexpr(per):  # sum over the warp's 32 channels
+        v = part[i]
+        for sh in cutlass.range_constexpr(5):
+            v = v + cute.arch.shuffle_sync_bfly(v, 16 >> sh)
+        part[i] = v
+    if lane == 0:
+        for i in cutlass.range_constexpr(per):
+            sKr[warp, i] = part[i]
+    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
+    if ctid < HEADS:  # head h: the warps holding its channels (all four at D = 128; two at D = 64)
+        warps = D // 32
+        first = (ctid // per) * warps
+        acc = Float32(0.0)
+        for w in cutlass.range_constexpr(warps):
+            acc = acc + sKr[first + w, ctid % per]
+        sKf[ctid] = acc
+    cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)
+    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
+
+
+def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
+    """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's four S^T elements."""
+    quad = wg.thr.quad
+    kc0 = wg.smem.sKf[2 * quad]
+    kc1 = wg.smem.sKf[2 * quad + 1]
+    qk_scale = wg.qk_scale
+    return [(accS[0] + kc0) * qk_scale, (accS[1] + kc1) * qk_scale, (accS[2] + kc0) * qk_scale,
+            (accS[3] + kc1) * qk_scale]
+
+
+@cute.jit
+def grow_sigma(sigma: Float32, bound: Float32) -> Float32:
+    """``sigma`` doubled until it is at least ``bound`` (a power of two >= every ``|s'_V|`` so far keeps
+    ``P' = P s'_V / sigma`` within FP16, as ``P <= 1``)."""
+    sig = sigma
+    while sig < bound:
+        sig = sig * 2.0
+    return sig
+
+
+@cute.jit
+def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
+    """Token-wise V: the units ``sigma`` of ``P'`` for this tile, per channel group, from the tile's largest
+    ``|s'_V|`` (``tv``; the second group's from slot ``HEADS + 1`` of the reduction
+    :func:`foscar.cute.softmax.tile_maxima` left in shared memory)."""
+    sigma = [grow_sigma(out.sigma[0], tv)]
+    if cutlass.const_expr(cfg.vc == 2):
+        sRed = wg.smem.sRed
+        buf = tile % 2
+        tv2 = sRed[buf, 0, HEADS + 1]
+        for wi in cutlass.range_constexpr(1, 4):
+            tv2 = cute.arch.fmax(tv2, sRed[buf, wi, HEADS + 1])
+        sigma.append(grow_sigma(out.sigma[1], tv2))
+    return sigma
+
+
+def store_p(sP: cute.Tensor, thr, q: list):
+    """A tile's four P elements of this thread (element e: head 2 quad + e % 2, token row0 + 8 (e // 2)) into
+    the B operand ``sP`` of the O^T product."""
+    quad = thr.quad
+    row0 = thr.row0
+    sP[2 * quad, row0] = q[0]
+    sP[2 * quad + 1, row0] = q[1]
+    sP[2 * quad, row0 + 8] = q[2]
+    sP[2 * quad + 1, row0 + 8] = q[3]
+
+
+def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):
+    """Token-wise V: ``P'_g = P s'_V[g] / sigma_g`` (FP16) per channel group ``g`` into its B operand, and the
+    offset correction per element (``P mid - c sigma P'``, the corrections in units of ``sigma``) gathered
+    into ``out.corr[g]`` (rescaled by ``al``); then the fence and barrier the wgmma reads need. ``v[g]`` holds
+    the group's ``(s', z')`` of this thread's two rows, ``sigma`` the new units."""
+    groups = len(sigma)
+    r = [(v[g][0] / sigma[g], v[g][2] / sigma[g]) for g in range(groups)]
+    q = [[Float16(p[0] * r[g][0]), Float16(p[1] * r[g][0]), Float16(p[2] * r[g][1]), Float16(p[3] * r[g][1])]
+         for g in range(groups)]
+    mid = [(v[g][1] + cfg.v_mid * v[g][0], v[g][3] + cfg.v_mid * v[g][2]) for g in range(groups)]
+    cs = [cfg.v_pivot * sigma[g] for g in range(groups)]
+    for g in range(groups):
+        c = out.corr[g]
+        for e in range(4):  # element e: row e // 2, column e % 2
+            c[e] = c[e] * al[e % 2] + (p[e] * mid[g][e // 2] - cs[g] * Float32(q[g][e]))
+    for g in range(groups):
+        store_p(wg.smem.sP[g], wg.thr, q[g])
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
+
+
+@cute.jit
+def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
+    """Channel-wise V (one token group per tile): ``P~ = fp16(P)`` is the B operand; the tile's partial
+    ``V^T P~^T``, centred, is scaled per channel (``regs.vpar``: the group's ``(s', z')`` of this thread's
+    accumulator channels) and added to the rescaled accumulator: ``s' (part - c sum P~) + mid sum P~``."""
+    thr = wg.thr
+    sRed = wg.smem.sRed
+    lane = thr.lane
+    warp = thr.warp
+    quad = thr.quad
+    accO = out.acc
+    q = [Float16(p[0]), Float16(p[1]), Float16(p[2]), Float16(p[3])]
+    store_p(wg.smem.sP[0], thr, q)
+    ps0 = Float32(q[0]) + Float32(q[2])  # column sums of the P~ the MMA consumes
+    ps1 = Float32(q[1]) + Float32(q[3])
+    for sh in cutlass.range_constexpr(3):
+        ps0 = ps0 + cute.arch.shuffle_sync_bfly(ps0, 4 << sh)
+        ps1 = ps1 + cute.arch.shuffle_sync_bfly(ps1, 4 << sh)
+    if lane < 4:
+        sRed[buf, warp, HEADS + 2 * lane] = ps0
+        sRed[buf, warp, HEADS + 2 * lane + 1] = ps1
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
+    psum0 = sRed[buf, 0, HEADS + 2 * quad]
+    psum1 = sRed[buf, 0, HEADS + 2 * quad + 1]
+    for wi in cutlass.range_constexpr(1, 4):
+        psum0 = psum0 + sRed[buf, wi, HEADS + 2 * quad]
+        psum1 = psum1 + sRed[buf, wi, HEADS + 2 * quad + 1]
+    build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
+    tOrV = wg.frags.tOrV
+    tOrP = wg.frags.tOrP[0]
+    accT = cute.make_rmem_tensor(accO.layout, Float32)
+    accT.fill(0.0)
+    warpgroup.fence()
+    for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+        cute.gemm(wg.pv_mma, accT, tOrV[None, None, kb], tOrP[None, None, kb], accT)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    vpar = regs.vpar
+    for e in cutlass.range_constexpr(cute.size(accO)):
+        ps = psum0 if e % 2 == 0 else psum1
+        vs_e = vpar[2 * e]
+        accO[e] = (accO[e] * al[e % 2] + (accT[e] - cfg.v_pivot * ps) * vs_e
+                   + ps * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
+
+
+@cute.jit
+def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, half: cutlass.Constexpr, sSum: cute.Tensor,
+                           thr):
+    """The offset corrections of channel group ``g`` gathered per element join the accumulator (in units of
+    its ``sigma``): all of it (``half < 0``), or the m64 half ``half`` whose channels are the group."""
+    c0, c1 = column_sums(out.corr[g], sSum, thr)
+    accO = out.acc
+    sigma = out.sigma[g]
+    for e in cutlass.range_constexpr(cute.size(accO)):
+        if cutlass.const_expr(half < 0 or e // 4 == half):
+            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
+    out.corr[g].fill(0.0)
+
+
+def fold_corrections(cfg, out: OutputAccumulator, sSum: cute.Tensor, thr):
+    """Every channel group's gathered offset corrections into the accumulator."""
+    if cfg.vc == 2:
+        add_offset_corrections(out, 0, 0, sSum, thr)
+        add_offset_corrections(out, 1, 1, sSum, thr)
+    else:
+        add_offset_corrections(out, 0, -1, sSum, thr)

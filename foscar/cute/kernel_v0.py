@@ -1,0 +1,161 @@
+"""v0 of the Hopper decode stage 1: one warpgroup per CTA (batch entry, KV head, KV split), four CTAs per
+SM, loading the next tile's words and ``(s', z')`` from global memory into registers while it computes
+one (a software pipeline), then the tile step of :class:`~foscar.cute.warpgroup.TileKernel`."""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.memory import SmemAllocator
+
+from ..format import K_BLOCK_TOKENS, v_block_tokens
+from .config import HEADS, RED_SLOTS, THREADS, TILE
+from .folds import q_sums
+from .fragment import k_word, v_word
+from .operands import load_q, mmas_and_layouts
+from .warpgroup import (
+    Fragments,
+    TileKernel,
+    TileRegisters,
+    Warpgroup,
+    WarpgroupSmem,
+    WarpgroupThread,
+    allocate_registers,
+)
+
+
+class FoldDecodeSm90(TileKernel):
+    """v0: one warpgroup per CTA, register prefetch of the next tile."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
+        """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
+        graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
+        kernel)."""
+        qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(self.cfg)
+        batch = cute.size(mQ, mode=[0])
+        kv_heads = cute.size(mKC, mode=[1])
+        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP,
+                    qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor,
+               mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
+               mLP: cute.Tensor, qk_scale: Float32):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, b, split = cute.arch.block_idx()
+        n_splits = cute.arch.grid_dim()[2]
+        thr = WarpgroupThread(tidx, 1)
+        smem = self._shared_memory(sQ_layout, sP_layout)
+
+        # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
+        load_q(cfg, mQ, smem.sQ, b, kvh, tidx)
+        cute.arch.sync_threads()
+        q_sums(cfg, smem.sQ, smem.sQsum, tidx)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
+
+        # ---- the split's tiles ------------------------------------------------------------------------
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
+        frags = Fragments(cfg, qk_mma, pv_mma, smem, tidx)
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale)
+        # software pipeline: tile i+1's words and parameters are loaded (into regs_next) before tile i is
+        # computed, so their latency hides behind its math
+        state, regs, regs_next = allocate_registers(cfg, frags, prefetch=True)
+        thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, HEADS)))
+        if t_lo < t_hi:
+            self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, t_lo, regs_next, thr_c, thr)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for tile in cutlass.range(t_lo, t_hi, unroll=1):
+            t0 = tile * TILE
+            self._take_next(regs, regs_next)
+            if tile + 1 < t_hi:
+                self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, regs_next, thr_c, thr)
+            state = self._tile_step(wg, regs, state, tile, t0, t_lo)
+
+        self._epilogue(wg, state, mOP, mLP, b, kvh, split)
+
+    def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout) -> WarpgroupSmem:
+        """The CTA's shared memory (one warpgroup's)."""
+        cfg = self.cfg
+        alloc = SmemAllocator()
+        sQ = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sP = alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sP2 = sP  # token-wise V with two channel groups: the second group's P' (its own buffer then)
+        if cfg.vc == 2:
+            sP2 = alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sRed = alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
+        sSum = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
+        sQk = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)  # Q s'
+        sKr = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        sKf = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        return WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf)
+
+    @cute.jit
+    def _take_next(self, regs: TileRegisters, regs_next: TileRegisters):
+        """The prefetched tile's registers become the current tile's."""
+        cfg = self.cfg
+        for i in cutlass.range_constexpr(cfg.k_words):
+            regs.kw[i] = regs_next.kw[i]
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                regs.vw[mh, vb] = regs_next.vw[mh, vb]
+        for i in cutlass.range_constexpr(cfg.par_words):
+            regs.par[i] = regs_next.par[i]
+        if cutlass.const_expr(cfg.v_channel):
+            for i in cutlass.range_constexpr(2 * cfg.acc_elems):
+                regs.vpar[i] = regs_next.vpar[i]
+
+    @cute.jit
+    def _load_tile(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor,
+                   b, kvh, tile, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
+        """This thread's packed words of KV tile ``tile`` (at :func:`~foscar.cute.fragment.k_word` and
+        :func:`~foscar.cute.fragment.v_word` of its page) and the ``(s', z')`` of its two token rows, into
+        ``regs``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        t0 = tile * TILE
+        page = mBT[b, t0 // cfg.page]
+        off = t0 % cfg.page
+        warp = thr.warp
+        lane = thr.lane
+        tidx = thr.tidx
+        row0 = thr.row0
+        kw = regs.kw
+        vw = regs.vw
+        par = regs.par
+        vpar = regs.vpar
+        for i in cutlass.range_constexpr(cfg.k_words):
+            kw[i] = mKC[page, kvh, k_word(cfg.bits, D, off // K_BLOCK_TOKENS, warp, lane, i)]
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                vw[mh, vb] = mVC[page, kvh, v_word(cfg.bits, D, off // v_block_tokens(cfg.bits), tidx, vb, mh)]
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(2):
+                if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of this thread's channel
+                    if cutlass.const_expr(r == 0):
+                        row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
+                        par[j] = mKP[page, kvh, row, tidx % D, j]
+                else:
+                    for c in cutlass.range_constexpr(cfg.kc):
+                        par[(r * cfg.kc + c) * 2 + j] = mKP[page, kvh, off + row0 + 8 * r, c, j]
+                for c in cutlass.range_constexpr(cfg.vc):
+                    if cutlass.const_expr(cfg.v_channel):
+                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = Float32(0.0)  # no per-token V scale
+                    else:
+                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = mVP[page, kvh, off + row0 + 8 * r, c, j]
+        if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
+            vrow = off // cfg.group_size if cfg.page >= cfg.group_size else 0
+            for e in cutlass.range_constexpr(cfg.acc_elems):
+                ch, _ = thr_c[e]
+                for j in cutlass.range_constexpr(2):
+                    vpar[2 * e + j] = mVP[page, kvh, vrow, ch, j]

@@ -1,0 +1,272 @@
+"""v1 of the Hopper decode stage 1: warp-specialized.
+
+Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
+copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
+``STAGES``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
+(exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles: each waits for its
+stage, copies its words and parameters into registers, frees the stage and runs the tile step of
+:class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
+writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
+``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config
+from .folds import q_sums
+from .fragment import k_word, v_word
+from .operands import load_q, mmas_and_layouts
+from .warpgroup import (
+    Fragments,
+    TileKernel,
+    TileRegisters,
+    Warpgroup,
+    WarpgroupSmem,
+    WarpgroupThread,
+    allocate_registers,
+)
+
+
+class StageRing:
+    """The shared-memory stages of both consumers (slot ``c * STAGES + k % STAGES`` holds consumer ``c``'s
+    ``k``-th tile): packed K and V words (``sK``, ``sV``), their ``(s', z')`` (``sKP``, ``sVP``), and the
+    full and empty mbarriers of each slot."""
+
+    def __init__(self, sK, sV, sKP, sVP, full, empty):
+        self.sK = sK
+        self.sV = sV
+        self.sKP = sKP
+        self.sVP = sVP
+        self.full = full
+        self.empty = empty
+
+
+class FoldDecodeSm90WS(TileKernel):
+    """v1: a TMA producer warpgroup and two consumer warpgroups, ``ctas_per_sm`` CTAs resident per SM."""
+
+    def __init__(self, cfg: Sm90Config, ctas_per_sm: int = 1):
+        super().__init__(cfg)
+        self.ctas_per_sm = ctas_per_sm
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
+        cfg = self.cfg
+        qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
+        # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
+        # (s', z') (TILE x 2 floats), by (tile in page, KV head, page)
+        chunk = cfg.tile_words
+        ci = min(chunk, 256)
+        co = chunk // ci
+        tpp = cfg.page // TILE
+        words = cute.make_layout((ci, co), stride=(1, ci))
+        atoms = []
+        for m in (mKC, mVC):
+            g = cute.make_tensor(m.iterator, cute.make_layout(
+                (ci, co, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
+                stride=(1, ci, chunk, m.stride[1], m.stride[0])))
+            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
+        for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, cfg.v_param_words, cfg.v_param_rows)):
+            # per tile: its tokens' (s', z'); channel-wise K: the rows of token groups, one per group
+            g = cute.make_tensor(m.iterator, cute.make_layout(
+                (width, rows, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
+                stride=(1, width, m.stride[1], m.stride[0])))
+            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, cute.make_layout(width),
+                                                     (width,)))
+        batch = cute.size(mQ, mode=[0])
+        kv_heads = cute.size(mKC, mode=[1])
+        self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP,
+                       qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                                        stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+                                        preferred_smem_carveout=100)  # all of the SM's shared memory
+
+    @cute.kernel
+    def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+                  sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
+                  tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
+                  tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
+                  mLP: cute.Tensor, qk_scale: Float32):
+        cfg = self.cfg
+        slots = STAGES * CONSUMERS
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, b, split = cute.arch.block_idx()
+        n_splits = cute.arch.grid_dim()[2]
+        role = cute.arch.make_warp_uniform(tidx // THREADS)  # the warpgroup: 0 producer, 1 + c consumer c
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)  # set once, before any branch (the tile step zeroes accS)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        ring, smems = self._shared_memory(sQ_layout, sP_layout)
+        full = ring.full
+        empty = ring.empty
+        sQ = smems[0].sQ
+        sQsum = smems[0].sQsum
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(slots):
+                cute.arch.mbarrier_init(full + i, 1)
+                cute.arch.mbarrier_init(empty + i, THREADS)
+        cute.arch.mbarrier_init_fence()
+        # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
+        if role == 0:
+            load_q(cfg, mQ, sQ, b, kvh, tidx)
+        cute.arch.sync_threads()
+        q_sums(cfg, sQ, sQsum, tidx)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
+        if role == 0:  # ---- producer ------------------------------------------------------------------------
+            cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
+            self._produce(((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp)), ring, mBT, b,
+                          kvh, t_lo, t_hi, tidx)
+        for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
+            if role == c + 1:
+                cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
+                self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
+
+    def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+        """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
+        buffer kind by buffer kind. Returns ``(ring, [consumer c's WarpgroupSmem])``."""
+        cfg = self.cfg
+        chunk = cfg.tile_words
+        ci = min(chunk, 256)
+        co = chunk // ci
+        slots = STAGES * CONSUMERS
+        alloc = SmemAllocator()
+        sK = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
+                                   byte_alignment=128)
+        sV = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
+                                   byte_alignment=128)
+        sKP = alloc.allocate_tensor(Float32, cute.make_layout((cfg.k_param_words, slots)), byte_alignment=128)
+        sVP = alloc.allocate_tensor(Float32, cute.make_layout((cfg.v_param_words, slots)), byte_alignment=128)
+        full = alloc.allocate_array(Int64, slots)
+        empty = alloc.allocate_array(Int64, slots)
+        ring = StageRing(sK, sV, sKP, sVP, full, empty)
+        sQ = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
+
+        def each(make):
+            return [make() for _ in range(CONSUMERS)]
+
+        def p_buffer():
+            return alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+
+        sP = each(p_buffer)
+        sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
+        sRed = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16))
+        sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
+        sQk = each(lambda: alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024,
+                                                 swizzle=sQ_layout.inner))
+        sKr = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
+        sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16))
+        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c])
+                      for c in range(CONSUMERS)]
+
+    @cute.jit
+    def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, t_hi, tidx):
+        """The producer: thread 0 issues each tile's four TMA copies (``tma``: the (atom, tensor) pairs of K
+        words, V words, K and V ``(s', z')``) into consumer ``(tile - t_lo) % CONSUMERS``'s next stage, once
+        the stage is empty, with the stage's exact transaction bytes on its full barrier."""
+        cfg = self.cfg
+        chunk = cfg.tile_words
+        ci = min(chunk, 256)
+        co = chunk // ci
+        (atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp) = tma
+        full = ring.full
+        empty = ring.empty
+        gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
+        gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
+        gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
+        gVP = cute.local_tile(tma_vp, (cfg.v_param_words,), (0, None, None, None))
+        one = cute.make_layout(1)
+        tKs, tKg = cpasync.tma_partition(atom_kc, 0, one, ring.sK, cute.group_modes(gKC, 0, 2))
+        tVs, tVg = cpasync.tma_partition(atom_vc, 0, one, ring.sV, cute.group_modes(gVC, 0, 2))
+        tKPs, tKPg = cpasync.tma_partition(atom_kp, 0, one, ring.sKP, cute.group_modes(gKP, 0, 1))
+        tVPs, tVPg = cpasync.tma_partition(atom_vp, 0, one, ring.sVP, cute.group_modes(gVP, 0, 1))
+        if tidx == 0:
+            for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                i = tile - t_lo
+                k = i // CONSUMERS
+                slot = (i % CONSUMERS) * STAGES + k % STAGES
+                cute.arch.mbarrier_wait(empty + slot, ((k // STAGES) % 2) ^ 1)  # a fresh stage passes
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
+                                                        (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
+                t0 = tile * TILE
+                page = mBT[b, t0 // cfg.page]
+                tip = (t0 % cfg.page) // TILE
+                grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
+                krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
+                vrow = grow if cfg.v_channel else tip
+                cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
+                cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
+                cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
+                cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
+
+    @cute.jit
+    def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
+                 smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
+                 qk_scale: Float32):
+        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c)
+        qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
+        frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale)
+        state, regs, _ = allocate_registers(cfg, frags, prefetch=False)
+        thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, HEADS)))
+        for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
+            k = (tile - t_lo) // CONSUMERS
+            slot = c * STAGES + k % STAGES
+            cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
+            self._read_stage(ring, slot, regs, thr_c, thr)
+            cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
+            t0 = tile * TILE
+            state = self._tile_step(wg, regs, state, k, t0, 0)
+        self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c)
+
+    @cute.jit
+    def _read_stage(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
+        """This thread's words of the tile in stage ``slot`` (:func:`~foscar.cute.fragment.k_word`,
+        :func:`~foscar.cute.fragment.v_word`) and the ``(s', z')`` of its two token rows, into ``regs``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        warp = thr.warp
+        lane = thr.lane
+        ctid = thr.tidx
+        row0 = thr.row0
+        sKP = ring.sKP
+        sVP = ring.sVP
+        par = regs.par
+        for i in cutlass.range_constexpr(cfg.k_words):
+            regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, warp, lane, i), slot)]
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, ctid, vb, mh), slot)]
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(2):
+                if cutlass.const_expr(cfg.k_channel):  # this thread's channel of the group's row
+                    if cutlass.const_expr(r == 0):
+                        par[j] = sKP[2 * (ctid % D) + j, slot]
+                else:
+                    for cc in cutlass.range_constexpr(cfg.kc):
+                        par[(r * cfg.kc + cc) * 2 + j] = sKP[((row0 + 8 * r) * cfg.kc + cc) * 2 + j, slot]
+                for cc in cutlass.range_constexpr(cfg.vc):
+                    if cutlass.const_expr(cfg.v_channel):
+                        par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = Float32(0.0)  # no per-token V scale
+                    else:
+                        par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = sVP[((row0 + 8 * r) * cfg.vc + cc) * 2 + j,
+                                                                          slot]
+        if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
+            for e in cutlass.range_constexpr(cfg.acc_elems):
+                ch, _ = thr_c[e]
+                for j in cutlass.range_constexpr(2):
+                    regs.vpar[2 * e + j] = sVP[2 * ch + j, slot]

@@ -1,0 +1,74 @@
+"""The operands of the two products, ``S^T = K Q^T`` (BF16) and ``O^T = V^T P^T`` (FP16): the register-A
+tiled MMAs, the swizzled shared-memory layouts of the B operands (Q^T, P^T), Q^T in shared memory, and the
+A registers built from packed words (:func:`build_k_registers`, :func:`build_vt_registers`), each register
+one funnel shift and one ``lop3`` (``((w >> field) & mask) | pattern``) at the positions
+:mod:`foscar.cute.fragment` gives.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import BFloat16, Float16, Float32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from .config import HEADS, THREADS, TILE, Sm90Config
+from .fragment import k_register_source, v_register_source
+
+LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
+
+
+def mmas_and_layouts(cfg: Sm90Config):
+    """Host side, both kernels: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16) and ``O^T = V^T P^T``
+    (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
+    qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                         (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+    pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                         (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+    q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+    p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+    sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+    return qk_mma, pv_mma, sQ_layout, sP_layout
+
+
+@cute.jit
+def load_q(cfg: Sm90Config, mQ: cute.Tensor, sQ: cute.Tensor, b, kvh, tidx):
+    """Q^T of KV head ``kvh``'s query heads into shared memory (padded heads zero), by one warpgroup."""
+    D = cfg.head_dim
+    for h in cutlass.range_constexpr(HEADS):
+        for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
+            d = d0 * THREADS + tidx
+            if d < D:
+                val = BFloat16(0.0)
+                if h < cfg.gqa:
+                    val = mQ[b, kvh * cfg.gqa + h, d]
+                sQ[h, d] = val
+
+
+def inject(w: Uint32, field: int, shl: int, bits: int, pattern: int) -> Uint32:
+    """Two operands ``pattern | q << shl`` from the codes at bits ``field`` and ``field + 16`` of ``w``."""
+    rot = (field - shl) % 32
+    x = cute.arch.shf(w, w, rot, "r") if rot else w
+    mask = (((1 << bits) - 1) << shl) * 0x00010001
+    return cute.arch.lop3(x, Uint32(mask), Uint32(pattern * 0x00010001), LOP_AND_OR)
+
+
+@cute.jit
+def build_k_registers(cfg: Sm90Config, regs: cute.Tensor, kw: cute.Tensor):
+    """K's A registers (``regs``: the Uint32 view of the S^T product's A fragment) from this thread's words
+    of the tile (``kw``, loaded at :func:`foscar.cute.fragment.k_word`): BF16 ``q + beta_K``."""
+    for r in cutlass.range_constexpr(cute.size(regs)):
+        i, field = k_register_source(cfg.bits, r)
+        w = Uint32(kw[i])
+        regs[r] = inject(w, field, cfg.k_shl, cfg.bits, cfg.k_pattern)
+
+
+@cute.jit
+def build_vt_registers(cfg: Sm90Config, regs: cute.Tensor, vw: cute.Tensor):
+    """V^T's A registers (``regs``: the Uint32 view of the O^T product's A fragment) from this thread's
+    words of the tile (``vw[mh, vb]``, loaded at :func:`foscar.cute.fragment.v_word`): FP16 ``q + beta_V``."""
+    for r in cutlass.range_constexpr(cute.size(regs)):
+        vb, mh, field = v_register_source(cfg.bits, cfg.head_dim, r)
+        w = Uint32(vw[mh, vb])
+        regs[r] = inject(w, field, cfg.v_shl, cfg.bits, cfg.v_pattern)

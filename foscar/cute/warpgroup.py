@@ -1,0 +1,376 @@
+"""One computing warpgroup of the Hopper decode kernels: its state and its work on one 64-token KV tile.
+
+The state is held in small objects built while the kernel is traced (their fields are DSL values):
+
+- :class:`WarpgroupThread`: the thread's coordinates in its warpgroup and the warpgroup's named barrier;
+- :class:`WarpgroupSmem`: the shared-memory buffers it reads and writes;
+- :class:`Fragments`: the thread slices of the two products' register fragments;
+- :class:`TileRegisters`: a tile's packed words and ``(s', z')`` in registers;
+- :class:`Warpgroup`: all of the above with the MMA atoms, the softmax scale and the quantized length;
+- :class:`RunningState`: what changes from tile to tile (:class:`~foscar.cute.softmax.OnlineSoftmax`,
+  :class:`~foscar.cute.folds.OutputAccumulator`, the token group whose ``Q'`` is in shared memory),
+  carried by the kernels' run-time tile loops.
+
+:class:`TileKernel`, the base of both kernels, holds the tile step in named steps (:meth:`~TileKernel._qk`,
+:meth:`~TileKernel._scores`, the online softmax, :meth:`~TileKernel._pv`) and the epilogue.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+from cutlass.cute.nvgpu import warpgroup
+
+from .config import CORRECTION_TILES, HEADS, TILE, Sm90Config
+from .folds import (
+    OutputAccumulator,
+    fold_corrections,
+    k_acc_fold,
+    k_operand_fold,
+    k_operand_fold_scores,
+    p_scales,
+    v_acc_fold,
+    v_operand_fold,
+)
+from .operands import build_k_registers, build_vt_registers
+from .softmax import OnlineSoftmax, column_sums, tile_maxima
+
+
+class WarpgroupThread:
+    """Thread ``tidx`` (0..127) of a warpgroup: its warp and lane, ``quad`` (its S^T head columns are
+    ``2 quad`` and ``2 quad + 1``) and ``row0`` (its token rows of a tile, ``row0`` and ``row0 + 8``);
+    ``bar_id`` is the warpgroup's named barrier."""
+
+    def __init__(self, tidx, bar_id: int):
+        self.tidx = tidx
+        self.warp = tidx // 32
+        self.lane = tidx % 32
+        self.quad = self.lane % 4
+        self.row0 = 16 * self.warp + self.lane // 4
+        self.bar_id = bar_id
+
+
+class WarpgroupSmem:
+    """A warpgroup's shared memory: Q^T (``sQ``) and ``sum(Q)`` (``sQsum``), shared by the CTA's warpgroups;
+    its own B operands of O^T (``sP``, one per V channel group: two entries, the same buffer for one group),
+    the reduction slots (``sRed``: two tiles' buffers), the column sums (``sSum``), and for channel-wise K
+    the folded ``Q'`` (``sQk``) with its offset correction (``sKf``, from the warps' partials ``sKr``)."""
+
+    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKr, sKf):
+        self.sQ = sQ
+        self.sQsum = sQsum
+        self.sP = sP
+        self.sRed = sRed
+        self.sSum = sSum
+        self.sQk = sQk
+        self.sKr = sKr
+        self.sKf = sKf
+
+
+class Fragments:
+    """The thread slices of the S^T product (A: K from registers, ``tSrK`` and its Uint32 view; B: Q^T or
+    ``Q'`` in shared memory; C: ``accS``) and of the O^T product (``thr_pv``; A: V^T from registers; B: the
+    P' buffers, one per V channel group)."""
+
+    def __init__(self, cfg: Sm90Config, qk_mma, pv_mma, smem: WarpgroupSmem, tidx):
+        D = cfg.head_dim
+        thr_qk = qk_mma.get_slice(tidx)
+        self.tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
+        self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
+        self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
+        self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
+        self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        self.thr_pv = pv_mma.get_slice(tidx)
+        self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
+        self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
+        self.tOrP = [self.thr_pv.make_fragment_B(self.thr_pv.partition_B(sP)) for sP in smem.sP]
+
+
+class TileRegisters:
+    """One tile in this thread's registers: its packed K words (``kw``) and V words (``vw[mh, vb]``), the
+    ``(s', z')`` of its two token rows (``par``: K's, row ``r`` group ``c`` at ``(r * kc + c) * 2``, then V's
+    from ``4 * kc``; channel-wise K: its channel's at 0 and 1) and, channel-wise V, the token group's
+    ``(s', z')`` of its accumulator channels (``vpar``)."""
+
+    def __init__(self, kw: cute.Tensor, vw: cute.Tensor, par: cute.Tensor, vpar: cute.Tensor):
+        self.kw = kw
+        self.vw = vw
+        self.par = par
+        self.vpar = vpar
+
+
+class Warpgroup:
+    """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's two head
+    columns (the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length."""
+
+    def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: tuple,
+                 n, qk_scale: Float32):
+        self.thr = thr
+        self.smem = smem
+        self.frags = frags
+        self.qk_mma = qk_mma
+        self.pv_mma = pv_mma
+        self.qsum = qsum
+        self.n = n
+        self.qk_scale = qk_scale
+
+
+class TileScales:
+    """A tile's ``(s', z')`` for this thread's two token rows: ``k = (s'_0, z'_0, s'_1, z'_1)`` of token-wise
+    K's first channel group (channel-wise K: its channel's ``(s', z')`` first), ``v[g]`` the same for V
+    channel group ``g``, zero on rows past the sequence (``valid``: whether each row is inside it)."""
+
+    def __init__(self, k: tuple, v: list, valid: tuple):
+        self.k = k
+        self.v = v
+        self.valid = valid
+
+    def v_scales(self) -> list:
+        """``(s'_0, s'_1)`` of each V channel group: what bounds ``|P'|``."""
+        return [(v[0], v[2]) for v in self.v]
+
+
+class RunningState:
+    """What one warpgroup carries from tile to tile: the online softmax, the output accumulator and, for
+    channel-wise K, the token group ``kgroup`` whose ``Q'`` sits in shared memory (-1: none yet)."""
+
+    def __init__(self, softmax: OnlineSoftmax, out: OutputAccumulator, kgroup: Int32):
+        self.softmax = softmax
+        self.out = out
+        self.kgroup = kgroup
+
+    def __extract_mlir_values__(self):
+        return (self.softmax.__extract_mlir_values__() + self.out.__extract_mlir_values__()
+                + [self.kgroup.ir_value()])
+
+    def __new_from_mlir_values__(self, values) -> RunningState:
+        n = len(self.out.sigma)
+        return RunningState(self.softmax.__new_from_mlir_values__(values[:2]),
+                            self.out.__new_from_mlir_values__(values[2:2 + n]), Int32(values[2 + n]))
+
+
+def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
+    """A computing warpgroup's register tensors, zeroed where they accumulate: ``(state, regs, regs_next)``,
+    the :class:`RunningState` before the first tile, the current tile's :class:`TileRegisters` and, with
+    ``prefetch`` (v0's software pipeline), the next tile's (else None). Allocated here, in one fixed order:
+    the order of the register tensors is the order of the kernel's loop-carried registers in the PTX."""
+    acc = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((cfg.head_dim, HEADS)), Float32)
+    acc.fill(0.0)
+    kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+    vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
+    sums = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    corr = [cute.make_rmem_tensor(cute.make_layout(4), Float32) for _ in range(2)]  # one per V channel group
+    sums.fill(0.0)
+    for c in corr:
+        c.fill(0.0)
+    words_next = []
+    if prefetch:
+        words_next = [cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32),
+                      cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)]
+    par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
+    vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
+    softmax = OnlineSoftmax(Float32(-Float32.inf), Float32(-Float32.inf), sums)
+    out = OutputAccumulator(acc, [Float32(1.0) for _ in range(cfg.vc)], corr[:cfg.vc])
+    regs = TileRegisters(kw, vw, par[0], vpar[0])
+    regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
+    return RunningState(softmax, out, Int32(-1)), regs, regs_next
+
+
+@cute.jit
+def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
+    """The :class:`TileScales` of the tile starting at token ``t0`` from its registers ``par``: rows past
+    the length get zero V ``(s', z')``, so whatever the page holds there never reaches P'."""
+    ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
+    vo = 4 * cfg.kc  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
+    vs0, vz0, vs1, vz1 = par[vo], par[vo + 1], par[vo + 2 * cfg.vc], par[vo + 2 * cfg.vc + 1]
+    valid0 = t0 + row0 < n
+    valid1 = t0 + row0 + 8 < n
+    if not valid0:
+        vs0 = Float32(0.0)
+        vz0 = Float32(0.0)
+    if not valid1:
+        vs1 = Float32(0.0)
+        vz1 = Float32(0.0)
+    v = [(vs0, vz0, vs1, vz1)]
+    if cutlass.const_expr(cfg.vc == 2):  # token-wise V, the second channel group's (s', z') of both rows
+        ws0 = par[vo + 2]
+        wz0 = par[vo + 3]
+        ws1 = par[vo + 6]
+        wz1 = par[vo + 7]
+        if not valid0:
+            ws0 = Float32(0.0)
+            wz0 = Float32(0.0)
+        if not valid1:
+            ws1 = Float32(0.0)
+            wz1 = Float32(0.0)
+        v.append((ws0, wz0, ws1, wz1))
+    return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
+
+
+class TileKernel:
+    """The base of both Hopper kernels: the tile step of a computing warpgroup and its epilogue."""
+
+    def __init__(self, cfg: Sm90Config):
+        self.cfg = cfg
+
+    @cute.jit
+    def _split_tiles(self, mSEQ: cute.Tensor, b, split, n_splits):
+        """``(n_quant, t_lo, t_hi)``: the quantized length of sequence ``b`` and the KV tiles of ``split``."""
+        n = self.cfg.quantized_length(mSEQ[b])
+        n_tiles = (n + TILE - 1) // TILE
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = split * per
+        t_hi = cutlass.min(t_lo + per, n_tiles)
+        return n, t_lo, t_hi
+
+    @cute.jit
+    def _tile_step(self, wg: Warpgroup, regs: TileRegisters, state: RunningState, tile, t0, t_lo) -> RunningState:
+        """One KV tile (starting at token ``t0``; ``tile``: its index in the warpgroup's tile sequence, which
+        starts at ``t_lo``) from its words and ``(s', z')`` in registers: S^T = K Q^T with K's fold, the
+        online softmax, O^T += V^T P'^T with V's fold (:mod:`foscar.cute.folds`). Returns the new state."""
+        cfg = self.cfg
+        sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
+        accS, kgroup = self._qk(wg, regs, sc, t0, state.kgroup)
+        s = self._scores(wg, regs, sc, accS)
+        # ---- online softmax; the tile's largest |s'_V| rides in the same reduction -----------------------
+        tm0, tm1, tv = tile_maxima(cfg, wg.thr, wg.smem.sRed, tile, s, sc.v_scales())
+        softmax = state.softmax
+        out = state.out
+        al = softmax.advance(tm0, tm1)
+        sigma = p_scales(cfg, wg, out, tile, tv)
+        p = softmax.probabilities(s, al)
+        # ---- O^T = V^T P'^T ---------------------------------------------------------------------------
+        if cutlass.const_expr(cfg.v_channel):
+            v_acc_fold(cfg, wg, out, regs, p, al, tile % 2)
+        else:
+            v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
+            out.rescale(al, sigma)  # the accumulator in units of the new sigma
+            build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
+            self._pv(wg, out)
+            if (tile - t_lo) % CORRECTION_TILES == CORRECTION_TILES - 1:
+                fold_corrections(cfg, out, wg.smem.sSum, wg.thr)
+        return RunningState(softmax, out, kgroup)
+
+    @cute.jit
+    def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, kgroup):
+        """``S^T = K Q^T`` on ``wgmma.m64n8k16``, K built in registers: ``[accS]``, or with two channel groups
+        of a token-wise K one group-local partial each; channel-wise K multiplies ``Q'``, rebuilt at a token
+        group's first tile (the operand-fold). Returns ``(partials, kgroup)``."""
+        cfg = self.cfg
+        frags = wg.frags
+        build_k_registers(cfg, frags.tSrK_u32, regs.kw)
+        if cutlass.const_expr(cfg.k_channel):  # operand-fold: Q' = bf16(Q s') of this token group
+            grp = t0 // cfg.group_size
+            if grp != kgroup:
+                k_operand_fold(cfg, wg, sc.k[0], sc.k[1])
+                kgroup = grp
+        accS = frags.accS
+        accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the kernel: no state set in here)
+        partials = [accS]
+        if cutlass.const_expr(cfg.kc == 2):  # token-wise K, 2 channel groups: the second group's partial
+            accS2 = cute.make_rmem_tensor(accS.layout, Float32)
+            accS2.fill(0.0)
+            partials.append(accS2)
+        tSrK = frags.tSrK
+        warpgroup.fence()
+        n_kb = cute.size(tSrK, mode=[2])
+        for kb in cutlass.range_constexpr(n_kb):
+            if cutlass.const_expr(cfg.k_channel):
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb], accS)
+            elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
+                cute.gemm(wg.qk_mma, accS2, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS2)
+            else:
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        return partials, kgroup
+
+    @cute.jit
+    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list) -> list:
+        """The tile's four scaled scores of this thread (element e: column 2 quad + e % 2, row row0 + 8 (e // 2))
+        from K's fold; ``-inf`` on rows past the sequence."""
+        cfg = self.cfg
+        s = []
+        if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
+            s = k_operand_fold_scores(partials[0], wg)
+        else:
+            s = k_acc_fold(cfg, partials, regs.par, sc, wg)
+        s00, s01, s10, s11 = s
+        valid0, valid1 = sc.valid
+        if not valid0:
+            s00 = -Float32.inf
+            s01 = -Float32.inf
+        if not valid1:
+            s10 = -Float32.inf
+            s11 = -Float32.inf
+        return [s00, s01, s10, s11]
+
+    @cute.jit
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator):
+        """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers; with two channel groups
+        of a token-wise V each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each)."""
+        cfg = self.cfg
+        frags = wg.frags
+        tOrV = frags.tOrV
+        accO = out.acc
+        warpgroup.fence()
+        if cutlass.const_expr(cfg.vc == 2):
+            for half in cutlass.range_constexpr(2):
+                acc_h = accO[(None, half, None)]
+                acc3 = cute.make_tensor(acc_h.iterator, cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0)))
+                for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                    a_h = tOrV[(None, half, kb)]
+                    a2 = cute.make_tensor(a_h.iterator, cute.make_layout(((2, 2, 2), 1), stride=((1, 2, 4), 0)))
+                    b_h = frags.tOrP[half][(None, None, kb)]
+                    cute.gemm(wg.pv_mma, acc3, a2, b_h, acc3)
+        else:
+            tOrP = frags.tOrP[0]
+            for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split):
+        """The last offset corrections, then the partial output ``acc / sum`` and LSE (base 2) of the
+        warpgroup's tiles into partial slot ``split``."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        G = cfg.gqa
+        thr = wg.thr
+        out = state.out
+        accO = out.acc
+        fold_corrections(cfg, out, wg.smem.sSum, thr)
+        l0, l1 = column_sums(state.softmax.sums, wg.smem.sSum, thr)
+        # ---- the split's partial output and LSE (base 2) ---------------------------------------------------
+        inv0 = Float32(0.0)
+        inv1 = Float32(0.0)
+        top = Float32(1.0) if cfg.vc == 2 else out.sigma[0]  # two groups: each element takes its group's below
+        if l0 != 0:  # a NaN sum is not empty: its output and LSE stay NaN, never a dropped partial
+            inv0 = top / l0
+        if l1 != 0:
+            inv1 = top / l1
+        thr_c = wg.frags.thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            ch, h = thr_c[e]
+            if h < G:
+                if cutlass.const_expr(cfg.vc == 2):
+                    mOP[b, kvh * G + h, split, ch] = (accO[e] * out.sigma[e // 4] * (inv0 if e % 2 == 0 else inv1))
+                else:
+                    mOP[b, kvh * G + h, split, ch] = accO[e] * (inv0 if e % 2 == 0 else inv1)
+        m0 = state.softmax.m0
+        m1 = state.softmax.m1
+        warp = thr.warp
+        lane = thr.lane
+        quad = thr.quad
+        if warp == 0 and lane < 4:
+            lse0 = -Float32.inf
+            lse1 = -Float32.inf
+            if l0 != 0:
+                lse0 = m0 + cute.math.log2(l0)
+            if l1 != 0:
+                lse1 = m1 + cute.math.log2(l1)
+            if 2 * quad < G:
+                mLP[b, kvh * G + 2 * quad, split] = lse0
+            if 2 * quad + 1 < G:
+                mLP[b, kvh * G + 2 * quad + 1, split] = lse1
