@@ -117,7 +117,7 @@ def test_unsupported_configurations_say_why(kw, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, 1, 2), ids=("v0", "v1", "v1x2"))
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("lens,G,num_splits,windows", [
@@ -146,7 +146,7 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 def test_cuda_graph_replay_gpu(ws):
     """The kernel launches on torch's current stream, so a CUDA graph captures it: a replay over new
@@ -204,7 +204,7 @@ def test_stage1_tensors_are_checked_by_name():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
     """On Hopper with cutlass-dsl, backend='auto' runs the CuTe kernel (either variant as the default); a
@@ -238,7 +238,7 @@ def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); run on the GPU machine before resolving")
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("windows", ({}, {"k_axis": "channel", "sink": 4, "recent": 16}, {"v_axis": "channel"}))
 def test_contiguous_caches_gpu(ws, windows):

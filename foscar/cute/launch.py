@@ -1,12 +1,13 @@
-"""Host side of the CuTe DSL Hopper kernels: validation, the compile cache keyed by static config, the
-launch of stage 1, then the windows' partials and the LSE combine of :mod:`foscar.splitkv`.
+"""Host side of the CuTe DSL Hopper kernels: the compiled kernels keyed by static config (in this process,
+then on disk: :mod:`foscar.cute.compile_cache`), the launch of stage 1, then the windows' partials and the
+LSE combine of :mod:`foscar.splitkv`.
 
 ``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K) runs the variant,
 CTAs per SM and split count of the autotune cache (``foscar tune --backend cute``), else v1, the
-warp-specialized TMA kernel at two CTAs per SM (``docs/results-h200.md``: 1.00-1.42x the Triton
-kernels on the paper grid, v0 1.02-1.18x). Stage 1 is called through TVM-FFI (torch tensors as they
-are, torch's current stream). The first call of a configuration compiles it (reported by
-:func:`compile_seconds`)."""
+warp-specialized TMA kernel at two CTAs per SM (measured in ``docs/results-h200.md``). Stage 1 is called
+through TVM-FFI (torch tensors as they are, torch's current stream). The first call of a configuration in
+a process compiles it or loads it from the disk cache (:func:`compile_seconds` reports which, and how
+long)."""
 from __future__ import annotations
 
 import functools
