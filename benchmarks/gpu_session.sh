@@ -8,6 +8,7 @@
 #                                                                #   when the cute step installed it)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tvm WHEELS       # install apache-tvm-ffi (the CuTe kernels' calls)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh first-call       # first CuTe decode of a process, cold/warm disk cache
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> foscar/tuning
@@ -59,6 +60,8 @@ case "$step" in
     echo "tests/test_api.py tests/test_cli.py tests/test_transformers.py (auto = cute): $(tail -1 "$OUT/cute-api.log")"
     timeout 90 python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 --profile > "$OUT/host-overhead.log" 2>&1
     head -12 "$OUT/host-overhead.log" ;;
+  first-call)  # the first CuTe decode of a fresh process, cold and warm disk compile cache (after the cute step)
+    python3 benchmarks/first_call.py --shapes 1:8192 8:32768 > "$OUT/first-call.md" 2>&1; cat "$OUT/first-call.md" ;;
   sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do

@@ -609,3 +609,13 @@ def test_compare_kernels_table():
                                           ["foscar_folded", "foscar_cute", "foscar_cute_ws"])
     assert lines[2] == "| 4 | tok/tok | INT4 | 8 | 8K | 30.0 (50%) | - | 20.0 (50%), 1.50x |"
     assert dict(ratios) == {("foscar_cute_ws", 4): [1.5]}
+
+
+def test_the_first_call_script_parses_its_options():
+    """``benchmarks/first_call.py`` (run on an sm_90 GPU) at least parses and documents its options here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_call.py"
+    res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--shapes" in res.stdout and "cold" in res.stdout
