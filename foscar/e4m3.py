@@ -20,12 +20,14 @@ token, V: the channel of the m64 half) and the contraction index holds, in each 
 - INT4: ``kappa = 16h + 4a + v``  ->  index ``16h + 8(v%2) + 2a + v//2``
 - INT2: ``kappa = 16h + 4a + v``  ->  index ``16(v%2) + 8h + 2a + v//2``
 
-(K: the channel, V: the token of the tile; :func:`contraction_order`). The kernel stores the other
-operand in that order: column ``kappa`` of ``Q^T`` (or ``Q' = Q s'``) holds channel
-``order[kappa]``, column ``kappa`` of ``P^T`` (or ``P'``) holds token ``order[kappa]``. The permutation
-stays inside each block of 32, so channel groups and token groups (``g >= 32``) keep their members.
+(K: the channel, V: the token of the tile; :func:`contraction_order`). The kernel stores the B operand
+in that order: its contraction index ``kappa`` holds channel ``order[kappa]`` of ``Q`` (or ``Q' = Q s'``),
+``Q[:, order]``, and token ``order[kappa]`` of the tile's ``P`` (or ``P'``), ``P[:, order]``. The
+permutation stays inside each block of 32, so channel groups and token groups (``g >= 32``) keep their
+members, and it is the same for K and V tiles of one bit width.
 
-**The other operand: residual terms.** One E4M3 operand (3 mantissa bits) gives 7-14% output error.
+**The other operand: residual terms.** One E4M3 term (3 mantissa bits) is several percent of output
+error (2-6% on the inputs of ``tests/test_e4m3.py``).
 :func:`split_terms` writes ``x`` as ``terms`` E4M3 values, ``hi = e4m3(x 2^e)``, then each residual
 scaled up 16x, ``e4m3(r 16^k) / 16^k``, with one power-of-two scale ``2^e`` per slice (the largest that
 keeps the slice's maximum within 448). Each term rides in its own wgmma N columns; the products are

@@ -40,21 +40,22 @@ the small injected offset and the single rounding of ``mid`` (formed in float64 
 the kernels) keep every configuration within 1e-5 of the exact result.
 
 E4M3 operands (``operand_dtype=torch.float8_e4m3fn``, :mod:`foscar.e4m3`): the K and V operands are
-the codes placed in a byte, ``y = q 2^-9`` (beta = 0), with the constants of that mapping converted per
-group from the stored ones, ``s_e = s' alpha/2^-9`` and the middle value ``z' + s' (beta + alpha
-(2^bits - 1)/2)`` (float64, one rounding to FP32). The other operand (``Q``, ``Q'``, ``P'``, ``P``) is
-split into ``operand_terms`` E4M3 terms with a power-of-two scale per slice: per query row for ``Q``,
-per query row and token group for ``Q'``, per query row (and channel group) and KV tile for ``P'`` and
-``P``. Each term's tile product is exact products summed in FP32 (:func:`foscar.e4m3.term_product`);
-the terms are added after the MMA. The offsets stay centred on the pivot, ``c = 2^-9 (2^bits - 1)/2``,
-with the corrections from the consumed operand (the sum of its terms): with ``beta = 0`` nothing large
-cancels, but the residual error of the split still multiplies ``y - c`` instead of the one-signed
-``y``, which measures 1.7-3x less output error (``tests/test_e4m3.py``), at the cost of the operand's
-sum that the BF16 kernels form anyway. One term (3 mantissa bits) is 7-14% output error: a study
-option only.
+the codes placed in a byte, ``y = q 2^-9`` (``beta = 0``), and the cache's stored constants are
+converted per group to that mapping, ``s_e = s' alpha/2^-9`` (``2^9 s'`` for ``bf16``) and the middle
+value ``z' + s' (beta + alpha (2^bits - 1)/2)`` (float64, one rounding to FP32). The other operand
+(``Q``, ``Q'``, ``P'``, ``P``) is split into ``operand_terms`` E4M3 terms with a power-of-two scale per
+slice: per query row for ``Q``; per query row and token group for ``Q'``; per query row (and channel
+group) and KV tile for ``P'`` and ``P``. Each term's tile product is exact E4M3 products summed in FP32
+(:func:`foscar.e4m3.term_product`); the terms are added after the MMA. The offsets stay centred on
+the pivot ``c = 2^-9 (2^bits - 1)/2`` with the corrections from the consumed operand (the sum of its
+terms). With ``beta = 0`` nothing large cancels any more, but where the operand is folded (``Q'``,
+``P'``) the split's residual error still multiplies ``y - c`` instead of the one-signed ``y``: 2-3x less
+output error, measured (``tests/test_e4m3.py``). Where the scale is applied to partials (token-wise K,
+channel-wise V) both forms are the same sum, ``sum A_r x`` of the consumed operand. One term (3
+mantissa bits) is several percent of output error: a study option, never a kernel's numerics.
 
 Each split ends with its partial output and LSE; the BF16 sink/recent tokens are one more partial
-(plain attention, BF16 query); an LSE combine merges them all.
+(plain attention, :meth:`_FoldedSequence.window_query`); an LSE combine merges them all.
 """
 from __future__ import annotations
 
@@ -62,12 +63,11 @@ import math
 
 import torch
 
-from ._checks import check_int
+from . import e4m3
+from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from . import e4m3
 from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
-from ._checks import check_decode_inputs
 from .reference import attend
 from .splitkv import split_ranges
 
@@ -150,6 +150,17 @@ class _FoldedSequence:
         split per product: :meth:`split_operand`)."""
         dt = self.operand_dtype if tensor == "k" else self.pv_operand_dtype
         return x if dt is None or dt == E4M3 else x.to(dt).to(self.dtype)
+
+    def window_query(self, Qt: torch.Tensor) -> torch.Tensor:
+        """The query the BF16 sink/recent tokens are attended with: the rounded ``Qt`` of the quantized
+        tokens; with E4M3 QK operands, two BF16 terms ``hi = bf16(Q)``, ``lo = bf16(Q - hi)`` (16 bits,
+        finer than the E4M3 terms). A query rounded differently for the windows than for the quantized
+        tokens shifts their scores apart by ``sum_c (error_c) k_c``, which a common offset of K makes
+        large (``tests/test_e4m3.py``)."""
+        if not self.e4m3["k"]:
+            return Qt
+        hi = Qt.to(torch.bfloat16).to(self.dtype)
+        return hi + (Qt - hi).to(torch.bfloat16).to(self.dtype)
 
     def split_operand(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``) and the consumed operand,
@@ -288,9 +299,9 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     scaling it by a power of two per tile (the Triton kernel on the GPU: 8x finer than BF16).
     ``torch.float8_e4m3fn`` (for either product; it needs ``operand_terms``) emulates an FP8 wgmma
     kernel: codes placed as E4M3 ``q 2^-9``, the other operand split into ``operand_terms`` E4M3 terms
-    (see the module docstring, :mod:`foscar.e4m3`); 3 terms are within the error of BF16 operands, 2
-    within BF16 attention's for token-wise K, and 1 is 7-14% output error (a study option: never a
-    kernel's numerics). The sink and recent windows are attended with the query in BF16.
+    (see the module docstring, :mod:`foscar.e4m3`): 3 terms measure below the error of BF16 operands, 2
+    below BF16 attention's, and 1 is several percent of output error (a study option: never a kernel's
+    numerics). The sink and recent windows are attended with BF16 operands, the query as two BF16 terms.
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
@@ -326,7 +337,6 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
     for b in range(B):
         seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms)
         Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
-        Qw = Qt.to(torch.bfloat16).to(dtype) if seq.e4m3["k"] else Qt  # the windows' (BF16) query
         n_tiles = -(-seq.n_quant // tile_tokens)
         outs, lses = [], []
         for tiles in split_ranges(n_tiles, num_splits):  # the split rule every kernel follows
@@ -334,7 +344,7 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
             outs.append(o)
             lses.append(l_)
         kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-        o, l_ = attend(Qw, kw, vw, sm_scale)
+        o, l_ = attend(seq.window_query(Qt), kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)

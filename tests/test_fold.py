@@ -124,6 +124,27 @@ def test_folded_equals_exact_float32(case):
     assert rel(folded, exact) <= 1e-5
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_case())
+@example(PAPER)
+@example({**PAPER, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token",
+                                          sink=4, recent=16), "k_mag": 1e3, "offset": 3.0, "splits": 5})
+@example({**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=256, group_size=256, k_axis="channel",
+                                          v_axis="channel", mapping="e2m1"), "lens": [700, 1], "tile": 128})
+def test_e4m3_operands_against_bf16(case):
+    """The E4M3 kernel's arithmetic (tests/test_e4m3.py) over every configuration: 3 terms at or below the
+    BF16-operand emulation's error, 2 terms at or below BF16 attention's, on the same cache."""
+    q, cache = build(case)
+    exact = foscar.decode_exact(q, cache)
+    kw = {"tile_tokens": case["tile"], "num_splits": case["splits"], "dtype": torch.float32}
+    e = {t: rel(foscar.decode_folded(q, cache, operand_dtype=torch.float8_e4m3fn, operand_terms=t, **kw), exact)
+         for t in (2, 3)}
+    base = rel(foscar.decode_folded(q, cache, operand_dtype=torch.bfloat16, pv_operand_dtype=torch.float16, **kw),
+               exact)
+    assert e[3] <= base, (e[3], base)
+    assert e[2] <= rel(bf16_attention(q, cache), exact), e[2]  # both 0 for one token in a window
+
+
 @pytest.mark.parametrize("k_axis", AXES)
 @pytest.mark.parametrize("v_axis", AXES)
 @pytest.mark.parametrize("bits", (2, 4))
