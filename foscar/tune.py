@@ -103,7 +103,7 @@ def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
     p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
                    help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8)")
     p.add_argument("--page-size", type=int_in(1), default=64, help="tokens per page of the paged cache (default: 64)")
-    p.add_argument("--backend", choices=("triton", "cute"), default="triton",
+    p.add_argument("--backend", choices=backends.TUNABLE, default="triton",
                    help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1; needs foscar[cute]) "
                         "(default: triton)")
     p.add_argument("--iters", type=int_in(1), default=10, help="timed replays per candidate, the median (default: 10)")

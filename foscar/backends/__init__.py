@@ -18,6 +18,7 @@ from .triton import Triton
 REGISTRY: dict[str, Backend] = {b.name: b for b in (CuteSm90(), Triton(), Reference())}
 BACKENDS = tuple(REGISTRY)
 AUTO_ORDER = ("cute", "triton", "reference")
+TUNABLE = tuple(name for name, b in REGISTRY.items() if b.tunable)
 
 
 def get(name: str) -> Backend:
@@ -30,5 +31,5 @@ def statuses(key: ProblemKey) -> list[BackendStatus]:
     return [b.status(key) for b in REGISTRY.values()]
 
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "REGISTRY", "Backend", "BackendStatus", "LaunchPlan", "ProblemKey", "get",
+__all__ = ["AUTO_ORDER", "BACKENDS", "TUNABLE", "REGISTRY", "Backend", "BackendStatus", "LaunchPlan", "ProblemKey", "get",
            "statuses"]

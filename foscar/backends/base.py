@@ -48,6 +48,8 @@ class Backend:
     name: str = ""
     #: whether ``auto`` may take it on this device type ("cuda" or "cpu")
     auto_devices: tuple[str, ...] = ("cuda",)
+    #: whether it has launch configs to tune (:meth:`candidates`)
+    tunable: bool = True
 
     def status(self, key: ProblemKey) -> BackendStatus:  # pragma: no cover - every backend overrides it
         raise NotImplementedError

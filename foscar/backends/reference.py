@@ -10,6 +10,7 @@ from .base import Backend, BackendStatus, ProblemKey
 class Reference(Backend):
     name = "reference"
     auto_devices = ("cpu",)
+    tunable = False
 
     def status(self, key: ProblemKey) -> BackendStatus:
         return BackendStatus(self.name, True, f"PyTorch reference (decode_folded) on {key.device}"
