@@ -1,0 +1,231 @@
+"""E4M3 operands of ``S^T = K Q^T`` for the Hopper FP8 wgmma ``m64n8k32`` (A from registers): step 1 of
+``docs/hopper-e4m3-plan.md``, a building block beside :mod:`foscar.cute.operands` (BF16), not yet wired
+into the decode kernels.
+
+- :func:`qk_mma_e4m3`: the register-A tiled MMA (E4M3 x E4M3, FP32 accumulator, ``(64, 8)``) and the
+  swizzled shared-memory layout of Q^T as E4M3 (:func:`sq_layout_e4m3`).
+- :func:`build_k_registers_e4m3`: a thread's A registers of one 64-token K tile from its packed words (the
+  words at :func:`foscar.cute.fragment.k_word`, the layout of ``docs/layout.md`` unchanged), in the order
+  :mod:`foscar.e4m3` documents: register ``e = (8/bits)*(word index) + i`` is ``(w >> bits*i) & mask``,
+  so byte ``b`` holds the code at bit ``8b + bits*i`` (the E4M3 value ``q * 2^-9``). One shift and one
+  ``and`` per register, four operands each.
+- :func:`k_register_source_e4m3` is the index function the builder traces; :func:`tile_register_source_e4m3`
+  evaluates it (and ``k_word``) on the host, and :func:`e4m3_fragment_ownership` asks CuTe DSL which
+  ``(row, kappa)`` of the A operand each byte of the fragment is, for ``tests/test_cute_e4m3.py`` to check
+  both against :func:`foscar.e4m3.tile_fragment_map`.
+- :class:`QkProbeE4m3`: a standalone kernel, one CTA (one warpgroup) per tile: packed K words and Q^T
+  (E4M3 bytes, stored permuted by :func:`foscar.e4m3.contraction_order`, ``Q[:, order]``) in, the
+  ``D/32`` wgmma chain, S^T (FP32, ``[64, 8]``) out. A probe for the GPU test.
+"""
+from __future__ import annotations
+
+import functools
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float8E4M3FN, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.memory import SmemAllocator
+
+from ..e4m3 import PLACEMENT_MASK
+from .config import HEADS, THREADS, TILE
+from .fragment import k_word
+
+K_STEP = 32  #: the contraction depth of one ``m64nNk32`` wgmma
+
+
+def k_register_source_e4m3(bits: int, e: int) -> tuple[int, int]:
+    """``(i, shift)``: E4M3 K register ``e`` of a thread is ``(kw[i] >> shift) & mask`` from its ``i``-th
+    word (:func:`~foscar.cute.fragment.k_word`); byte ``b`` of it holds the code at bit ``shift + 8b``."""
+    per_word = 8 // bits
+    return e // per_word, bits * (e % per_word)
+
+
+def k_registers_e4m3(head_dim: int) -> int:
+    """E4M3 A registers (4 bytes each) of a thread for one 64-token K tile: ``head_dim / 8``."""
+    return TILE * head_dim // 4 // THREADS
+
+
+def tile_register_source_e4m3(bits: int, head_dim: int):
+    """``(word, shift)``, each int64 ``[128, head_dim/8, 4]``: the word of a 64-token K tile (index into its
+    ``64 * head_dim * bits / 32`` words) and the bit holding the code of byte ``b`` of register ``e`` of
+    thread ``t``, evaluated with the builder's index functions (:func:`~foscar.cute.fragment.k_word`,
+    :func:`k_register_source_e4m3`)."""
+    import torch
+
+    regs = k_registers_e4m3(head_dim)
+    word = torch.empty((THREADS, regs, 4), dtype=torch.int64)
+    shift = torch.empty((THREADS, regs, 4), dtype=torch.int64)
+    for t in range(THREADS):
+        for e in range(regs):
+            i, sh = k_register_source_e4m3(bits, e)
+            word[t, e] = k_word(bits, head_dim, 0, t // 32, t % 32, i)
+            for b in range(4):
+                shift[t, e, b] = sh + 8 * b
+    return word, shift
+
+
+# --------------------------------------------------------------------------------------------
+# The tiled MMA and the layouts
+# --------------------------------------------------------------------------------------------
+def qk_mma_e4m3(n: int = HEADS):
+    """The register-A tiled MMA of ``S^T = K Q^T`` with E4M3 operands: ``wgmma.m64nNk32.f32.e4m3.e4m3``,
+    one warpgroup, both operands K-major (A: tokens x channels from registers, B: Q^T in shared memory)."""
+    return sm90.make_trivial_tiled_mma(Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                       (1, 1, 1), (TILE, n), warpgroup.OperandSource.RMEM)
+
+
+def sq_layout_e4m3(head_dim: int, n: int = HEADS):
+    """The swizzled shared-memory layout of Q^T (``n`` heads x ``head_dim`` channels, E4M3, K-major): 128-byte
+    swizzle where a row is 128 bytes or more, else 64-byte (head dim 64)."""
+    kind = warpgroup.SmemLayoutAtomKind.K_SW128 if head_dim % 128 == 0 else warpgroup.SmemLayoutAtomKind.K_SW64
+    atom = warpgroup.make_smem_layout_atom(kind, Float8E4M3FN)
+    return cute.tile_to_shape(atom, (n, head_dim), (0, 1))
+
+
+@cute.jit
+def build_k_registers_e4m3(cfg, regs: cute.Tensor, kw: cute.Tensor):
+    """K's E4M3 A registers (``regs``: the Uint32 view of the S^T product's A fragment, ``head_dim/8`` of
+    them) from this thread's words of the tile (``kw``, loaded at :func:`~foscar.cute.fragment.k_word`):
+    register ``e`` is ``(kw[i] >> shift) & mask`` at :func:`k_register_source_e4m3`. ``cfg`` needs
+    ``bits`` only (an :class:`~foscar.cute.config.Sm90Config` or :class:`E4m3Tile`)."""
+    mask = Uint32(PLACEMENT_MASK[cfg.bits])
+    for e in cutlass.range_constexpr(cute.size(regs)):
+        i, sh = k_register_source_e4m3(cfg.bits, e)
+        w = Uint32(kw[i])
+        x = w >> sh if sh else w
+        regs[e] = x & mask
+
+
+# --------------------------------------------------------------------------------------------
+# CuTe's side of the contract, traced on the host
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def e4m3_fragment_ownership(m: int, k: int, n: int = HEADS):
+    """``own[t, e, v] = (row, kappa)``: the element of the ``m x k`` A operand held by thread ``t`` in byte
+    ``v`` of 32-bit register ``e`` (the Uint32 view of ``make_fragment_A``) of the E4M3 tiled MMA
+    (:func:`qk_mma_e4m3`). Traced by CuTe DSL on the host (no GPU; cached)."""
+    import torch
+
+    regs = m * k // 4 // THREADS
+    own = torch.full((THREADS, regs, 4, 2), -1, dtype=torch.int64)
+
+    @cute.jit
+    def probe():
+        tiled_mma = qk_mma_e4m3(n)
+        ident = cute.make_identity_tensor((m, k))
+        for t in cutlass.range_constexpr(THREADS):
+            thr = tiled_mma.get_slice(t)
+            coords = thr.partition_A(ident)
+            frag = thr.make_fragment_A(thr.partition_shape_A((m, k)))
+            for i in cutlass.range_constexpr(cute.size(coords)):
+                row, col = coords[i]
+                off = cute.crd2idx(i, frag.layout)  # byte offset in the register fragment
+                own[t, off // 4, off % 4, 0] = row
+                own[t, off // 4, off % 4, 1] = col
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cute.compile(probe)
+    return own
+
+
+# --------------------------------------------------------------------------------------------
+# The probe kernel
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class E4m3Tile:
+    """What the probe depends on: the bit width and the head dim."""
+
+    bits: int
+    head_dim: int
+
+    @property
+    def k_words(self) -> int:
+        """Packed K words per thread per tile."""
+        return self.head_dim * self.bits // 64
+
+    @property
+    def tile_words(self) -> int:
+        """Packed words of one 64-token K tile."""
+        return TILE * self.head_dim * self.bits // 32
+
+
+class QkProbeE4m3:
+    """``S^T[t] = K_t Q^T`` for tiles ``t``: one CTA (one warpgroup) per tile.
+
+    Arguments: ``mW`` int32 ``[T, tile_words]`` (each tile's packed K words, pack blocks in token order),
+    ``mQ`` uint8 ``[8, head_dim]`` (the E4M3 bytes of Q, channels permuted: ``Q[:, contraction_order]``),
+    ``mS`` float32 ``[T, 64, 8]`` (S^T: rows are tokens, columns heads)."""
+
+    def __init__(self, cfg: E4m3Tile):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tiled_mma = qk_mma_e4m3()
+        sQ_layout = sq_layout_e4m3(self.cfg.head_dim)
+        self.kernel(tiled_mma, sQ_layout, mW, mQ, mS).launch(grid=(cute.size(mS, mode=[0]), 1, 1),
+                                                             block=(THREADS, 1, 1))
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, mW: cute.Tensor, mQ: cute.Tensor,
+               mS: cute.Tensor):
+        cfg = self.cfg
+        D = cfg.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+
+        # ---- Q^T (E4M3, already permuted) into shared memory ----------------------------------------
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(Float8E4M3FN, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        mQf = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=Float8E4M3FN), mQ.layout)
+        for h in cutlass.range_constexpr(HEADS):
+            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    sQ[h, d] = mQf[h, d]
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # ---- this thread's words, its A registers ---------------------------------------------------
+        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        for i in cutlass.range_constexpr(cfg.k_words):
+            kw[i] = mW[tile, k_word(cfg.bits, D, 0, warp, lane, i)]
+        thr = tiled_mma.get_slice(tidx)
+        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE, D)))
+        build_k_registers_e4m3(cfg, cute.recast_tensor(tCrA, Uint32), kw)
+
+        # ---- the k32 chain ------------------------------------------------------------------------
+        tCrB = thr.make_fragment_B(thr.partition_B(sQ))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, HEADS)), Float32)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(D // K_STEP):
+            cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        tCgS = thr.partition_C(mS[tile, None, None])
+        for j in cutlass.range_constexpr(cute.size(acc)):
+            tCgS[j] = acc[j]
+
+
+def compile_probe(cfg: E4m3Tile, mW, mQ, mS, *, keep_ptx: bool = False):
+    """Compile :class:`QkProbeE4m3` for the given tensors (``cute.runtime.from_dlpack`` of torch tensors;
+    CPU tensors compile with ``CUTE_DSL_ARCH=sm_90a``). ``keep_ptx``: the PTX is the compiled function's
+    ``__ptx__``, written to a temporary folder and removed."""
+    from cutlass.base_dsl.compiler import DumpDir
+
+    probe = QkProbeE4m3(cfg)
+    if not keep_ptx:
+        return cute.compile(probe, mW, mQ, mS)
+    with tempfile.TemporaryDirectory(prefix="foscar-cute-ptx-") as dump_dir:
+        return cute.compile[(cute.KeepPTX, DumpDir(dump_dir))](probe, mW, mQ, mS)
