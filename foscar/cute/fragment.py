@@ -106,21 +106,20 @@ def _tiled_mma(n: int):
                                        cutlass.Float32, (1, 1, 1), (64, n), warpgroup.OperandSource.RMEM)
 
 
-@functools.lru_cache(maxsize=None)
-def rs_fragment_ownership(m: int, k: int, n: int = 8) -> torch.Tensor:
-    """``own[t, r, h] = (row, k)``: the element of the ``m x k`` A operand held by thread ``t`` in half
-    ``h`` (0 = low 16 bits) of 32-bit register ``r`` of its fragment (the Int32 view of
-    ``make_fragment_A``), for the ``(64, n)`` RS tiled MMA of one warpgroup. Traced by CuTe DSL on the
-    host (seconds; cached)."""
+def trace_a_ownership(make_mma, m: int, k: int, per_register: int) -> torch.Tensor:
+    """``own[t, r, e] = (row, k)``: the element of the ``m x k`` A operand held by thread ``t`` in element
+    ``e`` of 32-bit register ``r`` of its fragment (``per_register`` elements a register: 2 for 16-bit
+    operands, 4 for 8-bit), for the tiled MMA ``make_mma()`` of one warpgroup. Traced by CuTe DSL on the
+    host (seconds)."""
     import cutlass
     import cutlass.cute as cute
 
-    regs = m * k // 2 // THREADS
-    own = torch.full((THREADS, regs, 2, 2), -1, dtype=torch.int64)
+    regs = m * k // per_register // THREADS
+    own = torch.full((THREADS, regs, per_register, 2), -1, dtype=torch.int64)
 
     @cute.jit
     def probe():
-        tiled_mma = _tiled_mma(n)
+        tiled_mma = make_mma()
         ident = cute.make_identity_tensor((m, k))
         for t in cutlass.range_constexpr(THREADS):
             thr = tiled_mma.get_slice(t)
@@ -128,14 +127,21 @@ def rs_fragment_ownership(m: int, k: int, n: int = 8) -> torch.Tensor:
             frag = thr.make_fragment_A(thr.partition_shape_A((m, k)))
             for i in cutlass.range_constexpr(cute.size(coords)):
                 row, col = coords[i]
-                off = cute.crd2idx(i, frag.layout)  # BF16 element offset in the register fragment
-                own[t, off // 2, off % 2, 0] = row
-                own[t, off // 2, off % 2, 1] = col
+                off = cute.crd2idx(i, frag.layout)  # element offset in the register fragment
+                own[t, off // per_register, off % per_register, 0] = row
+                own[t, off // per_register, off % per_register, 1] = col
 
     with warnings.catch_warnings():  # the probe's long static loops are intended (host-side tracing only)
         warnings.simplefilter("ignore")
         cute.compile(probe)
     return own
+
+
+@functools.lru_cache(maxsize=None)
+def rs_fragment_ownership(m: int, k: int, n: int = 8) -> torch.Tensor:
+    """``own[t, r, h] = (row, k)``: the element of the ``m x k`` A operand held by thread ``t`` in half
+    ``h`` (0 = low 16 bits) of 32-bit register ``r``, for the ``(64, n)`` BF16 RS tiled MMA (cached)."""
+    return trace_a_ownership(lambda: _tiled_mma(n), m, k, 2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import tempfile
-import warnings
 from dataclasses import dataclass
 
 import cutlass
@@ -107,31 +106,10 @@ def build_k_registers_e4m3(cfg, regs: cute.Tensor, kw: cute.Tensor):
 @functools.cache
 def e4m3_fragment_ownership(m: int, k: int, n: int = HEADS):
     """``own[t, e, v] = (row, kappa)``: the element of the ``m x k`` A operand held by thread ``t`` in byte
-    ``v`` of 32-bit register ``e`` (the Uint32 view of ``make_fragment_A``) of the E4M3 tiled MMA
-    (:func:`qk_mma_e4m3`). Traced by CuTe DSL on the host (no GPU; cached)."""
-    import torch
-
-    regs = m * k // 4 // THREADS
-    own = torch.full((THREADS, regs, 4, 2), -1, dtype=torch.int64)
-
-    @cute.jit
-    def probe():
-        tiled_mma = qk_mma_e4m3(n)
-        ident = cute.make_identity_tensor((m, k))
-        for t in cutlass.range_constexpr(THREADS):
-            thr = tiled_mma.get_slice(t)
-            coords = thr.partition_A(ident)
-            frag = thr.make_fragment_A(thr.partition_shape_A((m, k)))
-            for i in cutlass.range_constexpr(cute.size(coords)):
-                row, col = coords[i]
-                off = cute.crd2idx(i, frag.layout)  # byte offset in the register fragment
-                own[t, off // 4, off % 4, 0] = row
-                own[t, off // 4, off % 4, 1] = col
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cute.compile(probe)
-    return own
+    ``v`` of 32-bit register ``e`` of the E4M3 tiled MMA (:func:`qk_mma_e4m3`). Traced by CuTe DSL on the
+    host (no GPU; cached)."""
+    from .fragment import trace_a_ownership
+    return trace_a_ownership(lambda: qk_mma_e4m3(n), m, k, 4)
 
 
 # --------------------------------------------------------------------------------------------
