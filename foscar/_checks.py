@@ -84,6 +84,13 @@ def check_int(name: str, value: object, *, allowed: Iterable[int] | None = None,
 # --------------------------------------------------------------------------------------------
 # A decode call
 # --------------------------------------------------------------------------------------------
+def check_num_splits(num_splits: object) -> int | None:
+    """A decode's ``num_splits``: an int >= 1, or ``None`` (the kernel's heuristic)."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
+    return num_splits
+
+
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 COMPUTE_DTYPES = (torch.float64, torch.float32)
 

@@ -188,17 +188,11 @@ class DecodePlan:
 def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, backend: str = "auto",
          num_splits: int | None = None) -> DecodePlan:
     """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`)."""
-    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, num_splits=_num_splits(num_splits))
+    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
                      os.environ.get(ENV, "auto"))
     launch = backends.get(chosen).plan(problem)
     return DecodePlan(chosen, cache.fmt, tuple(q.shape), problem.sm_scale, launch)
-
-
-def _num_splits(num_splits):
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise InvalidArgumentError("num_splits", "an int >= 1 (or None)", num_splits)
-    return num_splits
 
 
 def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
@@ -223,7 +217,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     """
     want_lse = return_lse or lse is not None
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True,
-                                  num_splits=_num_splits(num_splits))
+                                  num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
                      os.environ.get(ENV, "auto"))
     if torch.compiler.is_compiling():  # the custom op: what torch.compile traces

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_decode_inputs, check_int, decode_out_buffers
+from ._checks import check_decode_inputs, check_num_splits, decode_out_buffers
 from .backends.base import ProblemKey
 from .cache import QuantKVCache
+
 
 @dataclass(frozen=True)
 class DecodeProblem:
@@ -32,8 +33,7 @@ class DecodeProblem:
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
               num_splits: int | None = None) -> DecodeProblem:
         gqa, sm_scale = check_decode_inputs(q, cache, sm_scale)
-        if num_splits is not None:
-            check_int("num_splits", num_splits, minimum=1)
+        num_splits = check_num_splits(num_splits)
         out, lse = decode_out_buffers(q, out, lse, return_lse)
         return cls(q, cache, out, lse, sm_scale, num_splits, gqa)
 

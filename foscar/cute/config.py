@@ -39,6 +39,16 @@ STAGE1_TENSORS = (("q", BFloat16, 3), ("k_codes", Int32, 3), ("v_codes", Int32, 
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
+def thread_k_words(bits: int, head_dim: int) -> int:
+    """Packed K words each thread of a warpgroup holds per 64-token tile."""
+    return head_dim * bits // 64
+
+
+def tile_words(bits: int, head_dim: int) -> int:
+    """Packed words of one tensor's 64-token tile (one KV head)."""
+    return TILE * head_dim * bits // 32
+
+
 @dataclass(frozen=True)
 class Sm90Config:
     """Static configuration of one compiled kernel (the compile-cache key).
@@ -114,12 +124,18 @@ class Sm90Config:
     @property
     def k_words(self) -> int:
         """Packed K words per thread per tile."""
-        return self.head_dim * self.bits // 64
+        return thread_k_words(self.bits, self.head_dim)
 
     @property
     def tile_words(self) -> int:
         """Packed words of one tensor's 64-token tile (one KV head)."""
-        return TILE * self.head_dim * self.bits // 32
+        return tile_words(self.bits, self.head_dim)
+
+    @property
+    def tma_box(self) -> tuple[int, int]:
+        """``(ci, co)``: a tile's words as ``co`` TMA boxes of ``ci <= 256`` words (a box's extent limit)."""
+        ci = min(self.tile_words, 256)
+        return ci, self.tile_words // ci
 
     @property
     def v_blocks(self) -> int:

@@ -63,8 +63,7 @@ class FoldDecodeSm90WS(TileKernel):
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
         # (s', z') (TILE x 2 floats), by (tile in page, KV head, page)
         chunk = cfg.tile_words
-        ci = min(chunk, 256)
-        co = chunk // ci
+        ci, co = cfg.tma_box
         tpp = cfg.page // TILE
         words = cute.make_layout((ci, co), stride=(1, ci))
         atoms = []
@@ -137,8 +136,7 @@ class FoldDecodeSm90WS(TileKernel):
         buffer kind by buffer kind. Returns ``(ring, [consumer c's WarpgroupSmem])``."""
         cfg = self.cfg
         chunk = cfg.tile_words
-        ci = min(chunk, 256)
-        co = chunk // ci
+        ci, co = cfg.tma_box
         slots = STAGES * CONSUMERS
         alloc = SmemAllocator()
         sK = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
@@ -177,8 +175,7 @@ class FoldDecodeSm90WS(TileKernel):
         the stage is empty, with the stage's exact transaction bytes on its full barrier."""
         cfg = self.cfg
         chunk = cfg.tile_words
-        ci = min(chunk, 256)
-        co = chunk // ci
+        ci, co = cfg.tma_box
         (atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp) = tma
         full = ring.full
         empty = ring.empty

@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..e4m3 import PLACEMENT_MASK
-from .config import HEADS, THREADS, TILE
+from .config import HEADS, THREADS, TILE, thread_k_words, tile_words
 from .fragment import k_word
 
 K_STEP = 32  #: the contraction depth of one ``m64nNk32`` wgmma
@@ -125,12 +125,12 @@ class E4m3Tile:
     @property
     def k_words(self) -> int:
         """Packed K words per thread per tile."""
-        return self.head_dim * self.bits // 64
+        return thread_k_words(self.bits, self.head_dim)
 
     @property
     def tile_words(self) -> int:
         """Packed words of one 64-token K tile."""
-        return TILE * self.head_dim * self.bits // 32
+        return tile_words(self.bits, self.head_dim)
 
 
 class QkProbeE4m3:
