@@ -14,7 +14,7 @@ import functools
 import torch
 import triton
 
-from ._checks import check_tensor
+from ._checks import check_int, check_tensor
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
 
@@ -22,6 +22,8 @@ from .errors import InvalidArgumentError
 def split_ranges(n_tiles: int, num_splits: int) -> list[range]:
     """The tiles of each split: ``range(s*per, min((s+1)*per, n_tiles))`` with ``per = ceil(n_tiles /
     num_splits)`` (empty ranges for the splits past the end)."""
+    check_int("n_tiles", n_tiles, minimum=0)
+    check_int("num_splits", num_splits, minimum=1)
     per = -(-n_tiles // num_splits) if n_tiles else 0
     return [range(min(s * per, n_tiles), min((s + 1) * per, n_tiles)) for s in range(num_splits)]
 

@@ -105,3 +105,14 @@ def test_the_cute_splits_follow_the_rule(num_splits, ws):
     if ws:  # base 2: log2 sum 2^l over the consumers of each split
         lse = torch.logsumexp(lse.reshape(3, 8, num_splits, CONSUMERS) * LN2, -1) / LN2
     assert_lses(lse, expected_split_lses(q, cache, TILE, num_splits))
+
+
+def test_split_ranges_and_the_registry_name_bad_arguments():
+    from foscar import backends
+    from foscar.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="^num_splits: expected"):
+        split_ranges(10, 0)
+    with pytest.raises(InvalidArgumentError, match="^n_tiles: expected"):
+        split_ranges(-1, 2)
+    with pytest.raises(InvalidArgumentError, match="^backend: expected one of"):
+        backends.get("cuda")

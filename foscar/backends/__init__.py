@@ -23,6 +23,9 @@ TUNABLE = tuple(name for name, b in REGISTRY.items() if b.tunable)
 
 def get(name: str) -> Backend:
     """The backend called ``name`` (one of :data:`BACKENDS`)."""
+    if name not in REGISTRY:
+        from ..errors import InvalidArgumentError
+        raise InvalidArgumentError("backend", f"one of {BACKENDS}", repr(name))
     return REGISTRY[name]
 
 
