@@ -64,7 +64,15 @@ def _fmt_values(fmt: KVFormat) -> tuple:
     return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent)
 
 
-@torch._dynamo.assume_constant_result  # host facts only: a compiled graph bakes the choice in
+def _constant_for_compile(fn):
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (the attribute it sets, as
+    ``tests/test_compile.py`` checks), without importing Dynamo: that import takes seconds of a
+    process's start, and a process that never compiles does not need it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_for_compile  # host facts only: a compiled graph bakes the choice in
 def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
     return _cached_select(device, fmt_values, G, page_size, backend, env)
 

@@ -1,5 +1,8 @@
 """``foscar.decode``: backend selection, explicit choices that cannot run, the custom op under
 ``torch.compile`` (CPU, reference backend), and on the GPU CUDA-graph capture and replay."""
+import subprocess
+import sys
+
 import pytest
 import torch
 from _helpers import rel
@@ -77,6 +80,29 @@ def test_torch_compile_traces_a_decode_step_without_graph_breaks():
     eager = foscar.decode(q, cache)
     step = torch.compile(lambda x: foscar.decode(x, cache) * 2, fullgraph=True)
     assert torch.equal(step(q), eager * 2)
+
+
+def test_the_selection_is_marked_constant_as_torch_compiler_marks_it():
+    """``api._select`` carries the mark ``torch.compiler.assume_constant_result`` gives (set without
+    importing Dynamo), and nothing else."""
+    from foscar.api import _constant_for_compile, _select
+
+    def plain():
+        return 1
+
+    def marked():
+        return 1
+    torch.compiler.assume_constant_result(marked)
+    mine = _constant_for_compile(lambda: 1)
+    assert vars(mine) == vars(marked) != vars(plain)
+    assert {k: v for k, v in vars(_select).items() if not k.startswith("__")} == vars(marked)
+
+
+def test_importing_foscar_does_not_import_dynamo():
+    """``import foscar`` leaves ``torch._dynamo`` unimported (seconds of a serving process's start)."""
+    code = "import sys, foscar; print('torch._dynamo' in sys.modules)"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert got == "False"
 
 
 def test_auto_prefers_cute_then_triton(monkeypatch):

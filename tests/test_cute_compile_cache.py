@@ -1,26 +1,15 @@
 """The disk compile cache of the CuTe kernels (:mod:`foscar.cute.compile_cache`). CPU: a first call compiles
-and writes one entry, a fresh process loads it without compiling (a real ``cutlass.runtime.load_module``);
-keys are stable across processes and change with a source byte, a version, the arch, the config or the
-variant; entries appear whole (a temporary file and ``os.replace``, concurrent writers included); a
-corrupt entry is ignored with one warning and rebuilt; ``FOSCAR_CACHE_DIR=off`` writes nothing; an
-unwritable folder warns once and still gives a kernel. GPU (sm_90): a fresh process decodes with the
-loaded kernel, bit for bit what the compiled one gives.
+and writes one entry (a shared library where a C compiler is found, else the object), a fresh process
+loads it without compiling (through TVM-FFI alone without importing cutlass-dsl, or
+``cutlass.runtime.load_module``); keys are stable across processes and change with a source byte, a
+version, the arch, the config or the variant; entries appear whole (temporary files and ``os.replace``,
+concurrent writers included); a corrupt entry is ignored with one warning and rebuilt;
+``FOSCAR_CACHE_DIR=off`` writes nothing; an unwritable folder warns once and still gives a kernel. GPU
+(sm_90): a fresh process decodes with the loaded kernels (stage 1 and the combine), bit for bit what
+the compiled ones give.
 
-First-call time on the GPU, a fresh process with a cold and then a warm disk cache (``compile_seconds``
-gives each configuration's seconds and where its kernel came from)::
-
-    export FOSCAR_CACHE_DIR=$(mktemp -d)  # an empty cache: the first run compiles, the second loads
-    for run in cold warm; do .venv/bin/python -c "
-    import time, torch, foscar
-    from foscar.cute.launch import compile_seconds
-    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
-    k, v = torch.randn(2, 2, 2, 4096, 128, device='cuda', dtype=torch.bfloat16).unbind(0)
-    cache = foscar.quantize_kv(k, v, fmt, page_size=64)
-    q = torch.randn(2, 8, 128, device='cuda', dtype=torch.bfloat16)
-    t = time.perf_counter(); foscar.decode(q, cache, backend='cute'); torch.cuda.synchronize()
-    print('$run: first call %.3f s' % (time.perf_counter() - t),
-          [(r.source, round(r.seconds, 3)) for r in compile_seconds(detail=True).values()])
-    "; done
+First-call time on the GPU, a fresh process with a cold and then a warm disk cache:
+``benchmarks/first_call.py`` (``docs/results-h200.md`` holds the figures).
 """
 import dataclasses
 import json
@@ -52,7 +41,7 @@ FRESH = r"""
 import json, os
 import foscar
 from foscar.cute import compile_cache, launch
-from foscar.cute.decode_sm90 import config_for
+from foscar.cute.config import config_for
 if os.environ.get("FORBID_COMPILE") == "1":
     def refuse(*args, **kwargs):
         raise AssertionError("compiled, though the disk cache holds the entry")
@@ -61,8 +50,10 @@ cfg = config_for(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 4, 64)
 fn = launch._compiled(cfg, False, 1)
 (rec,) = launch.compile_seconds(detail=True).values()
 (seconds,) = launch.compile_seconds().values()
+import sys
 print(json.dumps({"source": rec.source, "path": rec.path, "seconds": seconds, "compile_s": rec.compile_s,
                   "load_s": rec.load_s, "callable": callable(fn), "type": type(fn).__name__,
+                  "cutlass_imported": "cutlass" in sys.modules,
                   "key": compile_cache.entry_key(cfg, False, 1, compile_cache.current_toolchain())}))
 """
 
@@ -118,6 +109,7 @@ def fake(monkeypatch):
         return kernels[-1]
     monkeypatch.setattr(compile_cache, "_compile", compile_)
     monkeypatch.setattr(compile_cache, "_load", loaded)
+    monkeypatch.setattr(compile_cache, "_c_compiler", lambda: None)  # object entries: nothing to link
     return kernels
 
 
@@ -131,13 +123,16 @@ def test_first_call_writes_one_entry_and_a_fresh_process_loads_it(tmp_path, cach
     first = run_fresh(FRESH, cwd, PYTHONHASHSEED="1")
     assert first["source"] == "compiled" and first["compile_s"] > 0 and first["callable"]
     (name,) = files(cache_env)  # one entry, no temporary file left
-    assert first["path"] == str(cache_env / name) and name.endswith(".o") and not name.startswith(".")
+    linked = compile_cache._c_compiler() is not None  # a C compiler: the entry is a shared library
+    assert first["path"] == str(cache_env / name) and not name.startswith(".")
+    assert name.endswith(".so" if linked else ".o")
     entry = cache_env / name
     assert compile_cache.check_entry(entry.read_bytes(), first["key"]) is None
     assert entry.stat().st_mode & 0o777 == 0o644
     second = run_fresh(FRESH, cwd, PYTHONHASHSEED="2", FORBID_COMPILE="1")
     assert second["source"] == "disk" and second["compile_s"] == 0 and second["callable"]
     assert second["type"] == "Function" and second["seconds"] == second["load_s"] < first["seconds"]
+    assert second["cutlass_imported"] is not linked, "a linked entry loads without importing cutlass-dsl"
     assert second["key"] == first["key"] == compile_cache.entry_key(CFG, False, 1, compile_cache.current_toolchain())
     assert files(cache_env) == [name]
     assert files(cwd) == [], "the compile wrote into the working directory"
@@ -153,7 +148,7 @@ def test_key_is_the_config_the_variant_and_the_toolchain(monkeypatch):
               compile_cache.entry_key(CFG, True, 2, tc),
               compile_cache.entry_key(dataclasses.replace(CFG, k_mid=CFG.k_mid + 0.5), False, 1, tc)]
     others += [compile_cache.entry_key(CFG, False, 1, dataclasses.replace(tc, **{field: "x"}))
-               for field in ("sources", "cutlass_dsl", "tvm_ffi", "cuda", "arch")]
+               for field in ("sources", "cutlass_dsl", "tvm_ffi", "cutlass_libs", "compiler", "arch")]
     assert len({key, *others}) == len(others) + 1
     folder = Path("/c")
     assert len({compile_cache.entry_path(folder, k) for k in (key, *others)}) == len(others) + 1
@@ -214,7 +209,7 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_entry_is_written_whole_through_a_temporary_file(monkeypatch, fake, cache_env):
     key = compile_cache.entry_key(CFG, True, 2, compile_cache.current_toolchain())
-    final = compile_cache.entry_path(cache_env, key)
+    final = compile_cache.entry_path(cache_env, key, ".o")  # no C compiler (the fake): the object entry
 
     def check(tmp: Path):  # while the object is exported: a hidden file of the same folder, no entry yet
         assert tmp.parent == cache_env and tmp.name.startswith(".") and not final.exists()
@@ -249,14 +244,16 @@ class Kernel:
             f.write(self.payload)
 
 folder, key, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+compile_cache._c_compiler = lambda: None  # the object entry: these payloads are no objects to link
 for i in range(20):
-    assert compile_cache._write_entry(Kernel(bytes([seed, i]) * 300_000), folder, compile_cache.entry_path(folder, key), key)
+    assert compile_cache._write_entry(Kernel(bytes([seed, i]) * 300_000), folder, key) == compile_cache.entry_path(
+        folder, key, ".o")
 """
 
 
 def test_concurrent_writers_never_show_a_torn_entry(cache_env):
     key = compile_cache.entry_key(CFG, False, 1, compile_cache.current_toolchain())
-    path = compile_cache.entry_path(cache_env, key)
+    path = compile_cache.entry_path(cache_env, key, ".o")
     cache_env.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(cache_env), key, str(seed)], env=env,
@@ -276,7 +273,7 @@ def test_concurrent_writers_never_show_a_torn_entry(cache_env):
 @pytest.mark.parametrize("damage", ("garbage", "truncated", "other key", "load error"))
 def test_a_corrupt_entry_is_ignored_with_one_warning_and_rebuilt(monkeypatch, fake, cache_env, damage):
     key = compile_cache.entry_key(CFG, False, 1, compile_cache.current_toolchain())
-    path = compile_cache.entry_path(cache_env, key)
+    path = compile_cache.entry_path(cache_env, key, ".o")  # the fake: no C compiler
     compile_cache.load_or_compile(CFG, False, 1)  # a good entry
     good = path.read_bytes()
 
@@ -287,7 +284,7 @@ def test_a_corrupt_entry_is_ignored_with_one_warning_and_rebuilt(monkeypatch, fa
             path.write_bytes(good[: len(good) // 2])
         elif damage == "other key":
             other = compile_cache.entry_key(OTHER, False, 1, compile_cache.current_toolchain())
-            compile_cache._write_entry(FakeKernel(), cache_env, path, other)
+            os.replace(compile_cache._write_entry(FakeKernel(), cache_env, other), path)
     if damage == "load error":
         def refuse(path_, symbol):
             raise RuntimeError("BinaryExecutionEngine: Failed to add object file")
@@ -308,8 +305,7 @@ def test_a_real_load_error_is_caught(cache_env, fake, monkeypatch):
     """Foreign bytes behind a valid trailer reach cutlass.runtime.load_module, whose error rebuilds the entry."""
     monkeypatch.setattr(compile_cache, "_load", REAL_LOAD)
     key = compile_cache.entry_key(CFG, False, 1, compile_cache.current_toolchain())
-    path = compile_cache.entry_path(cache_env, key)
-    compile_cache._write_entry(FakeKernel(b"not an object file"), cache_env, path, key)
+    compile_cache._write_entry(FakeKernel(b"not an object file"), cache_env, key)
     with pytest.warns(RuntimeWarning, match=r"ignoring entry .*load error"):
         fn, rec = compile_cache.load_or_compile(CFG, False, 1)
     assert rec.source == "compiled" and callable(fn)
@@ -377,7 +373,7 @@ q = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16)
 out = foscar.decode(q, cache, backend="cute")
 torch.cuda.synchronize()
 torch.save(out.cpu(), sys.argv[1])
-print(json.dumps([r.source for r in compile_seconds(detail=True).values()]))
+print(json.dumps([[r.source for r in compile_seconds(detail=True).values()], "cutlass" in sys.modules]))
 """
 
 
@@ -392,7 +388,9 @@ def test_a_fresh_process_decodes_with_the_loaded_kernel_gpu(tmp_path, cache_env)
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
         sources.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    assert sources == [["compiled"], ["disk"]]
-    assert len(files(cache_env)) == 1
+    (cold_src, _), (warm_src, warm_cutlass) = sources
+    assert cold_src == ["compiled", "compiled"] and warm_src == ["disk", "disk"]  # stage 1, the combine
+    assert len(files(cache_env)) == 2
+    assert warm_cutlass is (compile_cache._c_compiler() is None), "a linked entry loads without cutlass-dsl"
     cold, warm = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
     assert torch.isfinite(cold).all() and torch.equal(cold, warm)

@@ -1,48 +1,79 @@
 """Compile the stage-1 kernels for TVM-FFI calls, on any machine (``CUTE_DSL_ARCH=sm_90a`` without a GPU).
 
-Kept PTX (``keep_ptx``) is written by CuTe DSL to files named after the kernel (``cutlass___call___...``)
-in its dump folder: the compile option ``DumpDir`` when given, else ``CUTE_DSL_DUMP_DIR`` as read when
-cutlass was imported, else the current working directory (cutlass-dsl 4.8.1). :func:`compile_stage1`
-gives a temporary folder of its own, read back into the compiled function's ``__ptx__`` and removed.
+Kept PTX and cubin (``keep_ptx``, ``keep_cubin``) are written by CuTe DSL to files named after the kernel
+(``cutlass___call___...``) in its dump folder: the compile option ``DumpDir`` when given, else
+``CUTE_DSL_DUMP_DIR`` as read when cutlass was imported, else the current working directory
+(cutlass-dsl 4.8.1). The compiles here give a temporary folder of their own, read back into the
+compiled function's ``__ptx__`` / ``__cubin__`` and removed.
 """
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from .config import ALIGN, STAGE1_TENSORS, WS_REGISTERS, Sm90Config
+from .combine import CombineSm90
+from .config import ALIGN, COMBINE_TENSORS, STAGE1_TENSORS, WS_REGISTERS, CombineConfig, Sm90Config
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
 
 
-def _placeholder(dtype, rank: int):
-    """A symbolic tensor of ``rank`` dims: dynamic extents and strides, the last stride 1."""
+#: The cutlass element type of each :data:`~foscar.cute.config.STAGE1_TENSORS` element type.
+ELEMENT_TYPES = {"bf16": BFloat16, "f16": Float16, "i32": Int32, "f32": Float32}
+
+
+def _placeholder(dtype, rank: int, unit_last: bool = True):
+    """A symbolic tensor of ``rank`` dims: dynamic extents and strides, the last stride 1 (``unit_last``;
+    on a 16-byte aligned base), else dynamic too (on a base aligned to the element)."""
     from cutlass.cute.runtime import make_fake_tensor
+    last = (1,) if unit_last else (cute.sym_int64(),)
     return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
-                            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=ALIGN)
+                            tuple(cute.sym_int64() for _ in range(rank - 1)) + last,
+                            assumed_align=ALIGN if unit_last else dtype.width // 8)
 
 
 def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized: bool = False,
-                   ctas_per_sm: int = 1):
+                   ctas_per_sm: int = 1, keep_cubin: bool = False):
     """Compile the kernel for ``cfg``: v0, or v1 (``warp_specialized``: TMA producer and two consumer
     warpgroups; ``ctas_per_sm`` of them resident, 1 or 2, :data:`~foscar.cute.config.WS_REGISTERS`). The
     function is compiled for TVM-FFI (apache-tvm-ffi): it takes torch tensors as they are
     (:data:`~foscar.cute.config.STAGE1_TENSORS`, checked against the placeholders' dtypes, ranks, unit
     strides and alignment by the call itself), then ``qk_scale`` (float) and ``num_splits`` (int), and
     launches on torch's current stream (CUDA graphs capture it). Host time of a call: a few microseconds,
-    where wrapping each tensor with ``from_dlpack`` took tens. ``keep_ptx``: the PTX is the compiled
-    function's ``__ptx__``; no file is left behind."""
+    where wrapping each tensor with ``from_dlpack`` took tens. ``keep_ptx`` / ``keep_cubin``: the PTX
+    is the compiled function's ``__ptx__``, the cubin its ``__cubin__``; no file is left behind."""
     if ctas_per_sm not in WS_REGISTERS:
         raise ValueError(f"ctas_per_sm: expected one of {sorted(WS_REGISTERS)}, got {ctas_per_sm!r}")
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
-    args = [_placeholder(dtype, rank) for _, dtype, rank in STAGE1_TENSORS]
+    args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in STAGE1_TENSORS]
+    return _compile(kernel, (*args, Float32(1.0), Int32(1)), keep_ptx, keep_cubin)
+
+
+def _compile(kernel, args, keep_ptx: bool, keep_cubin: bool):
+    """``cute.compile`` of ``kernel`` for TVM-FFI calls on torch's current stream (the last argument),
+    keeping the PTX and the cubin in a temporary dump folder when asked."""
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    if not keep_ptx:
-        return cute.compile[(cute.EnableTVMFFI,)](kernel, *args, Float32(1.0), Int32(1), stream)
+    keep = ((cute.KeepPTX,) if keep_ptx else ()) + ((cute.KeepCUBIN,) if keep_cubin else ())
+    if not keep:
+        return cute.compile[(cute.EnableTVMFFI,)](kernel, *args, stream)
     with tempfile.TemporaryDirectory(prefix="foscar-cute-ptx-") as dump_dir:
-        options = (cute.KeepPTX, cute.EnableTVMFFI, DumpDir(dump_dir))
-        return cute.compile[options](kernel, *args, Float32(1.0), Int32(1), stream)
+        return cute.compile[(*keep, cute.EnableTVMFFI, DumpDir(dump_dir))](kernel, *args, stream)
+
+
+def compile_combine(cfg: CombineConfig, *, keep_ptx: bool = False):
+    """Compile the combine of ``cfg`` (:class:`~foscar.cute.combine.CombineSm90`) for TVM-FFI calls: it
+    takes the :data:`~foscar.cute.config.COMBINE_TENSORS` as torch tensors (the partials with unit
+    stride in the last dim on 16-byte aligned bases; ``out`` and ``lse`` with any strides) and launches
+    on torch's current stream."""
+    out_type = ELEMENT_TYPES[cfg.out_dtype]
+    kernel = CombineSm90(cfg, out_type)
+    args = [_placeholder(ELEMENT_TYPES[dtype or cfg.out_dtype], rank, unit_last=name.startswith("partial"))
+            for name, dtype, rank in COMBINE_TENSORS]
+    with warnings.catch_warnings():  # the 64-partial chunk's unrolled loops: CuTe DSL warns at 64 iterations
+        warnings.simplefilter("ignore", DSLOptimizationWarning)  # of slow compiles; this one takes 0.7 s
+        return _compile(kernel, args, keep_ptx, False)

@@ -1,35 +1,46 @@
-"""Disk cache of the compiled CuTe DSL stage-1 kernels: a process loads a configuration compiled by an
-earlier one (milliseconds) instead of compiling it (seconds).
+"""Disk cache of the compiled CuTe DSL kernels (stage 1, and the combine): a process loads a
+configuration compiled by an earlier one (milliseconds) instead of compiling it (seconds).
 
 An **entry** is the compiled function exported ahead of time (``export_to_c``: an ELF object with the
 host code, the cubin and the TVM-FFI entry point ``__tvm_ffi_<symbol>``), followed by a trailer
-(:data:`TRAILER_MAGIC`, the key's sha256, the object's sha256). :func:`load_or_compile` checks the
-trailer, loads the object with ``cutlass.runtime.load_module(path, enable_tvm_ffi=True)`` and returns
-its ``tvm_ffi.Function``: called as the compiled function is (the :data:`~foscar.cute.config.STAGE1_TENSORS`
+(:data:`TRAILER_MAGIC`, the key's sha256, the payload's sha256). Where a C compiler is found (``$CC``,
+else ``cc``) the object is linked into a shared library against cutlass-dsl's runtime libraries (found
+by ``cutlass.runtime.find_runtime_libraries``, named by absolute path and rpath): a ``.so`` entry, which
+:func:`load_or_compile` loads with ``tvm_ffi.load_module`` without importing cutlass-dsl (about a
+second of a process's first decode). Without a compiler the entry is the ``.o`` object, loaded with
+``cutlass.runtime.load_module(path, enable_tvm_ffi=True)``. Either way the result is a
+``tvm_ffi.Function``, called as the compiled function is (the :data:`~foscar.cute.config.STAGE1_TENSORS`
 as torch tensors, then ``qk_scale``, ``num_splits``; it launches on torch's current stream, TVM-FFI's
 environment stream, and loads its CUDA module on its first call).
 
-The **key** (:func:`entry_key`, a JSON text; the file name is its sha256) holds the static config (every
-field of :class:`~foscar.cute.config.Sm90Config`), the variant (v0, or v1 and its CTAs per SM) and
+The **key** (:func:`entry_key`, a JSON text; the file name is its sha256) holds the static config (its
+type and every field: :class:`~foscar.cute.config.Sm90Config`, :class:`~foscar.cute.config.CombineConfig`),
+the variant (v0, or v1 and its CTAs per SM) and
 the :class:`Toolchain`: the sha256 of foscar's kernel sources (every ``.py`` file under ``foscar/cute/``
-and ``foscar/format.py``, as bytes), the nvidia-cutlass-dsl and apache-tvm-ffi versions, the CUDA
-version of the cutlass-dsl runtime and the target arch (``CUTE_DSL_ARCH``, else the current CUDA
-device's ``sm_XYa``). A change of any of them gives another file; stale files stay until removed.
+and ``foscar/format.py``, as bytes), the versions of the nvidia-cutlass-dsl distributions (its libs
+per CUDA flavour included) and of apache-tvm-ffi, the sha256 of the compiler libraries cutlass-dsl
+records in its ``_cutlass_ir_version_*.py`` files, and the target arch (``CUTE_DSL_ARCH``, else the
+current CUDA device's ``sm_XYa``); all read without importing cutlass-dsl. A change of any of them gives
+another file; stale files stay until removed.
 
 The **folder** (:func:`cache_dir`): ``$FOSCAR_CACHE_DIR/cute``, else ``$XDG_CACHE_HOME/foscar/cute``, else
 ``~/.cache/foscar/cute``; ``FOSCAR_CACHE_DIR=off`` (or ``0``) disables the disk cache. An entry is
-exported to a temporary file of the same folder and moved into place with ``os.replace``, so concurrent
+written to a temporary file of the same folder and moved into place with ``os.replace``, so concurrent
 processes see no entry or a whole one. A corrupt entry (truncated, foreign bytes, a checksum or load
 error) gives one warning naming it, is removed where possible and rebuilt; a folder that cannot be
-written gives one warning and the kernel is compiled in memory. The cache never fails a decode that a
-compile would serve.
+written gives one warning and the kernel is compiled in memory; a compiler that fails to link gives one
+warning and the ``.o`` entry. The cache never fails a decode that a compile would serve.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
+import shutil
+import subprocess
 import tempfile
 import time
 import warnings
@@ -40,8 +51,9 @@ ENV_DIR = "FOSCAR_CACHE_DIR"
 #: Values of ``$FOSCAR_CACHE_DIR`` that disable the disk cache (case-insensitive).
 DISABLED = ("off", "0")
 #: The entry format; part of the key, so that another format gives other files.
-ENTRY_FORMAT = "foscar-cute-stage1-v1"
-SUFFIX = ".o"
+ENTRY_FORMAT = "foscar-cute-stage1-v2"
+#: Entry file suffixes, in the order a load tries them: the linked library, then the object.
+SUFFIXES = (".so", ".o")
 TRAILER_MAGIC = b"\nFOSCAR-CUTE-ENTRY "
 #: The trailer: magic, the key's sha256 (hex), a space, the object's sha256 (hex), a newline.
 TRAILER_LEN = len(TRAILER_MAGIC) + 64 + 1 + 64 + 1
@@ -58,7 +70,8 @@ class Toolchain:
     sources: str  # sha256 of the kernel sources (:func:`source_fingerprint`)
     cutlass_dsl: str | None  # nvidia-cutlass-dsl version
     tvm_ffi: str | None  # apache-tvm-ffi version
-    cuda: str | None  # CUDA version of the cutlass-dsl runtime (major.minor)
+    cutlass_libs: tuple  # (distribution, version) of each nvidia-cutlass-dsl-libs-* installed
+    compiler: tuple  # sha256 of each compiler library cutlass-dsl records (``_cutlass_ir_version_*.py``)
     arch: str | None  # target arch, e.g. "sm_90a"; None: unknown (no disk cache)
 
 
@@ -124,12 +137,35 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _cutlass_cuda() -> str | None:
-    try:
-        from cutlass.base_dsl.version_info import CUDA_VERSION
-        return f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}"
-    except Exception:  # noqa: BLE001 - a cutlass-dsl without it: the package version still keys the entry
-        return None
+def _cutlass_site() -> list[Path]:
+    """The folders that hold the cutlass-dsl package (``.../nvidia_cutlass_dsl/dsl_packages/cutlass``):
+    its ``_cutlass_ir_version_*.py`` files, and three levels up the site folder with its dist-info."""
+    import importlib.util
+    spec = importlib.util.find_spec("cutlass")
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
+@functools.lru_cache(maxsize=1)  # folder listings: once per process
+def _cutlass_libs() -> tuple:
+    """``(name, version)`` of each ``nvidia-cutlass-dsl-libs-*`` distribution beside the cutlass-dsl
+    package, from the names of their dist-info folders, sorted."""
+    found = set()
+    for root in _cutlass_site():
+        for info in root.parents[2].glob("nvidia_cutlass_dsl_libs*-*.dist-info"):
+            name, _, version = info.name[: -len(".dist-info")].partition("-")
+            found.add((name.lower().replace("_", "-"), version))
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=1)
+def _cutlass_compiler() -> tuple:
+    """The sha256 of each compiler library of cutlass-dsl, read from the ``DSO_SHA256`` tables of its
+    ``_cutlass_ir_version_*.py`` files as text (importing cutlass-dsl takes about a second)."""
+    sums = set()
+    for root in _cutlass_site():
+        for path in Path(root, "_mlir", "_mlir_libs").glob("_cutlass_ir_version_*.py"):
+            sums.update(re.findall(r'"([^"]+\.so)":\s*"([0-9a-f]{64})"', path.read_text()))
+    return tuple(sorted(sums))
 
 
 def target_arch() -> str | None:
@@ -146,7 +182,7 @@ def target_arch() -> str | None:
 
 def current_toolchain() -> Toolchain:
     return Toolchain(source_fingerprint(), _dist_version("nvidia-cutlass-dsl"), _dist_version("apache-tvm-ffi"),
-                     _cutlass_cuda(), target_arch())
+                     _cutlass_libs(), _cutlass_compiler(), target_arch())
 
 
 def entry_key(cfg, warp_specialized: bool, ctas_per_sm: int, toolchain: Toolchain) -> str:
@@ -158,13 +194,16 @@ def entry_key(cfg, warp_specialized: bool, ctas_per_sm: int, toolchain: Toolchai
                        "toolchain": dataclasses.asdict(toolchain)}, sort_keys=True, separators=(",", ":"))
 
 
-def entry_path(folder: Path, key: str) -> Path:
-    return folder / f"stage1-{_digest(key)}{SUFFIX}"
+def entry_path(folder: Path, key: str, suffix: str = ".so") -> Path:
+    """The entry file of ``key``: the linked library (``.so``) or the object (``.o``)."""
+    if suffix not in SUFFIXES:
+        raise ValueError(f"suffix: expected one of {SUFFIXES}, got {suffix!r}")
+    return folder / f"kernel-{_digest(key)}{suffix}"
 
 
 def symbol_name(key: str) -> str:
     """The exported function's name: one per key, so that the loaded modules of a process never share one."""
-    return f"foscar_stage1_{_digest(key)[:16]}"
+    return f"foscar_kernel_{_digest(key)[:16]}"
 
 
 def _digest(text: str) -> str:
@@ -194,14 +233,43 @@ def _warn_once(kind: str, path, message: str) -> None:
 
 
 def _compile(cfg, warp_specialized: bool, ctas_per_sm: int):
+    from .config import CombineConfig
+    if isinstance(cfg, CombineConfig):
+        from .compile import compile_combine
+        return compile_combine(cfg)
     from .compile import compile_stage1
     return compile_stage1(cfg, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
 
 
 def _load(path: Path, symbol: str):
-    """The exported function ``symbol`` of the object at ``path`` (raises on a load error)."""
+    """The exported function ``symbol`` of the entry at ``path`` (raises on a load error): a ``.so``
+    through TVM-FFI alone, an ``.o`` through cutlass-dsl's loader (which links it in memory)."""
+    if Path(path).suffix == ".so":
+        import tvm_ffi
+        return getattr(tvm_ffi.load_module(str(path)), symbol)
     import cutlass.runtime
     return getattr(cutlass.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
+
+
+def _c_compiler() -> str | None:
+    """``$CC``, else ``cc`` on the PATH; ``None`` without one (the entries are then objects)."""
+    cc = os.environ.get("CC", "").strip()
+    return shutil.which(cc) if cc else shutil.which("cc")
+
+
+def _link(obj: str, out: str) -> None:
+    """Link the exported object ``obj`` into the shared library ``out`` against cutlass-dsl's runtime
+    libraries (absolute paths, and their folders as the rpath); raises where the compiler fails."""
+    import cutlass.runtime
+    cc = _c_compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler ($CC or cc)")
+    libs = [p for p in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(p).exists()]
+    rpath = ":".join(dict.fromkeys(str(Path(p).resolve().parent) for p in libs))
+    done = subprocess.run([cc, "-shared", "-o", out, obj, *libs, f"-Wl,-rpath,{rpath}"], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
 
 
 def _read_entry(path: Path, key: str):
@@ -232,15 +300,30 @@ def _read_entry(path: Path, key: str):
     return fn
 
 
-def _write_entry(fn, folder: Path, path: Path, key: str) -> bool:
-    """Export ``fn`` to ``path`` through a temporary file of ``folder`` and ``os.replace``; ``False`` (one
-    warning per folder) where that fails."""
-    tmp = None
+def _write_entry(fn, folder: Path, key: str) -> Path | None:
+    """Export ``fn`` into ``folder`` as the entry of ``key`` (linked into a ``.so`` where a C compiler
+    works, else the ``.o``) through temporary files of ``folder`` and ``os.replace``; the entry's path, or
+    ``None`` (one warning per folder) where the folder cannot be written."""
+    temps = []
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{SUFFIX}", dir=folder)
-        os.close(fd)
+
+        def temp(suffix: str) -> str:
+            fd, name = tempfile.mkstemp(prefix=f".kernel-{_digest(key)}.", suffix=f".tmp{suffix}", dir=folder)
+            os.close(fd)
+            temps.append(name)
+            return name
+        tmp, suffix = temp(".o"), ".o"
         fn.export_to_c(tmp, function_name=symbol_name(key), enable_pic=True)
+        if _c_compiler() is not None:
+            lib = temp(".so")
+            try:
+                _link(tmp, lib)
+                tmp, suffix = lib, ".so"
+            except Exception as e:  # noqa: BLE001 - the object entry still serves (through cutlass-dsl)
+                _warn_once("link", folder, f"foscar CuTe compile cache: cannot link a shared library in {folder} "
+                                           f"({type(e).__name__}: {e}); writing the object entry (its load "
+                                           f"imports cutlass-dsl)")
         with open(tmp, "rb") as f:
             payload = f.read()
         with open(tmp, "ab") as f:
@@ -248,23 +331,25 @@ def _write_entry(fn, folder: Path, path: Path, key: str) -> bool:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the entry from the other users of a shared folder
+        path = entry_path(folder, key, suffix)
         os.replace(tmp, path)
-        return True
+        return path
     except Exception as e:  # noqa: BLE001 - an unwritable folder or a failed export: the kernel stays in memory
         _warn_once("unwritable", folder, f"foscar CuTe compile cache: cannot write an entry to {folder} "
                                          f"({type(e).__name__}: {e}); kernels are compiled in memory (set "
                                          f"{ENV_DIR} to a writable folder, or to 'off')")
-        if tmp is not None:
+        return None
+    finally:
+        for name in temps:
             try:
-                os.remove(tmp)
-            except OSError:
+                os.remove(name)
+            except OSError:  # moved into place, or never made
                 pass
-        return False
 
 
 def load_or_compile(cfg, warp_specialized: bool = False, ctas_per_sm: int = 1):
-    """``(fn, record)``: the stage-1 kernel of ``cfg`` and the variant (see
-    :func:`foscar.cute.compile.compile_stage1`), loaded from the disk cache, else compiled (and
+    """``(fn, record)``: the kernel of ``cfg`` and the variant (:func:`foscar.cute.compile.compile_stage1`
+    for an ``Sm90Config``, :func:`~foscar.cute.compile.compile_combine` for a ``CombineConfig``), loaded from the disk cache, else compiled (and
     written to it); ``record`` is its :class:`CompileRecord`."""
     folder = cache_dir()
     toolchain = current_toolchain() if folder is not None else None
@@ -273,13 +358,15 @@ def load_or_compile(cfg, warp_specialized: bool = False, ctas_per_sm: int = 1):
         fn = _compile(cfg, warp_specialized, ctas_per_sm)
         return fn, CompileRecord("compiled", time.perf_counter() - t0, 0.0, 0.0, None)
     key = entry_key(cfg, warp_specialized, ctas_per_sm, toolchain)
-    path = entry_path(folder, key)
     t0 = time.perf_counter()
-    fn = _read_entry(path, key)
+    for suffix in SUFFIXES:
+        path = entry_path(folder, key, suffix)
+        fn = _read_entry(path, key)
+        if fn is not None:
+            return fn, CompileRecord("disk", 0.0, time.perf_counter() - t0, 0.0, str(path))
     t1 = time.perf_counter()
-    if fn is not None:
-        return fn, CompileRecord("disk", 0.0, t1 - t0, 0.0, str(path))
     fn = _compile(cfg, warp_specialized, ctas_per_sm)
     t2 = time.perf_counter()
-    stored = _write_entry(fn, folder, path, key)
-    return fn, CompileRecord("compiled", t2 - t1, t1 - t0, time.perf_counter() - t2, str(path) if stored else None)
+    stored = _write_entry(fn, folder, key)
+    return fn, CompileRecord("compiled", t2 - t1, t1 - t0, time.perf_counter() - t2,
+                             str(stored) if stored is not None else None)

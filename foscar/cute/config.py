@@ -4,16 +4,13 @@
 :func:`config_for` makes it from a cache format, a GQA ratio and a page size, or says why the kernels
 cannot take them. The constants are the tile geometry both kernels share and what the host side
 (:mod:`foscar.cute.launch`) reads: :data:`TILE`, :data:`CONSUMERS`, :data:`WS_REGISTERS`,
-:data:`STAGE1_TENSORS` and :data:`ALIGN`.
+:data:`STAGE1_TENSORS` and :data:`ALIGN`. Plain Python: the host side imports it without cutlass-dsl
+(whose import takes about a second of a process's first decode).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-
-import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
 
 from ..format import v_block_tokens
 
@@ -30,12 +27,13 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: each consumer takes 24 (128 x 56 >= 256 x 24).
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 
-#: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank). Every
+#: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank); the
+#: element types ``"bf16"``, ``"i32"``, ``"f32"`` (:mod:`foscar.cute.compile` maps them to cutlass types). Every
 #: tensor has a dynamic shape and strides, unit stride in its last dim, and a 16-byte aligned base (TMA and
 #: vector loads): one compile serves every batch, length and pool size.
-STAGE1_TENSORS = (("q", BFloat16, 3), ("k_codes", Int32, 3), ("v_codes", Int32, 3), ("k_params", Float32, 5),
-                  ("v_params", Float32, 5), ("block_table", Int32, 2), ("seq_lens", Int32, 1),
-                  ("partial_out", Float32, 4), ("partial_lse", Float32, 3))
+STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
+                  ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
+                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -147,11 +145,32 @@ class Sm90Config:
         """m64 halves of the head dim (the row blocks of V^T)."""
         return self.head_dim // 64
 
-    @cute.jit
-    def quantized_length(self, L):
-        """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
-        rest = L - cutlass.min(L, self.sink) - self.recent
-        return cutlass.max(rest, 0) // self.flush * self.flush
+#: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
+COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2))
+#: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
+COMBINE_MAX_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """Static configuration of the compiled LSE combine (:mod:`foscar.cute.combine`): the head dim (one
+    thread per channel), the output's element type (``"bf16"``, ``"f16"`` or ``"f32"``: the query's),
+    whether it writes the LSE, and the chunk: partials whose loads are issued together before they are
+    merged (:func:`combine_chunk`: all of them in one round trip up to :data:`COMBINE_MAX_CHUNK`)."""
+
+    head_dim: int
+    out_dtype: str
+    write_lse: bool
+    chunk: int
+
+
+def combine_chunk(parts: int) -> int:
+    """The combine's chunk for ``parts`` partials: the next power of two, 8 to :data:`COMBINE_MAX_CHUNK`
+    (one compiled variant per bucket; a larger chunk holds more registers)."""
+    chunk = 8
+    while chunk < min(parts, COMBINE_MAX_CHUNK):
+        chunk *= 2
+    return chunk
 
 
 @functools.lru_cache(maxsize=256)  # host time per call

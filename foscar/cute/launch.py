@@ -1,6 +1,6 @@
 """Host side of the CuTe DSL Hopper kernels: the compiled kernels keyed by static config (in this process,
-then on disk: :mod:`foscar.cute.compile_cache`), the launch of stage 1, then the windows' partials and the
-LSE combine of :mod:`foscar.splitkv`.
+then on disk: :mod:`foscar.cute.compile_cache`), the launch of stage 1, then the windows' partials of
+:mod:`foscar.splitkv` (formats with windows), then the CuTe LSE combine (:mod:`foscar.cute.combine`).
 
 ``backend="cute"`` of :func:`foscar.decode` (and ``"auto"`` on Hopper, token-wise K) runs the variant,
 CTAs per SM and split count of the autotune cache (``foscar tune --backend cute``), else v1, the
@@ -23,8 +23,9 @@ _COMPILE_RECORDS: dict = {}  # the same keys -> compile_cache.CompileRecord of t
 
 
 def _compiled(cfg, warp_specialized: bool = False, ctas_per_sm: int = 1):
-    """The stage-1 function of ``cfg`` and the variant: this process's, else the disk compile cache's
-    (:func:`foscar.cute.compile_cache.load_or_compile`: loaded, or compiled and written)."""
+    """The compiled function of ``cfg`` (a stage-1 ``Sm90Config`` and the variant, or a ``CombineConfig``):
+    this process's, else the disk compile cache's (:func:`foscar.cute.compile_cache.load_or_compile`:
+    loaded, or compiled and written)."""
     key = (cfg, warp_specialized, ctas_per_sm if warp_specialized else 0)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -157,7 +158,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
-    from ..splitkv import combine, num_window_parts, window_partials, workspace_for
+    from ..splitkv import num_window_parts, window_partials, workspace_for
     from .config import config_for
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
@@ -177,3 +178,15 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
     window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     combine(o_part, l_part, out, lse)
+
+
+#: The combine's output element type of each output dtype (the query's).
+_OUT_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and
+    ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream."""
+    from .config import CombineConfig, combine_chunk
+    cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]))
+    _compiled(cfg)(o_part, l_part, out, lse if lse is not None else l_part[:, :, 0])

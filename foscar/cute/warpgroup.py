@@ -207,6 +207,13 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
 
 
+@cute.jit
+def quantized_length(cfg: Sm90Config, L):
+    """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
+    rest = L - cutlass.min(L, cfg.sink) - cfg.recent
+    return cutlass.max(rest, 0) // cfg.flush * cfg.flush
+
+
 class TileKernel:
     """The base of both Hopper kernels: the tile step of a computing warpgroup and its epilogue."""
 
@@ -216,7 +223,7 @@ class TileKernel:
     @cute.jit
     def _split_tiles(self, mSEQ: cute.Tensor, b, split, n_splits):
         """``(n_quant, t_lo, t_hi)``: the quantized length of sequence ``b`` and the KV tiles of ``split``."""
-        n = self.cfg.quantized_length(mSEQ[b])
+        n = quantized_length(self.cfg, mSEQ[b])
         n_tiles = (n + TILE - 1) // TILE
         per = (n_tiles + n_splits - 1) // n_splits
         t_lo = split * per
