@@ -265,3 +265,16 @@ def test_contiguous_caches_are_whole_tiles():
         assert cache.contiguous and cache.page_size % 64 == 0
         config_for(fmt, 4, cache.page_size)  # supported
         assert foscar.QuantKVCache.empty(fmt, 2, 1, max_len=100, page_size=None).page_size % 64 == 0
+
+
+def test_the_power_of_two_reciprocal_is_exact_for_every_sigma():
+    """``folds.power_of_two_reciprocal`` (``0x7F000000`` minus the bits) is ``1 / sigma`` exactly for every
+    power of two the P' units can take (``2^-126`` to ``2^126``), and ``y * (1 / sigma)`` rounds as
+    ``y / sigma`` does, subnormal results included (float32, every exponent, random ``y``)."""
+    e = torch.arange(-126, 127)
+    sigma = torch.pow(torch.tensor(2.0, dtype=torch.float64), e.double()).float()
+    recip = (torch.tensor(0x7F000000, dtype=torch.int32) - sigma.view(torch.int32)).view(torch.float32)
+    assert torch.equal(recip.double(), 1.0 / sigma.double())
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * torch.logspace(-30, 30, 4096)
+    for i in range(0, e.numel(), 9):
+        assert torch.equal(y * recip[i], y / sigma[i])

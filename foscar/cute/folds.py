@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32
+from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from .config import HEADS, THREADS
 from .operands import build_vt_registers
 from .softmax import column_sums
+
+
+def power_of_two_reciprocal(x: Float32) -> Float32:
+    """``1 / x`` of a power of two ``x = 2^e`` (``|e| <= 126``; ``sigma`` is one), exactly: the exponent
+    field ``E`` becomes ``254 - E``, one integer subtraction where an IEEE division takes about ten
+    instructions. ``y * power_of_two_reciprocal(x)`` rounds as ``y / x`` does (both are ``y 2^-e``
+    rounded once)."""
+    return (Int32(0x7F000000) - x.bitcast(Int32)).bitcast(Float32)
 
 
 class OutputAccumulator:
@@ -45,7 +53,7 @@ class OutputAccumulator:
 
     def rescale(self, al: tuple, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, per head column) and new units ``sigma``."""
-        ratio = [self.sigma[g] / sigma[g] for g in range(len(sigma))]
+        ratio = [self.sigma[g] * power_of_two_reciprocal(sigma[g]) for g in range(len(sigma))]
         for e in range(cute.size(self.acc)):  # element e: half e // 4, column 2 quad + e % 2
             self.acc[e] = self.acc[e] * (al[e % 2] * ratio[e // 4 if len(sigma) == 2 else 0])
         self.sigma = sigma
@@ -211,7 +219,8 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
     into ``out.corr[g]`` (rescaled by ``al``); then the fence and barrier the wgmma reads need. ``v[g]`` holds
     the group's ``(s', z')`` of this thread's two rows, ``sigma`` the new units."""
     groups = len(sigma)
-    r = [(v[g][0] / sigma[g], v[g][2] / sigma[g]) for g in range(groups)]
+    inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
+    r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
     q = [[Float16(p[0] * r[g][0]), Float16(p[1] * r[g][0]), Float16(p[2] * r[g][1]), Float16(p[3] * r[g][1])]
          for g in range(groups)]
     mid = [(v[g][1] + cfg.v_mid * v[g][0], v[g][3] + cfg.v_mid * v[g][2]) for g in range(groups)]
@@ -279,10 +288,10 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, half: c
     its ``sigma``): all of it (``half < 0``), or the m64 half ``half`` whose channels are the group."""
     c0, c1 = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
-    sigma = out.sigma[g]
+    inv = power_of_two_reciprocal(out.sigma[g])
     for e in cutlass.range_constexpr(cute.size(accO)):
         if cutlass.const_expr(half < 0 or e // 4 == half):
-            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) / sigma
+            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) * inv
     out.corr[g].fill(0.0)
 
 
