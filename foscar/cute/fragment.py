@@ -145,9 +145,10 @@ def rs_fragment_ownership(m: int, k: int, n: int = 8) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def rs_accumulator_ownership(m: int, n: int = 8) -> torch.Tensor:
+def rs_accumulator_ownership(m: int, n: int = 8, make_mma=None) -> torch.Tensor:
     """``own[t, e] = (row, col)``: the element of the ``m x n`` accumulator (C) held by thread ``t`` in its
-    ``e``-th fp32 register, for the ``(64, n)`` tiled MMA of one warpgroup (traced on the host)."""
+    ``e``-th fp32 register, for the ``(64, n)`` tiled MMA of one warpgroup (the BF16 one, or
+    ``make_mma()``; traced on the host)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -155,7 +156,7 @@ def rs_accumulator_ownership(m: int, n: int = 8) -> torch.Tensor:
 
     @cute.jit
     def probe():
-        tiled_mma = _tiled_mma(n)
+        tiled_mma = _tiled_mma(n) if make_mma is None else make_mma()
         ident = cute.make_identity_tensor((m, n))
         for t in cutlass.range_constexpr(THREADS):
             coords = tiled_mma.get_slice(t).partition_C(ident)

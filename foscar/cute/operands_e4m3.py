@@ -16,6 +16,10 @@ into the decode kernels.
 - :class:`QkProbeE4m3`: a standalone kernel, one CTA (one warpgroup) per tile: packed K words and Q^T
   (E4M3 bytes, stored permuted by :func:`foscar.e4m3.contraction_order`, ``Q[:, order]``) in, the
   ``D/32`` wgmma chain, S^T (FP32, ``[64, 8]``) out. A probe for the GPU test.
+- :class:`QkTermsProbeE4m3`: the same product from an FP32 Q of up to four heads, split in the kernel into
+  two E4M3 residual terms per head (:func:`foscar.e4m3.split_terms` with a power-of-two scale per head)
+  that ride in the spare N columns: head ``h``'s terms in columns ``2h`` and ``2h + 1``, which the same
+  thread holds, summed in FP32 after the MMA (:func:`store_q_terms`, :func:`sum_q_terms`).
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from .config import HEADS, THREADS, TILE, thread_k_words, tile_words
 from .fragment import k_word
 
 K_STEP = 32  #: the contraction depth of one ``m64nNk32`` wgmma
+Q_TERMS = 2  #: E4M3 terms of Q per head in the N columns (``hi``, ``lo``; each step x16)
+E4M3_TOP = 448.0  #: the largest finite E4M3 value: a head's largest ``|q| 2^e`` stays at or below it
 
 
 def k_register_source_e4m3(bits: int, e: int) -> tuple[int, int]:
@@ -207,3 +213,148 @@ def compile_probe(cfg: E4m3Tile, mW, mQ, mS, *, keep_ptx: bool = False):
         return cute.compile(probe, mW, mQ, mS)
     with tempfile.TemporaryDirectory(prefix="foscar-cute-ptx-") as dump_dir:
         return cute.compile[(cute.KeepPTX, DumpDir(dump_dir))](probe, mW, mQ, mS)
+
+
+# --------------------------------------------------------------------------------------------
+# Q as E4M3 residual terms in the N columns
+# --------------------------------------------------------------------------------------------
+@cute.jit
+def scale_exponent(top: Float32) -> Int32:
+    """The largest ``e`` with ``top 2^e <= 448`` (:func:`foscar.e4m3.scale_exponent`), from the bits of a
+    positive normal ``top``, clamped to ``[-126, 126]`` so that ``2^e`` and ``2^-e`` are normal floats
+    (0 for ``top`` 0)."""
+    bits = top.bitcast(Int32)
+    biased = (bits >> 23) & 0xFF
+    e = Int32(134) - biased
+    if (bits & 0x7FFFFF) <= 0x600000:  # the significand at most 1.75: 448 = 1.75 x 2^8
+        e = e + 1
+    e = cutlass.max(cutlass.min(e, Int32(126)), Int32(-126))
+    if top == 0:
+        e = Int32(0)
+    return e
+
+
+@cute.jit
+def power_of_two(e: Int32) -> Float32:
+    """``2^e`` for ``-126 <= e <= 127``, built from the exponent field."""
+    return ((e + 127) << 23).bitcast(Float32)
+
+
+@cute.jit
+def store_q_terms(sQ: cute.Tensor, h, d, q: Float32, scale: Float32):
+    """Head ``h``'s channel ``d`` of Q as two E4M3 terms into columns ``2h`` (``hi = e4m3(q 2^e)``) and
+    ``2h + 1`` (``lo = e4m3((q 2^e - hi) 16)``) of ``sQ``, as :func:`foscar.e4m3.split_terms` forms them
+    (``cvt.rn.satfinite``; the remainder ``q 2^e - hi`` is exact in FP32)."""
+    r = q * scale
+    hi = r.to(Float8E4M3FN)
+    sQ[2 * h, d] = hi
+    sQ[2 * h + 1, d] = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
+
+
+@cute.jit
+def sum_q_terms(acc: cute.Tensor, j, inv_scale: Float32) -> Float32:
+    """The score of accumulator elements ``j`` (column ``2h``: the hi term) and ``j + 1`` (``2h + 1``: lo),
+    the same thread's, in FP32: ``(hi + lo / 16) 2^-e``."""
+    return (acc[j] + acc[j + 1] * 0.0625) * inv_scale
+
+
+class QkTermsProbeE4m3:
+    """``S^T[t] = K_t Q^T`` for tiles ``t`` with Q in FP32 split into E4M3 terms in the kernel: one CTA (one
+    warpgroup) per tile.
+
+    Arguments: ``mW`` int32 ``[T, tile_words]``; ``mQ`` float32 ``[G, head_dim]`` (G <= 4 heads, channels
+    permuted: ``Q[:, contraction_order]``); ``mS`` float32 ``[T, 64, G]``. Each head's scale ``2^e`` comes
+    from its largest ``|q|`` (:func:`scale_exponent`), reduced over the warpgroup."""
+
+    def __init__(self, cfg: E4m3Tile, gqa: int):
+        if not 1 <= gqa <= HEADS // Q_TERMS:
+            raise ValueError(f"gqa: expected 1 to {HEADS // Q_TERMS} heads (two terms each in N = {HEADS}), got {gqa}")
+        self.cfg, self.gqa = cfg, gqa
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tiled_mma = qk_mma_e4m3()
+        sQ_layout = sq_layout_e4m3(self.cfg.head_dim)
+        self.kernel(tiled_mma, sQ_layout, mW, mQ, mS).launch(grid=(cute.size(mS, mode=[0]), 1, 1),
+                                                             block=(THREADS, 1, 1))
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, mW: cute.Tensor, mQ: cute.Tensor,
+               mS: cute.Tensor):
+        cfg = self.cfg
+        G = self.gqa
+        D = cfg.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        smem = SmemAllocator()
+        sQ = smem.allocate_tensor(Float8E4M3FN, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, HEADS)), byte_alignment=16)
+        sScale = smem.allocate_tensor(Float32, cute.make_layout((2, HEADS)), byte_alignment=16)
+
+        # ---- each head's largest |q|, then its scale 2^e and 2^-e ------------------------------------
+        for h in cutlass.range_constexpr(G):
+            top = Float32(0.0)
+            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    q = mQ[h, d]
+                    top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
+            for sh in cutlass.range_constexpr(5):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
+            if lane == 0:
+                sRed[warp, h] = top
+        cute.arch.sync_threads()
+        if tidx < G:
+            top = sRed[0, tidx]
+            for wi in cutlass.range_constexpr(1, THREADS // 32):
+                top = cute.arch.fmax(top, sRed[wi, tidx])
+            e = scale_exponent(top)
+            sScale[0, tidx] = power_of_two(e)
+            sScale[1, tidx] = power_of_two(-e)
+        cute.arch.sync_threads()
+
+        # ---- the terms into the N columns (columns past 2G: zero) -----------------------------------
+        for h in cutlass.range_constexpr(G):
+            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    store_q_terms(sQ, h, d, mQ[h, d], sScale[0, h])
+        for c in cutlass.range_constexpr(Q_TERMS * G, HEADS):
+            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+                d = d0 * THREADS + tidx
+                if d < D:
+                    sQ[c, d] = Float32(0.0).to(Float8E4M3FN)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # ---- this thread's words, its A registers, the k32 chain -------------------------------------
+        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+        for i in cutlass.range_constexpr(cfg.k_words):
+            kw[i] = mW[tile, k_word(cfg.bits, D, 0, warp, lane, i)]
+        thr = tiled_mma.get_slice(tidx)
+        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE, D)))
+        build_k_registers_e4m3(cfg, cute.recast_tensor(tCrA, Uint32), kw)
+        tCrB = thr.make_fragment_B(thr.partition_B(sQ))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, HEADS)), Float32)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(D // K_STEP):
+            cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # ---- the terms summed per head ---------------------------------------------------------------
+        tCcS = thr.partition_C(cute.make_identity_tensor((TILE, HEADS)))
+        for j in cutlass.range_constexpr(0, cute.size(acc), 2):
+            row, col = tCcS[j]
+            h = col // Q_TERMS
+            if h < G:
+                mS[tile, row, h] = sum_q_terms(acc, j, sScale[1, h])
+
+
+def compile_terms_probe(cfg: E4m3Tile, gqa: int, mW, mQ, mS):
+    """Compile :class:`QkTermsProbeE4m3` for the given tensors (as :func:`compile_probe`)."""
+    return cute.compile(QkTermsProbeE4m3(cfg, gqa), mW, mQ, mS)
