@@ -1,7 +1,7 @@
 """Side by side, from ``foscar.bench.decode`` records: each shape's time per kernel against a base kernel
 (default the Triton folded kernel), as a Markdown table, with the range and geomean of each ratio:
 
-    python benchmarks/compare_kernels.py docs/bench/h200-v9/cute-axes.json \
+    python benchmarks/compare_kernels.py docs/bench/h200/cute-axes.json \
         --kernels foscar_folded foscar_cute foscar_cute_ws
 
 A ratio is base time / kernel time (above 1: the kernel is faster). Rows are keyed by batch, length,

@@ -9,6 +9,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tvm WHEELS       # install apache-tvm-ffi (the CuTe kernels' calls)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute BUNDLE_DIR  # install cutlass-dsl, smoke runs, the CuTe GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh first-call       # first CuTe decode of a process, cold/warm disk cache
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh profile [B:L ...]  # Nsight Compute sections of the CuTe v1 decode
+#                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> foscar/tuning
@@ -48,6 +50,10 @@ case "$step" in
     python3 -c "import tvm_ffi" 2>/dev/null || { echo "apache-tvm-ffi is missing: run the tvm step first"; exit 1; }
     bash "$(dirname "$bundle")/install-cute-dsl.sh" "$bundle" > "$OUT/cute-install.log" 2>&1
     echo "install rc=$? $(tail -1 "$OUT/cute-install.log")"
+    # byte-compile it as pip would (the bundle is unpacked; this machine sets PYTHONDONTWRITEBYTECODE): else
+    # every process compiles cutlass-dsl's sources again, seconds of each first CuTe call
+    site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 -m compileall -q -j 8 "$site/nvidia_cutlass_dsl" "$site/tvm_ffi" > /dev/null 2>&1
     sel="v0"
     for kind in cute cute_ws; do
       timeout 90 python3 benchmarks/sanitize_one.py $kind > "$OUT/smoke-$kind.log" 2>&1; rc=$?
@@ -58,10 +64,23 @@ case "$step" in
     grep -E "error|passed|failed" "$OUT/cute.log" | tail -14
     timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py tests/test_transformers.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
     echo "tests/test_api.py tests/test_cli.py tests/test_transformers.py (auto = cute): $(tail -1 "$OUT/cute-api.log")"
+    timeout 200 python3 -m pytest -q -s tests/test_cute_combine.py tests/test_cute_compile_cache.py tests/test_cute_e4m3.py \
+      tests/test_splitkv.py > "$OUT/cute-more.log" 2>&1
+    echo "combine, compile cache, E4M3 probe, split-KV: $(tail -1 "$OUT/cute-more.log")"
     timeout 90 python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 --profile > "$OUT/host-overhead.log" 2>&1
     head -12 "$OUT/host-overhead.log" ;;
   first-call)  # the first CuTe decode of a fresh process, cold and warm disk compile cache (after the cute step)
     python3 benchmarks/first_call.py --shapes 1:8192 8:32768 > "$OUT/first-call.md" 2>&1; cat "$OUT/first-call.md" ;;
+  profile)  # ncu (clocks left alone) on the second CuTe decode kernel of a process: throughput, stalls, issue
+            # slots, instruction mix and the top stall sites, per B:L (default 64:131072) and bits
+    for shape in ${2:-64:131072}; do for bits in 2 4; do
+      ncu --clock-control none -k regex:kernel_cutlass --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --section Occupancy --section SourceCounters \
+        python3 benchmarks/profile_one_call.py ${shape%%:*} ${shape##*:} $bits backend=cute \
+        > "$OUT/profile-${shape/:/-}-int$bits.txt" 2>&1
+      echo "profile $shape INT$bits rc=$? $(grep -E "^ +Duration" "$OUT/profile-${shape/:/-}-int$bits.txt" | head -1)"
+    done; done ;;
   sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do

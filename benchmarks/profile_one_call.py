@@ -4,22 +4,28 @@
         --metrics gpu__time_duration.sum python3 benchmarks/profile_one_call.py 8 32768 4
     ncu --clock-control none -k regex:fold_decode --launch-skip 1 --launch-count 1 --section WarpStateStats \\
         --section SchedulerStats --section Occupancy python3 benchmarks/profile_one_call.py 8 32768 4 num_splits=20
+    ncu --clock-control none -k regex:kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
+        --section WarpStateStats --section InstructionStats python3 benchmarks/profile_one_call.py 64 131072 2 backend=cute
 
-Arguments: batch, length, bits, then optional integer launch arguments of foscar.triton.decode as
-name=value.
+Arguments: batch, length, bits, then optional name=value arguments: ``backend=cute`` runs
+``foscar.decode(..., backend="cute")`` (and takes ``num_splits``); without it the Triton kernel runs
+through ``foscar.triton.decode``, which takes any of its integer launch arguments.
 """
 import sys
 
 import torch
 from bench_decode import Case, make_block_table, make_random_cache
 
+import foscar
 from foscar.triton import launch
 
 B, L, bits = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-extra = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+extra = {k: (v if k == "backend" else int(v)) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+backend = extra.pop("backend", "triton")
+call = launch.decode if backend == "triton" else (lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw))
 dev = torch.device("cuda")
 cache = make_random_cache(Case(B, L, bits), make_block_table(B, L // 64, "shuffled", 0).to(dev))
 q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
 for _ in range(2):
-    launch.decode(q, cache, **extra)
+    call(q, cache, **extra)
 torch.cuda.synchronize()

@@ -1,0 +1,104 @@
+"""Instruction counts of the CuTe DSL stage-1 kernels, compiled for sm_90a on any machine (no GPU).
+
+    python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2]
+
+Compiles the kernel (``foscar.cute.compile.compile_stage1``, keeping the cubin CuTe DSL builds),
+disassembles it with Triton's bundled cuobjdump and takes the consumer warpgroup's
+KV-tile loop (:func:`tile_loop`).
+Prints that loop's SASS instructions per thread per tile, by class (operand construction, tensor-core
+MMA, softmax, shared and global memory, synchronisation, other), per packed byte of the tile, and the
+most frequent opcodes: the instruction mix that bounds an issue-limited kernel (ncu's "Issue Slots
+Busy").
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+#: Opcode classes (by the opcode's first field).
+CLASSES = {
+    "tensor-core MMA": ("HGMMA", "QGMMA", "IGMMA", "WARPGROUP", "WARPSYNC"),
+    "softmax and scaling": ("MUFU", "FMNMX", "FADD", "FMUL", "FFMA", "FSEL", "FSETP", "SHFL", "FCHK", "F2F", "F2FP"),
+    "operand construction": ("LOP3", "SHF", "PRMT", "HADD2", "HFMA2", "HMUL2", "IMAD", "IADD3", "LEA", "SEL",
+                             "MOV", "I2F", "F2I"),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM"),
+    "global memory": ("LDG", "STG", "UBLKCP", "UTMALDG", "UTMASTG"),
+    "synchronisation": ("SYNCS", "BAR", "DEPBAR", "MEMBAR", "ARRIVES", "UCGABAR_ARV", "UCGABAR_WAIT"),
+}
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def classify(op: str) -> str:
+    head = op.split(".")[0]
+    for name, heads in CLASSES.items():
+        if head in heads:
+            return name
+    return "other (branches, predicates, uniform datapath)"
+
+
+def sass_of(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "k.cubin")
+        path.write_bytes(cubin)
+        return subprocess.run([str(BIN / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def tile_loop(sass: str) -> list[str]:
+    """The opcodes of the tile loop: the innermost backward-branch span that holds tensor-core MMAs (the
+    longer spans around it are the split loop and the pipeline; v1 compiles the tile loop twice, once
+    per branch of the correction fold, the same instructions)."""
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    back = [(int(t, 16), int(a, 16)) for a, t in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass) if int(t, 16) < int(a, 16)]
+    spans = [[op for a, op in ins if lo <= a <= hi] for lo, hi in back]
+    spans = [ops for ops in spans if any("GMMA" in op for op in ops)]
+    if not spans:
+        raise SystemExit("no loop with tensor-core MMAs found in the SASS")
+    return min(spans, key=len)
+
+
+def main() -> int:
+    import foscar
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import TILE, config_for
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bits", type=int, default=2, choices=(2, 4))
+    p.add_argument("--k-axis", default="token")
+    p.add_argument("--v-axis", default="token")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--gqa", type=int, default=4)
+    p.add_argument("--v0", action="store_true", help="v0 (one warpgroup) instead of v1")
+    p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
+    p.add_argument("--top", type=int, default=20, help="opcodes listed")
+    a = p.parse_args()
+    fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
+    cfg = config_for(fmt, a.gqa, 64)
+    cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
+    loop = tile_loop(sass_of(cubin))
+    packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
+    by_class = Counter(classify(op) for op in loop)
+    print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} INT{a.bits} K {a.k_axis} V {a.v_axis} D {a.head_dim} "
+          f"g {a.group_size} GQA {a.gqa}: {len(loop)} SASS instructions per thread per 64-token tile, "
+          f"{len(loop) * 4 / packed:.3f} warp instructions per packed byte ({packed} bytes)\n")
+    print("| class | per thread per tile | share |\n|---|---|---|")
+    for name, n in by_class.most_common():
+        print(f"| {name} | {n} | {100 * n / len(loop):.0f}% |")
+    print("\n| opcode | count |\n|---|---|")
+    for op, n in Counter(loop).most_common(a.top):
+        print(f"| {op} | {n} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
