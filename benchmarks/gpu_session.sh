@@ -87,11 +87,11 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
-  cute-bench)  # Triton against CuTe v0, v1 and foscar.decode's own pick: paper grid; v0 and v1 on the four
+  cute-bench)  # Triton against CuTe v0, v1 (and v1 with E4M3 K operands) and foscar.decode's own pick: paper grid; v0 and v1 on the four
                # axis combinations and GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed and
                # the host time per call measured by the cute step
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
-      foscar_auto --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
+      foscar_cute_e4m3 foscar_auto --out "$OUT/cute-bench" > "$OUT/cute-bench.log" 2>&1; grep "done in" "$OUT/cute-bench.log"
     python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_folded foscar_cute foscar_cute_ws \
       --out "$OUT/cute-axes" > "$OUT/cute-axes.log" 2>&1; grep "done in" "$OUT/cute-axes.log"
     for h in 32:32 32:16 32:4; do

@@ -1,6 +1,7 @@
 """Instruction counts of the CuTe DSL stage-1 kernels, compiled for sm_90a on any machine (no GPU).
 
-    python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2]
+    python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2] \
+        [--k-operand e4m3]
 
 Compiles the kernel (``foscar.cute.compile.compile_stage1``, keeping the cubin CuTe DSL builds),
 disassembles it with Triton's bundled cuobjdump and takes the consumer warpgroup's
@@ -80,15 +81,17 @@ def main() -> int:
     p.add_argument("--gqa", type=int, default=4)
     p.add_argument("--v0", action="store_true", help="v0 (one warpgroup) instead of v1")
     p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
+    p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3"), help="the K operands (Sm90Config.k_e4m3)")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()
     fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    cfg = config_for(fmt, a.gqa, 64)
+    cfg = config_for(fmt, a.gqa, 64, a.k_operand)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     loop = tile_loop(sass_of(cubin))
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
-    print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} INT{a.bits} K {a.k_axis} V {a.v_axis} D {a.head_dim} "
+    print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, INT{a.bits} K {a.k_axis} "
+          f"V {a.v_axis} D {a.head_dim} "
           f"g {a.group_size} GQA {a.gqa}: {len(loop)} SASS instructions per thread per 64-token tile, "
           f"{len(loop) * 4 / packed:.3f} warp instructions per packed byte ({packed} bytes)\n")
     print("| class | per thread per tile | share |\n|---|---|---|")

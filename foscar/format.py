@@ -128,6 +128,17 @@ def injection(operand: str, beta: int) -> OperandMapping:
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a launch's constants are its format's
+def fold_constants(prefix: str, op: OperandMapping, fmt) -> dict:
+    """The constants of a fold whose operands follow ``op`` over a cache stored for ``fmt``'s mapping:
+    ``<prefix>_PIVOT`` (the operand of the middle code), ``<prefix>_FACTOR`` (``alpha_cache / alpha_op``, a
+    power of two: the operand's scale is ``s' FACTOR``) and ``<prefix>_MID`` (the group's middle value is
+    ``z' + MID s'``), as :func:`foscar.decode_folded` forms them."""
+    pivot = op.pivot(fmt.bits)
+    factor = fmt.op.alpha / op.alpha
+    return {f"{prefix}_PIVOT": pivot, f"{prefix}_FACTOR": factor,
+            f"{prefix}_MID": fmt.op.beta + (pivot - op.beta) * factor}
+
+
 def injection_constants(prefix: str, op: OperandMapping, fmt) -> dict:
     """What a kernel needs to build one product's operands by mantissa injection: ``<prefix>_PATTERN`` (the
     16-bit pattern of ``beta``), ``<prefix>_SHL`` (the shift that puts a code in the top mantissa bits),
@@ -136,9 +147,11 @@ def injection_constants(prefix: str, op: OperandMapping, fmt) -> dict:
     and CuTe kernels."""
     pattern = int(op.inject_bits(torch.zeros((), dtype=torch.int32))) & 0xFFFF
     shl = INJECTION_FORMATS[op.operand][1] - int(math.log2(op.beta))
-    pivot = op.pivot(fmt.bits)
-    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": pivot,
-            f"{prefix}_MID": pivot - (op.beta - fmt.op.beta)}
+    fold = fold_constants(prefix, op, fmt)
+    if fold[f"{prefix}_FACTOR"] != 1.0:
+        raise ValueError(f"op: the injection mappings share the cache's alpha; {op.name} and {fmt.op.name} differ")
+    return {f"{prefix}_PATTERN": pattern, f"{prefix}_SHL": shl, f"{prefix}_PIVOT": fold[f"{prefix}_PIVOT"],
+            f"{prefix}_MID": fold[f"{prefix}_MID"]}
 
 
 def e2m1_decode(bits: torch.Tensor) -> torch.Tensor:

@@ -278,3 +278,61 @@ def test_the_power_of_two_reciprocal_is_exact_for_every_sigma():
     y = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * torch.logspace(-30, 30, 4096)
     for i in range(0, e.numel(), 9):
         assert torch.equal(y * recip[i], y / sigma[i])
+
+
+# ---- E4M3 K operands (Sm90Config.k_e4m3) --------------------------------------------------------------
+E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3")
+
+
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("bits,head_dim,gqa,group_size,v_axis", [
+    (2, 128, 4, 128, "token"), (4, 128, 3, 128, "token"), (2, 128, 1, 64, "token"), (4, 64, 2, 64, "token"),
+    (2, 128, 4, 128, "channel")])
+def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_axis, ws):
+    """The E4M3 K variant: D/32 ``m64n8k32`` E4M3 wgmma for S^T per consumer warpgroup, the FP16 PV product
+    as in the BF16 kernel, no local memory."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=group_size, v_axis=v_axis)
+    cfg = config_for(fmt, gqa, 64, "e4m3")
+    assert cfg.k_e4m3 and cfg.k_factor == 512.0
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
+    copies = 2 if ws else 1  # v1: one code path per consumer warpgroup
+    assert len(E4M3_WGMMA.findall(ptx)) == copies * head_dim // 32
+    assert not any(op == "bf16" for op, _ in WGMMA_RS.findall(ptx)), "no BF16 QK product left"
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "token-wise K"), ({}, 8, "gqa <= 4"),
+                                         ({"sink": 4}, 4, "no windows")])
+def test_e4m3_k_operands_say_what_they_take(kw, gqa, what):
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
+    with pytest.raises(UnsupportedError, match=what):
+        config_for(fmt, gqa, 64, "e4m3")
+    with pytest.raises(foscar.errors.InvalidArgumentError, match="^k_operand: expected"):
+        config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([3000, 5], 3, 3, {}),
+    ([4100, 260], 4, None, {"v_axis": "channel"}), ([6000, 333, 1], 2, None, {"group_size": 64})])
+def test_e4m3_k_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw, ws):
+    """E4M3 K operands with Q as two E4M3 terms: every element against the float64 oracle, within the error
+    bound of the BF16 kernels (BF16 attention's on the same dequantized cache), LSE within 1e-2."""
+    from _helpers import bf16_attention, kernel_error_bound, rel
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=ws, k_operand="e4m3")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
+    print(f"\nE4M3 K: error {err:.3e}  BF16 attention {base:.3e}")
+    assert err <= kernel_error_bound(fmt, base)
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2

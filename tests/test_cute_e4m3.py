@@ -148,7 +148,7 @@ TERM_CASES = [(2, 128, 4), (4, 128, 4), (2, 64, 1), (4, 64, 3)]
 
 def _terms_tensors(cfg, tiles, gqa, device="cpu"):
     W = torch.zeros(tiles, cfg.tile_words, dtype=torch.int32, device=device)
-    Q = torch.zeros(gqa, cfg.head_dim, dtype=torch.float32, device=device)
+    Q = torch.zeros(1, gqa, cfg.head_dim, dtype=torch.float32, device=device)
     S = torch.zeros(tiles, 64, gqa, dtype=torch.float32, device=device)
     return W, Q, S
 
@@ -166,13 +166,29 @@ def test_terms_probe_refuses_more_heads_than_the_columns_hold():
         operands_e4m3.QkTermsProbeE4m3(E4m3Tile(2, 128), 5)
 
 
-def test_each_heads_terms_are_one_threads_accumulator_pair():
-    """The terms of head h sit in columns 2h and 2h + 1: in the FP8 MMA's C fragment, registers 2i and
-    2i + 1 of a thread are those two columns of one row (what ``sum_q_terms`` adds)."""
+def test_a_heads_lo_term_is_where_sum_q_terms_reads_it():
+    """``sum_q_terms`` reads head h's lo term (column gp + h) in the FP8 MMA's C fragment from element e + 1
+    of the same thread (gp 1) or element e of lane ``lane ^ gp/2`` (gp 2 and 4): traced C ownership."""
     from foscar.cute.fragment import rs_accumulator_ownership
-    own = rs_accumulator_ownership(64, make_mma=operands_e4m3.qk_mma_e4m3)
-    assert torch.equal(own[:, 0::2, 0], own[:, 1::2, 0])
-    assert torch.equal(own[:, 1::2, 1], own[:, 0::2, 1] + 1) and bool((own[:, 0::2, 1] % 2 == 0).all())
+    own = rs_accumulator_ownership(64, make_mma=operands_e4m3.qk_mma_e4m3)  # [thread, e, (row, col)]
+    for gqa in (1, 2, 3, 4):
+        gp = operands_e4m3.term_columns(gqa)
+        for t in range(128):
+            for e in range(own.shape[1]):
+                row, col = own[t, e].tolist()
+                if col >= gqa:
+                    continue
+                if gp == 1:
+                    assert own[t, e + 1].tolist() == [row, gp + col]
+                else:
+                    assert own[t ^ (gp // 2), e].tolist() == [row, gp + col]
+
+
+def test_contraction_position_is_the_contraction_order():
+    for bits in (2, 4):
+        for d in (64, 128, 256):
+            got = [operands_e4m3.contraction_position(bits, p) for p in range(d)]
+            assert got == e4m3.contraction_order(bits, d).tolist()
 
 
 def test_scale_exponent_in_the_kernel_is_the_emulations():
@@ -202,8 +218,7 @@ def test_terms_probe_matches_float64(bits, head_dim, gqa):
     codes = torch.randint(0, 1 << bits, (tiles, 64, head_dim), generator=gen, dtype=torch.int32)
     words = torch.stack([pack_codes(c, bits, "k") for c in codes])
     q = torch.randn(gqa, head_dim, generator=gen) * torch.logspace(-3, 3, gqa)[:, None]  # heads far apart
-    order = e4m3.contraction_order(bits, head_dim)
-    W, Q = words.cuda(), q[:, order].contiguous().cuda()
+    W, Q = words.cuda(), q[None].contiguous().cuda()  # natural channel order: the kernel places them
     S = torch.full((tiles, 64, gqa), float("nan"), device="cuda")
     fn = operands_e4m3.compile_terms_probe(cfg, gqa, *(from_dlpack(x, assumed_align=16) for x in (W, Q, S)))
     fn(*(from_dlpack(x, assumed_align=16) for x in (W, Q, S)))

@@ -73,6 +73,8 @@ class Sm90Config:
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
     group_size: int = 0  #: values sharing one (s', z'): channels of a token-wise axis, tokens of a channel-wise one
     v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
+    k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as two E4M3 terms (foscar.cute.operands_e4m3)
+    k_factor: float = 1.0  #: the K operand's scale: s' k_factor multiplies the MMA's sum (E4M3: 2^9)
 
     @property
     def kc(self) -> int:
@@ -173,15 +175,23 @@ def combine_chunk(parts: int) -> int:
     return chunk
 
 
+#: The K operands a kernel builds: BF16 by mantissa injection, or E4M3 by bit placement.
+K_OPERANDS = ("bf16", "e4m3")
+
+
 @functools.lru_cache(maxsize=256)  # host time per call
-def config_for(fmt, gqa: int, page: int) -> Sm90Config:
-    """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head) and
-    page size; the injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`):
-    one home."""
+def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16") -> Sm90Config:
+    """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
+    page size and K operand (:data:`K_OPERANDS`); the injection constants are the Triton kernels'
+    (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. E4M3 K
+    operands take token-wise K, at most 4 query heads per KV head (two Q terms each in the N columns)
+    and no BF16 windows."""
     import torch
 
-    from ..errors import UnsupportedError
-    from ..format import injection_constants, operand_for
+    from ..errors import InvalidArgumentError, UnsupportedError
+    from ..format import E4M3_PLACEMENT, fold_constants, injection_constants, operand_for
+    if k_operand not in K_OPERANDS:
+        raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -191,10 +201,18 @@ def config_for(fmt, gqa: int, page: int) -> Sm90Config:
         raise UnsupportedError(f"head_dim={fmt.head_dim}, gqa={gqa}, page={page}, mapping={fmt.mapping!r}",
                                "the CuTe kernels need head_dim 64/128, gqa <= 8 query heads per KV head, pages of "
                                "64k tokens, bf16")
-    k = injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt)
+    e4m3 = k_operand == "e4m3"
+    if e4m3 and (fmt.k_axis != "token" or gqa > HEADS // 2 or fmt.sink or fmt.recent):
+        raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, sink={fmt.sink}, "
+                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa <= 4 and no windows")
+    if e4m3:
+        k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
+    else:
+        k = {**injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt), "K_FACTOR": 1.0}
     v = injection_constants("V", operand_for(torch.float16, fmt.bits), fmt)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivot=float(k["K_PIVOT"]), k_mid=float(k["K_MID"]),
+                      k_e4m3=e4m3, k_factor=float(k["K_FACTOR"]),
                       v_pattern=v["V_PATTERN"], v_shl=v["V_SHL"], v_pivot=float(v["V_PIVOT"]),
                       v_mid=float(v["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,

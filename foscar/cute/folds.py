@@ -60,11 +60,28 @@ class OutputAccumulator:
 
 
 @cute.jit
-def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx):
+def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     """``sum(Q)`` of the BF16 operand per head and channel group of a token-wise K (``sQsum[h, c]``): the
-    acc-fold's offset term."""
+    acc-fold's offset term. E4M3 K operands: of the operand the MMA consumes, ``(hi + lo / 16) 2^-e`` from
+    the two terms (``sQinv``: each head's ``2^-e``), 0 past the heads."""
     D = cfg.head_dim
-    if cutlass.const_expr(cfg.kc == 1):
+    if cutlass.const_expr(cfg.k_e4m3):
+        from .operands_e4m3 import term_columns
+        gp = term_columns(cfg.gqa)
+        width = D // cfg.kc
+        if tidx < HEADS * cfg.kc:
+            h = tidx % HEADS
+            c = tidx // HEADS
+            acc_q = Float32(0.0)
+            if h < cfg.gqa:
+                for p in cutlass.range(width, unroll=8):
+                    acc_q += sQ[h, c * width + p].to(Float32) + sQ[gp + h, c * width + p].to(Float32) * 0.0625
+                acc_q = acc_q * sQinv[h]
+            if cutlass.const_expr(cfg.kc == 1):
+                sQsum[h] = acc_q
+            else:
+                sQsum[h, c] = acc_q
+    elif cutlass.const_expr(cfg.kc == 1):
         if tidx < HEADS:
             acc_q = Float32(0.0)
             for d in cutlass.range(D, unroll=8):
@@ -87,6 +104,8 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
     channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
     ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``)."""
     qk_scale = wg.qk_scale
+    if cutlass.const_expr(cfg.k_factor != 1.0):  # the operand's scale: s' k_factor (E4M3: 2^9)
+        qk_scale = qk_scale * cfg.k_factor
     s = []
     if cutlass.const_expr(cfg.kc == 2):
         quad = wg.thr.quad

@@ -14,7 +14,7 @@ from ..format import K_BLOCK_TOKENS, v_block_tokens
 from .config import HEADS, RED_SLOTS, THREADS, TILE
 from .folds import q_sums
 from .fragment import k_word, v_word
-from .operands import load_q, mmas_and_layouts
+from .operands import mmas_and_layouts, q_element_type, stage_q
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -55,9 +55,9 @@ class FoldDecodeSm90(TileKernel):
         smem = self._shared_memory(sQ_layout, sP_layout)
 
         # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
-        load_q(cfg, mQ, smem.sQ, b, kvh, tidx)
+        stage_q(cfg, mQ, smem, b, kvh, tidx)
         cute.arch.sync_threads()
-        q_sums(cfg, smem.sQ, smem.sQsum, tidx)
+        q_sums(cfg, smem.sQ, smem.sQsum, tidx, smem.sQinv)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
@@ -65,7 +65,8 @@ class FoldDecodeSm90(TileKernel):
         # ---- the split's tiles ------------------------------------------------------------------------
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         frags = Fragments(cfg, qk_mma, pv_mma, smem, tidx)
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale)
+        qinv = (smem.sQinv[2 * thr.quad], smem.sQinv[2 * thr.quad + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv)
         # software pipeline: tile i+1's words and parameters are loaded (into regs_next) before tile i is
         # computed, so their latency hides behind its math
         state, regs, regs_next = allocate_registers(cfg, frags, prefetch=True)
@@ -87,7 +88,8 @@ class FoldDecodeSm90(TileKernel):
         """The CTA's shared memory (one warpgroup's)."""
         cfg = self.cfg
         alloc = SmemAllocator()
-        sQ = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
+                                   swizzle=sQ_layout.inner)
         sP = alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sP2 = sP  # token-wise V with two channel groups: the second group's P' (its own buffer then)
         if cfg.vc == 2:
@@ -95,10 +97,16 @@ class FoldDecodeSm90(TileKernel):
         sRed = alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
         sSum = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
-        sQk = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)  # Q s'
+        sQk = None  # channel-wise K's Q s' (BF16 K operands)
+        if cutlass.const_expr(not cfg.k_e4m3):
+            sQk = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sKr = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sKf = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
-        return WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf)
+        sQinv = sQred = None
+        if cutlass.const_expr(cfg.k_e4m3):
+            sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+            sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        return WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf, sQinv, sQred)
 
     @cute.jit
     def _take_next(self, regs: TileRegisters, regs_next: TileRegisters):

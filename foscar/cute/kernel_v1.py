@@ -21,7 +21,7 @@ from cutlass.memory import SmemAllocator
 from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config
 from .folds import q_sums
 from .fragment import k_word, v_word
-from .operands import load_q, mmas_and_layouts
+from .operands import mmas_and_layouts, q_element_type, stage_q
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -115,9 +115,9 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.mbarrier_init_fence()
         # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
         if role == 0:
-            load_q(cfg, mQ, sQ, b, kvh, tidx)
+            stage_q(cfg, mQ, smems[0], b, kvh, tidx)
         cute.arch.sync_threads()
-        q_sums(cfg, sQ, sQsum, tidx)
+        q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -148,7 +148,8 @@ class FoldDecodeSm90WS(TileKernel):
         full = alloc.allocate_array(Int64, slots)
         empty = alloc.allocate_array(Int64, slots)
         ring = StageRing(sK, sV, sKP, sVP, full, empty)
-        sQ = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
+                                   swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
 
         def each(make):
@@ -161,12 +162,18 @@ class FoldDecodeSm90WS(TileKernel):
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
         sRed = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16))
         sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
-        sQk = each(lambda: alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024,
-                                                 swizzle=sQ_layout.inner))
+        sQk = [None] * CONSUMERS  # channel-wise K's Q s' (BF16 K operands)
+        if cutlass.const_expr(not cfg.k_e4m3):
+            sQk = each(lambda: alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024,
+                                                     swizzle=sQ_layout.inner))
         sKr = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
         sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16))
-        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c])
-                      for c in range(CONSUMERS)]
+        sQinv = sQred = None
+        if cutlass.const_expr(cfg.k_e4m3):
+            sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+            sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c], sQinv,
+                                    sQred) for c in range(CONSUMERS)]
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, t_hi, tidx):
@@ -217,7 +224,8 @@ class FoldDecodeSm90WS(TileKernel):
         thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c)
         qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale)
+        qinv = (smem.sQinv[2 * thr.quad], smem.sQinv[2 * thr.quad + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv)
         state, regs, _ = allocate_registers(cfg, frags, prefetch=False)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, HEADS)))
         for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):

@@ -141,21 +141,24 @@ def max_tiles_of(cache: QuantKVCache) -> int:
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-           workspace: tuple[torch.Tensor, ...] | None = None):
+           workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str = "bf16"):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
     and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
     :func:`foscar.splitkv.new_workspace` makes them with :func:`num_parts` parts (what
-    :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``)."""
+    :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
+    operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes)."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
-    run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace)
+    run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
+        k_operand=k_operand)
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
-        ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None) -> None:
+        ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
+        k_operand: str = "bf16") -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..splitkv import num_window_parts, window_partials, workspace_for
@@ -164,7 +167,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
-    cfg = config_for(fmt, G, cache.page_size)
+    cfg = config_for(fmt, G, cache.page_size, k_operand)
     B = q.shape[0]
     warp_specialized, ctas, num_splits = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,

@@ -19,17 +19,44 @@ LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
 
 
 def mmas_and_layouts(cfg: Sm90Config):
-    """Host side, both kernels: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16) and ``O^T = V^T P^T``
-    (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
-    qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+    """Host side, both kernels: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16, or E4M3 with
+    ``cfg.k_e4m3``) and ``O^T = V^T P^T`` (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
     pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                          (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-    q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+    if cutlass.const_expr(cfg.k_e4m3):
+        from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
+        qk_mma = qk_mma_e4m3()
+        sQ_layout = sq_layout_e4m3(cfg.head_dim)
+    else:
+        qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
     p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
     sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
     return qk_mma, pv_mma, sQ_layout, sP_layout
+
+
+Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 terms (1, 2: the consumers)
+
+
+def q_element_type(cfg: Sm90Config):
+    """The element type of Q^T in shared memory: BF16, or E4M3 (its two terms)."""
+    from cutlass import Float8E4M3FN
+    return Float8E4M3FN if cfg.k_e4m3 else BFloat16
+
+
+@cute.jit
+def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx):
+    """Q^T of KV head ``kvh``'s query heads into ``smem.sQ`` by one warpgroup: BF16 (:func:`load_q`), or two
+    E4M3 terms per head with each head's ``2^-e`` in ``smem.sQinv``
+    (:func:`foscar.cute.operands_e4m3.load_q_terms`)."""
+    if cutlass.const_expr(cfg.k_e4m3):
+        from .operands_e4m3 import load_q_terms
+        load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, mQ, b, kvh * cfg.gqa, smem.sQ, smem.sQinv, smem.sQred, tidx,
+                     Q_LOAD_BARRIER)
+    else:
+        load_q(cfg, mQ, smem.sQ, b, kvh, tidx)
 
 
 @cute.jit

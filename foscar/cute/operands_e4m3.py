@@ -16,10 +16,12 @@ into the decode kernels.
 - :class:`QkProbeE4m3`: a standalone kernel, one CTA (one warpgroup) per tile: packed K words and Q^T
   (E4M3 bytes, stored permuted by :func:`foscar.e4m3.contraction_order`, ``Q[:, order]``) in, the
   ``D/32`` wgmma chain, S^T (FP32, ``[64, 8]``) out. A probe for the GPU test.
-- :class:`QkTermsProbeE4m3`: the same product from an FP32 Q of up to four heads, split in the kernel into
-  two E4M3 residual terms per head (:func:`foscar.e4m3.split_terms` with a power-of-two scale per head)
-  that ride in the spare N columns: head ``h``'s terms in columns ``2h`` and ``2h + 1``, which the same
-  thread holds, summed in FP32 after the MMA (:func:`store_q_terms`, :func:`sum_q_terms`).
+- Q as two E4M3 residual terms per head (:func:`foscar.e4m3.split_terms` with a power-of-two scale per
+  head) in the spare N columns: ``hi`` of head ``h`` in column ``h``, ``lo`` in column ``gp + h``
+  (:func:`term_columns`: ``gp`` the heads padded to 1, 2 or 4), summed in FP32 after the MMA with one
+  lane shuffle, so that the scores sit in the BF16 kernel's columns (:func:`load_q_terms`,
+  :func:`sum_q_terms`). :class:`QkTermsProbeE4m3` is the QK product of one tile with them, for the GPU
+  test; the decode kernels use the same functions (``Sm90Config.k_e4m3``).
 """
 from __future__ import annotations
 
@@ -240,35 +242,123 @@ def power_of_two(e: Int32) -> Float32:
     return ((e + 127) << 23).bitcast(Float32)
 
 
+def term_columns(gqa: int) -> int:
+    """``gp``: the N columns of one term (``hi`` in ``0..gp-1``, ``lo`` in ``gp..2gp-1``), the heads padded
+    to 1, 2 or 4 so that a head's ``lo`` sits in the same lane (``gp`` 1) or the lane ``gp / 2`` quads
+    over (a butterfly shuffle)."""
+    if not 1 <= gqa <= HEADS // Q_TERMS:
+        raise ValueError(f"gqa: expected 1 to {HEADS // Q_TERMS} heads (two terms each in N = {HEADS}), got {gqa}")
+    return 1 if gqa == 1 else 2 if gqa == 2 else 4
+
+
+def contraction_position(bits: int, p):
+    """The channel held at contraction index ``p`` of the E4M3 fragment (:func:`foscar.e4m3.contraction_order`,
+    as arithmetic on a run-time ``p``)."""
+    blk = p // 32
+    h = (p % 32) // 16
+    a = (p % 16) // 4
+    v = p % 4
+    if cutlass.const_expr(bits == 4):
+        return 32 * blk + 16 * h + 8 * (v % 2) + 2 * a + v // 2
+    return 32 * blk + 16 * (v % 2) + 8 * h + 2 * a + v // 2
+
+
 @cute.jit
-def store_q_terms(sQ: cute.Tensor, h, d, q: Float32, scale: Float32):
-    """Head ``h``'s channel ``d`` of Q as two E4M3 terms into columns ``2h`` (``hi = e4m3(q 2^e)``) and
-    ``2h + 1`` (``lo = e4m3((q 2^e - hi) 16)``) of ``sQ``, as :func:`foscar.e4m3.split_terms` forms them
-    (``cvt.rn.satfinite``; the remainder ``q 2^e - hi`` is exact in FP32)."""
+def store_q_terms(sQ: cute.Tensor, col_hi, col_lo, p, q: Float32, scale: Float32):
+    """One channel of Q as two E4M3 terms at contraction index ``p`` of columns ``col_hi``
+    (``hi = e4m3(q 2^e)``) and ``col_lo`` (``lo = e4m3((q 2^e - hi) 16)``) of ``sQ``, as
+    :func:`foscar.e4m3.split_terms` forms them (``cvt.rn.satfinite``; the remainder is exact in FP32)."""
     r = q * scale
     hi = r.to(Float8E4M3FN)
-    sQ[2 * h, d] = hi
-    sQ[2 * h + 1, d] = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
+    sQ[col_hi, p] = hi
+    sQ[col_lo, p] = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
 
 
 @cute.jit
-def sum_q_terms(acc: cute.Tensor, j, inv_scale: Float32) -> Float32:
-    """The score of accumulator elements ``j`` (column ``2h``: the hi term) and ``j + 1`` (``2h + 1``: lo),
-    the same thread's, in FP32: ``(hi + lo / 16) 2^-e``."""
-    return (acc[j] + acc[j + 1] * 0.0625) * inv_scale
+def load_q_terms(bits: cutlass.Constexpr, head_dim: cutlass.Constexpr, gqa: cutlass.Constexpr, mQ: cute.Tensor, b,
+                 head0, sQ: cute.Tensor, sQinv: cute.Tensor, sQred: cute.Tensor, tidx, bar_id: cutlass.Constexpr):
+    """Q^T of ``gqa`` heads (``mQ[b, head0 + h, d]``: head ``h``'s channel ``d``) into ``sQ`` as E4M3 terms at the
+    :func:`term_columns`, channels at their contraction index, other columns zero; ``sQinv[c]`` the
+    ``2^-e`` of column ``c``'s head (1 past the heads). By one warpgroup (``tidx`` 0..127, named barrier
+    ``bar_id``); ``sQred`` ``[4, HEADS]`` floats of scratch. Each head's scale ``2^e`` is from its
+    largest ``|q|`` (:func:`scale_exponent`)."""
+    D = head_dim
+    G = gqa
+    gp = term_columns(G)
+    warp = tidx // 32
+    lane = tidx % 32
+    for h in cutlass.range_constexpr(G):
+        top = Float32(0.0)
+        for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+            d = d0 * THREADS + tidx
+            if d < D:
+                q = Float32(mQ[b, head0 + h, d])
+                top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
+        for sh in cutlass.range_constexpr(5):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
+        if lane == 0:
+            sQred[warp, h] = top
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    if tidx < HEADS:
+        e = Int32(0)
+        if tidx < G:
+            top = sQred[0, tidx]
+            for wi in cutlass.range_constexpr(1, THREADS // 32):
+                top = cute.arch.fmax(top, sQred[wi, tidx])
+            e = scale_exponent(top)
+        sQred[0, tidx] = power_of_two(e)  # each head's 2^e, read below
+        sQinv[tidx] = Float32(1.0)
+        if tidx < G:
+            sQinv[tidx] = power_of_two(-e)
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
+        p = p0 * THREADS + tidx
+        if p < D:
+            d = contraction_position(bits, p)
+            for h in cutlass.range_constexpr(G):
+                store_q_terms(sQ, h, gp + h, p, Float32(mQ[b, head0 + h, d]), sQred[0, h])
+            for c in cutlass.range_constexpr(HEADS):
+                if cutlass.const_expr(not (c < G or gp <= c < gp + G)):
+                    sQ[c, p] = Float32(0.0).to(Float8E4M3FN)
+
+
+@cute.jit
+def sum_q_terms(acc: cute.Tensor, gqa: cutlass.Constexpr, quad, inv0: Float32, inv1: Float32):
+    """The scores of a thread's accumulator elements (element ``e``: column ``2 quad + e % 2``) from the
+    two terms, in place: ``(hi + lo / 16) 2^-e`` in a head's column (``inv0``, ``inv1``: the ``2^-e`` of
+    this thread's two columns), 0 in the other columns. A head's ``lo`` is element ``e + 1`` of the same
+    thread (one head) or element ``e`` of the lane ``gp / 2`` quads over (a butterfly shuffle; every lane
+    takes part)."""
+    gp = term_columns(gqa)
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        if cutlass.const_expr(gp == 1):
+            s = (acc[e] + acc[e + 1] * 0.0625) * inv0
+            acc[e] = Float32(0.0)
+            if quad == 0:
+                acc[e] = s
+            acc[e + 1] = Float32(0.0)
+        else:
+            lo0 = cute.arch.shuffle_sync_bfly(acc[e], gp // 2)
+            lo1 = cute.arch.shuffle_sync_bfly(acc[e + 1], gp // 2)
+            s0 = (acc[e] + lo0 * 0.0625) * inv0
+            s1 = (acc[e + 1] + lo1 * 0.0625) * inv1
+            acc[e] = Float32(0.0)
+            acc[e + 1] = Float32(0.0)
+            if 2 * quad < gqa:
+                acc[e] = s0
+            if 2 * quad + 1 < gqa:
+                acc[e + 1] = s1
 
 
 class QkTermsProbeE4m3:
-    """``S^T[t] = K_t Q^T`` for tiles ``t`` with Q in FP32 split into E4M3 terms in the kernel: one CTA (one
-    warpgroup) per tile.
+    """``S^T[t] = K_t Q^T`` for tiles ``t`` with Q in FP32 split into E4M3 terms in the kernel
+    (:func:`load_q_terms`, :func:`sum_q_terms`, as the decode kernels do): one CTA (one warpgroup) per tile.
 
-    Arguments: ``mW`` int32 ``[T, tile_words]``; ``mQ`` float32 ``[G, head_dim]`` (G <= 4 heads, channels
-    permuted: ``Q[:, contraction_order]``); ``mS`` float32 ``[T, 64, G]``. Each head's scale ``2^e`` comes
-    from its largest ``|q|`` (:func:`scale_exponent`), reduced over the warpgroup."""
+    Arguments: ``mW`` int32 ``[T, tile_words]``; ``mQ`` float32 ``[1, G, head_dim]`` (G <= 4 heads, channels
+    in their natural order); ``mS`` float32 ``[T, 64, G]``."""
 
     def __init__(self, cfg: E4m3Tile, gqa: int):
-        if not 1 <= gqa <= HEADS // Q_TERMS:
-            raise ValueError(f"gqa: expected 1 to {HEADS // Q_TERMS} heads (two terms each in N = {HEADS}), got {gqa}")
+        term_columns(gqa)  # refuses more heads than the columns hold
         self.cfg, self.gqa = cfg, gqa
 
     @cute.jit
@@ -288,48 +378,15 @@ class QkTermsProbeE4m3:
         tile, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
+        quad = lane % 4
         smem = SmemAllocator()
         sQ = smem.allocate_tensor(Float8E4M3FN, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, HEADS)), byte_alignment=16)
-        sScale = smem.allocate_tensor(Float32, cute.make_layout((2, HEADS)), byte_alignment=16)
-
-        # ---- each head's largest |q|, then its scale 2^e and 2^-e ------------------------------------
-        for h in cutlass.range_constexpr(G):
-            top = Float32(0.0)
-            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
-                d = d0 * THREADS + tidx
-                if d < D:
-                    q = mQ[h, d]
-                    top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
-            for sh in cutlass.range_constexpr(5):
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
-            if lane == 0:
-                sRed[warp, h] = top
-        cute.arch.sync_threads()
-        if tidx < G:
-            top = sRed[0, tidx]
-            for wi in cutlass.range_constexpr(1, THREADS // 32):
-                top = cute.arch.fmax(top, sRed[wi, tidx])
-            e = scale_exponent(top)
-            sScale[0, tidx] = power_of_two(e)
-            sScale[1, tidx] = power_of_two(-e)
-        cute.arch.sync_threads()
-
-        # ---- the terms into the N columns (columns past 2G: zero) -----------------------------------
-        for h in cutlass.range_constexpr(G):
-            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
-                d = d0 * THREADS + tidx
-                if d < D:
-                    store_q_terms(sQ, h, d, mQ[h, d], sScale[0, h])
-        for c in cutlass.range_constexpr(Q_TERMS * G, HEADS):
-            for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
-                d = d0 * THREADS + tidx
-                if d < D:
-                    sQ[c, d] = Float32(0.0).to(Float8E4M3FN)
+        sQred = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, HEADS)), byte_alignment=16)
+        sQinv = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        load_q_terms(cfg.bits, D, G, mQ, 0, 0, sQ, sQinv, sQred, tidx, 1)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        # ---- this thread's words, its A registers, the k32 chain -------------------------------------
         kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
         for i in cutlass.range_constexpr(cfg.k_words):
             kw[i] = mW[tile, k_word(cfg.bits, D, 0, warp, lane, i)]
@@ -345,14 +402,13 @@ class QkTermsProbeE4m3:
             cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        sum_q_terms(acc, G, quad, sQinv[2 * quad], sQinv[2 * quad + 1])
 
-        # ---- the terms summed per head ---------------------------------------------------------------
         tCcS = thr.partition_C(cute.make_identity_tensor((TILE, HEADS)))
-        for j in cutlass.range_constexpr(0, cute.size(acc), 2):
+        for j in cutlass.range_constexpr(cute.size(acc)):
             row, col = tCcS[j]
-            h = col // Q_TERMS
-            if h < G:
-                mS[tile, row, h] = sum_q_terms(acc, j, sScale[1, h])
+            if col < G:
+                mS[tile, row, col] = acc[j]
 
 
 def compile_terms_probe(cfg: E4m3Tile, gqa: int, mW, mQ, mS):

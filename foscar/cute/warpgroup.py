@@ -33,6 +33,7 @@ from .folds import (
     v_operand_fold,
 )
 from .operands import build_k_registers, build_vt_registers
+from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -54,9 +55,12 @@ class WarpgroupSmem:
     """A warpgroup's shared memory: Q^T (``sQ``) and ``sum(Q)`` (``sQsum``), shared by the CTA's warpgroups;
     its own B operands of O^T (``sP``, one per V channel group: two entries, the same buffer for one group),
     the reduction slots (``sRed``: two tiles' buffers), the column sums (``sSum``), and for channel-wise K
-    the folded ``Q'`` (``sQk``) with its offset correction (``sKf``, from the warps' partials ``sKr``)."""
+    the folded ``Q'`` (``sQk``) with its offset correction (``sKf``, from the warps' partials ``sKr``); for
+    E4M3 K operands ``sQinv`` and ``sQred`` (:func:`foscar.cute.operands.stage_q`)."""
 
-    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKr, sKf):
+    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKr, sKf, sQinv=None, sQred=None):
+        self.sQinv = sQinv  # E4M3 K operands: each column's 2^-e (Q's terms are scaled by 2^e)
+        self.sQred = sQred  # E4M3 K operands: the scratch of Q's per-head maxima
         self.sQ = sQ
         self.sQsum = sQsum
         self.sP = sP
@@ -78,7 +82,7 @@ class Fragments:
         self.tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
         self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
         self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
-        self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
+        self.tSrQk = None if cfg.k_e4m3 else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
         self.thr_pv = pv_mma.get_slice(tidx)
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
@@ -101,10 +105,12 @@ class TileRegisters:
 
 class Warpgroup:
     """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's two head
-    columns (the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length."""
+    columns (the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length, ``qinv``
+    (E4M3 K operands) the ``2^-e`` of the same columns."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: tuple,
-                 n, qk_scale: Float32):
+                 n, qk_scale: Float32, qinv: tuple | None = None):
+        self.qinv = qinv  # E4M3 K operands: the 2^-e of this thread's two head columns
         self.thr = thr
         self.smem = smem
         self.frags = frags
@@ -260,12 +266,16 @@ class TileKernel:
 
     @cute.jit
     def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, kgroup):
-        """``S^T = K Q^T`` on ``wgmma.m64n8k16``, K built in registers: ``[accS]``, or with two channel groups
+        """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it),
+        K built in registers: ``[accS]``, or with two channel groups
         of a token-wise K one group-local partial each; channel-wise K multiplies ``Q'``, rebuilt at a token
         group's first tile (the operand-fold). Returns ``(partials, kgroup)``."""
         cfg = self.cfg
         frags = wg.frags
-        build_k_registers(cfg, frags.tSrK_u32, regs.kw)
+        if cutlass.const_expr(cfg.k_e4m3):
+            build_k_registers_e4m3(cfg, frags.tSrK_u32, regs.kw)
+        else:
+            build_k_registers(cfg, frags.tSrK_u32, regs.kw)
         if cutlass.const_expr(cfg.k_channel):  # operand-fold: Q' = bf16(Q s') of this token group
             grp = t0 // cfg.group_size
             if grp != kgroup:
@@ -290,6 +300,9 @@ class TileKernel:
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(cfg.k_e4m3):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
+            for part in partials:
+                sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
         return partials, kgroup
 
     @cute.jit
