@@ -274,14 +274,17 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     at.clear_lookup_cache()
     assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
     assert launch.launch_config(q, cache, 4)[1:3] == (5, 8)
-    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3)
-    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7)
+    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3, "bf16")
+    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7, "bf16")
     # another variant than the tuned one: the heuristic split count, not the one tuned for v1 at 2 CTAs
     heuristic = cute_launch.default_num_splits(8, 8, 1, q.device, cute_launch.V0_RESIDENT)
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic)
-    assert cute_launch.launch_config(q, cache, 4, ctas_per_sm=1)[1:] == (
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic, "bf16")
+    assert cute_launch.launch_config(q, cache, 4, ctas_per_sm=1)[1:3] == (
         1, cute_launch.default_num_splits(8, 8, 1, q.device, 1))
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3)
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3, "bf16")
+    # E4M3 K operands asked for: the entry tuned for BF16 ones does not apply
+    assert cute_launch.launch_config(q, cache, 4, k_operand="e4m3")[2:] == (
+        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3")
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
     with pytest.raises(InvalidArgumentError, match="^warp_specialized: expected"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=1)

@@ -45,8 +45,9 @@ class CuteSm90(Backend):
 
     def launch_config(self, problem) -> dict:
         from ..cute.launch import launch_config
-        ws, ctas, num_splits = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)
-        return {"num_splits": num_splits, "warp_specialized": ws, "ctas_per_sm": ctas}
+        ws, ctas, num_splits, k_operand = launch_config(problem.q, problem.cache, problem.gqa,
+                                                        num_splits=problem.num_splits)
+        return {"num_splits": num_splits, "warp_specialized": ws, "ctas_per_sm": ctas, "k_operand": k_operand}
 
     def num_parts(self, fmt, config: dict) -> int:
         from ..cute.launch import num_parts
@@ -58,8 +59,9 @@ class CuteSm90(Backend):
 
     def candidates(self, case, device: torch.device) -> list[dict]:
         """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
-        heuristic times {1/2, 1, 2}."""
-        from ..cute.config import TILE
+        heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
+        splits of the BF16 v1."""
+        from ..cute.config import TILE, config_for
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
@@ -69,7 +71,11 @@ class CuteSm90(Backend):
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
             for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
                 out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
-        return out
+        try:
+            config_for(case.fmt, case.q_heads // case.kv_heads, case.page, "e4m3")
+        except UnsupportedError:
+            return out
+        return out + [{**c, "k_operand": "e4m3"} for c in out if c["warp_specialized"]]
 
     def launch(self, q, cache, config: dict):
         from ..cute.launch import decode

@@ -74,17 +74,17 @@ DEFAULT_WARP_SPECIALIZED = True
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-                  use_tuned: bool = True) -> tuple[bool, int, int]:
-    """``(warp_specialized, ctas_per_sm, num_splits)`` of a launch: the given values, else the autotune
-    cache's (backend ``"cute"``; only where its entry is the variant asked for), else
-    :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM` and :func:`default_num_splits`. Host facts
-    only: no device read."""
+                  k_operand: str | None = None, use_tuned: bool = True) -> tuple[bool, int, int, str]:
+    """``(warp_specialized, ctas_per_sm, num_splits, k_operand)`` of a launch: the given values, else the
+    autotune cache's (backend ``"cute"``; only where its entry is the variant asked for), else
+    :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM`, :func:`default_num_splits` and BF16 K
+    operands. Host facts only: no device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
-    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm):
+    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
@@ -92,19 +92,24 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     if ctas_per_sm is None:
         ctas_per_sm = tuned.get("ctas_per_sm") or WS_CTAS_PER_SM
     check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
+    if k_operand is None:
+        k_operand = tuned.get("k_operand", "bf16")
     if num_splits is None:
         num_splits = tuned.get("num_splits")
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles_of(cache), q.device,
                                         ctas_per_sm if warp_specialized else V0_RESIDENT)
     check_int("num_splits", num_splits, minimum=1)
-    return warp_specialized, ctas_per_sm, num_splits
+    return warp_specialized, ctas_per_sm, num_splits, k_operand
 
 
-def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int | None) -> bool:
+def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int | None,
+                  k_operand: str | None = None) -> bool:
     """Whether a tuned entry is the variant the caller asked for (``None``: any)."""
     tuned_ws = bool(tuned.get("warp_specialized", DEFAULT_WARP_SPECIALIZED))
     if warp_specialized is not None and warp_specialized != tuned_ws:
+        return False
+    if k_operand is not None and k_operand != tuned.get("k_operand", "bf16"):
         return False
     return ctas_per_sm is None or not tuned_ws or tuned.get("ctas_per_sm", WS_CTAS_PER_SM) == ctas_per_sm
 
@@ -141,14 +146,15 @@ def max_tiles_of(cache: QuantKVCache) -> int:
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-           workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str = "bf16"):
+           workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
     and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
     :func:`foscar.splitkv.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
-    operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes)."""
+    operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes);
+    unset, the autotune cache's, else BF16."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
@@ -158,7 +164,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str = "bf16") -> None:
+        k_operand: str | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..splitkv import num_window_parts, window_partials, workspace_for
@@ -167,11 +173,11 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
-    cfg = config_for(fmt, G, cache.page_size, k_operand)
     B = q.shape[0]
-    warp_specialized, ctas, num_splits = launch_config(
+    warp_specialized, ctas, num_splits, k_operand = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
-        warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
+        warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand)
+    cfg = config_for(fmt, G, cache.page_size, k_operand)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
