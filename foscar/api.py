@@ -33,7 +33,7 @@ from ._checks import check_tensor
 from .backends import AUTO_ORDER, BACKENDS, BackendStatus, LaunchPlan, ProblemKey
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
-from .format import KVFormat
+from .format import KVFormat, rotate_given
 from .problem import DecodeProblem
 
 ENV = "FOSCAR_BACKEND"
@@ -189,7 +189,9 @@ class DecodePlan:
         from ._checks import decode_out_buffers
         out, lse = decode_out_buffers(q, out, lse, False)  # checks what was given; allocates only a missing out
         problem = DecodeProblem(q, cache, out, lse, self.sm_scale, self.num_splits, q.shape[1] // cache.num_kv_heads)
-        backends.get(self.backend).run(problem, self.launch)
+        solved = problem.in_cache_space()
+        backends.get(self.backend).run(solved, self.launch)
+        problem.finish(solved)
         return out if lse is None else (out, lse)
 
 
@@ -228,10 +230,13 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
                                   num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
                      os.environ.get(ENV, "auto"))
+    solved = problem.in_cache_space()  # a rotated cache: the query rotated in, the output rotated back
     if torch.compiler.is_compiling():  # the custom op: what torch.compile traces
-        torch.ops.foscar.decode(*op_args(q, cache, problem.out, problem.lse, problem.sm_scale, chosen, num_splits))
+        torch.ops.foscar.decode(*op_args(solved.q, cache, solved.out, solved.lse, solved.sm_scale, chosen,
+                                         num_splits))
     else:  # eager: the same implementation without the dispatcher's host time
-        backends.get(chosen).run(problem)
+        backends.get(chosen).run(solved)
+    problem.finish(solved)
     return (problem.out, problem.lse) if want_lse else problem.out
 
 
@@ -264,6 +269,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
         cache.append(k_new, v_new, quantizer=quantizer)
         return
     from .triton import append as triton_append
+    k_new, v_new = rotate_given(cache.fmt, k_new, v_new)  # the reference path's cache.append does it there
     if k_new.dim() == 4 and k_new.shape[2] == 1 and cache.batch_size:
         from .triton import append_step
         append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check)  # one launch per tensor

@@ -22,7 +22,7 @@ import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
-from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
+from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, rotate_given, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
 
@@ -206,7 +206,8 @@ class QuantKVCache:
         """Dense ``K, V [B, Hkv, max_len, D]`` in token order (zeros past each length).
 
         A quantized value is ``s' * y + z'`` with ``y`` the operand built from its code, evaluated in
-        float64 (exact for FP32 ``s', z'``), then cast to ``dtype``.
+        float64 (exact for FP32 ``s', z'``), then cast to ``dtype``. With a rotation the values are
+        rotated back (``x_stored R^T``, in float64): the space the values were given in.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError("dtype", "a floating-point torch.dtype", dtype)
@@ -222,7 +223,7 @@ class QuantKVCache:
                 dense[b, :, n_sink + n_quant: n_sink + n_quant + n_recent] = win[:, n_sink:]
                 if n_quant:
                     dense[b, :, n_sink: n_sink + n_quant] = self._dequantize_seq(tensor, b)
-            out.append(dense.to(dtype))
+            out.append(rotate(dense, self.fmt, inverse=True).to(dtype))
         return out[0], out[1]
 
     def _dequantize_seq(self, tensor: str, b: int) -> torch.Tensor:
@@ -407,8 +408,10 @@ class QuantKVCache:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, *, quantizer: str = "minmax",
                clip: float = DEFAULT_QUANTILE) -> None:
         """Append ``T`` tokens to every sequence, ``k_new, v_new [B, Hkv, T, D]`` (:func:`foscar.write_path.append`,
-        PyTorch, host-driven: the reference of the GPU write kernels)."""
+        PyTorch, host-driven: the reference of the GPU write kernels), rotated first when the format
+        names a rotation."""
         from .write_path import append
+        k_new, v_new = rotate_given(self.fmt, k_new, v_new)
         append(self, k_new, v_new, quantizer=quantizer, clip=clip)
 
     def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
@@ -525,6 +528,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
                                    page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
                                    device=k.device)
+    k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
     n_sink, n_quant, _ = cache.split()
     for b in range(B):
         Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])

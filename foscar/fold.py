@@ -67,7 +67,7 @@ from . import e4m3
 from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
+from .format import E4M3_PLACEMENT, TOKEN, operand_for, rotate, unpack_codes
 from .reference import attend
 from .splitkv import split_ranges
 
@@ -321,8 +321,11 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
         if E4M3 not in (operand_dtype, pv_operand_dtype):
             raise InvalidArgumentError("operand_terms", "None without a torch.float8_e4m3fn operand dtype",
                                        operand_terms)
-    out, lse = folded(q, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits, dtype=dtype,
-                      operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype, operand_terms=operand_terms)
+    q_in = q if fmt.rotation is None else rotate(q.to(dtype), fmt)  # rotated in the accumulation dtype
+    out, lse = folded(q_in, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits,
+                      dtype=dtype, operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype,
+                      operand_terms=operand_terms)
+    out = rotate(out, fmt, inverse=True)  # a rotated cache: the query rotated in, the output back out
     return (out, lse) if return_lse else out
 
 
@@ -330,7 +333,8 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
            num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
            pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_folded` of validated arguments (``G`` query heads per KV head): ``(out, lse)``."""
+    """:func:`decode_folded` of validated arguments (``G`` query heads per KV head) in the cache's space (a
+    rotated cache's query already rotated, its output not rotated back): ``(out, lse)``."""
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)

@@ -309,6 +309,52 @@ def unpack_codes(words: torch.Tensor, bits: int, tensor: str, head_dim: int) -> 
 # --------------------------------------------------------------------------------------------
 # The format
 # --------------------------------------------------------------------------------------------
+#: The rotations a format can name (:attr:`KVFormat.rotation`).
+ROTATIONS = (None, "hadamard")
+
+
+@functools.lru_cache(maxsize=32)
+def _rotation64(head_dim: int, seed: int | None) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:  # Sylvester's construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(head_dim)
+    if seed is not None:
+        signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+        h = signs.double()[:, None] * h
+    return h
+
+
+def rotation_matrix(fmt: "KVFormat", dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The format's rotation ``R [D, D]`` (orthonormal: ``R R^T = I``): a stored row is ``x R``, a value is
+    ``x_stored R^T``. ``diag(signs) H / sqrt(D)`` with ``H`` Sylvester's Hadamard matrix and the signs
+    drawn from ``torch.Generator().manual_seed(rotation_seed)`` (all +1 without a seed)."""
+    if fmt.rotation is None:
+        raise InvalidArgumentError("fmt", "a format with a rotation", "rotation=None")
+    return _rotation64(fmt.head_dim, fmt.rotation_seed).to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor, fmt: "KVFormat", inverse: bool = False, work: torch.dtype = torch.float64) -> torch.Tensor:
+    """``x [..., D] R`` (``inverse``: ``x R^T``) in ``x``'s dtype, computed in ``work`` and rounded once:
+    float64 (the default, what the write paths use) makes a token's rotated values independent of the
+    tokens rotated with it; the decode entry points rotate a BF16/FP16/FP32 query and output in float32.
+    ``x`` itself without a rotation."""
+    if fmt.rotation is None:
+        return x
+    r = rotation_matrix(fmt, work, x.device)
+    return (x.to(work) @ (r.T if inverse else r)).to(x.dtype)
+
+
+def rotate_given(fmt: "KVFormat", *xs):
+    """Each ``x`` rotated (:func:`rotate`) where it is a floating-point tensor whose last dim is the head dim,
+    else as it is, for the checks after this to refuse by name: what the write paths' entry points do to
+    the tokens they are given."""
+    if fmt.rotation is None:
+        return xs
+    return tuple(rotate(x, fmt) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1
+                 and x.shape[-1] == fmt.head_dim else x for x in xs)
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """Everything that fixes how a K/V cache is stored; hashable, so it can key caches of compiled kernels.
@@ -318,6 +364,11 @@ class KVFormat:
     32, 64, 128 or 256 tokens. k_axis / v_axis: "token" or "channel". mapping: the tensor-core
     operand the cache's folded constants are made for ("bf16" injection by default).
     sink / recent: tokens kept unquantized (BF16) at the start / end of each sequence.
+    rotation: ``None``, or ``"hadamard"``: K and V are stored rotated per head by the orthonormal
+    :func:`rotation_matrix` (a normalized Walsh-Hadamard transform, with a random +-1 sign per channel
+    first when ``rotation_seed`` is given), which spreads outlier channels over every channel before
+    quantization; every foscar entry point rotates what it is given and undoes it on what it returns
+    (the query in, the output out; LSEs are unchanged), so results are those of the unrotated values.
     """
 
     bits: int
@@ -328,6 +379,8 @@ class KVFormat:
     mapping: str = "bf16"
     sink: int = 0
     recent: int = 0
+    rotation: str | None = None
+    rotation_seed: int | None = None
     layout: str = LAYOUT_TAG
 
     def __post_init__(self):
@@ -343,6 +396,14 @@ class KVFormat:
             raise UnsupportedError("mapping='e2m1'", f"E2M1 holds 2-bit codes only (bits={self.bits})")
         check_int("sink", self.sink, minimum=0)
         check_int("recent", self.recent, minimum=0)
+        if self.rotation not in ROTATIONS:
+            raise InvalidArgumentError("rotation", f"one of {ROTATIONS}", repr(self.rotation))
+        if self.rotation_seed is not None:
+            if self.rotation is None:
+                raise InvalidArgumentError("rotation_seed", "None without a rotation", repr(self.rotation_seed))
+            check_int("rotation_seed", self.rotation_seed, minimum=0)
+        if self.rotation is not None and self.head_dim & (self.head_dim - 1):
+            raise UnsupportedError(f"rotation={self.rotation!r}", f"needs a power-of-two head_dim, not {self.head_dim}")
         if self.layout != LAYOUT_TAG:
             raise UnsupportedError("layout", f"this foscar reads {LAYOUT_TAG!r}, not {self.layout!r}")
         for name in ("k_axis", "v_axis"):

@@ -41,6 +41,24 @@ class DecodeProblem:
     def fmt(self):
         return self.cache.fmt
 
+    def in_cache_space(self) -> DecodeProblem:
+        """The problem the backends solve: with a rotation (:attr:`foscar.KVFormat.rotation`) the query
+        rotated as the cache's K and V are (``q R``) into a new output in that space (the LSE is the same:
+        ``q R (k R)^T = q k^T``); without one, this problem. :meth:`finish` then rotates the output back."""
+        if self.cache.fmt.rotation is None:
+            return self
+        from .format import rotate
+        work = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        return DecodeProblem(rotate(self.q, self.cache.fmt, work=work), self.cache, torch.empty_like(self.out),
+                             self.lse, self.sm_scale, self.num_splits, self.gqa)
+
+    def finish(self, solved: DecodeProblem) -> None:
+        """This problem's output from the one :meth:`in_cache_space` gave, once solved (``out R^T``)."""
+        if solved is not self:
+            from .format import rotate
+            work = torch.float64 if self.out.dtype == torch.float64 else torch.float32
+            self.out.copy_(rotate(solved.out, self.cache.fmt, inverse=True, work=work))
+
     @property
     def batch(self) -> int:
         return self.q.shape[0]

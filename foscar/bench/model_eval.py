@@ -32,9 +32,12 @@ WINDOWS = {"sink": 4, "recent": 64}
 CACHES = {"BF16": None}
 for _bits in (4, 2):
     for _axis in ("token", "channel"):
-        for _win in (False, True):
-            _name = f"INT{_bits} {_axis}-K" + (" + sink 4, recent 64" if _win else "")
-            CACHES[_name] = dict(bits=_bits, group_size=64, k_axis=_axis, **(WINDOWS if _win else {}))
+        for _rot in ((False, True) if _axis == "token" else (False,)):
+            for _win in (False, True):
+                _name = (f"INT{_bits} {_axis}-K" + (" + Hadamard" if _rot else "")
+                         + (" + sink 4, recent 64" if _win else ""))
+                CACHES[_name] = dict(bits=_bits, group_size=64, k_axis=_axis, **(WINDOWS if _win else {}),
+                                     **({"rotation": "hadamard", "rotation_seed": 0} if _rot else {}))
 
 
 class MissingPackage(RuntimeError):
@@ -101,7 +104,8 @@ def score(model, ids: torch.Tensor, context: int, cache) -> tuple[torch.Tensor, 
 def evaluate(context: int = 2048, scored: int = 256, caches: dict | None = None, device: str = "cpu",
              progress=None) -> dict:
     """The table's records: ``{"text": ..., "versions": ..., "rows": [...]}``, one row per cache of
-    ``caches`` (default :data:`CACHES`; the first must be the BF16 baseline, ``None``)."""
+    ``caches`` (default :data:`CACHES`; the first must be the BF16 baseline, ``None``). Token-wise K also
+    with a Hadamard rotation (seed 0)."""
     from ..integrations.transformers import FoscarCache
     caches = CACHES if caches is None else caches
     if next(iter(caches.values())) is not None:

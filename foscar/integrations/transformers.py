@@ -107,14 +107,17 @@ class FoscarLayer(CacheLayerMixin):
 
 class FoscarCache(Cache):
     """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
-    ``sink`` and ``recent`` as in :class:`foscar.KVFormat`; ``quantizer`` as in :func:`foscar.quantize_kv`;
+    ``sink``, ``recent``, ``rotation`` and ``rotation_seed`` as in :class:`foscar.KVFormat`; ``quantizer`` as in :func:`foscar.quantize_kv`;
     ``backend`` as in :func:`foscar.decode`."""
 
     def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int = 64,
-                 sink: int = 0, recent: int = 0, quantizer: str = "minmax", backend: str = "auto"):
+                 sink: int = 0, recent: int = 0, rotation: str | None = None, rotation_seed: int | None = None,
+                 quantizer: str = "minmax", backend: str = "auto"):
         KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
-                 sink=sink, recent=recent)  # fail now, not at the first layer, on a bad format
-        self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent)
+                 sink=sink, recent=recent, rotation=rotation,
+                 rotation_seed=rotation_seed)  # fail now, not at the first layer, on a bad format
+        self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent,
+                               rotation=rotation, rotation_seed=rotation_seed)
         self.quantizer, self.backend = quantizer, backend
         super().__init__(layers=None, layer_class_to_replicate=self._layer)
 
