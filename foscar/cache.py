@@ -246,7 +246,8 @@ class QuantKVCache:
         stored FP32 ``s', z'``), ``[B, Hkv, Q, D/g]`` token-wise or ``[B, Hkv, Q/g, D]`` channel-wise;
         ``{k,v}_scale_folded``/``{k,v}_offset_folded``: the stored FP32 ``s', z'``;
         ``{k,v}_sink``, ``{k,v}_recent``: the BF16 windows in token order (``[B, Hkv, n, D]``, zero
-        past each sequence's count); ``seq_lens``; ``format``.
+        past each sequence's count); ``seq_lens``; ``format``. With a rotation, the values as stored
+        (rotated: ``format.rotation`` names it).
         """
         fmt, B, H, D, g = self.fmt, self.batch_size, self.num_kv_heads, self.head_dim, self.fmt.group_size
         n_sink, n_quant, n_recent = self.split()
@@ -428,7 +429,9 @@ class QuantKVCache:
         ``(s, z)`` of ``x = s*q + z`` shaped ``[B, Hkv, Q, D/g]`` (token-wise) or ``[B, Hkv, Q/g, D]``
         (channel-wise), ``Q`` at least every sequence's quantized count (``fmt.split_length``);
         windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
-        ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``).
+        ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``). With
+        ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.format.rotation_matrix`),
+        as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
         """
         if not isinstance(fmt, KVFormat):
             raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)

@@ -141,3 +141,17 @@ def test_every_gpu_backend_decodes_a_rotated_cache_gpu(backend):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, out)
+
+
+def test_rotated_codes_written_elsewhere_decode_when_the_rotation_is_named():
+    """export() gives the rotated codes with the format naming the rotation; from_quantized of them (as an
+    OSCAR-style writer stores them) decodes to the same output."""
+    q, k, v = _inputs(L=300)
+    fmt = fmt_of(bits=2, rotation_seed=6, sink=4, recent=8)
+    cache = foscar.quantize_kv(k, v, fmt)
+    e = cache.export()
+    assert e["format"].rotation == "hadamard"
+    names = ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset", "seq_lens", "k_sink", "v_sink",
+             "k_recent", "v_recent")
+    again = foscar.QuantKVCache.from_quantized(e["format"], **{n: e[n] for n in names})
+    assert rel(foscar.decode_exact(q, again), foscar.decode_exact(q, cache)) < 1e-12
