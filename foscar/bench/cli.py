@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,7 +134,7 @@ def _model_accuracy(a, argv: list[str], prog: str) -> int:
         doc = model_eval.evaluate(a.context, a.scored, caches, device=device, progress=bar.step)
     except model_eval.MissingPackage as e:
         raise SystemExit(f"{prog} accuracy --model {a.model}: {e}") from None
-    doc["command"] = f"{prog} accuracy " + " ".join(argv)
+    doc["command"] = f"{prog} accuracy " + shlex.join(argv)
     rows = [{k: (str(v) if k == "config" else v) for k, v in r.items()} for r in doc["rows"]]
     return _write(a.out, "model", doc, model_eval.render_markdown(doc), None, rows=rows)
 
