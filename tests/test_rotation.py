@@ -155,3 +155,29 @@ def test_rotated_codes_written_elsewhere_decode_when_the_rotation_is_named():
              "k_recent", "v_recent")
     again = foscar.QuantKVCache.from_quantized(e["format"], **{n: e[n] for n in names})
     assert rel(foscar.decode_exact(q, again), foscar.decode_exact(q, cache)) < 1e-12
+
+
+def test_the_triton_write_path_writes_a_rotated_cache_as_the_reference_does():
+    """foscar.append's Triton branch rotates the tokens as QuantKVCache.append does, then runs the Triton
+    kernels: the two caches are equal bit for bit (the kernels under the interpreter on the CPU)."""
+    import foscar.triton as ft
+    from foscar.format import rotate_given
+    from test_append import DEV, snapshot
+    fmt = fmt_of(head_dim=64, group_size=32, bits=2, rotation_seed=8, sink=3, recent=5)
+    # tokens whose rotated values are small multiples of 1/4 (BF16-exact: the interpreter truncates FP32 to
+    # BF16 casts where the GPU rounds): y R^T with R's entries +-1/8 is exact in FP32, and so is its rotation
+    gen = torch.Generator().manual_seed(3)
+    r = rotation_matrix(fmt)
+    k, v = ((torch.randint(-8, 9, (2, 2, 140, 64), generator=gen).double() / 4) @ r.T for _ in range(2))
+    k, v = (x.float().to(DEV) for x in (k, v))
+    assert torch.equal(rotate(k, fmt), (rotate(k, fmt) * 4).round() / 4)
+    ref = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=140, page_size=64, device=DEV)
+    ker = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=140, page_size=64, device=DEV)
+    for t0, t1 in ((0, 70), (70, 71), (71, 140)):
+        ref.append(k[:, :, t0:t1], v[:, :, t0:t1])
+        kr, vr = rotate_given(fmt, k[:, :, t0:t1], v[:, :, t0:t1])
+        if t1 - t0 == 1:
+            ft.append_step(ker, kr[:, :, 0].contiguous(), vr[:, :, 0].contiguous(), check=False)
+        else:
+            ft.append(ker, kr, vr, check=False)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
