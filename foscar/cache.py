@@ -22,6 +22,7 @@ import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
+from .centring import centre, check_key_mean, keep_mean, keys_to_store, sequence_means
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, rotate_given, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
@@ -46,7 +47,12 @@ def _round_up(x: int, m: int) -> int:
 
 class QuantKVCache:
     """A quantized K/V cache (one attention layer). Build it with :func:`quantize_kv` or
-    :meth:`from_quantized`; read it with :meth:`dequantize`, :meth:`export` or a decode call."""
+    :meth:`from_quantized`; read it with :meth:`dequantize`, :meth:`export` or a decode call.
+    ``k_mean``: the keys' centring mean (:mod:`foscar.centring`; ``None``: not centred), pending until
+    the first append when ``k_mean_pending``."""
+
+    k_mean: torch.Tensor | None = None
+    k_mean_pending: bool = False
 
     def __init__(self, fmt: KVFormat, *, k_codes, k_params, v_codes, v_params, seq_lens, page_table: PageTable,
                  k_sink, v_sink, k_recent, v_recent, contiguous: bool = False):
@@ -207,7 +213,8 @@ class QuantKVCache:
 
         A quantized value is ``s' * y + z'`` with ``y`` the operand built from its code, evaluated in
         float64 (exact for FP32 ``s', z'``), then cast to ``dtype``. With a rotation the values are
-        rotated back (``x_stored R^T``, in float64): the space the values were given in.
+        rotated back (``x_stored R^T``, in float64) and centred keys get their mean back
+        (:mod:`foscar.centring`): the values as they were given.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError("dtype", "a floating-point torch.dtype", dtype)
@@ -223,7 +230,12 @@ class QuantKVCache:
                 dense[b, :, n_sink + n_quant: n_sink + n_quant + n_recent] = win[:, n_sink:]
                 if n_quant:
                     dense[b, :, n_sink: n_sink + n_quant] = self._dequantize_seq(tensor, b)
-            out.append(rotate(dense, self.fmt, inverse=True).to(dtype))
+            dense = rotate(dense, self.fmt, inverse=True)
+            if tensor == "k" and self.k_mean is not None:  # centred keys: the mean back (within each length)
+                n = self.seq_lens.long()
+                valid = (torch.arange(L, device=self.device)[None, :] < n[:, None]).double()[:, None, :, None]
+                dense = dense + valid * self.k_mean.double()[:, :, None, :]
+            out.append(dense.to(dtype))
         return out[0], out[1]
 
     def _dequantize_seq(self, tensor: str, b: int) -> torch.Tensor:
@@ -246,8 +258,9 @@ class QuantKVCache:
         stored FP32 ``s', z'``), ``[B, Hkv, Q, D/g]`` token-wise or ``[B, Hkv, Q/g, D]`` channel-wise;
         ``{k,v}_scale_folded``/``{k,v}_offset_folded``: the stored FP32 ``s', z'``;
         ``{k,v}_sink``, ``{k,v}_recent``: the BF16 windows in token order (``[B, Hkv, n, D]``, zero
-        past each sequence's count); ``seq_lens``; ``format``. With a rotation, the values as stored
-        (rotated: ``format.rotation`` names it).
+        past each sequence's count); ``seq_lens``; ``format``; ``k_mean`` (the keys' centring mean, or
+        ``None``). With a rotation, the values as stored (rotated: ``format.rotation`` names it), keys
+        centred.
         """
         fmt, B, H, D, g = self.fmt, self.batch_size, self.num_kv_heads, self.head_dim, self.fmt.group_size
         n_sink, n_quant, n_recent = self.split()
@@ -272,6 +285,7 @@ class QuantKVCache:
                         f"{tensor}_scale_folded": spf, f"{tensor}_offset_folded": zpf,
                         f"{tensor}_sink": (self.k_sink if tensor == "k" else self.v_sink).clone(),
                         f"{tensor}_recent": recent})
+        res["k_mean"] = None if self.k_mean is None else self.k_mean.clone()
         return res
 
     # ---- building ----------------------------------------------------------------------------
@@ -365,10 +379,23 @@ class QuantKVCache:
     @classmethod
     def empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len: int | None = None,
               page_size: int | None = 64, page_table: PageTable | None = None, num_pages: int | None = None,
-              window_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> QuantKVCache:
+              window_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+              key_mean=None) -> QuantKVCache:
         """A cache of ``batch`` empty sequences to :meth:`append` to. Paged (``page_size``): the caller's
         ``page_table`` and pool size ``num_pages``, or, given ``max_len``, ``ceil(max_len / page_size)``
-        pages per sequence. Contiguous (``page_size=None``): room for ``max_len`` tokens per sequence."""
+        pages per sequence. Contiguous (``page_size=None``): room for ``max_len`` tokens per sequence.
+        ``key_mean``: key centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (the first append's
+        mean per sequence) or a ``[batch, num_kv_heads, head_dim]`` tensor."""
+        key_mean = check_key_mean(key_mean, batch, num_kv_heads, fmt.head_dim, torch.device(device))
+        cache = cls._empty(fmt, batch, num_kv_heads, max_len=max_len, page_size=page_size, page_table=page_table,
+                           num_pages=num_pages, window_dtype=window_dtype, device=device)
+        cache.k_mean_pending = isinstance(key_mean, str)
+        cache.k_mean = None if key_mean is None or isinstance(key_mean, str) else key_mean
+        return cache
+
+    @classmethod
+    def _empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len, page_size, page_table, num_pages,
+               window_dtype, device) -> QuantKVCache:
         check_int("batch", batch, minimum=0)
         check_int("num_kv_heads", num_kv_heads, minimum=1)
         if window_dtype not in WINDOW_DTYPES:
@@ -410,10 +437,12 @@ class QuantKVCache:
                clip: float = DEFAULT_QUANTILE) -> None:
         """Append ``T`` tokens to every sequence, ``k_new, v_new [B, Hkv, T, D]`` (:func:`foscar.write_path.append`,
         PyTorch, host-driven: the reference of the GPU write kernels), rotated first when the format
-        names a rotation."""
+        names a rotation, and centred before that when the cache centres its keys."""
         from .write_path import append
+        k_new, mean = keys_to_store(self, k_new)  # centred (foscar.centring), then rotated
         k_new, v_new = rotate_given(self.fmt, k_new, v_new)
         append(self, k_new, v_new, quantizer=quantizer, clip=clip)
+        keep_mean(self, mean)
 
     def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
         from .write_path import check_append
@@ -422,7 +451,8 @@ class QuantKVCache:
     @classmethod
     def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
                        k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
-                       page_table: PageTable | None = None, num_pages: int | None = None) -> QuantKVCache:
+                       page_table: PageTable | None = None, num_pages: int | None = None,
+                       k_mean: torch.Tensor | None = None) -> QuantKVCache:
         """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
 
         Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),
@@ -432,6 +462,7 @@ class QuantKVCache:
         ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``). With
         ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.format.rotation_matrix`),
         as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
+        ``k_mean [B, Hkv, D]``: the mean the keys were centred by before that (:mod:`foscar.centring`).
         """
         if not isinstance(fmt, KVFormat):
             raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
@@ -490,20 +521,24 @@ class QuantKVCache:
                 parts = [t[b, :, :n] for t, n in ((sink, ns), (recent, nr)) if t is not None]
                 wins.append(torch.cat(parts, dim=1) if parts else torch.zeros(H, 0, D, device=dev))
             cache._store_windows(b, *wins)
+        if isinstance(k_mean, str):
+            raise InvalidArgumentError("k_mean", "None or a [B, Hkv, D] tensor", repr(k_mean))
+        cache.k_mean = check_key_mean(k_mean, B, H, D, dev)
         return cache
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
                 quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
                 page_table: PageTable | None = None, num_pages: int | None = None,
-                window_dtype: torch.dtype = torch.bfloat16) -> QuantKVCache:
+                window_dtype: torch.dtype = torch.bfloat16, key_mean=None) -> QuantKVCache:
     """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
 
     ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
     ``page_size=None`` gives a contiguous cache; otherwise pages of ``page_size`` tokens, taken in
     order from a fresh pool, or from ``page_table`` (a :class:`PageTable`) into a pool of
     ``num_pages`` pages. ``quantizer``: ``"minmax"``, ``"mse"`` or ``"quantile"`` (``clip``).
-    The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``.
+    The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``. ``key_mean``: key
+    centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (each sequence's mean) or ``[B, Hkv, D]``.
     """
     if not isinstance(fmt, KVFormat):
         raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
@@ -531,6 +566,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
                                    page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
                                    device=k.device)
+    key_mean = check_key_mean(key_mean, B, H, D, k.device)
+    if isinstance(key_mean, str):
+        key_mean = sequence_means(k, seq_lens)
+    cache.k_mean = key_mean
+    k = centre(k, key_mean)
     k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
     n_sink, n_quant, _ = cache.split()
     for b in range(B):

@@ -326,6 +326,9 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
                       dtype=dtype, operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype,
                       operand_terms=operand_terms)
     out = rotate(out, fmt, inverse=True)  # a rotated cache: the query rotated in, the output back out
+    if cache.k_mean is not None:  # centred keys: the scores' shift back into the LSE (foscar.centring)
+        from .centring import lse_correction
+        lse = lse + lse_correction(q, cache.k_mean, sm_scale, lse.dtype)
     return (out, lse) if return_lse else out
 
 

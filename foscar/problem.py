@@ -53,11 +53,15 @@ class DecodeProblem:
                              self.lse, self.sm_scale, self.num_splits, self.gqa)
 
     def finish(self, solved: DecodeProblem) -> None:
-        """This problem's output from the one :meth:`in_cache_space` gave, once solved (``out R^T``)."""
+        """This problem's output from the one :meth:`in_cache_space` gave, once solved (``out R^T``), and
+        for centred keys (:mod:`foscar.centring`) the LSE corrected by ``sm_scale q mu``."""
         if solved is not self:
             from .format import rotate
             work = torch.float64 if self.out.dtype == torch.float64 else torch.float32
             self.out.copy_(rotate(solved.out, self.cache.fmt, inverse=True, work=work))
+        if self.lse is not None and self.cache.k_mean is not None:
+            from .centring import lse_correction
+            self.lse.add_(lse_correction(self.q, self.cache.k_mean, self.sm_scale))
 
     @property
     def batch(self) -> int:

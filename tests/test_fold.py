@@ -52,6 +52,7 @@ def decode_case(draw):
                 v_mag=draw(st.sampled_from((1e-3, 1.0, 1e3))), offset=draw(st.sampled_from((0.0, 3.0))),
                 const_frac=draw(st.sampled_from((0.0, 0.0, 0.25))), window_dtype=draw(st.sampled_from(
                     (torch.bfloat16, torch.float16))), quantizer=draw(st.sampled_from(("minmax", "mse"))),
+                key_mean=draw(st.sampled_from((None, None, "prefill"))),
                 seed=draw(st.integers(0, 2 ** 31)))
 
 
@@ -65,7 +66,8 @@ def build(case):
     # logits O(1): the query is scaled against K's magnitude (softmax conditioning is not under test)
     q = (torch.randn(B, Hkv * G, D, generator=gen, dtype=torch.float64) / case["k_mag"]).float()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kw = dict(seq_lens=seq_lens, quantizer=case["quantizer"], window_dtype=case["window_dtype"])
+    kw = dict(seq_lens=seq_lens, quantizer=case["quantizer"], window_dtype=case["window_dtype"],
+              key_mean=case.get("key_mean"))
     page = case["page"]
     if page is not None:
         n_quant = fmt.split_length(seq_lens.long())[1]

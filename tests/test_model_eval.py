@@ -19,7 +19,8 @@ def test_the_text_is_fixed_and_long():
 
 def test_the_table_has_every_cache_after_bf16():
     names = list(model_eval.CACHES)
-    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 13
+    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 17
+    assert model_eval.CACHES["INT2 token-K + Hadamard + centred + sink 4, recent 64"]["key_mean"] == "prefill"
     assert model_eval.CACHES["INT2 token-K + Hadamard + sink 4, recent 64"]["rotation"] == "hadamard"
     for bits in (4, 2):
         for axis in ("token", "channel"):

@@ -37,9 +37,9 @@ class FoscarLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto"):
+    def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None):
         super().__init__()
-        self.fmt_kwargs, self.quantizer, self.backend = fmt_kwargs, quantizer, backend
+        self.fmt_kwargs, self.quantizer, self.backend, self.key_mean = fmt_kwargs, quantizer, backend, key_mean
         self.cache: QuantKVCache | None = None
         self.length = 0
 
@@ -48,7 +48,7 @@ class FoscarLayer(CacheLayerMixin):
         fmt = KVFormat(head_dim=D, **self.fmt_kwargs)
         self.cache = QuantKVCache.empty(fmt, B, H, max_len=max(T, 1) + PAGE, page_size=PAGE,
                                         window_dtype=torch.bfloat16 if key_states.dtype != torch.float16
-                                        else torch.float16, device=key_states.device)
+                                        else torch.float16, device=key_states.device, key_mean=self.key_mean)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -70,6 +70,7 @@ class FoscarLayer(CacheLayerMixin):
         for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
             getattr(grown, name).copy_(getattr(cache, name))
         grown.seq_lens.copy_(cache.seq_lens)
+        grown.k_mean, grown.k_mean_pending = cache.k_mean, cache.k_mean_pending
         self.cache = grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -107,22 +108,25 @@ class FoscarLayer(CacheLayerMixin):
 
 class FoscarCache(Cache):
     """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
-    ``sink``, ``recent``, ``rotation`` and ``rotation_seed`` as in :class:`foscar.KVFormat`; ``quantizer`` as in :func:`foscar.quantize_kv`;
+    ``sink``, ``recent``, ``rotation`` and ``rotation_seed`` as in :class:`foscar.KVFormat`; ``key_mean="prefill"``
+    centres each layer's keys by its prompt's mean (:mod:`foscar.centring`); ``quantizer`` as in :func:`foscar.quantize_kv`;
     ``backend`` as in :func:`foscar.decode`."""
 
     def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int = 64,
                  sink: int = 0, recent: int = 0, rotation: str | None = None, rotation_seed: int | None = None,
-                 quantizer: str = "minmax", backend: str = "auto"):
+                 key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto"):
         KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
                  sink=sink, recent=recent, rotation=rotation,
                  rotation_seed=rotation_seed)  # fail now, not at the first layer, on a bad format
         self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent,
                                rotation=rotation, rotation_seed=rotation_seed)
-        self.quantizer, self.backend = quantizer, backend
+        if key_mean not in (None, "prefill"):
+            raise InvalidArgumentError("key_mean", "None or 'prefill' (each layer's prompt keys' mean)", repr(key_mean))
+        self.quantizer, self.backend, self.key_mean = quantizer, backend, key_mean
         super().__init__(layers=None, layer_class_to_replicate=self._layer)
 
     def _layer(self) -> FoscarLayer:
-        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend)
+        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean)
 
 
 def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
