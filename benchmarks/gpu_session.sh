@@ -37,7 +37,7 @@ step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|c
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_nonfinite.py tests/test_fuzz_api.py \
-             tests/test_cli.py tests/test_transformers.py tests/test_sass.py tests/test_rotation.py; do
+             tests/test_cli.py tests/test_transformers.py tests/test_sass.py tests/test_rotation.py tests/test_centring.py; do
       python3 -m pytest -q "$f" > "$OUT/tests-$(basename "$f" .py).log" 2>&1
       echo "$f: $(tail -1 "$OUT/tests-$(basename "$f" .py).log")"
     done ;;
@@ -65,7 +65,7 @@ case "$step" in
     timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py tests/test_transformers.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
     echo "tests/test_api.py tests/test_cli.py tests/test_transformers.py (auto = cute): $(tail -1 "$OUT/cute-api.log")"
     timeout 200 python3 -m pytest -q -s tests/test_cute_combine.py tests/test_cute_compile_cache.py tests/test_cute_e4m3.py \
-      tests/test_splitkv.py tests/test_rotation.py > "$OUT/cute-more.log" 2>&1
+      tests/test_splitkv.py tests/test_rotation.py tests/test_centring.py > "$OUT/cute-more.log" 2>&1
     echo "combine, compile cache, E4M3 probe, split-KV, rotation: $(tail -1 "$OUT/cute-more.log")"
     timeout 90 python3 benchmarks/host_overhead.py --shape 1:8K --bits 4 --profile > "$OUT/host-overhead.log" 2>&1
     head -12 "$OUT/host-overhead.log" ;;

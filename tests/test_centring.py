@@ -117,3 +117,23 @@ def test_the_transformers_cache_takes_a_prefill_mean():
     assert FoscarCache(bits=2, key_mean="prefill").key_mean == "prefill"
     with pytest.raises(InvalidArgumentError, match="^key_mean: expected"):
         FoscarCache(key_mean=torch.zeros(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ("auto", "triton", "cute"))
+def test_every_gpu_backend_decodes_a_centred_cache_gpu(backend):
+    """Centred and rotated keys through foscar.decode on the GPU: output within the kernels' bound of the
+    oracle, LSE the uncentred keys'."""
+    from _helpers import bf16_attention, kernel_error_bound
+    q, k, v = (x.cuda() for x in _inputs(L=3000))
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, rotation="hadamard")
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64, key_mean="prefill")
+    status = {s.name: s for s in foscar.backend_status(q.device, fmt, 4)}
+    if backend != "auto" and not status[backend].usable:
+        pytest.skip(status[backend].why)
+    q = q.bfloat16()
+    out, lse = foscar.decode(q, cache, backend=backend, return_lse=True)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+    assert bool(((lse.double() - lse_exact).abs() <= 2e-3 * (lse_exact.abs() + 1)).all())
