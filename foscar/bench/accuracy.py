@@ -23,11 +23,13 @@ from .common import rel_l2
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """One quantized configuration of the study: a name, the bit width and the quantizer."""
+    """One quantized configuration of the study: a name, the bit width, the quantizer and the rotation
+    (:attr:`foscar.KVFormat.rotation`)."""
 
     name: str
     bits: int
     quantizer: str
+    rotation: str | None = None
 
 
 #: The paper's Fig. 11 configurations and its reported error ranges against exact attention.
@@ -35,6 +37,9 @@ PAPER_CONFIGS = (QuantConfig("INT4 min-max", 4, "minmax"), QuantConfig("INT2 mse
                  QuantConfig("INT2 min-max", 2, "minmax"))
 PAPER_RANGES = {"BF16": (2e-3, 2.3e-3), "INT4 min-max": (0.16, 0.22), "INT2 mse-clipped": (0.52, 0.61),
                 "INT2 min-max": (0.86, 1.03)}
+#: The study's configurations: the paper's, then INT2 with K and V rotated (not in the paper).
+STUDY_CONFIGS = PAPER_CONFIGS + (QuantConfig("INT2 min-max + Hadamard", 2, "minmax", "hadamard"),
+                                 QuantConfig("INT2 mse-clipped + Hadamard", 2, "mse", "hadamard"))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
@@ -95,7 +100,7 @@ def error_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: list[
 
 
 def study(lengths: list[int], seeds: list[int], *, decode: Callable, backend: str, device: torch.device,
-          configs=PAPER_CONFIGS, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+          configs=STUDY_CONFIGS, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
           group_size: int = 128, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Every (length, seed) of the study: rows of :func:`error_rows` tagged with ``seq_len`` and ``seed``."""
     records = []
@@ -103,7 +108,8 @@ def study(lengths: list[int], seeds: list[int], *, decode: Callable, backend: st
         for seed in seeds:
             q, k, v = stress_inputs(batch, q_heads, kv_heads, n, head_dim, seed=seed, dtype=torch.bfloat16,
                                     device=device)
-            formats = [(c.name, KVFormat(c.bits, head_dim, group_size), c.quantizer) for c in configs]
+            formats = [(c.name, KVFormat(c.bits, head_dim, group_size, rotation=c.rotation), c.quantizer)
+                       for c in configs]
             for row in error_rows(q, k, v, formats, decode, backend):
                 records.append({"seq_len": n, "seed": seed, **row})
             progress(f"L={n} seed={seed} done")
