@@ -33,7 +33,7 @@ from ._checks import check_tensor
 from .backends import AUTO_ORDER, BACKENDS, BackendStatus, LaunchPlan, ProblemKey
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
-from .format import KVFormat, rotate_given
+from .format import KVFormat
 from .problem import DecodeProblem
 
 ENV = "FOSCAR_BACKEND"
@@ -269,12 +269,10 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
         cache.append(k_new, v_new, quantizer=quantizer)
         return
     from .triton import append as triton_append
-    from .centring import keep_mean, keys_to_store
-    k_new, mean = keys_to_store(cache, k_new)  # centred, then rotated: the reference path's cache.append does
-    k_new, v_new = rotate_given(cache.fmt, k_new, v_new)  # both there
-    if k_new.dim() == 4 and k_new.shape[2] == 1 and cache.batch_size:
-        from .triton import append_step
-        append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check)  # one launch per tensor
-    else:
-        triton_append(cache, k_new, v_new, check=check)
-    keep_mean(cache, mean)
+    from .write_path import tokens_to_store
+    with tokens_to_store(cache, k_new, v_new) as (k_new, v_new):  # as the reference path's cache.append does
+        if k_new.dim() == 4 and k_new.shape[2] == 1 and cache.batch_size:
+            from .triton import append_step
+            append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check)  # one launch per tensor
+        else:
+            triton_append(cache, k_new, v_new, check=check)

@@ -22,8 +22,8 @@ import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
-from .centring import centre, check_key_mean, keep_mean, keys_to_store, sequence_means
-from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, rotate_given, unpack_codes
+from .centring import centre, check_key_mean, sequence_means
+from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
 
@@ -438,11 +438,9 @@ class QuantKVCache:
         """Append ``T`` tokens to every sequence, ``k_new, v_new [B, Hkv, T, D]`` (:func:`foscar.write_path.append`,
         PyTorch, host-driven: the reference of the GPU write kernels), rotated first when the format
         names a rotation, and centred before that when the cache centres its keys."""
-        from .write_path import append
-        k_new, mean = keys_to_store(self, k_new)  # centred (foscar.centring), then rotated
-        k_new, v_new = rotate_given(self.fmt, k_new, v_new)
-        append(self, k_new, v_new, quantizer=quantizer, clip=clip)
-        keep_mean(self, mean)
+        from .write_path import append, tokens_to_store
+        with tokens_to_store(self, k_new, v_new) as (k_new, v_new):
+            append(self, k_new, v_new, quantizer=quantizer, clip=clip)
 
     def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
         from .write_path import check_append
@@ -563,10 +561,10 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
         raise InvalidArgumentError("seq_lens", f"lengths in [0, {L}] (k.shape[2])", seq_lens.tolist())
     if page_table is not None and not isinstance(page_table, PageTable):
         raise InvalidArgumentError("page_table", "a foscar.PageTable", type(page_table).__name__)
+    key_mean = check_key_mean(key_mean, B, H, D, k.device)
     cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
                                    page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
                                    device=k.device)
-    key_mean = check_key_mean(key_mean, B, H, D, k.device)
     if isinstance(key_mean, str):
         key_mean = sequence_means(k, seq_lens)
     cache.k_mean = key_mean

@@ -2,13 +2,27 @@
 reference that the GPU write kernels (:mod:`foscar.triton.write`) match bit for bit."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._checks import check_finite, check_tensor
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from .format import TOKEN, pack_codes, unpack_codes
+from .centring import keep_mean, keys_to_store
+from .format import TOKEN, pack_codes, rotate_given, unpack_codes
 from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
+
+
+@contextlib.contextmanager
+def tokens_to_store(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor):
+    """``with tokens_to_store(cache, k, v) as (k, v): <write them>``: the tokens as every write path stores
+    them, keys centred (:func:`foscar.centring.keys_to_store`) and then both rotated
+    (:func:`foscar.format.rotate_given`); a mean taken from them becomes the cache's only if the write
+    succeeds (:func:`foscar.centring.keep_mean`)."""
+    k_new, mean = keys_to_store(cache, k_new)
+    yield rotate_given(cache.fmt, k_new, v_new)
+    keep_mean(cache, mean)
 
 
 def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, quantizer: str = "minmax",

@@ -90,15 +90,8 @@ def versions() -> dict:
 def score(model, ids: torch.Tensor, context: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
     """``(nll, argmax)`` over the positions ``context .. len - 1`` of ``ids [1, n]``: the first ``context``
     tokens prefilled into ``cache`` (``None``: a BF16 DynamicCache), then one decode step per position."""
-    from transformers import DynamicCache
-
-    from ..integrations.transformers import cache_kwargs
-    cache = DynamicCache() if cache is None else cache
-    kw = cache_kwargs(model, cache)
-    logits = [model(ids[:, :context], use_cache=True, **kw).logits[:, -1]]
-    for t in range(context, ids.shape[1] - 1):
-        logits.append(model(ids[:, t: t + 1], use_cache=True, **kw).logits[:, -1])
-    logp = torch.log_softmax(torch.stack(logits, dim=1).double(), dim=-1)[0]  # [scored, vocab]
+    from ..integrations.transformers import teacher_forced_logits
+    logp = torch.log_softmax(teacher_forced_logits(model, ids, cache, context).double(), dim=-1)[0]  # [scored, vocab]
     target = ids[0, context:]
     return -logp.gather(-1, target[:, None]).squeeze(-1), logp.argmax(-1)
 

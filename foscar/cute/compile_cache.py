@@ -257,13 +257,11 @@ def _c_compiler() -> str | None:
     return shutil.which(cc) if cc else shutil.which("cc")
 
 
-def _link(obj: str, out: str) -> None:
-    """Link the exported object ``obj`` into the shared library ``out`` against cutlass-dsl's runtime
-    libraries (absolute paths, and their folders as the rpath); raises where the compiler fails."""
+def _link(cc: str, obj: str, out: str) -> None:
+    """Link the exported object ``obj`` into the shared library ``out`` with the C compiler ``cc``, against
+    cutlass-dsl's runtime libraries (absolute paths, and their folders as the rpath); raises where the
+    compiler fails."""
     import cutlass.runtime
-    cc = _c_compiler()
-    if cc is None:
-        raise FileNotFoundError("no C compiler ($CC or cc)")
     libs = [p for p in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(p).exists()]
     rpath = ":".join(dict.fromkeys(str(Path(p).resolve().parent) for p in libs))
     done = subprocess.run([cc, "-shared", "-o", out, obj, *libs, f"-Wl,-rpath,{rpath}"], capture_output=True,
@@ -315,10 +313,11 @@ def _write_entry(fn, folder: Path, key: str) -> Path | None:
             return name
         tmp, suffix = temp(".o"), ".o"
         fn.export_to_c(tmp, function_name=symbol_name(key), enable_pic=True)
-        if _c_compiler() is not None:
+        cc = _c_compiler()
+        if cc is not None:
             lib = temp(".so")
             try:
-                _link(tmp, lib)
+                _link(cc, tmp, lib)
                 tmp, suffix = lib, ".so"
             except Exception as e:  # noqa: BLE001 - the object entry still serves (through cutlass-dsl)
                 _warn_once("link", folder, f"foscar CuTe compile cache: cannot link a shared library in {folder} "

@@ -141,6 +141,30 @@ class E4m3Tile:
         return tile_words(self.bits, self.head_dim)
 
 
+@cute.jit
+def probe_tile_qk(cfg, tiled_mma: cute.TiledMma, mW: cute.Tensor, sQ: cute.Tensor, tile, tidx) -> cute.Tensor:
+    """The probes' S^T of one tile: this thread's packed words of ``mW[tile]`` (at
+    :func:`~foscar.cute.fragment.k_word`), its E4M3 A registers, and the ``D/32`` wgmma chain against Q^T in
+    ``sQ``; returns the accumulator."""
+    D = cfg.head_dim
+    kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
+    for i in cutlass.range_constexpr(cfg.k_words):
+        kw[i] = mW[tile, k_word(cfg.bits, D, 0, tidx // 32, tidx % 32, i)]
+    thr = tiled_mma.get_slice(tidx)
+    tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE, D)))
+    build_k_registers_e4m3(cfg, cute.recast_tensor(tCrA, Uint32), kw)
+    tCrB = thr.make_fragment_B(thr.partition_B(sQ))
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, HEADS)), Float32)
+    acc.fill(0.0)
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.fence()
+    for kb in cutlass.range_constexpr(D // K_STEP):
+        cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    return acc
+
+
 class QkProbeE4m3:
     """``S^T[t] = K_t Q^T`` for tiles ``t``: one CTA (one warpgroup) per tile.
 
@@ -165,8 +189,6 @@ class QkProbeE4m3:
         D = cfg.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
 
         # ---- Q^T (E4M3, already permuted) into shared memory ----------------------------------------
         smem = SmemAllocator()
@@ -180,26 +202,8 @@ class QkProbeE4m3:
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        # ---- this thread's words, its A registers ---------------------------------------------------
-        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
-        for i in cutlass.range_constexpr(cfg.k_words):
-            kw[i] = mW[tile, k_word(cfg.bits, D, 0, warp, lane, i)]
-        thr = tiled_mma.get_slice(tidx)
-        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE, D)))
-        build_k_registers_e4m3(cfg, cute.recast_tensor(tCrA, Uint32), kw)
-
-        # ---- the k32 chain ------------------------------------------------------------------------
-        tCrB = thr.make_fragment_B(thr.partition_B(sQ))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, HEADS)), Float32)
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(D // K_STEP):
-            cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-
-        tCgS = thr.partition_C(mS[tile, None, None])
+        acc = probe_tile_qk(cfg, tiled_mma, mW, sQ, tile, tidx)
+        tCgS = tiled_mma.get_slice(tidx).partition_C(mS[tile, None, None])
         for j in cutlass.range_constexpr(cute.size(acc)):
             tCgS[j] = acc[j]
 
@@ -376,9 +380,7 @@ class QkTermsProbeE4m3:
         D = cfg.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
-        quad = lane % 4
+        quad = tidx % 4  # lane % 4
         smem = SmemAllocator()
         sQ = smem.allocate_tensor(Float8E4M3FN, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sQred = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, HEADS)), byte_alignment=16)
@@ -387,24 +389,10 @@ class QkTermsProbeE4m3:
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
-        for i in cutlass.range_constexpr(cfg.k_words):
-            kw[i] = mW[tile, k_word(cfg.bits, D, 0, warp, lane, i)]
-        thr = tiled_mma.get_slice(tidx)
-        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE, D)))
-        build_k_registers_e4m3(cfg, cute.recast_tensor(tCrA, Uint32), kw)
-        tCrB = thr.make_fragment_B(thr.partition_B(sQ))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, HEADS)), Float32)
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(D // K_STEP):
-            cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        acc = probe_tile_qk(cfg, tiled_mma, mW, sQ, tile, tidx)
         sum_q_terms(acc, G, quad, sQinv[2 * quad], sQinv[2 * quad + 1])
 
-        tCcS = thr.partition_C(cute.make_identity_tensor((TILE, HEADS)))
+        tCcS = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE, HEADS)))
         for j in cutlass.range_constexpr(cute.size(acc)):
             row, col = tCcS[j]
             if col < G:

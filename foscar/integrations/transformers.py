@@ -173,10 +173,10 @@ def cache_kwargs(model, cache: Cache) -> dict:
 # Measuring a cache on a model: greedy agreement and perplexity
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int = 1) -> float:
-    """Perplexity of ``ids [1, n]`` with teacher forcing: ``prefix`` tokens as the prompt, then one token per
-    step through ``cache`` (``None``: transformers' own BF16 DynamicCache), so every later position is
-    predicted by a decode step over the cache."""
+def teacher_forced_logits(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int = 1) -> torch.Tensor:
+    """The next-token logits ``[1, n - prefix, vocab]`` of positions ``prefix .. n - 1`` of ``ids [1, n]``:
+    ``prefix`` tokens prefilled into ``cache`` (``None``: transformers' own BF16 DynamicCache), then one
+    token per step, so every later position is predicted by a decode step over the cache."""
     from transformers import DynamicCache
     cache = DynamicCache() if cache is None else cache
     kw = cache_kwargs(model, cache)
@@ -185,7 +185,12 @@ def perplexity(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int
     for t in range(prefix, ids.shape[1] - 1):
         out = model(ids[:, t: t + 1], use_cache=True, **kw)
         logits.append(out.logits[:, -1])
-    logp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)
+    return torch.stack(logits, dim=1)
+
+
+def perplexity(model, ids: torch.Tensor, cache: Cache | None = None, prefix: int = 1) -> float:
+    """Perplexity of ``ids [1, n]`` with teacher forcing (:func:`teacher_forced_logits`)."""
+    logp = torch.log_softmax(teacher_forced_logits(model, ids, cache, prefix).float(), dim=-1)
     target = ids[:, prefix:]
     nll = -logp.gather(-1, target[..., None]).squeeze(-1).mean()
     return float(torch.exp(nll))
