@@ -328,10 +328,17 @@ def _rotation64(head_dim: int, seed: int | None) -> torch.Tensor:
 def rotation_matrix(fmt: "KVFormat", dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
     """The format's rotation ``R [D, D]`` (orthonormal: ``R R^T = I``): a stored row is ``x R``, a value is
     ``x_stored R^T``. ``diag(signs) H / sqrt(D)`` with ``H`` Sylvester's Hadamard matrix and the signs
-    drawn from ``torch.Generator().manual_seed(rotation_seed)`` (all +1 without a seed)."""
+    drawn from ``torch.Generator().manual_seed(rotation_seed)`` (all +1 without a seed). One tensor per
+    device and dtype, shared by every caller: never write to it."""
     if fmt.rotation is None:
         raise InvalidArgumentError("fmt", "a format with a rotation", "rotation=None")
-    return _rotation64(fmt.head_dim, fmt.rotation_seed).to(dtype=dtype, device=device)
+    return _rotation_on(fmt.head_dim, fmt.rotation_seed, dtype, torch.device("cpu" if device is None else device))
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_on(head_dim: int, seed: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # one copy per device and dtype, made on first use: a CUDA-graph capture after a warm-up call copies nothing
+    return _rotation64(head_dim, seed).to(dtype=dtype, device=device)
 
 
 def rotate(x: torch.Tensor, fmt: "KVFormat", inverse: bool = False, work: torch.dtype = torch.float64) -> torch.Tensor:

@@ -104,8 +104,9 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
     channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
     ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``)."""
     qk_scale = wg.qk_scale
-    if cutlass.const_expr(cfg.k_factor != 1.0):  # the operand's scale: s' k_factor (E4M3: 2^9)
-        qk_scale = qk_scale * cfg.k_factor
+    op_scale = qk_scale  # multiplies s': the operand's scale is s' k_factor (E4M3: 2^9); the offset's is not
+    if cutlass.const_expr(cfg.k_factor != 1.0):
+        op_scale = qk_scale * cfg.k_factor
     s = []
     if cutlass.const_expr(cfg.kc == 2):
         quad = wg.thr.quad
@@ -117,8 +118,8 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
             acc_c = accS[c]
             q0 = wg.smem.sQsum[2 * quad, c]
             q1 = wg.smem.sQsum[2 * quad + 1, c]
-            ka0 = par[c * 2] * qk_scale  # row 0: (s', z') at (0 * kc + c) * 2
-            ka1 = par[(2 + c) * 2] * qk_scale  # row 1
+            ka0 = par[c * 2] * op_scale  # row 0: (s', z') at (0 * kc + c) * 2
+            ka1 = par[(2 + c) * 2] * op_scale  # row 1
             ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
             ke1 = (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale
             s00 = s00 + (acc_c[0] - cfg.k_pivot * q0) * ka0 + q0 * ke0
@@ -130,8 +131,8 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
         ks0, kz0, ks1, kz1 = sc.k
         qsum0, qsum1 = wg.qsum
         acc = accS[0]
-        a0 = ks0 * qk_scale
-        a1 = ks1 * qk_scale
+        a0 = ks0 * op_scale
+        a1 = ks1 * op_scale
         e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
         e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
         s = [(acc[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0, (acc[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0,
