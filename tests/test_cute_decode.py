@@ -1,6 +1,7 @@
 """The CuTe DSL Hopper kernels (v0 and v1). CPU: every supported variant compiles for sm_90a, and its
 PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
 oracle, no worse than BF16 attention on the same dequantized cache."""
+import math
 import os
 import re
 
@@ -278,6 +279,46 @@ def test_the_power_of_two_reciprocal_is_exact_for_every_sigma():
     y = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * torch.logspace(-30, 30, 4096)
     for i in range(0, e.numel(), 9):
         assert torch.equal(y * recip[i], y / sigma[i])
+
+
+def test_the_p_units_are_the_least_power_of_two_above_every_v_scale():
+    """``folds.grow_sigma``'s bits (the exponent field, one up unless a power of two, capped at ``2^126``)
+    give the least power of two >= ``bound`` for every normal and subnormal float32, 0 for 0, and the
+    cap for ``inf``: ``P' = P s'_V / sigma`` stays within FP16 whatever the scales' magnitude."""
+    from foscar.cute.folds import SIGMA_CAP_BITS
+    x = torch.cat([torch.logspace(-45, 38.5, 20000, dtype=torch.float64).float(), torch.tensor([0.0, float("inf")]),
+                   torch.pow(2.0, torch.arange(-149, 128).double()).float()])
+    bits = x.view(torch.int32)
+    up = (bits & 0x7F800000) + ((bits & 0x7FFFFF) != 0).to(torch.int32) * 0x00800000
+    got = torch.minimum(up, torch.tensor(SIGMA_CAP_BITS, dtype=torch.int32)).view(torch.float32).double()
+    xd = x.double()
+    want = torch.where(xd > 0, torch.pow(2.0, torch.ceil(torch.log2(xd.clamp_min(1e-300)))), 0.0)
+    want = torch.where(want < 2.0 ** -126, torch.where(xd > 0, 2.0 ** -126, 0.0), want).clamp_max(2.0 ** 126)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("v_axis", ("token", "channel"))
+@pytest.mark.parametrize("magnitude", (1e-30, 1e-12, 1e12, 1e24))
+def test_values_of_any_magnitude_gpu(magnitude, v_axis, ws):
+    """V of any FP32 magnitude (its scales far from 1 either way): every element within the kernels' bound
+    of the float64 oracle, never flushed to the offset correction alone."""
+    from _helpers import bf16_attention, kernel_error_bound, rel
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis=v_axis)
+    gen = torch.Generator().manual_seed(int(abs(math.log10(magnitude))))
+    B, Hkv, G, L = 2, 2, 4, 700
+    k = torch.randn(B, Hkv, L, 64, generator=gen)
+    v = torch.randn(B, Hkv, L, 64, generator=gen) * magnitude
+    q = torch.randn(B, Hkv * G, 64, generator=gen).bfloat16().cuda()
+    cache = foscar.quantize_kv(k.cuda(), v.cuda(), fmt, seq_lens=torch.tensor([L, 333], dtype=torch.int32).cuda())
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+    decode(q, cache, out=out, warp_specialized=ws)
+    exact = foscar.decode_exact(q, cache)
+    assert torch.isfinite(out).all()
+    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
 
 
 # ---- E4M3 K operands (Sm90Config.k_e4m3) --------------------------------------------------------------

@@ -2,11 +2,15 @@
 output, what :func:`foscar.triton.combine.combine_stage2` computes, so that a CuTe decode of a format
 without windows runs no Triton kernel (a process's first Triton launch takes most of a second).
 
-One CTA per (query head, batch entry), one thread per channel. The partials are taken a chunk at a
-time (the config's ``chunk``: their loads issued together, so that a decode's partials cost one round
-trip to memory up to :data:`~foscar.cute.config.COMBINE_MAX_CHUNK`) with a running maximum. Partial LSEs are base 2; the written LSE is natural log. Empty partials (``lse = -inf``) weigh
-0 whatever their output holds; all empty: ``out = 0``, ``lse = -inf``. A NaN or ``+inf`` LSE, or a NaN
-output of a partial that weighs, makes the output and the LSE NaN, never a merge of the others.
+One CTA per (query head, batch entry); per channel ``ranks`` threads, each taking ``thread_chunk``
+of a chunk's partials (the config's ``chunk``: one round trip to memory for a decode's partials up to
+:data:`~foscar.cute.config.COMBINE_MAX_CHUNK`). A thread issues the loads of its channel's outputs
+(registers) and of its share of the chunk's LSEs (shared memory) together; every thread then takes the
+chunk's maximum from shared memory, so that all ranks share one running maximum, and the ranks' sums
+are added at the end. Partial LSEs are base 2; the written LSE is natural log. Empty partials
+(``lse = -inf``) weigh 0 whatever their output holds; all empty: ``out = 0``, ``lse = -inf``. A NaN or
+``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and the LSE NaN, never a merge
+of the others.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.memory import SmemAllocator
 
 from .config import CombineConfig
 
@@ -35,53 +40,77 @@ class CombineSm90:
         [B, Hq]`` when the config writes it; else any tensor), on ``stream``."""
         batch = cute.size(mOP, mode=[0])
         heads = cute.size(mOP, mode=[1])
-        self.kernel(mOP, mLP, mO, mLSE).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim, 1, 1),
+        self.kernel(mOP, mLP, mO, mLSE).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1),
                                                stream=stream)
 
     @cute.kernel
     def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
-        d, _, _ = cute.arch.thread_idx()
+        tid, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        cfg = self.cfg
+        D = cfg.head_dim
+        R = cfg.ranks
+        per = cfg.thread_chunk
+        chunk = cfg.chunk
+        threads = D * R
+        d = tid % D
+        r = tid // D
+        alloc = SmemAllocator()
+        sL = alloc.allocate_tensor(Float32, cute.make_layout(chunk), byte_alignment=16)
+        sAcc = alloc.allocate_tensor(Float32, cute.make_layout(D + 1), byte_alignment=16)  # rank 1's sums
         parts = cute.size(mLP, mode=[2])
         m = -Float32.inf
         total = Float32(0.0)
         acc = Float32(0.0)
-        chunk = self.cfg.chunk
         for c0 in cutlass.range(0, parts, chunk, unroll=1):
-            lse = []
+            base = c0 + r * per
             o = []
-            for i in cutlass.range_constexpr(chunk):  # the chunk's loads, in flight together
-                p = cutlass.min(c0 + i, parts - 1)  # past the end: the last partial, weighed 0 below
-                li = mLP[b, h, p]
-                if c0 + i >= parts:
-                    li = -Float32.inf
-                lse.append(li)
-                o.append(mOP[b, h, p, d])
+            for i in cutlass.range_constexpr(per):  # this thread's outputs, in flight together
+                o.append(mOP[b, h, cutlass.min(base + i, parts - 1), d])  # past the end: weighed 0 below
+            for j in cutlass.range_constexpr((chunk + threads - 1) // threads):  # the chunk's LSEs, shared
+                i = j * threads + tid
+                if i < chunk:
+                    li = mLP[b, h, cutlass.min(c0 + i, parts - 1)]
+                    if c0 + i >= parts:
+                        li = -Float32.inf
+                    sL[i] = li
+            cute.arch.sync_threads()
             m_new = m
             for i in cutlass.range_constexpr(chunk):
-                m_new = cute.arch.fmax(m_new, lse[i])  # fmax skips a NaN: its weight below is NaN
+                m_new = cute.arch.fmax(m_new, sL[i])  # fmax skips a NaN: its weight below is NaN
             m_safe = m_new
             if m_new == -Float32.inf:
                 m_safe = Float32(0.0)
             scale = cute.math.exp2(m - m_safe, fastmath=True)  # 0 while nothing was seen
             total = total * scale
             acc = acc * scale
-            for i in cutlass.range_constexpr(chunk):
-                w = cute.math.exp2(lse[i] - m_safe, fastmath=True)  # an empty partial weighs 0
+            for i in cutlass.range_constexpr(per):
+                w = cute.math.exp2(sL[r * per + i] - m_safe, fastmath=True)  # an empty partial weighs 0
                 total = total + w
                 if w > 0:  # an empty partial's output is never read into the sum (it may hold anything)
                     acc = acc + w * o[i]
             m = m_new
-        denom = Float32(1.0)
-        if total != 0:  # NaN != 0: a NaN total divides and stays NaN
-            denom = total
-        mO[b, h, d] = (acc / denom).to(self.out_type)
-        if cutlass.const_expr(self.cfg.write_lse):
-            if d == 0:
-                out_lse = -Float32.inf
-                if total != 0:
-                    m_safe = m
-                    if m == -Float32.inf:
-                        m_safe = Float32(0.0)
-                    out_lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
-                mLSE[b, h] = out_lse
+            cute.arch.sync_threads()  # every thread has read the chunk's LSEs before the next chunk's land
+        if cutlass.const_expr(R == 2):  # rank 1's sums onto rank 0's (one running maximum: no rescale)
+            if r == 1:
+                sAcc[d] = acc
+                if d == 0:
+                    sAcc[D] = total
+            cute.arch.sync_threads()
+            if r == 0:
+                acc = acc + sAcc[d]
+                total = total + sAcc[D]
+        if r == 0:
+            denom = Float32(1.0)
+            if total != 0:  # NaN != 0: a NaN total divides and stays NaN
+                denom = total
+            mO[b, h, d] = (acc / denom).to(self.out_type)
+            if cutlass.const_expr(cfg.write_lse):
+                if d == 0:
+                    out_lse = -Float32.inf
+                    if total != 0:
+                        m_safe = m
+                        if m == -Float32.inf:
+                            m_safe = Float32(0.0)
+                        out_lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
+                    mLSE[b, h] = out_lse

@@ -150,25 +150,38 @@ class Sm90Config:
 #: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
 COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2))
 #: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
-COMBINE_MAX_CHUNK = 64
+COMBINE_MAX_CHUNK = 128
+#: The partials one combine thread loads per chunk (its registers: 64 outputs fit without a spill).
+COMBINE_THREAD_CHUNK = 64
 
 
 @dataclass(frozen=True)
 class CombineConfig:
-    """Static configuration of the compiled LSE combine (:mod:`foscar.cute.combine`): the head dim (one
-    thread per channel), the output's element type (``"bf16"``, ``"f16"`` or ``"f32"``: the query's),
-    whether it writes the LSE, and the chunk: partials whose loads are issued together before they are
-    merged (:func:`combine_chunk`: all of them in one round trip up to :data:`COMBINE_MAX_CHUNK`)."""
+    """Static configuration of the compiled LSE combine (:mod:`foscar.cute.combine`): the head dim, the
+    output's element type (``"bf16"``, ``"f16"`` or ``"f32"``: the query's), whether it writes the LSE,
+    and the chunk: partials whose loads are issued together before they are merged (:func:`combine_chunk`:
+    all of them in one round trip up to :data:`COMBINE_MAX_CHUNK`)."""
 
     head_dim: int
     out_dtype: str
     write_lse: bool
     chunk: int
 
+    @property
+    def thread_chunk(self) -> int:
+        """The partials of a chunk one thread loads."""
+        return min(self.chunk, COMBINE_THREAD_CHUNK)
+
+    @property
+    def ranks(self) -> int:
+        """Threads per channel: each takes ``thread_chunk`` of a chunk's partials (the CTA has
+        ``head_dim * ranks`` threads)."""
+        return self.chunk // self.thread_chunk
+
 
 def combine_chunk(parts: int) -> int:
     """The combine's chunk for ``parts`` partials: the next power of two, 8 to :data:`COMBINE_MAX_CHUNK`
-    (one compiled variant per bucket; a larger chunk holds more registers)."""
+    (one compiled variant per bucket)."""
     chunk = 8
     while chunk < min(parts, COMBINE_MAX_CHUNK):
         chunk *= 2

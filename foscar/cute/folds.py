@@ -196,14 +196,23 @@ def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
             (accS[3] + kc1) * qk_scale]
 
 
+#: The first units of a token-wise V's ``P'`` (the smallest normal FP32): the first tile's maximum sets them.
+SIGMA_START = 2.0 ** -126
+#: The largest units (``2^126``: their reciprocal is normal); ``|s'_V|`` above it still keeps ``P'`` within FP16.
+SIGMA_CAP_BITS = 253 << 23
+
+
 @cute.jit
 def grow_sigma(sigma: Float32, bound: Float32) -> Float32:
-    """``sigma`` doubled until it is at least ``bound`` (a power of two >= every ``|s'_V|`` so far keeps
-    ``P' = P s'_V / sigma`` within FP16, as ``P <= 1``)."""
-    sig = sigma
-    while sig < bound:
-        sig = sig * 2.0
-    return sig
+    """The larger of ``sigma`` and the least power of two at least ``bound`` (from its bits; 0 for ``bound``
+    0, at most ``2^126``, and ``sigma`` for a NaN ``bound``): a power of two >= every ``|s'_V|`` so far
+    keeps ``P' = P s'_V / sigma`` within FP16, as ``P <= 1``, whatever the scales' magnitude."""
+    bits = bound.bitcast(Int32)
+    up = bits & 0x7F800000
+    if (bits & 0x7FFFFF) != 0:  # not a power of two (or subnormal): the next one up
+        up = up + 0x00800000
+    up = cutlass.min(up, Int32(SIGMA_CAP_BITS))
+    return cute.arch.fmax(sigma, up.bitcast(Float32))
 
 
 @cute.jit

@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .config import CORRECTION_TILES, HEADS, TILE, Sm90Config
 from .folds import (
+    SIGMA_START,
     OutputAccumulator,
     fold_corrections,
     k_acc_fold,
@@ -176,7 +177,8 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
     softmax = OnlineSoftmax(Float32(-Float32.inf), Float32(-Float32.inf), sums)
-    out = OutputAccumulator(acc, [Float32(1.0) for _ in range(cfg.vc)], corr[:cfg.vc])
+    sigma0 = 1.0 if cfg.v_channel else SIGMA_START  # token-wise V: the first tile's largest |s'_V| sets it
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc])
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
