@@ -33,6 +33,7 @@ from ._checks import check_tensor
 from .backends import AUTO_ORDER, BACKENDS, BackendStatus, LaunchPlan, ProblemKey
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
+from .quantize import RANGE_QUANTIZERS
 from .format import KVFormat
 from .problem import DecodeProblem
 
@@ -249,7 +250,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     decode step with ``T = 1``).
 
     ``backend``: ``"triton"`` (the fused kernels of :mod:`foscar.triton.write`: a CUDA device, the
-    ``bf16`` mapping, min-max quantization; graph-safe with ``check=False``), ``"reference"``
+    ``bf16`` mapping, min-max or a clip preset; graph-safe with ``check=False``), ``"reference"``
     (:meth:`QuantKVCache.append`, PyTorch, every mapping and quantizer, any device), or ``"auto"``
     (default): Triton where it can write this cache, else the reference. Both write the same cache bit
     for bit. An explicit choice that cannot run raises :class:`UnsupportedError` saying why.
@@ -261,8 +262,8 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     check_tensor("k_new", k_new, ndim=4)  # the rest (shape, dtype, device, values) as each writer checks it
     status = backends.get("triton").status(ProblemKey(cache.device, cache.fmt))
     why_not = None if status.usable else status.why
-    if why_not is None and quantizer != "minmax":
-        why_not = f"quantizes min-max only (quantizer={quantizer!r})"
+    if why_not is None and quantizer not in RANGE_QUANTIZERS:
+        why_not = f"quantizes with {RANGE_QUANTIZERS} only (quantizer={quantizer!r})"
     if backend == "triton" and why_not:
         raise UnsupportedError("backend='triton'", why_not)
     if backend == "reference" or why_not:
@@ -273,6 +274,6 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     with tokens_to_store(cache, k_new, v_new) as (k_new, v_new):  # as the reference path's cache.append does
         if k_new.dim() == 4 and k_new.shape[2] == 1 and cache.batch_size:
             from .triton import append_step
-            append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check)  # one launch per tensor
+            append_step(cache, k_new[:, :, 0], v_new[:, :, 0], check=check, quantizer=quantizer)  # a launch per tensor
         else:
-            triton_append(cache, k_new, v_new, check=check)
+            triton_append(cache, k_new, v_new, check=check, quantizer=quantizer)

@@ -579,7 +579,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
         for tensor, x in (("k", k), ("v", v)):
             if nq:
                 codes, sp, zp = quantize_tensor(fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), fmt.bits,
-                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip)
+                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
                 cache._store_quantized(tensor, b, codes, sp, zp)
         keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
         cache._store_windows(b, k[b][:, keep], v[b][:, keep])

@@ -6,7 +6,9 @@ The range ``[lo, hi]`` of each group comes from a selectable quantizer:
 - ``"minmax"``: the group's min and max (every value within ``s/2`` of its reconstruction);
 - ``"mse"``: the min-max range shrunk about its midpoint by the ratio (from ``MSE_RATIOS``) that
   minimises the group's squared reconstruction error, as clipped INT2 quantizers do (OSCAR);
-- ``"quantile"``: the ``clip`` and ``1 - clip`` quantiles of the group.
+- ``"quantile"``: the ``clip`` and ``1 - clip`` quantiles of the group;
+- a clip preset (``CLIP_PRESETS``: ``"oscar"``): the min-max range shrunk about its midpoint by a fixed
+  ratio per tensor, OSCAR's K 0.96 and V 0.92 (values outside it take the end codes).
 
 Codes are computed against the *stored* constants: ``(s, z)`` are folded into FP32 ``(s', z')``
 for the cache's operand mapping first, and ``q`` is rounded against ``s'*y(q) + z'``, so the
@@ -21,10 +23,21 @@ import torch
 from .errors import InvalidArgumentError
 from .format import OperandMapping
 
-QUANTIZERS = ("minmax", "mse", "quantile")
+#: Fixed clip ratios ``(K, V)`` of the min-max range, by preset name.
+CLIP_PRESETS = {"oscar": (0.96, 0.92)}
+QUANTIZERS = ("minmax", "mse", "quantile", *CLIP_PRESETS)
+#: The quantizers whose range is the group's min-max range or a fixed shrink of it: no search, no sort.
+RANGE_QUANTIZERS = ("minmax", *CLIP_PRESETS)
 #: Shrink ratios tried by the ``"mse"`` quantizer (1.0 = min-max).
 MSE_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))
 DEFAULT_QUANTILE = 0.01
+
+
+def clip_ratio(quantizer: str, tensor: str) -> float | None:
+    """The fixed clip ratio of ``quantizer`` for ``tensor`` (``"k"`` or ``"v"``), ``None`` for a quantizer
+    without one."""
+    preset = CLIP_PRESETS.get(quantizer)
+    return None if preset is None else preset[tensor == "v"]
 
 
 def _quantile_range(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +68,9 @@ def _codes_for(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, m
 
 
 def quantize_groups(x: torch.Tensor, bits: int, mapping: OperandMapping, quantizer: str = "minmax",
-                    clip: float = DEFAULT_QUANTILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x[..., n_groups, g]`` group-wise along the last dim.
+                    clip: float = DEFAULT_QUANTILE, tensor: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x[..., n_groups, g]`` of ``tensor`` (``"k"`` or ``"v"``: a clip preset's ratio) group-wise
+    along the last dim.
 
     Returns ``codes`` (uint8, same shape as ``x``) and FP32 ``s'``, ``z'`` of shape ``x.shape[:-1]``.
     """
@@ -69,6 +83,10 @@ def quantize_groups(x: torch.Tensor, bits: int, mapping: OperandMapping, quantiz
         lo, hi = _quantile_range(x, clip)
     else:
         lo, hi = x.amin(-1), x.amax(-1)
+    ratio = clip_ratio(quantizer, tensor)
+    if ratio is not None:  # in float64, in this order: the GPU write kernels repeat it bit for bit
+        mid, half = (lo + hi) / 2, (hi - lo) / 2
+        lo, hi = mid - ratio * half, mid + ratio * half
     if quantizer != "mse":
         q, sp, zp, _, _ = _codes_for(x, lo, hi, bits, mapping)
         return q.to(torch.uint8), sp, zp
@@ -90,8 +108,9 @@ def quantize_groups(x: torch.Tensor, bits: int, mapping: OperandMapping, quantiz
 
 
 def quantize_tensor(x: torch.Tensor, bits: int, axis: str, group_size: int, mapping: OperandMapping,
-                    quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE):
-    """Quantize ``x[..., T, D]`` token-wise (groups of ``g`` channels) or channel-wise (``g`` tokens).
+                    quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, tensor: str = "k"):
+    """Quantize ``x[..., T, D]`` of ``tensor`` token-wise (groups of ``g`` channels) or channel-wise (``g``
+    tokens).
 
     Returns logical ``codes [..., T, D]`` (uint8) and ``s', z'`` shaped ``[..., T, D/g]``
     (token-wise) or ``[..., T/g, D]`` (channel-wise).
@@ -99,8 +118,8 @@ def quantize_tensor(x: torch.Tensor, bits: int, axis: str, group_size: int, mapp
     *lead, T, D = x.shape
     g = group_size
     if axis == "token":
-        q, sp, zp = quantize_groups(x.reshape(*lead, T, D // g, g), bits, mapping, quantizer, clip)
+        q, sp, zp = quantize_groups(x.reshape(*lead, T, D // g, g), bits, mapping, quantizer, clip, tensor)
         return q.reshape(*lead, T, D), sp, zp
     xt = x.reshape(*lead, T // g, g, D).transpose(-1, -2)  # [..., T/g, D, g]
-    q, sp, zp = quantize_groups(xt, bits, mapping, quantizer, clip)
+    q, sp, zp = quantize_groups(xt, bits, mapping, quantizer, clip, tensor)
     return q.transpose(-1, -2).reshape(*lead, T, D), sp, zp

@@ -60,7 +60,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
                     j = (sink + p[~from_ring] - L0).to(cache.device)
                     src[:, (~from_ring).to(cache.device)] = fmt.as_quantized(x_new[b][:, j], ring.dtype).double()
                 codes, sp, zp = quantize_tensor(src, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op,
-                                                quantizer, clip)
+                                                quantizer, clip, tensor)
                 writes += _quantized_range_writes(cache, tensor, b, a, codes, sp, zp)
             i = torch.arange(L0, L1)
             in_sink = i < sink

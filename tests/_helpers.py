@@ -49,3 +49,26 @@ def kernel_error_bound(fmt, base: float) -> float:
     ``Q' = Q s'`` is itself a BF16 operand (measured on the H200: 1.1-1.2x BF16 attention's error when the
     cache was quantized from BF16 values, whose group extremes BF16 attention then holds exactly)."""
     return base * (1.25 if fmt.k_axis == "channel" else 1.05) + 1e-4
+
+
+#: V of every magnitude the library takes, and constant V groups with an offset (scales 0) before tiny ones.
+V_MAGNITUDES = (1e-30, 1e-12, 1e12, 1e24, "constant-then-tiny")
+
+
+def magnitude_cache(fmt, magnitude, device, seed: int = 0):
+    """``(q, cache)``: 2 sequences (700 and 333 tokens), 2 KV heads, GQA 4, K standard normal and V
+    standard normal times ``magnitude`` (:data:`V_MAGNITUDES`; ``"constant-then-tiny"``: the first 320
+    tokens' V all 5.0, the rest 1e-30 times a standard normal)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, Hkv, G, L, D = 2, 2, 4, 700, fmt.head_dim
+    k = torch.randn(B, Hkv, L, D, generator=gen)
+    v = torch.randn(B, Hkv, L, D, generator=gen)
+    if magnitude == "constant-then-tiny":
+        v = v * 1e-30
+        v[:, :, :320] = 5.0
+    else:
+        v = v * magnitude
+    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16()
+    cache = foscar.quantize_kv(k.to(device), v.to(device), fmt,
+                               seq_lens=torch.tensor([L, 333], dtype=torch.int32, device=device))
+    return q.to(device), cache

@@ -120,20 +120,22 @@ def test_empty_caches_need_a_capacity():
     (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel"), 32),
     (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", recent=2), 64),
 ])
-def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
-    """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes."""
+@pytest.mark.parametrize("quantizer", ("minmax", "oscar"))
+def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page, quantizer):
+    """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes, min-max
+    and with OSCAR's clip ratios."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, D = 2, 2, fmt.head_dim
     # BF16-exact values: the interpreter truncates casts
     k, v = (bf16_exact(B, H, 90, D, seed=4) * 4).to(DEV), bf16_exact(B, H, 90, D, seed=5).to(DEV)
     ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page, device=DEV)
-    ref.append(k[:, :, :20], v[:, :, :20])  # a prompt, then decode steps
+    ref.append(k[:, :, :20], v[:, :, :20], quantizer=quantizer)  # a prompt, then decode steps
     ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=96, page_size=page, device=DEV)
-    ker.append(k[:, :, :20], v[:, :, :20])
+    ker.append(k[:, :, :20], v[:, :, :20], quantizer=quantizer)
     for t in range(20, 90):
-        ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
-        ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), check=t % 7 == 0)
+        ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1], quantizer=quantizer)
+        ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), check=t % 7 == 0, quantizer=quantizer)
     assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
 
 
@@ -144,9 +146,11 @@ def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page):
     (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel", recent=70), 64),
     (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", sink=4), None),
 ])
-def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, page):
+@pytest.mark.parametrize("quantizer", ("minmax", "oscar"))
+def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, page, quantizer):
     """Several tokens per call (a prompt, then chunks that cross groups, pages and the window, and single
-    steps in between) through the parallel kernels: the cache QuantKVCache.append writes, bit for bit."""
+    steps in between) through the parallel kernels: the cache QuantKVCache.append writes, bit for bit, min-max
+    and with OSCAR's clip ratios."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, D, n = 2, 2, fmt.head_dim, 230
@@ -155,11 +159,11 @@ def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, pag
     ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=n, page_size=page, device=DEV)
     t = 0
     for c in (45, 1, 7, 1, 66, 3, 1, 100, 0, 6):  # the prompt first; 0: a no-op
-        ref.append(k[:, :, t: t + c], v[:, :, t: t + c])
+        ref.append(k[:, :, t: t + c], v[:, :, t: t + c], quantizer=quantizer)
         if c == 1 and t % 2:
-            ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous())
+            ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), quantizer=quantizer)
         else:
-            ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], check=c != 66)
+            ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], check=c != 66, quantizer=quantizer)
         t += c
         assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values())), t
     assert t == n
@@ -201,6 +205,8 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
         ft.append_step(cache, torch.ones(1, 64, device=DEV), torch.ones(1, 1, 64, device=DEV))
     with pytest.raises(InvalidArgumentError, match="^v_new: expected shape"):
         ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 4, 64, device=DEV))
+    with pytest.raises(InvalidArgumentError, match="^quantizer: expected one of \\('minmax', 'oscar'\\)"):
+        ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 5, 64, device=DEV), quantizer="mse")
     before = snapshot(cache)
     with pytest.raises(InvalidArgumentError, match="capacity|room|pages"):
         ft.append(cache, torch.ones(1, 1, 65, 64, device=DEV), torch.ones(1, 1, 65, 64, device=DEV))
@@ -265,5 +271,5 @@ def test_foscar_append_picks_a_writer_and_says_why_not():
         with pytest.raises(foscar.UnsupportedError, match="needs a CUDA GPU"):
             foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton")
     else:
-        with pytest.raises(foscar.UnsupportedError, match="min-max only"):
+        with pytest.raises(foscar.UnsupportedError, match="only \\(quantizer='mse'\\)"):
             foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton", quantizer="mse")

@@ -1,7 +1,6 @@
 """The CuTe DSL Hopper kernels (v0 and v1). CPU: every supported variant compiles for sm_90a, and its
 PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
 oracle, no worse than BF16 attention on the same dequantized cache."""
-import math
 import os
 import re
 
@@ -12,6 +11,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _helpers import V_MAGNITUDES  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
@@ -300,20 +300,16 @@ def test_the_p_units_are_the_least_power_of_two_above_every_v_scale():
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("v_axis", ("token", "channel"))
-@pytest.mark.parametrize("magnitude", (1e-30, 1e-12, 1e12, 1e24))
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
 def test_values_of_any_magnitude_gpu(magnitude, v_axis, ws):
-    """V of any FP32 magnitude (its scales far from 1 either way): every element within the kernels' bound
-    of the float64 oracle, never flushed to the offset correction alone."""
-    from _helpers import bf16_attention, kernel_error_bound, rel
+    """V of any FP32 magnitude the library takes (its scales far from 1 either way), and constant V groups
+    with an offset before tiny ones: every element within the kernels' bound of the float64 oracle,
+    never flushed to the offset correction alone, never overflowing."""
+    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis=v_axis)
-    gen = torch.Generator().manual_seed(int(abs(math.log10(magnitude))))
-    B, Hkv, G, L = 2, 2, 4, 700
-    k = torch.randn(B, Hkv, L, 64, generator=gen)
-    v = torch.randn(B, Hkv, L, 64, generator=gen) * magnitude
-    q = torch.randn(B, Hkv * G, 64, generator=gen).bfloat16().cuda()
-    cache = foscar.quantize_kv(k.cuda(), v.cuda(), fmt, seq_lens=torch.tensor([L, 333], dtype=torch.int32).cuda())
+    q, cache = magnitude_cache(fmt, magnitude, "cuda")
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     decode(q, cache, out=out, warp_specialized=ws)
     exact = foscar.decode_exact(q, cache)

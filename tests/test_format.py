@@ -206,6 +206,32 @@ def test_clipped_quantizers_beat_minmax_on_outliers(quantizer):
     assert err[quantizer] < err["minmax"]
 
 
+@pytest.mark.parametrize("k_axis", ["token", "channel"])
+def test_oscar_preset_shrinks_each_range_by_its_tensors_ratio(k_axis):
+    """``quantizer="oscar"``: every group's range is its min-max range shrunk about the midpoint by 0.96 (K)
+    and 0.92 (V), in float64; values past the ends take the end codes (checked against the stored
+    constants, group by group, every element)."""
+    from foscar.quantize import CLIP_PRESETS
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 128, 64, generator=g) * 3 + 1, torch.randn(2, 2, 128, 64, generator=g)
+    k, v = k.bfloat16().float(), v.bfloat16().float()  # what a write path may round them to first
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, k_axis=k_axis)
+    cache = foscar.quantize_kv(k, v, fmt, quantizer="oscar")
+    kd, vd = cache.dequantize()
+    for x, xd, ratio, axis in ((k, kd, CLIP_PRESETS["oscar"][0], k_axis), (v, vd, CLIP_PRESETS["oscar"][1], "token")):
+        def grouped(t):  # [..., groups, g]: 64 channels of a token, or 64 tokens of a channel
+            return t.reshape(2, 2, 128, 1, 64) if axis == "token" else t.reshape(2, 2, 2, 64, 64).transpose(-1, -2)
+        groups, dq = grouped(x.double()), grouped(xd)
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        mid, half = (lo + hi) / 2, (hi - lo) / 2
+        want_lo, want_hi = mid - ratio * half, mid + ratio * half
+        # the reconstructions' extremes are the shrunk range's ends (to FP32 storage of s', z')
+        assert torch.allclose(dq.amin(-1, keepdim=True), want_lo, rtol=0, atol=1e-5 * float(half.max()))
+        assert torch.allclose(dq.amax(-1, keepdim=True), want_hi, rtol=0, atol=1e-5 * float(half.max()))
+    minmax_err = float(((foscar.quantize_kv(k, v, fmt).dequantize()[0] - k.double()) ** 2).mean())
+    assert float(((kd - k.double()) ** 2).mean()) != minmax_err
+
+
 def test_bytes_per_token():
     assert foscar.KVFormat(bits=2, head_dim=128, group_size=128).bytes_per_token() == 80
     assert foscar.KVFormat(bits=4, head_dim=128, group_size=128).bytes_per_token() == 144

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from _helpers import bf16_attention, kernel_error_bound, rel
+from _helpers import V_MAGNITUDES, bf16_attention, kernel_error_bound, rel
 
 import foscar
 import foscar.triton as ft
@@ -90,6 +90,18 @@ def test_windows_contiguous_and_gqa(bits, k_axis, v_axis):
     fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=64, k_axis=k_axis, v_axis=v_axis, sink=4, recent=9)
     q, cache = make(fmt, [3, 70, 150], Hkv=1, G=8)
     run_and_check(q, cache, num_splits=2)
+
+
+@pytest.mark.parametrize("v_axis", ("token", "channel"))
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
+def test_values_of_any_magnitude(magnitude, v_axis):
+    """V of any FP32 magnitude the library takes, and constant V groups with an offset (scales 0) before
+    tiny ones: the FP16 P' keeps its precision (its units follow the scales down) and the offset
+    corrections stay finite."""
+    from _helpers import magnitude_cache
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis=v_axis)
+    q, cache = magnitude_cache(fmt, magnitude, DEV)
+    run_and_check(q, cache, num_splits=2, tol=2e-5)  # the interpreter: 700 tokens summed in float32, ~1e-5
 
 
 @pytest.mark.parametrize("prefetch,fused", [(2, True), (1, False), (2, False)])

@@ -13,9 +13,9 @@ each call and CUDA events around the call alone (median of ``--iters`` after ``-
 - ``cudnn_sdpa``          torch SDPA under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 - ``flashinfer_fp8``      FlashInfer FP8 (e4m3) KV, tensor cores (a low-bit peer; opt-in with --kernels)
 - ``flashinfer_nvfp4``    FlashInfer NVFP4 KV, fa2 backend: INT4's bytes (a low-bit peer; opt-in, timing only)
-- ``foscar_cute``         backend "cute": the CuTe DSL sm_90a kernel v0 (opt-in; its tuned split count where one
-                          is tuned for v0)
-- ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups (opt-in; likewise)
+- ``foscar_cute``         backend "cute": the CuTe DSL sm_90a kernel v0, BF16 K operands (opt-in; its tuned split
+                          count where one is tuned for that variant)
+- ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups, BF16 K operands (opt-in; likewise)
 - ``foscar_cute_e4m3``    v1 with E4M3 K operands and Q as two E4M3 terms (opt-in; token-wise K, GQA <= 4)
 - ``foscar_auto``         foscar.decode(q, cache, out=out): the backend, variant and launch the library picks
                           (``backend="auto"``, the autotune cache; opt-in)

@@ -271,8 +271,8 @@ Kernel = BackendKernel | AutoKernel | Baseline
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     BackendKernel("foscar_folded", "triton", {"kernel": "folded"}),
     Baseline("foscar_reconstruct", "quant", build_foscar_reconstruct, _foscar_unavailable),
-    BackendKernel("foscar_cute", "cute", {"warp_specialized": False}, default=False),  # v0: opt-in
-    BackendKernel("foscar_cute_ws", "cute", {"warp_specialized": True}, default=False),  # v1
+    BackendKernel("foscar_cute", "cute", {"warp_specialized": False, "k_operand": "bf16"}, default=False),  # v0
+    BackendKernel("foscar_cute_ws", "cute", {"warp_specialized": True, "k_operand": "bf16"}, default=False),  # v1
     BackendKernel("foscar_cute_e4m3", "cute", {"warp_specialized": True, "k_operand": "e4m3"}, default=False),
     AutoKernel("foscar_auto", default=False),
     Baseline("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),

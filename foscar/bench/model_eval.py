@@ -38,8 +38,12 @@ for _bits in (4, 2):
                          + (" + sink 4, recent 64" if _win else ""))
                 CACHES[_name] = dict(bits=_bits, group_size=64, k_axis=_axis, **(WINDOWS if _win else {}),
                                      **({"rotation": "hadamard", "rotation_seed": 0} if _rot else {}))
-                if _rot:  # and with the keys centred by each layer's prompt mean
-                    CACHES[_name.replace("Hadamard", "Hadamard + centred")] = dict(CACHES[_name], key_mean="prefill")
+                if _rot:  # and with the keys centred by each layer's prompt mean, then clipped two ways
+                    _centred = _name.replace("Hadamard", "Hadamard + centred")
+                    CACHES[_centred] = dict(CACHES[_name], key_mean="prefill")
+                    for _q, _label in (("oscar", "OSCAR clip"), ("mse", "mse clip")):
+                        CACHES[_centred.replace("centred", f"centred + {_label}")] = dict(CACHES[_centred],
+                                                                                         quantizer=_q)
 
 
 class MissingPackage(RuntimeError):
@@ -100,7 +104,8 @@ def evaluate(context: int = 2048, scored: int = 256, caches: dict | None = None,
              progress=None) -> dict:
     """The table's records: ``{"text": ..., "versions": ..., "rows": [...]}``, one row per cache of
     ``caches`` (default :data:`CACHES`; the first must be the BF16 baseline, ``None``). Token-wise K also
-    with a Hadamard rotation (seed 0), and rotated with its keys centred (``key_mean="prefill"``)."""
+    with a Hadamard rotation (seed 0), rotated with its keys centred (``key_mean="prefill"``), and those
+    with OSCAR's clip ratios or the ``mse`` range search (``quantizer``)."""
     from ..integrations.transformers import FoscarCache
     caches = CACHES if caches is None else caches
     if next(iter(caches.values())) is not None:

@@ -105,12 +105,21 @@ PIVOT_BF16 = (("flashinfer_tc", "FI-tc µs"), ("flashinfer", "FI µs"), ("cudnn_
               ("foscar_bf16", "fo-bf16 µs"), ("flashinfer_fp8", "FI-fp8 µs"), ("flashinfer_nvfp4", "FI-nvfp4 µs"))
 
 
+def other_lowbit_kernels(records: list[dict]) -> list[str]:
+    """The low-bit kernels measured besides the folded Triton kernel and the reconstruction, in run order."""
+    return [k for k in dict.fromkeys(r["kernel"] for r in records if r["bits"] != 16)
+            if k not in ("foscar_folded", "foscar_reconstruct")]
+
+
 def render_pivot(records: list[dict], skipped: list[dict]) -> str:
-    """One row per (B, L, bits, axes): folded and reconstruct, then the BF16 kernels of that shape."""
+    """One row per (B, L, bits, axes): folded and reconstruct, every other low-bit kernel measured (µs, ×
+    FI-tc), then the BF16 kernels of that shape."""
     index = {(r["B"], r["L"], r["bits"], r["k_axis"], r["v_axis"], r["kernel"]): r for r in records}
     rows = sorted({(r["B"], r["L"], r["bits"], r["k_axis"], r["v_axis"]) for r in records if r["bits"] != 16},
                   key=lambda k: (k[0], k[1], k[2], AXIS_COMBOS.index((k[3], k[4]))))
+    others = other_lowbit_kernels(records)
     head = ["B", "L", "bits", "K/V", "folded µs", "% ceil", "× FI-tc", "recon µs", "recon/folded"]
+    head += [f"{k.removeprefix('foscar_')} µs (× FI-tc)" for k in others]
     head += [label for _, label in PIVOT_BF16]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b, n, bits, ka, va in rows:
@@ -122,6 +131,9 @@ def render_pivot(records: list[dict], skipped: list[dict]) -> str:
                  _num(fold and fold.get("ceiling_frac"), ".0%"),
                  _num(fold and fold.get("speedup_vs_baseline"), ".2f", "x"),
                  time_cell(recon), _num(ratio, ".2f", "x")]
+        for k in others:
+            rec = index.get((b, n, bits, ka, va, k))
+            cells.append(f"{time_cell(rec)} ({_num(rec and rec.get('speedup_vs_baseline'), '.2f', 'x')})")
         cells += [time_cell(index.get((b, n, 16, None, None, k))) for k, _ in PIVOT_BF16]
         lines.append("| " + " | ".join(cells) + " |")
     for s in skipped:
@@ -161,7 +173,7 @@ def render_summary(result: dict) -> str:
     lines.append(f"Read ceiling: {_num(cl.get('tbps'), '.2f', ' TB/s')} ({cl.get('source', 'not measured')}); "
                  f"GPU {result['meta'].get('gpu', '?')}; timing: {result['meta'].get('timing', '?')}.")
     geo = []
-    for kernel in ("foscar_folded", "foscar_reconstruct"):
+    for kernel in ["foscar_folded", "foscar_reconstruct"] + other_lowbit_kernels(records):
         for bits in sorted({r["bits"] for r in records if r["bits"] != 16}):
             g, n = geomean_speedup(records, kernel, bits)
             geo.append(f"{kernel} INT{bits} {_num(g, '.2f', 'x')} ({n}/{len(PAPER_SHAPES)})")

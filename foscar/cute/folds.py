@@ -196,17 +196,27 @@ def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
             (accS[3] + kc1) * qk_scale]
 
 
-#: The first units of a token-wise V's ``P'`` (the smallest normal FP32): the first tile's maximum sets them.
+#: The first units of a token-wise V's ``P'`` (the smallest normal FP32): the first tile's bound sets them.
 SIGMA_START = 2.0 ** -126
+#: The units are also at least this times every ``|z'_V|`` seen: the offset corrections, kept in units of
+#: sigma, stay within ``2^64`` of it even where a tile's scales are all 0 (constant groups).
+SIGMA_OFFSET_RATIO = 2.0 ** -64
 #: The largest units (``2^126``: their reciprocal is normal); ``|s'_V|`` above it still keeps ``P'`` within FP16.
 SIGMA_CAP_BITS = 253 << 23
+
+
+@cute.jit
+def p_units_bound(s: Float32, z: Float32) -> Float32:
+    """What one token row asks of the ``P'`` units: ``max(|s'|, 2^-64 |z'|)`` (:data:`SIGMA_OFFSET_RATIO`)."""
+    return cute.arch.fmax(cute.arch.fmax(s, -s), cute.arch.fmax(z, -z) * SIGMA_OFFSET_RATIO)
 
 
 @cute.jit
 def grow_sigma(sigma: Float32, bound: Float32) -> Float32:
     """The larger of ``sigma`` and the least power of two at least ``bound`` (from its bits; 0 for ``bound``
     0, at most ``2^126``, and ``sigma`` for a NaN ``bound``): a power of two >= every ``|s'_V|`` so far
-    keeps ``P' = P s'_V / sigma`` within FP16, as ``P <= 1``, whatever the scales' magnitude."""
+    keeps ``P' = P s'_V / sigma`` within FP16, as ``P <= 1``, whatever the scales' magnitude
+    (:func:`p_units_bound`)."""
     bits = bound.bitcast(Int32)
     up = bits & 0x7F800000
     if (bits & 0x7FFFFF) != 0:  # not a power of two (or subnormal): the next one up
@@ -218,7 +228,7 @@ def grow_sigma(sigma: Float32, bound: Float32) -> Float32:
 @cute.jit
 def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
     """Token-wise V: the units ``sigma`` of ``P'`` for this tile, per channel group, from the tile's largest
-    ``|s'_V|`` (``tv``; the second group's from slot ``HEADS + 1`` of the reduction
+    :func:`p_units_bound` (``tv``; the second group's from slot ``HEADS + 1`` of the reduction
     :func:`foscar.cute.softmax.tile_maxima` left in shared memory)."""
     sigma = [grow_sigma(out.sigma[0], tv)]
     if cutlass.const_expr(cfg.vc == 2):

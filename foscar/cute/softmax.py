@@ -53,14 +53,14 @@ class OnlineSoftmax:
 
 @cute.jit
 def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
-    """One shared-memory round for a tile's column maxima (of the four scores ``s``) and its largest
-    ``|s'_V|`` (token-wise V: the P' scale, from the ``(s'_0, s'_1)`` of this thread's two rows in ``vs``,
+    """One shared-memory round for a tile's column maxima (of the four scores ``s``) and its largest bound
+    on the P' units (token-wise V: :func:`foscar.cute.folds.p_units_bound` of this thread's two rows in ``vs``,
     one pair per channel group; the second group's maximum is left in slot ``HEADS + 1`` of ``sRed``).
     Lanes, then the four warps through ``sRed``'s buffer ``tile % 2``: ``(tm0, tm1, tv)``."""
     mx0 = cute.arch.fmax(s[0], s[2])
     mx1 = cute.arch.fmax(s[1], s[3])
     vs0, vs1 = vs[0]
-    vmx = cute.arch.fmax(cute.arch.fmax(vs0, -vs0), cute.arch.fmax(vs1, -vs1))
+    vmx = cute.arch.fmax(vs0, vs1)  # the bounds are >= 0
     for sh in cutlass.range_constexpr(3):
         mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
         mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
@@ -69,7 +69,7 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
     if cutlass.const_expr(cfg.vc == 2):
         ws0, ws1 = vs[1]
-        wmx = cute.arch.fmax(cute.arch.fmax(ws0, -ws0), cute.arch.fmax(ws1, -ws1))
+        wmx = cute.arch.fmax(ws0, ws1)
         for sh in cutlass.range_constexpr(5):
             wmx = cute.arch.fmax(wmx, cute.arch.shuffle_sync_bfly(wmx, 16 >> sh))
     warp = thr.warp

@@ -25,6 +25,7 @@ from .config import CORRECTION_TILES, HEADS, TILE, Sm90Config
 from .folds import (
     SIGMA_START,
     OutputAccumulator,
+    p_units_bound,
     fold_corrections,
     k_acc_fold,
     k_operand_fold,
@@ -133,8 +134,8 @@ class TileScales:
         self.valid = valid
 
     def v_scales(self) -> list:
-        """``(s'_0, s'_1)`` of each V channel group: what bounds ``|P'|``."""
-        return [(v[0], v[2]) for v in self.v]
+        """Per V channel group, this thread's two rows' bounds on the ``P'`` units (:func:`p_units_bound`)."""
+        return [(p_units_bound(v[0], v[1]), p_units_bound(v[2], v[3])) for v in self.v]
 
 
 class RunningState:

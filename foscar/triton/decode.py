@@ -177,7 +177,12 @@ def fold_decode_stage1(
     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
     CORR_EVERY: tl.constexpr = 8  # tiles between folds of the V corrections into acc
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
-    sigma = 1.0  # token-wise V, one channel group: acc is in units of sigma (a power of two)
+    # token-wise V, one channel group: acc is in units of sigma, a power of two >= every |s'| and 2^-64 |z'|
+    # seen (P' = P s' / sigma within FP16 whatever the scales' magnitude, the corrections / sigma within
+    # FP32), from the smallest normal float up; 1 elsewhere
+    sigma = 1.0
+    if V_TOKEN and FOLD and VC_ == 1:
+        sigma = 1.1754943508222875e-38
 
     # Software pipeline, by hand: while tile i is computed, the words and parameters of tile i+1 are in
     # flight and the page of tile i+2 is being looked up. (Triton's pipeliner, measured on the H200,
@@ -257,8 +262,10 @@ def fold_decode_stage1(
         if V_TOKEN:
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
-                top = tl.max(tl.abs(vs1), axis=0)  # P <= 1: the largest |s'| so far bounds the operand
-                sig_new = tl.maximum(sigma, tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0)))))  # power of 2
+                top = tl.maximum(tl.max(tl.abs(vs1), axis=0),  # P <= 1: the largest |s'| so far bounds P'
+                                 tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0) * 5.421010862427522e-20)
+                up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
+                sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
                 pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)
                 # the correction sum_t P mid - c sum_t P' sig, kept per element and folded into acc every
                 # CORR_EVERY tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the

@@ -15,6 +15,7 @@ from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import injection_constants, operand_for
 from ..problem import DecodeProblem
+from ..quantize import RANGE_QUANTIZERS, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
 from .decode import LOG2E, fold_decode_stage1
 
@@ -231,25 +232,31 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     return out
 
 
-def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
+#: The quantizers the Triton append writes: min-max and the clip presets.
+WRITE_QUANTIZERS = RANGE_QUANTIZERS
+
+
+def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True,
+                quantizer: str = "minmax") -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
-    (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, min-max quantization;
-    the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True`` first runs every
-    check of :meth:`QuantKVCache.append` (capacity and finite values read the device back); pass
-    ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
+    (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, a quantizer of
+    :data:`WRITE_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
+    first runs every check of :meth:`QuantKVCache.append` (capacity and finite values read the device
+    back); pass ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
     from .write import append_token_kernel
     B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
-    _check_append_inputs(cache, k_new, v_new, (B, H, D), check)
-    for tensor, x, codes, params, sink, ring, c in _append_tensors(cache, k_new, v_new):
+    _check_append_inputs(cache, k_new, v_new, (B, H, D), check, quantizer)
+    for tensor, x, codes, params, sink, ring, c in _append_tensors(cache, k_new, v_new, quantizer):
         append_token_kernel[(B, H)](
             x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring,
             x.stride(0), x.stride(1), c["bt"].stride(0), codes.stride(0), codes.stride(1), params.stride(0),
             params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
-            ring.stride(2), **c["constexprs"], num_warps=4)
+            ring.stride(2), **c["constexprs"], num_warps=4, enable_fp_fusion=False)
     cache.seq_lens.add_(1)
 
 
-def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True) -> None:
+def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True,
+           quantizer: str = "minmax") -> None:
     """Append ``T`` tokens per sequence, ``k_new, v_new [B, Hkv, T, D]`` (a prefill, or several decode
     tokens), with the Triton kernels: first the tokens that leave the recent window (from the ring or
     straight from the input) are quantized, one program per flush unit, then the sink and ring take the
@@ -261,19 +268,19 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, che
         T = k_new.shape[2]
     else:
         T = None
-    _check_append_inputs(cache, k_new, v_new, (B, H, T, D), check)
+    _check_append_inputs(cache, k_new, v_new, (B, H, T, D), check, quantizer)
     if T == 0:
         return
     fmt = cache.fmt
     units = triton.cdiv(T, fmt.flush) + 1  # at most this many flush units leave in one append
     block_t = 16
-    tensors = list(_append_tensors(cache, k_new, v_new))
+    tensors = list(_append_tensors(cache, k_new, v_new, quantizer))
     for tensor, x, codes, params, sink, ring, c in tensors:
         append_quantize_kernel[(B, H, units)](
             x, cache.seq_lens, c["bt"], c["np"], codes, params, ring, T,
             x.stride(0), x.stride(1), x.stride(2), c["bt"].stride(0), codes.stride(0), codes.stride(1),
             params.stride(0), params.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
-            **c["constexprs"], num_warps=4)
+            **c["constexprs"], num_warps=4, enable_fp_fusion=False)
     for tensor, x, codes, params, sink, ring, c in tensors:  # after every read of the ring
         k = c["constexprs"]
         append_window_kernel[(B, H, triton.cdiv(T, block_t))](
@@ -283,10 +290,13 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, che
     cache.seq_lens.add_(T)
 
 
-def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check: bool) -> None:
+def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check: bool, quantizer: str) -> None:
     """What both Triton appends check on the host (no device read), then, with ``check``, everything
     :meth:`QuantKVCache.append` checks (capacity, pages, finite values: device reads)."""
     fmt = cache.fmt
+    if quantizer not in WRITE_QUANTIZERS:
+        raise InvalidArgumentError("quantizer", f"one of {WRITE_QUANTIZERS} (the Triton append; "
+                                   "QuantKVCache.append takes every quantizer)", repr(quantizer))
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")
@@ -297,12 +307,12 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
             raise InvalidArgumentError(name, "unit stride in the last dim", tuple(t.stride()))
     if check:
         if len(shape) == 3:
-            cache._check_append(k_new[:, :, None], v_new[:, :, None], "minmax")
+            cache._check_append(k_new[:, :, None], v_new[:, :, None], quantizer)
         else:
-            cache._check_append(k_new, v_new, "minmax")
+            cache._check_append(k_new, v_new, quantizer)
 
 
-def _append_tensors(cache: QuantKVCache, k_new, v_new):
+def _append_tensors(cache: QuantKVCache, k_new, v_new, quantizer: str):
     """Per tensor (K, V): its input, pools, windows and the append kernels' shared arguments."""
     fmt = cache.fmt
     pt = cache.page_table
@@ -313,5 +323,6 @@ def _append_tensors(cache: QuantKVCache, k_new, v_new):
         constexprs = dict(BITS=fmt.bits, D=fmt.head_dim, GROUP=fmt.group_size, PAGE=cache.page_size, SINK=fmt.sink,
                           RECENT=fmt.recent, CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush,
                           CHANNEL=fmt.axis(tensor) == "channel", BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
-                          BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, PASS_WINDOW=fmt.passes_window)
+                          BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, PASS_WINDOW=fmt.passes_window,
+                          RATIO=clip_ratio(quantizer, tensor) or 1.0)
         yield tensor, x, codes, params, sink, ring, {"bt": pt.block_table, "np": pt.num_pages, "constexprs": constexprs}

@@ -6,7 +6,7 @@ tensor); several tokens (a prefill, a speculative step): :func:`append_quantize_
 The single-token kernel: one program per (sequence, KV head, tensor). The new token goes to the BF16 sink while the sink is
 filling, else to the recent ring; the ring tokens that leave the recent window (one with token-wise
 groups on both tensors, a whole group of ``g`` otherwise; with ``recent = 0`` the last is the new token
-itself) are quantized min-max, group by group, in float64 exactly as
+itself) are quantized min-max (or with a clip preset's ratio), group by group, in float64 exactly as
 :func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
 (an atomic AND clears its bit fields, an atomic OR sets them: a word mixes tokens) and its ``(s', z')``
 into the page's parameter rows. Lengths are read on the device: no host sync, no allocation, so a
@@ -51,9 +51,10 @@ def _field(t, c, TENSOR_V: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
 def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
                    BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                    FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr):
+                   BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr):
     """Quantize one flush unit, ``src [FLUSH, D]`` (float64) of post-sink tokens ``t [FLUSH]`` of sequence
-    ``b``, head ``h``, min-max as :func:`foscar.quantize.quantize_groups` does, and write its codes into
+    ``b``, head ``h``, min-max (``RATIO`` 1) or with the min-max range shrunk about its midpoint by
+    ``RATIO`` (a clip preset), as :func:`foscar.quantize.quantize_groups` does, and write its codes into
     the packed words of its pages (an atomic AND clears the bit fields, an atomic OR sets them: a word
     mixes tokens) and its ``(s', z')`` into the pages' parameter rows."""
     QMAX: tl.constexpr = (1 << BITS) - 1
@@ -66,8 +67,15 @@ def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, s
         src3 = tl.reshape(src, (FLUSH, D // GROUP, GROUP))
         lo = tl.reshape(tl.broadcast_to(tl.min(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
         hi = tl.reshape(tl.broadcast_to(tl.max(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+    if RATIO != 1.0:  # in float64, in quantize_groups' order (the launch turns FMA contraction off)
+        mid = (lo + hi) / 2
+        half = (hi - lo) / 2
+        ratio = tl.full((), RATIO, tl.float64)  # the double: a bare float constant would be float32
+        lo = mid - ratio * half
+        hi = mid + ratio * half
     sp = ((hi - lo) / QMAX).to(tl.float32)  # s' = s (alpha = 1 for the BF16 mapping)
-    zp = (lo - BETA * sp.to(tl.float64)).to(tl.float32)  # z' = z - beta s', one rounding
+    # z' = z - beta s' from z rounded to FP32 (OperandMapping.fold; min-max's z already is), then one rounding
+    zp = (lo.to(tl.float32).to(tl.float64) - BETA * sp.to(tl.float64)).to(tl.float32)
     s_eff = sp.to(tl.float64)
     z_eff = zp.to(tl.float64) + BETA * s_eff
     safe = tl.where(s_eff > 0, s_eff, 1.0)
@@ -104,7 +112,7 @@ def append_token_kernel(
     stride_rb, stride_rh, stride_rt,  # ring [B, Hkv, cap, D]
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
-    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
 ):
     """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
     the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
@@ -131,7 +139,7 @@ def append_token_kernel(
             xq = x.to(RING.dtype.element_ty) if PASS_WINDOW else x  # as the ring would hold it
             src = tl.where(from_ring[:, None], src.to(tl.float64), xq.to(tl.float64)[None, :])  # [FLUSH, D]
             _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
-                           stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)
+                           stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
         if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
             tl.debug_barrier()
             tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))
@@ -151,7 +159,7 @@ def append_quantize_kernel(
     stride_btb, stride_cp, stride_ch, stride_pp, stride_ph, stride_rb, stride_rh, stride_rt,
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
-    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr,
+    TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
 ):
     """Appending ``T`` tokens, part 1 of 2: program (sequence ``b``, head ``h``, unit ``u``) quantizes the
     ``u``-th flush unit of the post-sink tokens that leave the recent window in this append, taken from
@@ -177,7 +185,7 @@ def append_quantize_kernel(
             new = new.to(RING.dtype.element_ty)
         src = tl.where(from_ring[:, None], old.to(tl.float64), new.to(tl.float64))
         _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
-                       stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS)
+                       stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
 
 
 @triton.jit
