@@ -99,6 +99,9 @@ def test_cache_keyword_follows_the_installed_transformers():
 def test_unsupported_use_says_so():
     with pytest.raises(fit.foscar.InvalidArgumentError, match="^bits: expected"):
         fit.FoscarCache(bits=3)
+    with pytest.raises(fit.foscar.InvalidArgumentError, match="^quantizer: expected one of"):
+        fit.FoscarCache(quantizer="best")
+    assert fit.FoscarCache(quantizer="oscar").quantizer == "oscar"
     layer = fit.FoscarLayer({"bits": 4, "group_size": 64})
     with pytest.raises(fit.UnsupportedError, match="beam search"):
         layer.reorder_cache(torch.tensor([0]))
