@@ -25,7 +25,7 @@ from .errors import InvalidArgumentError
 from .centring import centre, check_key_mean, sequence_means
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
-from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
+from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
 
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -547,8 +547,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     if H == 0:
         raise InvalidArgumentError("k", "at least one KV head in dim 1", f"shape {tuple(k.shape)}")
     check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
-    if quantizer not in QUANTIZERS:
-        raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    check_quantizer(quantizer)
     if quantizer == "quantile" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                     or not 0.0 <= clip < 0.5):
         raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", repr(clip))

@@ -33,6 +33,12 @@ MSE_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))
 DEFAULT_QUANTILE = 0.01
 
 
+def check_quantizer(quantizer, allowed: tuple = QUANTIZERS, where: str = "") -> None:
+    """Refuse a ``quantizer`` outside ``allowed`` by name (``where``: who takes only those)."""
+    if quantizer not in allowed:
+        raise InvalidArgumentError("quantizer", f"one of {allowed}{where}", repr(quantizer))
+
+
 def clip_ratio(quantizer: str, tensor: str) -> float | None:
     """The fixed clip ratio of ``quantizer`` for ``tensor`` (``"k"`` or ``"v"``), ``None`` for a quantizer
     without one."""
@@ -74,8 +80,7 @@ def quantize_groups(x: torch.Tensor, bits: int, mapping: OperandMapping, quantiz
 
     Returns ``codes`` (uint8, same shape as ``x``) and FP32 ``s'``, ``z'`` of shape ``x.shape[:-1]``.
     """
-    if quantizer not in QUANTIZERS:
-        raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    check_quantizer(quantizer)
     x = x.double()
     if quantizer == "quantile":
         if not 0.0 <= clip < 0.5:

@@ -11,7 +11,7 @@ from .cache import QuantKVCache
 from .errors import InvalidArgumentError
 from .centring import keep_mean, keys_to_store
 from .format import TOKEN, pack_codes, rotate_given, unpack_codes
-from .quantize import DEFAULT_QUANTILE, QUANTIZERS, quantize_tensor
+from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
 
 
 @contextlib.contextmanager
@@ -86,8 +86,7 @@ def check_append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, 
     if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
         raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
     check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=cache.device)
-    if quantizer not in QUANTIZERS:
-        raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+    check_quantizer(quantizer)
     T = k_new.shape[2]
     if T == 0:
         return None

@@ -26,7 +26,7 @@ import foscar
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import KVFormat
-from ..quantize import QUANTIZERS
+from ..quantize import check_quantizer
 
 ATTN_IMPL = "foscar"
 PAGE = 64
@@ -123,8 +123,7 @@ class FoscarCache(Cache):
                                rotation=rotation, rotation_seed=rotation_seed)
         if key_mean not in (None, "prefill"):
             raise InvalidArgumentError("key_mean", "None or 'prefill' (each layer's prompt keys' mean)", repr(key_mean))
-        if quantizer not in QUANTIZERS:
-            raise InvalidArgumentError("quantizer", f"one of {QUANTIZERS}", repr(quantizer))
+        check_quantizer(quantizer)
         self.quantizer, self.backend, self.key_mean = quantizer, backend, key_mean
         super().__init__(layers=None, layer_class_to_replicate=self._layer)
 

@@ -15,7 +15,7 @@ from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import injection_constants, operand_for
 from ..problem import DecodeProblem
-from ..quantize import RANGE_QUANTIZERS, clip_ratio
+from ..quantize import RANGE_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
 from .decode import LOG2E, fold_decode_stage1
 
@@ -232,15 +232,11 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     return out
 
 
-#: The quantizers the Triton append writes: min-max and the clip presets.
-WRITE_QUANTIZERS = RANGE_QUANTIZERS
-
-
 def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True,
                 quantizer: str = "minmax") -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
     (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, a quantizer of
-    :data:`WRITE_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
+    :data:`foscar.quantize.RANGE_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
     first runs every check of :meth:`QuantKVCache.append` (capacity and finite values read the device
     back); pass ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
     from .write import append_token_kernel
@@ -294,9 +290,7 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
     """What both Triton appends check on the host (no device read), then, with ``check``, everything
     :meth:`QuantKVCache.append` checks (capacity, pages, finite values: device reads)."""
     fmt = cache.fmt
-    if quantizer not in WRITE_QUANTIZERS:
-        raise InvalidArgumentError("quantizer", f"one of {WRITE_QUANTIZERS} (the Triton append; "
-                                   "QuantKVCache.append takes every quantizer)", repr(quantizer))
+    check_quantizer(quantizer, RANGE_QUANTIZERS, " (the Triton append; QuantKVCache.append takes every quantizer)")
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")
