@@ -127,6 +127,15 @@ def injection(operand: str, beta: int) -> OperandMapping:
                           f"  ->  q + {beta}")
 
 
+#: The units ``sigma`` of the GPU kernels' operand-fold of token-wise V, ``P' = P s'_V / sigma`` (a power of
+#: two, rescaled as it grows): they start at the smallest normal FP32 and are at least every ``|s'_V|`` and
+#: :data:`P_UNITS_OFFSET_RATIO` times every ``|z'_V|`` seen, so that ``P'`` keeps its FP16 precision whatever
+#: the scales' magnitude and the offset corrections, kept in units of sigma, stay within ``2^64`` of it
+#: (a tile of constant groups has all scales 0).
+P_UNITS_START = 2.0 ** -126
+P_UNITS_OFFSET_RATIO = 2.0 ** -64
+
+
 @functools.lru_cache(maxsize=256)  # host time per call: a launch's constants are its format's
 def fold_constants(prefix: str, op: OperandMapping, fmt) -> dict:
     """The constants of a fold whose operands follow ``op`` over a cache stored for ``fmt``'s mapping:

@@ -20,6 +20,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
+from ..format import P_UNITS_OFFSET_RATIO
 from .config import HEADS, THREADS
 from .operands import build_vt_registers
 from .softmax import column_sums
@@ -196,19 +197,15 @@ def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
             (accS[3] + kc1) * qk_scale]
 
 
-#: The first units of a token-wise V's ``P'`` (the smallest normal FP32): the first tile's bound sets them.
-SIGMA_START = 2.0 ** -126
-#: The units are also at least this times every ``|z'_V|`` seen: the offset corrections, kept in units of
-#: sigma, stay within ``2^64`` of it even where a tile's scales are all 0 (constant groups).
-SIGMA_OFFSET_RATIO = 2.0 ** -64
 #: The largest units (``2^126``: their reciprocal is normal); ``|s'_V|`` above it still keeps ``P'`` within FP16.
 SIGMA_CAP_BITS = 253 << 23
 
 
 @cute.jit
 def p_units_bound(s: Float32, z: Float32) -> Float32:
-    """What one token row asks of the ``P'`` units: ``max(|s'|, 2^-64 |z'|)`` (:data:`SIGMA_OFFSET_RATIO`)."""
-    return cute.arch.fmax(cute.arch.fmax(s, -s), cute.arch.fmax(z, -z) * SIGMA_OFFSET_RATIO)
+    """What one token row asks of the ``P'`` units: ``max(|s'|, 2^-64 |z'|)``
+    (:data:`foscar.format.P_UNITS_OFFSET_RATIO`)."""
+    return cute.arch.fmax(cute.arch.fmax(s, -s), cute.arch.fmax(z, -z) * P_UNITS_OFFSET_RATIO)
 
 
 @cute.jit

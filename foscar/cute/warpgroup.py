@@ -21,9 +21,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
+from ..format import P_UNITS_START
 from .config import CORRECTION_TILES, HEADS, TILE, Sm90Config
 from .folds import (
-    SIGMA_START,
     OutputAccumulator,
     p_units_bound,
     fold_corrections,
@@ -178,7 +178,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
     softmax = OnlineSoftmax(Float32(-Float32.inf), Float32(-Float32.inf), sums)
-    sigma0 = 1.0 if cfg.v_channel else SIGMA_START  # token-wise V: the first tile's largest |s'_V| sets it
+    sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
     out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc])
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None

@@ -140,7 +140,7 @@ def fold_decode_stage1(
     V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, P_START: tl.constexpr, P_OFFSET_RATIO: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -177,12 +177,11 @@ def fold_decode_stage1(
     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
     CORR_EVERY: tl.constexpr = 8  # tiles between folds of the V corrections into acc
     acc = tl.zeros((VC_, VGC, BLOCK_H), tl.float32)  # O^T per channel group: PV runs as V^T P^T
-    # token-wise V, one channel group: acc is in units of sigma, a power of two >= every |s'| and 2^-64 |z'|
-    # seen (P' = P s' / sigma within FP16 whatever the scales' magnitude, the corrections / sigma within
-    # FP32), from the smallest normal float up; 1 elsewhere
+    # token-wise V, one channel group: acc is in units of sigma (foscar.format.P_UNITS_START and
+    # P_UNITS_OFFSET_RATIO: from P_START up, >= every |s'| and P_OFFSET_RATIO |z'| seen); 1 elsewhere
     sigma = 1.0
     if V_TOKEN and FOLD and VC_ == 1:
-        sigma = 1.1754943508222875e-38
+        sigma = P_START
 
     # Software pipeline, by hand: while tile i is computed, the words and parameters of tile i+1 are in
     # flight and the page of tile i+2 is being looked up. (Triton's pipeliner, measured on the H200,
@@ -263,7 +262,7 @@ def fold_decode_stage1(
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
                 top = tl.maximum(tl.max(tl.abs(vs1), axis=0),  # P <= 1: the largest |s'| so far bounds P'
-                                 tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0) * 5.421010862427522e-20)
+                                 tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0) * P_OFFSET_RATIO)
                 up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
                 sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
                 pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)

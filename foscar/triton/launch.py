@@ -13,7 +13,7 @@ from .. import autotune
 from .._checks import check_int, check_tensor, decode_out_buffers
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import injection_constants, operand_for
+from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
 from ..problem import DecodeProblem
 from ..quantize import RANGE_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
@@ -197,7 +197,7 @@ def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = T
         **injection_constants("K", k_op, fmt), **injection_constants("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
         WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
-        WRITE_LSE=write_lse))
+        WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO))
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
