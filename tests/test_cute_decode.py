@@ -129,19 +129,27 @@ def test_unsupported_configurations_say_why(kw, what):
     ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64}),
     ([6000, 333, 1], 4, None, {"group_size": 64}), ([1500, 90], 8, 2, {"group_size": 64, "k_axis": "channel"})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
+    _decode_against_the_oracle(fmt, lens, G, "error", num_splits=num_splits, warp_specialized=bool(ws),
+                               ctas_per_sm=ws or None)
+
+
+def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
+    """A paged cache of ``lens`` (2 KV heads, GQA ``G``) decoded by the CuTe kernel with ``launch`` into
+    NaN-poisoned outputs: every element finite, within the kernels' bound of the float64 oracle (BF16
+    attention's error on the same dequantized cache), the LSE within 1e-2."""
     from _helpers import bf16_attention, kernel_error_bound, rel
     from test_triton import make
 
     from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
-    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
+    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=fmt.bits)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=bool(ws), ctas_per_sm=ws or None)
+    decode(q, cache, out=out, lse=lse, **launch)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
-    print(f"\nerror {err:.3e}  BF16 attention {base:.3e}")
+    print(f"\n{label} {err:.3e}  BF16 attention {base:.3e}")
     assert err <= kernel_error_bound(fmt, base)
     assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
 
@@ -358,18 +366,6 @@ def test_e4m3_k_operands_say_what_they_take(kw, gqa, what):
 def test_e4m3_k_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw, ws):
     """E4M3 K operands with Q as two E4M3 terms: every element against the float64 oracle, within the error
     bound of the BF16 kernels (BF16 attention's on the same dequantized cache), LSE within 1e-2."""
-    from _helpers import bf16_attention, kernel_error_bound, rel
-    from test_triton import make
-
-    from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=bits)
-    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, lse=lse, num_splits=num_splits, warp_specialized=ws, k_operand="e4m3")
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
-    print(f"\nE4M3 K: error {err:.3e}  BF16 attention {base:.3e}")
-    assert err <= kernel_error_bound(fmt, base)
-    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    _decode_against_the_oracle(fmt, lens, G, "E4M3 K: error", num_splits=num_splits, warp_specialized=ws,
+                               k_operand="e4m3")
