@@ -165,7 +165,19 @@ def probe_tile_qk(cfg, tiled_mma: cute.TiledMma, mW: cute.Tensor, sQ: cute.Tenso
     return acc
 
 
-class QkProbeE4m3:
+class _TileProbe:
+    """The launch both probes share: the E4M3 QK tiled MMA and Q^T's shared-memory layout, one CTA (one
+    warpgroup) per tile of ``mS``; a subclass's ``kernel`` takes them with the tensors."""
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tiled_mma = qk_mma_e4m3()
+        sQ_layout = sq_layout_e4m3(self.cfg.head_dim)
+        self.kernel(tiled_mma, sQ_layout, mW, mQ, mS).launch(grid=(cute.size(mS, mode=[0]), 1, 1),
+                                                             block=(THREADS, 1, 1))
+
+
+class QkProbeE4m3(_TileProbe):
     """``S^T[t] = K_t Q^T`` for tiles ``t``: one CTA (one warpgroup) per tile.
 
     Arguments: ``mW`` int32 ``[T, tile_words]`` (each tile's packed K words, pack blocks in token order),
@@ -174,13 +186,6 @@ class QkProbeE4m3:
 
     def __init__(self, cfg: E4m3Tile):
         self.cfg = cfg
-
-    @cute.jit
-    def __call__(self, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        tiled_mma = qk_mma_e4m3()
-        sQ_layout = sq_layout_e4m3(self.cfg.head_dim)
-        self.kernel(tiled_mma, sQ_layout, mW, mQ, mS).launch(grid=(cute.size(mS, mode=[0]), 1, 1),
-                                                             block=(THREADS, 1, 1))
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, mW: cute.Tensor, mQ: cute.Tensor,
@@ -354,7 +359,7 @@ def sum_q_terms(acc: cute.Tensor, gqa: cutlass.Constexpr, quad, inv0: Float32, i
                 acc[e + 1] = s1
 
 
-class QkTermsProbeE4m3:
+class QkTermsProbeE4m3(_TileProbe):
     """``S^T[t] = K_t Q^T`` for tiles ``t`` with Q in FP32 split into E4M3 terms in the kernel
     (:func:`load_q_terms`, :func:`sum_q_terms`, as the decode kernels do): one CTA (one warpgroup) per tile.
 
@@ -364,13 +369,6 @@ class QkTermsProbeE4m3:
     def __init__(self, cfg: E4m3Tile, gqa: int):
         term_columns(gqa)  # refuses more heads than the columns hold
         self.cfg, self.gqa = cfg, gqa
-
-    @cute.jit
-    def __call__(self, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        tiled_mma = qk_mma_e4m3()
-        sQ_layout = sq_layout_e4m3(self.cfg.head_dim)
-        self.kernel(tiled_mma, sQ_layout, mW, mQ, mS).launch(grid=(cute.size(mS, mode=[0]), 1, 1),
-                                                             block=(THREADS, 1, 1))
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, mW: cute.Tensor, mQ: cute.Tensor,
