@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 from foscar.bench import cli, model_eval
 
@@ -59,3 +60,36 @@ def test_two_runs_print_the_same_table():
     a, b = (model_eval.evaluate(96, 8, caches) for _ in range(2))
     assert model_eval.render_markdown(a) == model_eval.render_markdown(b)
     assert a["rows"][0]["ppl_ratio"] == 1.0 and a["rows"][0]["agreement"] == 1.0
+
+
+@pytest.mark.parametrize("exact", ("k", "v"))
+def test_the_diagnostic_keeps_one_tensor_exact(exact):
+    """``--exact``: a decode step attends over the dequantized cache with one tensor as it was given (float64
+    reference, every element), and differs from the fully quantized cache's attention."""
+    pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 71, 64, generator=gen), torch.randn(1, 2, 71, 64, generator=gen)
+    q = torch.randn(1, 4, 64, generator=gen)
+    layer = model_eval.exact_cache(exact, bits=2, group_size=64, recent=8)._layer()
+    layer.update(k[:, :, :70], v[:, :, :70])
+    layer.update(k[:, :, 70:], v[:, :, 70:])
+    got = torch.full((1, 4, 64), float("nan"))
+    got.copy_(layer.attend(q, 0.125))
+    kd, vd = (t[:, :, :71] for t in layer.cache.dequantize(torch.float64))
+    kk, vv = (k.double(), vd) if exact == "k" else (kd, v.double())
+    p = torch.softmax(torch.einsum("bhd,bhld->bhl", q.double(), kk.repeat_interleave(2, 1)) * 0.125, -1)
+    want = torch.einsum("bhl,bhld->bhd", p, vv.repeat_interleave(2, 1))
+    assert float((got.double() - want).abs().max()) <= 1e-5
+    both = torch.einsum("bhl,bhld->bhd", torch.softmax(torch.einsum("bhd,bhld->bhl", q.double(),
+                        kd.repeat_interleave(2, 1)) * 0.125, -1), vd.repeat_interleave(2, 1))
+    assert float((got.double() - both).abs().max()) > 1e-3
+
+
+def test_the_diagnostic_refuses_an_unknown_tensor(tmp_path):
+    from foscar.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="^exact: expected 'k' or 'v'"):
+        model_eval.exact_cache("q", bits=2)
+    with pytest.raises(InvalidArgumentError, match="^exact: expected 'k' or 'v' or None"):
+        model_eval.evaluate(exact="kv")
+    with pytest.raises(SystemExit):
+        cli.main(["accuracy", "--model", "smollm2", "--exact", "q", "--out", str(tmp_path)])

@@ -93,6 +93,9 @@ def _accuracy(argv: list[str], prog: str) -> int:
     p.add_argument("--caches", nargs="+", default=None, metavar="NAME",
                    help="--model: the rows to run (names as the table prints them; BF16 always runs first; "
                         "default: every row)")
+    p.add_argument("--exact", choices=("k", "v"), default=None,
+                   help="--model: a diagnostic: keep K or V unquantized (attention over the dequantized cache in "
+                        "float32 PyTorch), to see which tensor a cache's cost comes from")
     _out_option(p)
     a = p.parse_args(argv)
     if a.model is not None:
@@ -131,7 +134,7 @@ def _model_accuracy(a, argv: list[str], prog: str) -> int:
     caches = {k: v for k, v in model_eval.CACHES.items() if a.caches is None or k == "BF16" or k in a.caches}
     bar = Progress(len(caches))
     try:
-        doc = model_eval.evaluate(a.context, a.scored, caches, device=device, progress=bar.step)
+        doc = model_eval.evaluate(a.context, a.scored, caches, device=device, progress=bar.step, exact=a.exact)
     except model_eval.MissingPackage as e:
         raise SystemExit(f"{prog} accuracy --model {a.model}: {e}") from None
     doc["command"] = f"{prog} accuracy " + shlex.join(argv)

@@ -46,6 +46,48 @@ for _bits in (4, 2):
                                                                                          quantizer=_q)
 
 
+#: ``exact``: the tensor a diagnostic run keeps unquantized (None: both quantized, the cache as it is).
+EXACT = (None, "k", "v")
+
+
+def exact_cache(exact: str, **kw):
+    """A :class:`~foscar.integrations.transformers.FoscarCache` of ``kw`` whose decode steps attend, in
+    float32 PyTorch, over its dequantized cache with tensor ``exact`` (``"k"`` or ``"v"``) replaced by
+    the values it was given: which tensor a cache's cost comes from (quantization alone; no kernel)."""
+    _check_exact(exact, allow_none=False)
+    from ..integrations.transformers import FoscarCache, FoscarLayer
+
+    class OneTensorExact(FoscarLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            given = getattr(self, "given", None)
+            self.given = ((key_states, value_states) if given is None else
+                          (torch.cat([given[0], key_states], 2), torch.cat([given[1], value_states], 2)))
+            return super().update(key_states, value_states, *args, **kwargs)
+
+        def attend(self, q, scaling):
+            k, v = (t[:, :, : self.length] for t in self.cache.dequantize(torch.float32))
+            if exact == "k":
+                k = self.given[0].float()
+            else:
+                v = self.given[1].float()
+            g = q.shape[1] // k.shape[1]
+            scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+            p = torch.softmax(torch.einsum("bhd,bhld->bhl", q.float(), k.repeat_interleave(g, 1)) * scale, -1)
+            return torch.einsum("bhl,bhld->bhd", p, v.repeat_interleave(g, 1))
+
+    class Cache(FoscarCache):
+        def _layer(self):
+            return OneTensorExact(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean)
+
+    return Cache(**kw)
+
+
+def _check_exact(exact, allow_none: bool = True) -> None:
+    if exact not in (EXACT if allow_none else EXACT[1:]):
+        from ..errors import InvalidArgumentError
+        raise InvalidArgumentError("exact", "'k' or 'v'" + (" or None" if allow_none else ""), repr(exact))
+
+
 class MissingPackage(RuntimeError):
     """A package the evaluation needs is not installed (the message says which, and how to get it)."""
 
@@ -101,11 +143,13 @@ def score(model, ids: torch.Tensor, context: int, cache) -> tuple[torch.Tensor, 
 
 
 def evaluate(context: int = 2048, scored: int = 256, caches: dict | None = None, device: str = "cpu",
-             progress=None) -> dict:
+             progress=None, exact: str | None = None) -> dict:
     """The table's records: ``{"text": ..., "versions": ..., "rows": [...]}``, one row per cache of
     ``caches`` (default :data:`CACHES`; the first must be the BF16 baseline, ``None``). Token-wise K also
     with a Hadamard rotation (seed 0), rotated with its keys centred (``key_mean="prefill"``), and those
-    with OSCAR's clip ratios or the ``mse`` range search (``quantizer``)."""
+    with OSCAR's clip ratios or the ``mse`` range search (``quantizer``). ``exact`` (:data:`EXACT`): a
+    diagnostic run with that tensor kept unquantized (:func:`exact_cache`)."""
+    _check_exact(exact)
     from ..integrations.transformers import FoscarCache
     caches = CACHES if caches is None else caches
     if next(iter(caches.values())) is not None:
@@ -116,7 +160,8 @@ def evaluate(context: int = 2048, scored: int = 256, caches: dict | None = None,
         raise ValueError(f"context, scored: the text has {ids.shape[1]} tokens, fewer than {context + scored}")
     rows, base = [], None
     for name, kw in caches.items():
-        nll, top = score(model, ids, context, None if kw is None else FoscarCache(**kw))
+        cache = None if kw is None else FoscarCache(**kw) if exact is None else exact_cache(exact, **kw)
+        nll, top = score(model, ids, context, cache)
         ppl = math.exp(float(nll.mean()))
         if base is None:
             base = (ppl, top)
@@ -126,13 +171,15 @@ def evaluate(context: int = 2048, scored: int = 256, caches: dict | None = None,
             progress()
     return {"text": f"{TEXT_PACKAGE}: {'/'.join(TEXT_PATH)} from {TEXT_START!r}", "context": context,
             "scored": scored, "model": f"{MODEL_PACKAGE}: {MODEL_FILE}", "device": device, "versions": versions(),
-            "rows": rows}
+            "exact": exact, "rows": rows}
 
 
 def render_markdown(doc: dict) -> str:
     v = ", ".join(f"{k} {x}" for k, x in doc["versions"].items())
     lines = [f"SmolLM2-135M-Instruct ({doc['model']}), {doc['context']} tokens of context then {doc['scored']} "
-             f"scored decode steps, on {doc['device']}. Text: {doc['text']}. Versions: {v}.", "",
+             f"scored decode steps, on {doc['device']}. Text: {doc['text']}. Versions: {v}."
+             + (f" Diagnostic: {doc['exact'].upper()} kept unquantized, attention over the dequantized cache."
+                if doc.get("exact") else ""), "",
              "| cache | perplexity | vs BF16 | greedy agreement with BF16 |", "|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['cache']} | {r['perplexity']:.3f} | {100 * (r['ppl_ratio'] - 1):+.1f}% | "

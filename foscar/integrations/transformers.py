@@ -91,6 +91,10 @@ class FoscarLayer(CacheLayerMixin):
         k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
+    def attend(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """A decode step's attention of ``q [B, Hq, D]`` over this layer's cache (:func:`foscar.decode`)."""
+        return foscar.decode(q, self.cache, sm_scale=scaling, backend=self.backend)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -143,9 +147,7 @@ def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       **kwargs)
     if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
         raise UnsupportedError("attention_mask", "padded batches are not supported by the foscar decode yet")
-    q = query[:, :, 0, :]
-    out = foscar.decode(q, layer.cache, sm_scale=scaling, backend=layer.backend)
-    return out.to(query.dtype)[:, None], None
+    return layer.attend(query[:, :, 0, :], scaling).to(query.dtype)[:, None], None
 
 
 def register() -> None:
