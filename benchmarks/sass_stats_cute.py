@@ -82,24 +82,30 @@ def main() -> int:
     p.add_argument("--v0", action="store_true", help="v0 (one warpgroup) instead of v1")
     p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
     p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3"), help="the K operands (Sm90Config.k_e4m3)")
+    p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2),
+                   help="v1: KV tiles per softmax pass (Sm90Config.tiles_per_pass); counts are per tile")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()
     fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    cfg = config_for(fmt, a.gqa, 64, a.k_operand)
+    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
-    loop = tile_loop(sass_of(cubin))
+    sass = sass_of(cubin)
+    loop = tile_loop(sass)
+    per = a.tiles_per_pass  # the loop's body is one pass
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
+    spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, INT{a.bits} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
-          f"g {a.group_size} GQA {a.gqa}: {len(loop)} SASS instructions per thread per 64-token tile, "
-          f"{len(loop) * 4 / packed:.3f} warp instructions per packed byte ({packed} bytes)\n")
+          f"g {a.group_size} GQA {a.gqa}, {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
+          f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "
+          f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel\n")
     print("| class | per thread per tile | share |\n|---|---|---|")
     for name, n in by_class.most_common():
-        print(f"| {name} | {n} | {100 * n / len(loop):.0f}% |")
-    print("\n| opcode | count |\n|---|---|")
+        print(f"| {name} | {n / per:g} | {100 * n / len(loop):.0f}% |")
+    print("\n| opcode | per tile |\n|---|---|")
     for op, n in Counter(loop).most_common(a.top):
-        print(f"| {op} | {n} |")
+        print(f"| {op} | {n / per:g} |")
     return 0
 
 

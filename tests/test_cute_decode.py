@@ -369,3 +369,66 @@ def test_e4m3_k_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_k
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, "E4M3 K: error", num_splits=num_splits, warp_specialized=ws,
                                k_operand="e4m3")
+
+
+# ---- two tiles per softmax pass (Sm90Config.tiles_per_pass, foscar.cute.pair) ----------------------------
+@pytest.mark.parametrize("bits,head_dim,gqa,group_size,k_operand", [
+    (2, 128, 4, 128, "e4m3"), (4, 128, 4, 128, "e4m3"), (4, 128, 3, 128, "e4m3"), (2, 128, 1, 128, "e4m3"),
+    (4, 64, 2, 64, "e4m3"), (2, 128, 4, 128, "bf16")])
+def test_two_tiles_per_pass_compile_for_sm90a(bits, head_dim, gqa, group_size, k_operand):
+    """v1 with two tiles a pass: both tiles' QK and PV products per consumer warpgroup (twice the wgmma of
+    one tile), no local memory at two CTAs per SM for these configurations."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=group_size)
+    one = compile_stage1(config_for(fmt, gqa, 64, k_operand), keep_ptx=True, warp_specialized=True,
+                         ctas_per_sm=2).__ptx__
+    cfg = config_for(fmt, gqa, 64, k_operand, 2)
+    assert cfg.tiles_per_pass == 2
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    wgmma = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k(16|32)")
+    assert len(wgmma.findall(ptx)) == 2 * len(wgmma.findall(one))
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "token-wise K and V"),
+                                         ({"v_axis": "channel"}, 4, "token-wise K and V"), ({}, 8, "gqa <= 4")])
+def test_two_tiles_per_pass_say_what_they_take(kw, gqa, what):
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
+    with pytest.raises(UnsupportedError, match=what):
+        config_for(fmt, gqa, 64, "bf16", 2)
+    with pytest.raises(foscar.errors.InvalidArgumentError, match="^tiles_per_pass: expected"):
+        config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "bf16", 3)
+    with pytest.raises(ValueError, match="v0 takes 1"):
+        compile_stage1(config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "bf16", 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("k_operand", ("e4m3", "bf16"))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([3000, 5, 200], 3, 3, {}),
+    ([6000, 333, 1], 2, None, {"group_size": 64}), ([2500, 70], 4, 5, {"head_dim": 64, "group_size": 64}),
+    ([4100, 191], 4, 1, {})])
+def test_two_tiles_per_pass_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw, k_operand):
+    """Two tiles a pass (odd tile counts per consumer, one-tile splits, splits past the sequence, padded heads):
+    every element against the float64 oracle within the bound of the one-tile kernels, LSE within 1e-2."""
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "two tiles a pass: error", num_splits=num_splits,
+                               warp_specialized=True, k_operand=k_operand, tiles_per_pass=2)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
+def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
+    """The magnitude cases of the one-tile kernels (V scales far from 1, constant groups before tiny ones)
+    with two tiles a pass: finite, within the kernels' bound of the float64 oracle."""
+    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
+    q, cache = magnitude_cache(fmt, magnitude, "cuda")
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+    decode(q, cache, out=out, warp_specialized=True, tiles_per_pass=2)
+    exact = foscar.decode_exact(q, cache)
+    assert torch.isfinite(out).all()
+    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))

@@ -75,6 +75,9 @@ class Sm90Config:
     v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
     k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as two E4M3 terms (foscar.cute.operands_e4m3)
     k_factor: float = 1.0  #: the K operand's scale: s' k_factor multiplies the MMA's sum (E4M3: 2^9)
+    #: KV tiles per softmax pass (v1): 2 puts a second tile's scores in the N columns that gqa <= 4 leaves as
+    #: padding, so that one pass of the online softmax serves two tiles (:mod:`foscar.cute.pair`)
+    tiles_per_pass: int = 1
 
     @property
     def kc(self) -> int:
@@ -190,21 +193,27 @@ def combine_chunk(parts: int) -> int:
 
 #: The K operands a kernel builds: BF16 by mantissa injection, or E4M3 by bit placement.
 K_OPERANDS = ("bf16", "e4m3")
+#: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
+TILES_PER_PASS = (1, 2)
 
 
 @functools.lru_cache(maxsize=256)  # host time per call
-def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16") -> Sm90Config:
+def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
-    page size and K operand (:data:`K_OPERANDS`); the injection constants are the Triton kernels'
-    (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. E4M3 K
-    operands take token-wise K, at most 4 query heads per KV head (two Q terms each in the N columns)
-    and no BF16 windows."""
+    page size, K operand (:data:`K_OPERANDS`) and tiles per softmax pass (:data:`TILES_PER_PASS`); the
+    injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`,
+    :func:`foscar.format.fold_constants`): one home. E4M3 K operands take token-wise K, at most 4 query
+    heads per KV head (two Q terms each in the N columns) and no BF16 windows; two tiles per pass take
+    token-wise K and V and at most 4 query heads per KV head (the second tile's scores in the other four
+    columns)."""
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
     from ..format import E4M3_PLACEMENT, fold_constants, injection_constants, operand_for
     if k_operand not in K_OPERANDS:
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
+    if tiles_per_pass not in TILES_PER_PASS:
+        raise InvalidArgumentError("tiles_per_pass", f"one of {TILES_PER_PASS}", tiles_per_pass)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -218,6 +227,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16") -> Sm90Config:
     if e4m3 and (fmt.k_axis != "token" or gqa > HEADS // 2 or fmt.sink or fmt.recent):
         raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, sink={fmt.sink}, "
                                f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa <= 4 and no windows")
+    if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2):
+        raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}",
+                               "two tiles per softmax pass take token-wise K and V and gqa <= 4")
     if e4m3:
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:
@@ -229,4 +241,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16") -> Sm90Config:
                       v_pattern=v["V_PATTERN"], v_shl=v["V_SHL"], v_pivot=float(v["V_PIVOT"]),
                       v_mid=float(v["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
-                      v_channel=fmt.v_axis == "channel")
+                      v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass)

@@ -110,15 +110,15 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
         op_scale = qk_scale * cfg.k_factor
     s = []
     if cutlass.const_expr(cfg.kc == 2):
-        quad = wg.thr.quad
+        col = wg.thr.col0
         s00 = Float32(0.0)
         s01 = Float32(0.0)
         s10 = Float32(0.0)
         s11 = Float32(0.0)
         for c in cutlass.range_constexpr(2):
             acc_c = accS[c]
-            q0 = wg.smem.sQsum[2 * quad, c]
-            q1 = wg.smem.sQsum[2 * quad + 1, c]
+            q0 = wg.smem.sQsum[col, c]
+            q1 = wg.smem.sQsum[col + 1, c]
             ka0 = par[c * 2] * op_scale  # row 0: (s', z') at (0 * kc + c) * 2
             ka1 = par[(2 + c) * 2] * op_scale  # row 1
             ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
@@ -239,14 +239,14 @@ def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
 
 
 def store_p(sP: cute.Tensor, thr, q: list):
-    """A tile's four P elements of this thread (element e: head 2 quad + e % 2, token row0 + 8 (e // 2)) into
-    the B operand ``sP`` of the O^T product."""
-    quad = thr.quad
-    row0 = thr.row0
-    sP[2 * quad, row0] = q[0]
-    sP[2 * quad + 1, row0] = q[1]
-    sP[2 * quad, row0 + 8] = q[2]
-    sP[2 * quad + 1, row0 + 8] = q[3]
+    """A tile's four P elements of this thread (element e: head col0 + e % 2, token prow0 + 8 (e // 2) of
+    the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B operand ``sP`` of the O^T product."""
+    col = thr.col0
+    row0 = thr.prow0
+    sP[col, row0] = q[0]
+    sP[col + 1, row0] = q[1]
+    sP[col, row0 + 8] = q[2]
+    sP[col + 1, row0 + 8] = q[3]
 
 
 def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):

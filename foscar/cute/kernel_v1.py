@@ -22,6 +22,7 @@ from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGIS
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
+from .pair import pair_step, second_tile_start
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -221,41 +222,70 @@ class FoldDecodeSm90WS(TileKernel):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c)
-        qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
+        pair = cfg.tiles_per_pass == 2
+        thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c, pair)
+        qsum = (smem.sQsum[thr.col0], smem.sQsum[thr.col0 + 1])
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
-        qinv = (smem.sQinv[2 * thr.quad], smem.sQinv[2 * thr.quad + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
+        qinv = (smem.sQinv[thr.col0], smem.sQinv[thr.col0 + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv)
-        state, regs, _ = allocate_registers(cfg, frags, prefetch=False)
+        state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, HEADS)))
-        for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
-            k = (tile - t_lo) // CONSUMERS
-            slot = c * STAGES + k % STAGES
-            cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
-            self._read_stage(ring, slot, regs, thr_c, thr)
-            cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
-            t0 = tile * TILE
-            state = self._tile_step(wg, regs, state, k, t0, 0)
+        if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
+            for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
+                k = (tile - t_lo) // CONSUMERS
+                slot = c * STAGES + k % STAGES
+                slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
+                has_b = tile + CONSUMERS < t_hi
+                if has_b:
+                    slot_b = c * STAGES + (k + 1) % STAGES
+                cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
+                if has_b:
+                    cute.arch.mbarrier_wait(ring.full + slot_b, ((k + 1) // STAGES) % 2)
+                self._read_words(ring, slot, regs, thr)
+                self._read_words(ring, slot_b, regs_b, thr)
+                slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
+                if thr.half == 1:
+                    slot_own = slot_b
+                self._read_params(ring, slot_own, regs, thr_c, thr)
+                cute.arch.mbarrier_arrive(ring.empty + slot)
+                if has_b:
+                    cute.arch.mbarrier_arrive(ring.empty + slot_b)
+                t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
+                state = pair_step(self, wg, regs, regs_b, state, k // 2, tile * TILE, t0_b)
+        else:
+            for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
+                k = (tile - t_lo) // CONSUMERS
+                slot = c * STAGES + k % STAGES
+                cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
+                self._read_words(ring, slot, regs, thr)
+                self._read_params(ring, slot, regs, thr_c, thr)
+                cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
+                t0 = tile * TILE
+                state = self._tile_step(wg, regs, state, k, t0, 0)
         self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c)
 
     @cute.jit
-    def _read_stage(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
+    def _read_words(self, ring: StageRing, slot, regs: TileRegisters, thr: WarpgroupThread):
         """This thread's words of the tile in stage ``slot`` (:func:`~foscar.cute.fragment.k_word`,
-        :func:`~foscar.cute.fragment.v_word`) and the ``(s', z')`` of its two token rows, into ``regs``."""
+        :func:`~foscar.cute.fragment.v_word`), into ``regs``."""
         cfg = self.cfg
         D = cfg.head_dim
-        warp = thr.warp
-        lane = thr.lane
+        for i in cutlass.range_constexpr(cfg.k_words):
+            regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, thr.warp, thr.lane, i), slot)]
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, thr.tidx, vb, mh), slot)]
+
+    @cute.jit
+    def _read_params(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
+        """The ``(s', z')`` of this thread's two token rows of the tile in stage ``slot``, into ``regs``."""
+        cfg = self.cfg
+        D = cfg.head_dim
         ctid = thr.tidx
         row0 = thr.row0
         sKP = ring.sKP
         sVP = ring.sVP
         par = regs.par
-        for i in cutlass.range_constexpr(cfg.k_words):
-            regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, warp, lane, i), slot)]
-        for vb in cutlass.range_constexpr(cfg.v_blocks):
-            for mh in cutlass.range_constexpr(cfg.mh):
-                regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, ctid, vb, mh), slot)]
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
                 if cutlass.const_expr(cfg.k_channel):  # this thread's channel of the group's row

@@ -74,17 +74,19 @@ DEFAULT_WARP_SPECIALIZED = True
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-                  k_operand: str | None = None, use_tuned: bool = True) -> tuple[bool, int, int, str]:
-    """``(warp_specialized, ctas_per_sm, num_splits, k_operand)`` of a launch: the given values, else the
-    autotune cache's (backend ``"cute"``; only where its entry is the variant asked for), else
-    :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM`, :func:`default_num_splits` and BF16 K
-    operands. Host facts only: no device read."""
+                  k_operand: str | None = None, tiles_per_pass: int | None = None,
+                  use_tuned: bool = True) -> tuple[bool, int, int, str, int]:
+    """``(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)`` of a launch: the given
+    values, else the autotune cache's (backend ``"cute"``; only where its entry is the variant asked for),
+    else :data:`DEFAULT_WARP_SPECIALIZED`, :data:`WS_CTAS_PER_SM`, :func:`default_num_splits`, BF16 K
+    operands and one tile per softmax pass. Two tiles per pass are v1's (v0 takes one). Host facts only:
+    no device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
-    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand):
+    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
@@ -94,22 +96,30 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
     if k_operand is None:
         k_operand = tuned.get("k_operand", "bf16")
+    if tiles_per_pass is None:
+        tiles_per_pass = tuned.get("tiles_per_pass", 1)
+    check_int("tiles_per_pass", tiles_per_pass, allowed=(1, 2))
+    if tiles_per_pass == 2 and not warp_specialized:
+        raise InvalidArgumentError("tiles_per_pass", "1 with warp_specialized=False (two tiles per pass are v1's)",
+                                   tiles_per_pass)
     if num_splits is None:
         num_splits = tuned.get("num_splits")
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles_of(cache), q.device,
                                         ctas_per_sm if warp_specialized else V0_RESIDENT)
     check_int("num_splits", num_splits, minimum=1)
-    return warp_specialized, ctas_per_sm, num_splits, k_operand
+    return warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass
 
 
 def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int | None,
-                  k_operand: str | None = None) -> bool:
+                  k_operand: str | None = None, tiles_per_pass: int | None = None) -> bool:
     """Whether a tuned entry is the variant the caller asked for (``None``: any)."""
     tuned_ws = bool(tuned.get("warp_specialized", DEFAULT_WARP_SPECIALIZED))
     if warp_specialized is not None and warp_specialized != tuned_ws:
         return False
     if k_operand is not None and k_operand != tuned.get("k_operand", "bf16"):
+        return False
+    if tiles_per_pass is not None and tiles_per_pass != tuned.get("tiles_per_pass", 1):
         return False
     return ctas_per_sm is None or not tuned_ws or tuned.get("ctas_per_sm", WS_CTAS_PER_SM) == ctas_per_sm
 
@@ -146,7 +156,8 @@ def max_tiles_of(cache: QuantKVCache) -> int:
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-           workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None):
+           workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None,
+           tiles_per_pass: int | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
@@ -154,17 +165,18 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.splitkv.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
     operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes);
-    unset, the autotune cache's, else BF16."""
+    unset, the autotune cache's, else BF16. ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2
+    (:mod:`foscar.cute.pair`); unset, the autotune cache's, else 1."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
-        k_operand=k_operand)
+        k_operand=k_operand, tiles_per_pass=tiles_per_pass)
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str | None = None) -> None:
+        k_operand: str | None = None, tiles_per_pass: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..splitkv import num_window_parts, window_partials, workspace_for
@@ -174,10 +186,11 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
     B = q.shape[0]
-    warp_specialized, ctas, num_splits, k_operand = launch_config(
+    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
-        warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand)
-    cfg = config_for(fmt, G, cache.page_size, k_operand)
+        warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
+        tiles_per_pass=tiles_per_pass)
+    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,

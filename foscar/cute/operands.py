@@ -33,7 +33,7 @@ def mmas_and_layouts(cfg: Sm90Config):
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
     p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
-    sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE), (0, 1))
+    sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 

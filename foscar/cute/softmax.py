@@ -2,7 +2,9 @@
 
 A thread holds four elements of a tile's ``S^T`` (element ``e``: head column ``2 quad + e % 2``, token row
 ``row0 + 8 (e // 2)``); a column's 64 tokens sit on the eight lanes sharing ``quad`` in each of the four
-warps, so a column reduction is three butterfly shuffles, then the warps through shared memory.
+warps, so a column reduction is three butterfly shuffles, then the warps through shared memory. With two
+tiles per pass (``thr.pair``, :mod:`foscar.cute.pair`) quads 2 and 3 hold the second tile's heads 0-3: one
+more shuffle joins a head's two tiles.
 :class:`OnlineSoftmax` is the running state of a thread's two columns.
 """
 from __future__ import annotations
@@ -65,6 +67,9 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
         mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
         mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
         vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
+    if cutlass.const_expr(thr.pair):  # the same head's column of the pass's other tile, two quads over
+        mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 2))
+        mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 2))
     vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
     vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
     if cutlass.const_expr(cfg.vc == 2):
@@ -106,6 +111,9 @@ def column_sums(el: cute.Tensor, sSum: cute.Tensor, thr):
     for sh in cutlass.range_constexpr(3):
         c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 4 << sh)
         c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 4 << sh)
+    if cutlass.const_expr(thr.pair):  # two tiles per pass: the head's elements of the other tile
+        c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 2)
+        c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 2)
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)  # earlier readers of sSum are done
     if lane < 4:
         sSum[warp, 2 * lane] = c0

@@ -40,17 +40,33 @@ from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
 class WarpgroupThread:
-    """Thread ``tidx`` (0..127) of a warpgroup: its warp and lane, ``quad`` (its S^T head columns are
-    ``2 quad`` and ``2 quad + 1``) and ``row0`` (its token rows of a tile, ``row0`` and ``row0 + 8``);
-    ``bar_id`` is the warpgroup's named barrier."""
+    """Thread ``tidx`` (0..127) of a warpgroup: its warp and lane, ``quad`` (its S^T columns are ``2 quad``
+    and ``2 quad + 1``) and ``row0`` (its token rows of a tile, ``row0`` and ``row0 + 8``); ``bar_id`` is the
+    warpgroup's named barrier. The softmax elements it holds: heads ``col0`` and ``col0 + 1`` of the tile
+    ``half`` of a pass, rows ``prow0`` and ``prow0 + 8`` of the pass's P' (``pair``, two tiles per pass:
+    quads 2 and 3 hold the second tile's heads 0-3, :mod:`foscar.cute.pair`; else ``2 quad``, 0, ``row0``)."""
 
-    def __init__(self, tidx, bar_id: int):
+    def __init__(self, tidx, bar_id: int, pair: bool = False):
         self.tidx = tidx
         self.warp = tidx // 32
         self.lane = tidx % 32
         self.quad = self.lane % 4
         self.row0 = 16 * self.warp + self.lane // 4
         self.bar_id = bar_id
+        self.pair = pair
+
+    # properties, not fields: the arithmetic is traced where it is used
+    @property
+    def col0(self):
+        return 2 * (self.quad % 2) if self.pair else 2 * self.quad
+
+    @property
+    def half(self):
+        return self.quad // 2 if self.pair else 0
+
+    @property
+    def prow0(self):
+        return self.row0 + TILE * self.half if self.pair else self.row0
 
 
 class WarpgroupSmem:
@@ -86,6 +102,9 @@ class Fragments:
         self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = None if cfg.k_e4m3 else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        self.accS_b = None  # two tiles per pass: the second tile's S^T
+        if cfg.tiles_per_pass == 2:
+            self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
         self.thr_pv = pv_mma.get_slice(tidx)
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
@@ -268,11 +287,12 @@ class TileKernel:
         return RunningState(softmax, out, kgroup)
 
     @cute.jit
-    def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, kgroup):
-        """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it),
-        K built in registers: ``[accS]``, or with two channel groups
-        of a token-wise K one group-local partial each; channel-wise K multiplies ``Q'``, rebuilt at a token
-        group's first tile (the operand-fold). Returns ``(partials, kgroup)``."""
+    def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, kgroup, accS=None,
+            sum_terms: cutlass.Constexpr = True):
+        """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
+        unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
+        with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
+        ``Q'``, rebuilt at a token group's first tile (the operand-fold). Returns ``(partials, kgroup)``."""
         cfg = self.cfg
         frags = wg.frags
         if cutlass.const_expr(cfg.k_e4m3):
@@ -284,7 +304,8 @@ class TileKernel:
             if grp != kgroup:
                 k_operand_fold(cfg, wg, sc.k[0], sc.k[1])
                 kgroup = grp
-        accS = frags.accS
+        if cutlass.const_expr(accS is None):
+            accS = frags.accS
         accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the kernel: no state set in here)
         partials = [accS]
         if cutlass.const_expr(cfg.kc == 2):  # token-wise K, 2 channel groups: the second group's partial
@@ -303,7 +324,7 @@ class TileKernel:
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(cfg.k_e4m3):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
+        if cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
         return partials, kgroup
@@ -329,9 +350,10 @@ class TileKernel:
         return [s00, s01, s10, s11]
 
     @cute.jit
-    def _pv(self, wg: Warpgroup, out: OutputAccumulator):
-        """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers; with two channel groups
-        of a token-wise V each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each)."""
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
+        """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
+        ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
+        each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each)."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
@@ -344,12 +366,12 @@ class TileKernel:
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                     a_h = tOrV[(None, half, kb)]
                     a2 = cute.make_tensor(a_h.iterator, cute.make_layout(((2, 2, 2), 1), stride=((1, 2, 4), 0)))
-                    b_h = frags.tOrP[half][(None, None, kb)]
+                    b_h = frags.tOrP[half][(None, None, kb0 + kb)]
                     cute.gemm(wg.pv_mma, acc3, a2, b_h, acc3)
         else:
             tOrP = frags.tOrP[0]
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb], accO)
+                cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 

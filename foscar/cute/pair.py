@@ -1,0 +1,106 @@
+"""Two 64-token KV tiles per pass of the online softmax (``Sm90Config.tiles_per_pass == 2``, v1).
+
+With at most four query heads per KV head, half of the S^T accumulator's N columns are padding (BF16 K) or
+hold Q's ``lo`` term, summed away before the softmax (E4M3 K): quads 2 and 3 of every lane group hold no
+score of their own, yet every warp instruction of the softmax runs on all lanes. A pass takes two tiles,
+``A`` and ``B``: both QK products, then one butterfly shuffle per element moves B's heads 0-3 into quads 2
+and 3 (:func:`join_tiles`), and the scores' fold, the column maxima, the exponentials and the P' build run
+once for both tiles. Each thread then holds the elements of one tile: heads ``col0``, ``col0 + 1`` of tile
+``half`` (:class:`~foscar.cute.warpgroup.WarpgroupThread`), with that tile's ``(s', z')`` of its rows; the
+column reductions add one shuffle to join a head's two tiles (:mod:`foscar.cute.softmax`). The pass's P'
+holds both tiles' tokens (B's from row 64), and O^T takes the two PV products, one per tile's V^T.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .config import CORRECTION_TILES, TILE
+from .folds import fold_corrections, p_scales, v_operand_fold
+from .operands import build_vt_registers
+from .operands_e4m3 import sum_q_terms, term_columns
+from .softmax import tile_maxima
+from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
+
+
+@cute.jit
+def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup) -> cute.Tensor:
+    """The pass's S^T elements of this thread, in ``acc_a``: tile A's in quads 0 and 1, tile B's heads in
+    quads 2 and 3 (element ``e``: head ``col0 + e % 2``). E4M3 K operands with the ``lo`` terms two quads
+    over (``gp`` 4): the shuffle that moves B also brings each head's other term, and the terms are summed
+    here (``(hi + lo / 16) 2^-e``); else each tile's terms are summed first (:func:`sum_q_terms`)."""
+    thr = wg.thr
+    half = thr.half
+    if cutlass.const_expr(cfg.k_e4m3 and term_columns(cfg.gqa) == 4):
+        for e in cutlass.range_constexpr(cute.size(acc_a)):
+            mine = acc_a[e]
+            send = acc_b[e]
+            if half == 1:  # quads 2, 3 hold the lo terms of both tiles: keep B's, send A's
+                mine = acc_b[e]
+                send = acc_a[e]
+            other = cute.arch.shuffle_sync_bfly(send, 2)
+            hi = mine
+            lo = other
+            if half == 1:
+                hi = other
+                lo = mine
+            s = (hi + lo * 0.0625) * wg.qinv[e % 2]
+            if cutlass.const_expr(cfg.gqa < 4):
+                if thr.col0 + e % 2 >= cfg.gqa:  # a padded head
+                    s = Float32(0.0)
+            acc_a[e] = s
+    else:
+        if cutlass.const_expr(cfg.k_e4m3):  # each tile's scores in its quads 0 and 1 (2^-e by quad)
+            sum_q_terms(acc_a, cfg.gqa, thr.quad, wg.qinv[0], wg.qinv[1])
+            sum_q_terms(acc_b, cfg.gqa, thr.quad, wg.qinv[0], wg.qinv[1])
+        for e in cutlass.range_constexpr(cute.size(acc_a)):
+            moved = cute.arch.shuffle_sync_bfly(acc_b[e], 2)
+            if half == 1:
+                acc_a[e] = moved
+    return acc_a
+
+
+@cute.jit
+def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, state: RunningState, step, t0,
+              t0_b) -> RunningState:
+    """One pass over tiles A (words in ``regs``, starting at token ``t0``) and B (``regs_b``, ``t0_b``; the
+    sequence's length or more when the warpgroup has no second tile: its rows are masked). ``regs.par``
+    holds the ``(s', z')`` of this thread's rows in its own tile (``half``). ``step``: the pass's index in
+    the warpgroup's sequence. The same folds as :meth:`~foscar.cute.warpgroup.TileKernel._tile_step`."""
+    cfg = kern.cfg
+    thr = wg.thr
+    frags = wg.frags
+    t_own = t0
+    if thr.half == 1:
+        t_own = t0_b
+    sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
+    parts_a, kgroup = kern._qk(wg, regs, sc, t0, state.kgroup, None, False)
+    parts_b, _ = kern._qk(wg, regs_b, sc, t0_b, state.kgroup, frags.accS_b, False)
+    parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
+    s = kern._scores(wg, regs, sc, parts)
+    tm0, tm1, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, sc.v_scales())
+    softmax = state.softmax
+    out = state.out
+    al = softmax.advance(tm0, tm1)
+    sigma = p_scales(cfg, wg, out, step, tv)
+    p = softmax.probabilities(s, al)
+    v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)  # both tiles' P' (B's tokens from row TILE)
+    out.rescale(al, sigma)
+    build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
+    kern._pv(wg, out, 0)
+    build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
+    kern._pv(wg, out, cute.size(frags.tOrV, mode=[2]))
+    passes = CORRECTION_TILES // 2
+    if step % passes == passes - 1:
+        fold_corrections(cfg, out, wg.smem.sSum, thr)
+    return RunningState(softmax, out, kgroup)
+
+
+@cute.jit
+def second_tile_start(tile_b, t_hi, n):
+    """Token of tile B's start, or ``n`` (every row masked) when the warpgroup has no tile B."""
+    t0_b = tile_b * TILE
+    if tile_b >= t_hi:
+        t0_b = n
+    return t0_b
