@@ -282,11 +282,16 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     assert cute_launch.launch_config(q, cache, 4, ctas_per_sm=1)[1:3] == (
         1, cute_launch.default_num_splits(8, 8, 1, q.device, 1))
     assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3, "bf16", 1)
-    # E4M3 K operands or two tiles per pass asked for: the entry tuned for BF16 ones, one tile a pass, does not apply
+    # E4M3 K operands or two tiles per pass asked for: the entry tuned for BF16 ones, one tile a pass, does not
+    # apply; the untuned v1 default is E4M3 K with two tiles a pass where the format takes them
     assert cute_launch.launch_config(q, cache, 4, k_operand="e4m3")[2:] == (
-        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 1)
+        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
     assert cute_launch.launch_config(q, cache, 4, tiles_per_pass=2)[2:] == (
-        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "bf16", 2)
+        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
+    assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:] == ("bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2)
+    assert cute_launch.default_variant(cache.fmt, 8, cache.page_size) == ("bf16", 1)  # gqa 8: neither
+    assert cute_launch.default_variant(cache.fmt, 4, cache.page_size, "bf16") == ("bf16", 2)
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
     with pytest.raises(InvalidArgumentError, match="^warp_specialized: expected"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=1)
