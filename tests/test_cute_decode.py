@@ -432,3 +432,82 @@ def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+
+
+# ---- E4M3 V operands (Sm90Config.v_e4m3, foscar.cute.pv_e4m3) ---------------------------------------------
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_e4m3_vt_registers_are_the_tile_fragment_map(head_dim):
+    """CuTe's E4M3 A fragment of V^T (Uint32 view) puts register r at the tile register v_register_source_e4m3
+    names, whose bytes tile_fragment_map places at (row, kappa): channel = row, token = order[kappa]; and
+    token_kappa inverts contraction_order."""
+    from foscar import e4m3
+    from foscar.cute.fragment import trace_a_ownership
+    from foscar.cute.operands_e4m3 import qk_mma_e4m3
+    from foscar.cute.pv_e4m3 import token_kappa, v_register_source_e4m3
+    own = trace_a_ownership(lambda: qk_mma_e4m3(), head_dim, 64, 4)
+    for bits in (2, 4):
+        fmap = e4m3.tile_fragment_map(bits, head_dim, "v")
+        rpw = 8 // bits
+        for r in range(own.shape[1]):
+            vb, mh, sh = v_register_source_e4m3(bits, head_dim, r)
+            e = vb * rpw + sh // bits
+            assert torch.equal(own[:, r, :, 0], fmap["row"][mh, :, e])
+            assert torch.equal(own[:, r, :, 1], fmap["kappa"][mh, :, e])
+        assert torch.equal(fmap["row"], fmap["channel"])
+        order = e4m3.contraction_order(bits, 64)
+        assert torch.equal(order[fmap["kappa"]], fmap["token"])
+        assert [token_kappa(bits, int(t)) for t in order] == list(range(64))
+
+
+@pytest.mark.parametrize("bits,head_dim,gqa", [(2, 128, 4), (4, 128, 4), (2, 64, 2), (4, 128, 3)])
+def test_e4m3_v_operands_compile_for_sm90a(bits, head_dim, gqa):
+    """E4M3 K and V: every wgmma m64n8k32 E4M3 (QK and PV), twice a tile's per pass, no local memory."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim)
+    cfg = config_for(fmt, gqa, 64, "e4m3", 2, "e4m3")
+    assert cfg.v_e4m3 and cfg.v_factor == 512.0
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    per_tile = head_dim // 32 + 2 * (head_dim // 64)  # QK: D/32 k32 steps; PV: 2 k32 steps per m64 half
+    assert len(E4M3_WGMMA.findall(ptx)) == 2 * 2 * per_tile  # two consumer code paths, two tiles a pass
+    assert not WGMMA_RS.findall(ptx), "no BF16/FP16 product left"
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+def test_e4m3_v_operands_say_what_they_take():
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    with pytest.raises(UnsupportedError, match="two tiles per pass and group_size = head_dim"):
+        config_for(fmt, 4, 64, "e4m3", 1, "e4m3")
+    with pytest.raises(UnsupportedError, match="two tiles per pass and group_size = head_dim"):
+        config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=64), 4, 64, "e4m3", 2, "e4m3")
+    with pytest.raises(foscar.errors.InvalidArgumentError, match="^v_operand: expected"):
+        config_for(fmt, 4, 64, "e4m3", 2, "fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("k_operand", ("e4m3", "bf16"))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([3000, 5, 200], 3, 3, {}),
+    ([2500, 70], 4, 5, {"head_dim": 64, "group_size": 64}), ([4100, 191], 2, 1, {})])
+def test_e4m3_v_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw, k_operand):
+    """E4M3 V^T operands with P' as two E4M3 terms: every element against the float64 oracle within the
+    bound of the FP16-operand kernels (BF16 attention's error on the same cache), LSE within 1e-2."""
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "E4M3 V: error", num_splits=num_splits, warp_specialized=True,
+                               k_operand=k_operand, tiles_per_pass=2, v_operand="e4m3")
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
+def test_e4m3_v_operands_values_of_any_magnitude_gpu(magnitude):
+    """The magnitude cases with E4M3 V operands: finite, within the kernels' bound of the float64 oracle."""
+    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
+    q, cache = magnitude_cache(fmt, magnitude, "cuda")
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+    decode(q, cache, out=out, warp_specialized=True, tiles_per_pass=2, v_operand="e4m3")
+    exact = foscar.decode_exact(q, cache)
+    assert torch.isfinite(out).all()
+    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))

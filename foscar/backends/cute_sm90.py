@@ -45,10 +45,7 @@ class CuteSm90(Backend):
 
     def launch_config(self, problem) -> dict:
         from ..cute.launch import launch_config
-        ws, ctas, num_splits, k_operand, tiles = launch_config(problem.q, problem.cache, problem.gqa,
-                                                               num_splits=problem.num_splits)
-        return {"num_splits": num_splits, "warp_specialized": ws, "ctas_per_sm": ctas, "k_operand": k_operand,
-                "tiles_per_pass": tiles}
+        return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)._asdict()
 
     def num_parts(self, fmt, config: dict) -> int:
         from ..cute.launch import num_parts
