@@ -84,11 +84,10 @@ def main() -> int:
     p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3"), help="the K operands (Sm90Config.k_e4m3)")
     p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2),
                    help="v1: KV tiles per softmax pass (Sm90Config.tiles_per_pass); counts are per tile")
-    p.add_argument("--v-operand", default="f16", choices=("f16", "e4m3"), help="the V operands (Sm90Config.v_e4m3)")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()
     fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.v_operand)
+    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     sass = sass_of(cubin)
     loop = tile_loop(sass)

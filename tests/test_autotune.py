@@ -274,24 +274,22 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     at.clear_lookup_cache()
     assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
     assert launch.launch_config(q, cache, 4)[1:3] == (5, 8)
-    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3, "bf16", 1, "f16")
-    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (
-        False, 2, 7, "bf16", 1, "f16")
+    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3, "bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7, "bf16", 1)
     # another variant than the tuned one: the heuristic split count, not the one tuned for v1 at 2 CTAs
     heuristic = cute_launch.default_num_splits(8, 8, 1, q.device, cute_launch.V0_RESIDENT)
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic, "bf16", 1, "f16")
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic, "bf16", 1)
     assert cute_launch.launch_config(q, cache, 4, ctas_per_sm=1)[1:3] == (
         1, cute_launch.default_num_splits(8, 8, 1, q.device, 1))
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (
-        True, 2, 3, "bf16", 1, "f16")
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3, "bf16", 1)
     # E4M3 K operands or two tiles per pass asked for: the entry tuned for BF16 ones, one tile a pass, does not
     # apply; the untuned v1 default is E4M3 K with two tiles a pass where the format takes them
     assert cute_launch.launch_config(q, cache, 4, k_operand="e4m3")[2:] == (
-        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2, "f16")
+        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
     assert cute_launch.launch_config(q, cache, 4, tiles_per_pass=2)[2:] == (
-        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2, "f16")
-    assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:] == ("bf16", 1, "f16")
-    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2, "f16")
+        cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
+    assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:] == ("bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2)
     assert cute_launch.default_variant(cache.fmt, 8, cache.page_size) == ("bf16", 1)  # gqa 8: neither
     assert cute_launch.default_variant(cache.fmt, 4, cache.page_size, "bf16") == ("bf16", 2)
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
@@ -301,7 +299,6 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
         cute_launch.launch_config(q, cache, 4, ctas_per_sm=3)
     with pytest.raises(InvalidArgumentError, match="^tiles_per_pass: expected"):
         cute_launch.launch_config(q, cache, 4, tiles_per_pass=3)
-    assert cute_launch.launch_config(q, cache, 4, v_operand="e4m3")[3:] == ("e4m3", 2, "e4m3")
     with pytest.raises(InvalidArgumentError, match="^tiles_per_pass: expected 1 with warp_specialized=False"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=False, tiles_per_pass=2)
     at.clear_lookup_cache()

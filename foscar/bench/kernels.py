@@ -272,17 +272,12 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     BackendKernel("foscar_folded", "triton", {"kernel": "folded"}),
     Baseline("foscar_reconstruct", "quant", build_foscar_reconstruct, _foscar_unavailable),
     BackendKernel("foscar_cute", "cute", {"warp_specialized": False, "k_operand": "bf16"}, default=False),  # v0
-    BackendKernel("foscar_cute_ws", "cute", {"warp_specialized": True, "k_operand": "bf16", "tiles_per_pass": 1,
-                                              "v_operand": "f16"},
+    BackendKernel("foscar_cute_ws", "cute", {"warp_specialized": True, "k_operand": "bf16", "tiles_per_pass": 1},
                   default=False),  # v1
-    BackendKernel("foscar_cute_e4m3", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 1,
-                                                "v_operand": "f16"},
+    BackendKernel("foscar_cute_e4m3", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 1},
                   default=False),
-    BackendKernel("foscar_cute_pair", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2,
-                                                "v_operand": "f16"},
+    BackendKernel("foscar_cute_pair", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2},
                   default=False),  # two tiles per softmax pass
-    BackendKernel("foscar_cute_e4m3_v", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2,
-                                                 "v_operand": "e4m3"}, default=False),  # E4M3 K and V
     AutoKernel("foscar_auto", default=False),
     Baseline("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),
     Baseline("flashinfer_tc", "bf16", build_flashinfer(True)),

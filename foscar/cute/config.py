@@ -78,8 +78,6 @@ class Sm90Config:
     #: KV tiles per softmax pass (v1): 2 puts a second tile's scores in the N columns that gqa <= 4 leaves as
     #: padding, so that one pass of the online softmax serves two tiles (:mod:`foscar.cute.pair`)
     tiles_per_pass: int = 1
-    v_e4m3: bool = False  #: E4M3 V^T operands by bit placement and P' as two E4M3 terms (foscar.cute.pv_e4m3)
-    v_factor: float = 1.0  #: the V operand's scale: s' v_factor (E4M3: 2^9)
 
     @property
     def kc(self) -> int:
@@ -197,21 +195,17 @@ def combine_chunk(parts: int) -> int:
 K_OPERANDS = ("bf16", "e4m3")
 #: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
 TILES_PER_PASS = (1, 2)
-#: The V operands a kernel builds: FP16 by mantissa injection, or E4M3 by bit placement.
-V_OPERANDS = ("f16", "e4m3")
 
 
 @functools.lru_cache(maxsize=256)  # host time per call
-def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
-               v_operand: str = "f16") -> Sm90Config:
+def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
-    page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and V
-    operand (:data:`V_OPERANDS`); the injection constants are the Triton kernels'
-    (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. E4M3 K
-    operands take token-wise K, at most 4 query heads per KV head (two Q terms each in the N columns)
-    and no BF16 windows; two tiles per pass take token-wise K and V and at most 4 query heads per KV head
-    (the second tile's scores in the other four columns); E4M3 V operands take two tiles per pass and one
-    V channel group (group size = head dim; P's two terms in the N columns)."""
+    page size, K operand (:data:`K_OPERANDS`) and tiles per softmax pass (:data:`TILES_PER_PASS`); the
+    injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`,
+    :func:`foscar.format.fold_constants`): one home. E4M3 K operands take token-wise K, at most 4 query
+    heads per KV head (two Q terms each in the N columns) and no BF16 windows; two tiles per pass take
+    token-wise K and V and at most 4 query heads per KV head (the second tile's scores in the other four
+    columns)."""
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
@@ -220,8 +214,6 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     if tiles_per_pass not in TILES_PER_PASS:
         raise InvalidArgumentError("tiles_per_pass", f"one of {TILES_PER_PASS}", tiles_per_pass)
-    if v_operand not in V_OPERANDS:
-        raise InvalidArgumentError("v_operand", f"one of {V_OPERANDS}", v_operand)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -238,23 +230,15 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}",
                                "two tiles per softmax pass take token-wise K and V and gqa <= 4")
-    v_e4m3 = v_operand == "e4m3"
-    if v_e4m3 and (tiles_per_pass != 2 or g != fmt.head_dim):
-        raise UnsupportedError(f"v_operand='e4m3' with tiles_per_pass={tiles_per_pass}, group_size={g}",
-                               "E4M3 V operands take two tiles per pass and group_size = head_dim")
     if e4m3:
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:
         k = {**injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt), "K_FACTOR": 1.0}
-    if v_e4m3:
-        v = {"V_PATTERN": 0, "V_SHL": 0, **fold_constants("V", E4M3_PLACEMENT, fmt)}
-    else:
-        v = {**injection_constants("V", operand_for(torch.float16, fmt.bits), fmt), "V_FACTOR": 1.0}
+    v = injection_constants("V", operand_for(torch.float16, fmt.bits), fmt)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivot=float(k["K_PIVOT"]), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, k_factor=float(k["K_FACTOR"]),
                       v_pattern=v["V_PATTERN"], v_shl=v["V_SHL"], v_pivot=float(v["V_PIVOT"]),
                       v_mid=float(v["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
-                      v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
-                      v_e4m3=v_e4m3, v_factor=float(v["V_FACTOR"]))
+                      v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass)

@@ -14,14 +14,14 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config
 from .folds import q_sums
 from .fragment import k_word, v_word
-from .operands import mmas_and_layouts, p_element_type, q_element_type, stage_q
+from .operands import mmas_and_layouts, q_element_type, stage_q
 from .pair import pair_step, second_tile_start
 from .warpgroup import (
     Fragments,
@@ -157,8 +157,7 @@ class FoldDecodeSm90WS(TileKernel):
             return [make() for _ in range(CONSUMERS)]
 
         def p_buffer():
-            return alloc.allocate_tensor(p_element_type(cfg), sP_layout.outer, byte_alignment=1024,
-                                         swizzle=sP_layout.inner)
+            return alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
 
         sP = each(p_buffer)
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'

@@ -74,7 +74,7 @@ DEFAULT_WARP_SPECIALIZED = True
 
 
 class LaunchConfig(NamedTuple):
-    """What one CuTe decode launches: the variant (v1 or v0) and CTAs per SM, the split count, the K and V
+    """What one CuTe decode launches: the variant (v1 or v0) and CTAs per SM, the split count, the K
     operands and the KV tiles per softmax pass."""
 
     warp_specialized: bool
@@ -82,24 +82,23 @@ class LaunchConfig(NamedTuple):
     num_splits: int
     k_operand: str
     tiles_per_pass: int
-    v_operand: str = "f16"
 
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
-                  k_operand: str | None = None, tiles_per_pass: int | None = None, v_operand: str | None = None,
+                  k_operand: str | None = None, tiles_per_pass: int | None = None,
                   use_tuned: bool = True) -> LaunchConfig:
     """The :class:`LaunchConfig` of a launch: the given values, else the autotune cache's (backend
     ``"cute"``; only where its entry is the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`,
-    :data:`WS_CTAS_PER_SM`, :func:`default_num_splits`, FP16 V operands and, for v1, E4M3 K operands and
-    two tiles per softmax pass where the format takes them (:func:`default_variant`); v0 takes BF16 K
-    operands and one tile per pass. Host facts only: no device read."""
+    :data:`WS_CTAS_PER_SM`, :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per
+    softmax pass where the format takes them (:func:`default_variant`); v0 takes BF16 K operands and one
+    tile per pass. Host facts only: no device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
-    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass, v_operand):
+    if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
@@ -117,15 +116,13 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     if tiles_per_pass == 2 and not warp_specialized:
         raise InvalidArgumentError("tiles_per_pass", "1 with warp_specialized=False (two tiles per pass are v1's)",
                                    tiles_per_pass)
-    if v_operand is None:
-        v_operand = tuned.get("v_operand", "f16")
     if num_splits is None:
         num_splits = tuned.get("num_splits")
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles_of(cache), q.device,
                                         ctas_per_sm if warp_specialized else V0_RESIDENT)
     check_int("num_splits", num_splits, minimum=1)
-    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass, v_operand)
+    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
 
 
 def default_variant(fmt, G: int, page: int, k_operand: str | None = None) -> tuple[str, int]:
@@ -147,11 +144,8 @@ def _takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int) -> bool:
 
 
 def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int | None,
-                  k_operand: str | None = None, tiles_per_pass: int | None = None,
-                  v_operand: str | None = None) -> bool:
+                  k_operand: str | None = None, tiles_per_pass: int | None = None) -> bool:
     """Whether a tuned entry is the variant the caller asked for (``None``: any)."""
-    if v_operand is not None and v_operand != tuned.get("v_operand", "f16"):
-        return False
     tuned_ws = bool(tuned.get("warp_specialized", DEFAULT_WARP_SPECIALIZED))
     if warp_specialized is not None and warp_specialized != tuned_ws:
         return False
@@ -195,7 +189,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
            workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None,
-           tiles_per_pass: int | None = None, v_operand: str | None = None):
+           tiles_per_pass: int | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
@@ -204,18 +198,17 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
     operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes);
     unset, the autotune cache's, else BF16. ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2
-    (:mod:`foscar.cute.pair`); unset, the autotune cache's, else :func:`default_variant`'s. ``v_operand``:
-    ``"f16"`` or ``"e4m3"`` (:mod:`foscar.cute.pv_e4m3`); unset, the autotune cache's, else FP16."""
+    (:mod:`foscar.cute.pair`); unset, the autotune cache's, else 1."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
-        k_operand=k_operand, tiles_per_pass=tiles_per_pass, v_operand=v_operand)
+        k_operand=k_operand, tiles_per_pass=tiles_per_pass)
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str | None = None, tiles_per_pass: int | None = None, v_operand: str | None = None) -> None:
+        k_operand: str | None = None, tiles_per_pass: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..splitkv import num_window_parts, window_partials, workspace_for
@@ -225,11 +218,11 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     fmt = cache.fmt
     B = q.shape[0]
-    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass, v_operand = launch_config(
+    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
-        tiles_per_pass=tiles_per_pass, v_operand=v_operand)
-    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, v_operand)
+        tiles_per_pass=tiles_per_pass)
+    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,

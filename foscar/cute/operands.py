@@ -23,14 +23,6 @@ def mmas_and_layouts(cfg: Sm90Config):
     ``cfg.k_e4m3``) and ``O^T = V^T P^T`` (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
     pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                          (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
-    tokens = TILE * cfg.tiles_per_pass  # a pass's tokens: P'^T's contraction extent
-    if cutlass.const_expr(cfg.v_e4m3):
-        from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
-        pv_mma = qk_mma_e4m3()  # the same E4M3 m64n8k32 MMA, V^T from registers
-        sP_layout = sq_layout_e4m3(tokens)
-    else:
-        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
-        sP_layout = cute.tile_to_shape(p_atom, (HEADS, tokens), (0, 1))
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
         qk_mma = qk_mma_e4m3()
@@ -40,6 +32,8 @@ def mmas_and_layouts(cfg: Sm90Config):
                                              (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+    p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+    sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 
@@ -50,12 +44,6 @@ def q_element_type(cfg: Sm90Config):
     """The element type of Q^T in shared memory: BF16, or E4M3 (its two terms)."""
     from cutlass import Float8E4M3FN
     return Float8E4M3FN if cfg.k_e4m3 else BFloat16
-
-
-def p_element_type(cfg: Sm90Config):
-    """The element type of P'^T in shared memory: FP16, or E4M3 (its two terms)."""
-    from cutlass import Float8E4M3FN
-    return Float8E4M3FN if cfg.v_e4m3 else Float16
 
 
 @cute.jit

@@ -20,7 +20,6 @@ from .config import CORRECTION_TILES, TILE
 from .folds import fold_corrections, p_scales, v_operand_fold
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, term_columns
-from .pv_e4m3 import add_p_terms, build_vt_registers_e4m3, v_operand_fold_e4m3
 from .softmax import tile_maxima
 from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
 
@@ -86,24 +85,12 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     al = softmax.advance(tm0, tm1)
     sigma = p_scales(cfg, wg, out, step, tv)
     p = softmax.probabilities(s, al)
-    kb_b = cute.size(frags.tOrV, mode=[2])  # tile B's first k-block of P'
-    if cutlass.const_expr(cfg.v_e4m3):  # P' as two E4M3 terms, the pass's product in FP32 registers
-        v_operand_fold_e4m3(cfg, wg, out, sc.v, p, al, sigma)
-        out.rescale(al, sigma)
-        accT = frags.accT
-        accT.fill(0.0)
-        build_vt_registers_e4m3(cfg, frags.tOrV_u32, regs.vw)
-        kern._pv(wg, out, 0, accT)
-        build_vt_registers_e4m3(cfg, frags.tOrV_u32, regs_b.vw)
-        kern._pv(wg, out, kb_b, accT)
-        add_p_terms(cfg, out, accT)
-    else:
-        v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)  # both tiles' P' (B's tokens from row TILE)
-        out.rescale(al, sigma)
-        build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
-        kern._pv(wg, out, 0)
-        build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
-        kern._pv(wg, out, kb_b)
+    v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)  # both tiles' P' (B's tokens from row TILE)
+    out.rescale(al, sigma)
+    build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
+    kern._pv(wg, out, 0)
+    build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
+    kern._pv(wg, out, cute.size(frags.tOrV, mode=[2]))
     passes = CORRECTION_TILES // 2
     if step % passes == passes - 1:
         fold_corrections(cfg, out, wg.smem.sSum, thr)

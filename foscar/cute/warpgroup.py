@@ -109,9 +109,6 @@ class Fragments:
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
         self.tOrP = [self.thr_pv.make_fragment_B(self.thr_pv.partition_B(sP)) for sP in smem.sP]
-        self.accT = None  # E4M3 V operands: a pass's O^T product, promoted to FP32 registers each pass
-        if cfg.v_e4m3:
-            self.accT = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((D, HEADS)), Float32)
 
 
 class TileRegisters:
@@ -353,17 +350,14 @@ class TileKernel:
         return [s00, s01, s10, s11]
 
     @cute.jit
-    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0, acc=None):
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
         """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
-        each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each). ``acc``: the accumulator
-        (``out.acc`` unless given)."""
+        each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each)."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
         accO = out.acc
-        if cutlass.const_expr(acc is not None):
-            accO = acc
         warpgroup.fence()
         if cutlass.const_expr(cfg.vc == 2):
             for half in cutlass.range_constexpr(2):
