@@ -196,18 +196,13 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
 
 def test_stage1_tensors_are_checked_by_name():
     """The compiled kernels take unit-stride tensors on 16-byte aligned bases (TVM-FFI placeholders): a
-    tensor that is not is refused by its name before the call; the fused merge's output and LSE take any
-    strides."""
-    from foscar.cute.config import ALIGN, STAGE1_STRIDED, STAGE1_TENSORS
+    tensor that is not is refused by its name before the call."""
+    from foscar.cute.config import ALIGN, STAGE1_TENSORS
     from foscar.cute.launch import _check_stage1_tensors
     good = [torch.zeros((4,) * rank, dtype=torch.float32) for _, _, rank in STAGE1_TENSORS]
     _check_stage1_tensors(good)
     for i, (name, _, rank) in enumerate(STAGE1_TENSORS):
         bad = list(good)
-        if name in STAGE1_STRIDED:
-            bad[i] = torch.zeros((4,) * (rank - 1) + (8,))[..., ::2]
-            _check_stage1_tensors(bad)
-            continue
         bad[i] = torch.zeros((4,) * (rank - 1) + (8,))[..., ::2]  # stride 2 in the last dim
         with pytest.raises(UnsupportedError, match=rf"^{name}: .*unit stride"):
             _check_stage1_tensors(bad)
@@ -437,50 +432,3 @@ def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
-
-
-# ---- v1's fused split merge (Sm90Config.merge_out, foscar.cute.combine.merge_in_stage1) ------------------
-@pytest.mark.parametrize("merge_out,merge_lse", [("bf16", True), ("f32", False)])
-def test_fused_merge_compiles_for_sm90a(merge_out, merge_lse):
-    """v1 with the fused merge: the CTA's release fence and acquire-release counter increment (GPU scope),
-    the reset by the last CTA, the partials read past the L1; v0 takes no fused merge."""
-    import dataclasses
-    cfg = dataclasses.replace(config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "e4m3", 2),
-                              merge_out=merge_out, merge_lse=merge_lse)
-    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    assert "fence.acq_rel.gpu" in ptx
-    assert re.search(r"atom\.global\.acq_rel\.add\.u32", ptx) and re.search(r"atom\.global\.exch\.b32", ptx)
-    assert re.search(r"ld\.global\.cg", ptx)
-    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
-    with pytest.raises(ValueError, match="the fused merge is v1's"):
-        compile_stage1(dataclasses.replace(cfg, tiles_per_pass=1))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
-@pytest.mark.parametrize("with_lse", (False, True))
-def test_fused_merge_gpu(dtype, with_lse):
-    """One launch: v1 merges its partials in the epilogue into outputs of each dtype, with and without the
-    LSE; every element against the float64 oracle, the counters back at zero, a second call the same bits."""
-    from _helpers import bf16_attention, kernel_error_bound, rel
-    from test_triton import make
-
-    from foscar.cute.launch import decode
-    from foscar.splitkv import _counters
-    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
-    q, cache = make(fmt, [5000, 300, 1], Hkv=2, G=4, page=64, seed=3)
-    q = q.to(dtype)
-    outs = []
-    for _ in range(2):
-        out = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
-        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device) if with_lse else None
-        decode(q, cache, out=out, lse=lse, num_splits=7, warp_specialized=True)
-        outs.append(out)
-        assert torch.isfinite(out).all()
-        assert int(_counters(q.device, 3 * 2).abs().sum()) == 0, "the counters reset for the next launch"
-    assert torch.equal(outs[0], outs[1])
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    assert rel(outs[0], exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
-    if with_lse:
-        assert float((lse.double() - lse_exact).abs().max()) <= 1e-2

@@ -11,10 +11,6 @@ are added at the end. Partial LSEs are base 2; the written LSE is natural log. E
 (``lse = -inf``) weigh 0 whatever their output holds; all empty: ``out = 0``, ``lse = -inf``. A NaN or
 ``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and the LSE NaN, never a merge
 of the others.
-
-:func:`merge_in_stage1` is the same merge in v1's epilogue (``Sm90Config.merge_out``): the last CTA of a
-KV head to finish (a counter per (batch entry, KV head), reset by that CTA for the next launch) merges its
-query heads' partials, so that a decode of a format without windows is one launch.
 """
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from .config import CombineConfig
@@ -118,72 +114,3 @@ class CombineSm90:
                             m_safe = Float32(0.0)
                         out_lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
                     mLSE[b, h] = out_lse
-
-
-#: The named barrier of v1's consumer warpgroups before the fused merge (1, 2: each consumer's own; 3: Q's).
-MERGE_BARRIER = 4
-#: The cutlass type of each fused-merge output element type.
-MERGE_TYPES = {"bf16": BFloat16, "f16": Float16, "f32": Float32}
-
-
-def _load_cg(t: cute.Tensor, coord) -> Float32:
-    """``t[coord]`` read past the L1 (``ld.global.cg``): partials other SMs have just written."""
-    return cute.arch.load(t.iterator + cute.crd2idx(coord, t.layout), Float32, cop="cg")
-
-
-@cute.jit
-def merge_in_stage1(cfg, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mSEM: cute.Tensor, sFlag: cute.Tensor, b, kvh, n_splits, tid, threads: cutlass.Constexpr):
-    """v1's fused split merge, by its ``threads`` consumer threads (``tid`` 0..threads-1) once their partials
-    are stored: the CTA counts itself done on counter ``b * Hkv + kvh`` of ``mSEM`` (acquire-release, GPU
-    scope); the last of the KV head's ``n_splits`` CTAs resets it to zero and merges each of the KV head's
-    query heads over all its partials, as :class:`CombineSm90` does (the same weights, empty and NaN
-    partials alike), into ``mO`` (and ``mLSE``, natural log, when ``cfg.merge_lse``). ``sFlag``: one float
-    of shared memory that tells the threads which CTA is last."""
-    G = cfg.gqa
-    D = cfg.head_dim
-    flag = cute.make_tensor(sFlag.iterator, cute.make_layout(1))
-    cute.arch.barrier(barrier_id=MERGE_BARRIER, number_of_threads=threads)  # this CTA's partials are stored
-    if tid == 0:
-        cute.arch.fence_acq_rel_gpu()
-        sem = mSEM.iterator + (b * cute.arch.grid_dim()[0] + kvh)
-        done = cute.arch.atomic_add(sem, Int32(1), sem="acq_rel", scope="gpu")
-        last = Float32(0.0)
-        if done == n_splits - 1:
-            cute.arch.atomic_exch(sem, Int32(0), sem="relaxed", scope="gpu")  # zero for the next launch
-            last = Float32(1.0)
-        flag[0] = last
-    cute.arch.barrier(barrier_id=MERGE_BARRIER, number_of_threads=threads)
-    if flag[0] == Float32(1.0):
-        cute.arch.fence_acq_rel_gpu()
-        parts = cute.size(mLP, mode=[2])
-        per_round = threads // D  # query heads merged together: one channel a thread
-        d = tid % D
-        for h0 in cutlass.range_constexpr(0, G, per_round):
-            h = h0 + tid // D
-            if h < G:
-                hq = kvh * G + h
-                m = -Float32.inf
-                for i in cutlass.range(parts, unroll=4):
-                    m = cute.arch.fmax(m, _load_cg(mLP, (b, hq, i)))  # fmax skips a NaN: its weight is NaN
-                m_safe = m
-                if m == -Float32.inf:
-                    m_safe = Float32(0.0)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for i in cutlass.range(parts, unroll=4):
-                    w = cute.math.exp2(_load_cg(mLP, (b, hq, i)) - m_safe, fastmath=True)  # empty: 0
-                    o = _load_cg(mOP, (b, hq, i, d))
-                    total = total + w
-                    if w > 0:  # an empty partial's output is never read into the sum
-                        acc = acc + w * o
-                denom = Float32(1.0)
-                if total != 0:  # NaN != 0: a NaN total divides and stays NaN
-                    denom = total
-                mO[b, hq, d] = (acc / denom).to(MERGE_TYPES[cfg.merge_out])
-                if cutlass.const_expr(cfg.merge_lse):
-                    if d == 0:
-                        out_lse = -Float32.inf
-                        if total != 0:
-                            out_lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
-                        mLSE[b, hq] = out_lse

@@ -18,7 +18,7 @@ from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
 from .combine import CombineSm90
-from .config import ALIGN, COMBINE_TENSORS, STAGE1_STRIDED, STAGE1_TENSORS, WS_REGISTERS, CombineConfig, Sm90Config
+from .config import ALIGN, COMBINE_TENSORS, STAGE1_TENSORS, WS_REGISTERS, CombineConfig, Sm90Config
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
 
@@ -51,11 +51,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         raise ValueError(f"ctas_per_sm: expected one of {sorted(WS_REGISTERS)}, got {ctas_per_sm!r}")
     if cfg.tiles_per_pass != 1 and not warp_specialized:
         raise ValueError(f"tiles_per_pass: v0 takes 1, got {cfg.tiles_per_pass!r} (two tiles per pass are v1's)")
-    if cfg.merge_out and not warp_specialized:
-        raise ValueError(f"merge_out: v0 takes '', got {cfg.merge_out!r} (the fused merge is v1's)")
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
-    args = [_placeholder(ELEMENT_TYPES[(cfg.merge_out or "f32") if dtype == "out" else dtype], rank,
-                         unit_last=name not in STAGE1_STRIDED) for name, dtype, rank in STAGE1_TENSORS]
+    args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in STAGE1_TENSORS]
     return _compile(kernel, (*args, Float32(1.0), Int32(1)), keep_ptx, keep_cubin)
 
 

@@ -33,11 +33,7 @@ WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 #: vector loads): one compile serves every batch, length and pool size.
 STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
-                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", "out", 3), ("lse", "f32", 2),
-                  ("counters", "i32", 1))
-#: The stage-1 tensors that may have any strides (the fused merge's output and LSE, as the caller gives
-#: them); ``"out"`` has the element type of :attr:`Sm90Config.merge_out` (f32 without a fused merge).
-STAGE1_STRIDED = ("out", "lse")
+                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -82,10 +78,6 @@ class Sm90Config:
     #: KV tiles per softmax pass (v1): 2 puts a second tile's scores in the N columns that gqa <= 4 leaves as
     #: padding, so that one pass of the online softmax serves two tiles (:mod:`foscar.cute.pair`)
     tiles_per_pass: int = 1
-    #: v1's fused split merge: the output's element type ("bf16", "f16", "f32"), the last CTA of a KV head
-    #: to finish merging the partials (:func:`foscar.cute.combine.merge_in_stage1`); "": none (the combine)
-    merge_out: str = ""
-    merge_lse: bool = False  #: the fused merge writes the LSE too
 
     @property
     def kc(self) -> int:

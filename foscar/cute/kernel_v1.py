@@ -18,7 +18,6 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .combine import merge_in_stage1
 from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config
 from .folds import q_sums
 from .fragment import k_word, v_word
@@ -58,8 +57,8 @@ class FoldDecodeSm90WS(TileKernel):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mSEM: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
@@ -84,8 +83,8 @@ class FoldDecodeSm90WS(TileKernel):
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
-                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mO, mLSE,
-                       mSEM, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP,
+                       qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
                                         stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                         preferred_smem_carveout=100)  # all of the SM's shared memory
 
@@ -94,7 +93,7 @@ class FoldDecodeSm90WS(TileKernel):
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSEM: cute.Tensor, qk_scale: Float32):
+                  mLP: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = STAGES * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
@@ -132,10 +131,6 @@ class FoldDecodeSm90WS(TileKernel):
             if role == c + 1:
                 cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
-        if cutlass.const_expr(cfg.merge_out != ""):  # the last CTA of this KV head merges its heads' partials
-            if role > 0:
-                merge_in_stage1(cfg, mOP, mLP, mO, mLSE, mSEM, smems[0].sRed, b, kvh, n_splits,
-                                tidx - THREADS, CONSUMERS * THREADS)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated

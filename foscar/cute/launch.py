@@ -172,10 +172,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _check_stage1_tensors(tensors) -> None:
     """What the compiled stage 1 takes (:data:`foscar.cute.config.STAGE1_TENSORS`), checked here so
     that a bad tensor is named in foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
-    from .config import ALIGN, STAGE1_STRIDED, STAGE1_TENSORS
+    from .config import ALIGN, STAGE1_TENSORS
     for (name, _, _), t in zip(STAGE1_TENSORS, tensors):
-        if name in STAGE1_STRIDED:
-            continue
         if t.stride(-1) != 1 or t.data_ptr() % ALIGN:
             raise UnsupportedError(name, f"the CuTe kernels read it with unit stride in the last dim "
                                    f"and a {ALIGN}-byte aligned base (strides {tuple(t.stride())}, "
@@ -225,28 +223,15 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
         tiles_per_pass=tiles_per_pass)
     cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass)
-    fused = warp_specialized and num_window_parts(fmt) == 0  # v1 merges in its epilogue: one launch
-    if fused:
-        cfg = _with_merge(cfg, _OUT_TYPES[out.dtype], lse is not None)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
-    o_part, l_part, sem = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
-    merged = (out, lse if lse is not None else l_part[:, :, 0]) if fused else (o_part[:, :, 0], l_part[:, :, 0])
+    o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
-               cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part, *merged,
-               sem)  # Q: BF16 operands
+               cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part)  # Q: BF16 operands
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
-    if not fused:
-        window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
-        combine(o_part, l_part, out, lse)
-
-
-@functools.lru_cache(maxsize=256)  # host time per call
-def _with_merge(cfg, out_type: str, write_lse: bool):
-    """``cfg`` with v1's fused merge into an output of ``out_type`` (and the LSE)."""
-    import dataclasses
-    return dataclasses.replace(cfg, merge_out=out_type, merge_lse=write_lse)
+    window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
+    combine(o_part, l_part, out, lse)
 
 
 #: The combine's output element type of each output dtype (the query's).
