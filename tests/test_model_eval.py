@@ -20,12 +20,14 @@ def test_the_text_is_fixed_and_long():
 
 def test_the_table_has_every_cache_after_bf16():
     names = list(model_eval.CACHES)
-    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 25
+    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 26
     assert model_eval.CACHES["INT2 token-K + Hadamard + centred + sink 4, recent 64"]["key_mean"] == "prefill"
     clipped = model_eval.CACHES["INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64"]
     assert clipped["quantizer"] == "oscar" and clipped["key_mean"] == "prefill" and clipped["recent"] == 64
     assert model_eval.CACHES["INT4 token-K + Hadamard + centred + mse clip"]["quantizer"] == "mse"
     assert model_eval.CACHES["INT2 token-K + Hadamard + sink 4, recent 64"]["rotation"] == "hadamard"
+    assert model_eval.CACHES["INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"] == {
+        **clipped, "group_size": 32}
     for bits in (4, 2):
         for axis in ("token", "channel"):
             assert model_eval.CACHES[f"INT{bits} {axis}-K"] == {"bits": bits, "group_size": 64, "k_axis": axis}

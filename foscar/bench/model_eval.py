@@ -44,6 +44,10 @@ for _bits in (4, 2):
                     for _q, _label in (("oscar", "OSCAR clip"), ("mse", "mse clip")):
                         CACHES[_centred.replace("centred", f"centred + {_label}")] = dict(CACHES[_centred],
                                                                                          quantizer=_q)
+#: INT2 with finer token-wise groups: two per head (a layout of the Triton kernels; the CuTe kernels take
+#: groups of 64 or more)
+CACHES["INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"] = dict(
+    CACHES["INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64"], group_size=32)
 
 
 #: ``exact``: the tensor a diagnostic run keeps unquantized (None: both quantized, the cache as it is).
