@@ -33,8 +33,9 @@ def test_accuracy_mode_on_the_cpu(tmp_path, capsys):
     assert cli.main(argv) == 0
     doc = json.loads((tmp_path / "accuracy.json").read_text())
     names = [r["name"] for r in doc["records"]]
-    assert names.count("BF16") == 2 and names.count("INT2 min-max") == 2 and len(names) == 12
+    assert names.count("BF16") == 2 and names.count("INT2 min-max") == 2 and len(names) == 14
     assert names.count("INT2 mse-clipped + Hadamard") == 2  # the paper's configurations, then rotated INT2
+    assert names.count("INT2 OSCAR clip + Hadamard") == 2
     for r in doc["records"]:
         if r["name"] != "BF16":
             assert 0 < r["err_vs_dequantized"] < r["bf16_err_vs_dequantized"]  # arithmetic error below BF16's

@@ -37,9 +37,11 @@ PAPER_CONFIGS = (QuantConfig("INT4 min-max", 4, "minmax"), QuantConfig("INT2 mse
                  QuantConfig("INT2 min-max", 2, "minmax"))
 PAPER_RANGES = {"BF16": (2e-3, 2.3e-3), "INT4 min-max": (0.16, 0.22), "INT2 mse-clipped": (0.52, 0.61),
                 "INT2 min-max": (0.86, 1.03)}
-#: The study's configurations: the paper's, then INT2 with K and V rotated (not in the paper).
+#: The study's configurations: the paper's, then INT2 with K and V rotated (not in the paper), clipped by
+#: the MSE search or by OSCAR's fixed ratios.
 STUDY_CONFIGS = PAPER_CONFIGS + (QuantConfig("INT2 min-max + Hadamard", 2, "minmax", "hadamard"),
-                                 QuantConfig("INT2 mse-clipped + Hadamard", 2, "mse", "hadamard"))
+                                 QuantConfig("INT2 mse-clipped + Hadamard", 2, "mse", "hadamard"),
+                                 QuantConfig("INT2 OSCAR clip + Hadamard", 2, "oscar", "hadamard"))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
