@@ -59,8 +59,8 @@ class CuteSm90(Backend):
         """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
         heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, and every v1 candidate with two tiles per softmax pass."""
-        from ..cute.config import TILE, config_for
-        from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits
+        from ..cute.config import TILE
+        from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
         first = (DEFAULT_WARP_SPECIALIZED, WS_CTAS_PER_SM if DEFAULT_WARP_SPECIALIZED else None)
@@ -69,20 +69,12 @@ class CuteSm90(Backend):
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
             for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
                 out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
-        gqa = case.q_heads // case.kv_heads
-
-        def takes(k_operand: str, tiles: int) -> bool:
-            try:
-                config_for(case.fmt, gqa, case.page, k_operand, tiles)
-            except UnsupportedError:
-                return False
-            return True
-
+        fmt, gqa, page = case.fmt, case.q_heads // case.kv_heads, case.page
         v1 = [c for c in out if c["warp_specialized"]]
-        if takes("e4m3", 1):
+        if takes(fmt, gqa, page, "e4m3", 1):
             out += [{**c, "k_operand": "e4m3"} for c in v1]
         return out + [{**c, "tiles_per_pass": 2} for c in out if c["warp_specialized"]
-                      and takes(c.get("k_operand", "bf16"), 2)]
+                      and takes(fmt, gqa, page, c.get("k_operand", "bf16"), 2)]
 
     def launch(self, q, cache, config: dict):
         from ..cute.launch import decode

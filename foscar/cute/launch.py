@@ -125,16 +125,19 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
 
 
+@functools.lru_cache(maxsize=256)  # host time per call: a refusal is an exception, which config_for does not cache
 def default_variant(fmt, G: int, page: int, k_operand: str | None = None) -> tuple[str, int]:
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
-    given) and two tiles per softmax pass, each where the format takes it (:func:`foscar.cute.config.config_for`).
+    given) and two tiles per softmax pass, each where the format takes it (:func:`takes`).
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
     cases and E4M3 K operands in 21."""
-    k_operand = k_operand or ("e4m3" if _takes(fmt, G, page, "e4m3", 1) else "bf16")
-    return k_operand, (2 if _takes(fmt, G, page, k_operand, 2) else 1)
+    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1) else "bf16")
+    return k_operand, (2 if takes(fmt, G, page, k_operand, 2) else 1)
 
 
-def _takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int) -> bool:
+def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int) -> bool:
+    """Whether the kernels take the format with these K operands and tiles per pass
+    (:func:`foscar.cute.config.config_for` does not refuse them)."""
     from .config import config_for
     try:
         config_for(fmt, G, page, k_operand, tiles_per_pass)
@@ -196,9 +199,9 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     and ``num_splits`` come from :func:`launch_config`. ``workspace``: the partials as
     :func:`foscar.splitkv.new_workspace` makes them with :func:`num_parts` parts (what
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
-    operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes);
-    unset, the autotune cache's, else BF16. ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2
-    (:mod:`foscar.cute.pair`); unset, the autotune cache's, else 1."""
+    operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes), and
+    ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
+    autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0)."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,

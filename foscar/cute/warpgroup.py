@@ -179,7 +179,8 @@ class RunningState:
 def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     """A computing warpgroup's register tensors, zeroed where they accumulate: ``(state, regs, regs_next)``,
     the :class:`RunningState` before the first tile, the current tile's :class:`TileRegisters` and, with
-    ``prefetch`` (v0's software pipeline), the next tile's (else None). Allocated here, in one fixed order:
+    ``prefetch``, a second tile's (v0's software pipeline: the next tile; two tiles a pass: tile B; else
+    None). Allocated here, in one fixed order:
     the order of the register tensors is the order of the kernel's loop-carried registers in the PTX."""
     acc = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((cfg.head_dim, HEADS)), Float32)
     acc.fill(0.0)
