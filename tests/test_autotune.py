@@ -302,3 +302,28 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     with pytest.raises(InvalidArgumentError, match="^tiles_per_pass: expected 1 with warp_specialized=False"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=False, tiles_per_pass=2)
     at.clear_lookup_cache()
+
+def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):
+    """Every candidate of ``foscar tune --backend cute`` gives the K operands and tiles per pass, so that a
+    tuned entry already on file for the case (here E4M3 K, two tiles a pass) does not decide what a
+    candidate runs: each launches the variant it is recorded as."""
+    from foscar import backends, tune
+    from foscar.cute import launch as cute_launch
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    argv = ["--backend", "cute", "--shapes", "8:4096", "--bits", "2", "--out", str(dirs / "env")]
+    case = tune.cases(tune.build_parser().parse_args(argv))[0]
+    q = torch.zeros(8, 32, 128)
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    cache = foscar.quantize_kv(torch.randn(8, 8, 64, 128), torch.randn(8, 8, 64, 128), fmt, page_size=64)
+    at.write_entries(dirs / "env", GPU, [(key(8, 64, backend="cute", fmt=fmt),
+                                          {"warp_specialized": True, "ctas_per_sm": 2, "num_splits": 3,
+                                           "k_operand": "e4m3", "tiles_per_pass": 2}, {})])
+    at.clear_lookup_cache()
+    assert cute_launch.launch_config(q, cache, 4)[3:] == ("e4m3", 2)
+    cands = backends.get("cute").candidates(case, torch.device("cpu"))
+    assert {(c["k_operand"], c["tiles_per_pass"]) for c in cands} == {("bf16", 1), ("e4m3", 1), ("bf16", 2),
+                                                                      ("e4m3", 2)}
+    for c in cands:
+        got = cute_launch.launch_config(q, cache, 4, **c)
+        assert (got.k_operand, got.tiles_per_pass, got.num_splits) == (c["k_operand"], c["tiles_per_pass"],
+                                                                       c["num_splits"])

@@ -142,7 +142,7 @@ def test_key_is_the_config_the_variant_and_the_toolchain(monkeypatch):
     tc = compile_cache.current_toolchain()
     assert tc.arch == os.environ["CUTE_DSL_ARCH"] and tc.cutlass_dsl and tc.tvm_ffi and len(tc.sources) == 64
     key = compile_cache.entry_key(CFG, False, 1, tc)
-    assert json.loads(key)["fields"] == dataclasses.asdict(CFG)
+    assert json.loads(key)["fields"] == json.loads(json.dumps(dataclasses.asdict(CFG)))  # tuples as lists
     assert key == compile_cache.entry_key(dataclasses.replace(CFG), False, 2, tc), "v0 takes no CTAs per SM"
     others = [compile_cache.entry_key(OTHER, False, 1, tc), compile_cache.entry_key(CFG, True, 1, tc),
               compile_cache.entry_key(CFG, True, 2, tc),

@@ -338,7 +338,7 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     as in the BF16 kernel, no local memory."""
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=group_size, v_axis=v_axis)
     cfg = config_for(fmt, gqa, 64, "e4m3")
-    assert cfg.k_e4m3 and cfg.k_factor == 512.0
+    assert cfg.k_e4m3 and cfg.k_factors[0] == 512.0
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
     copies = 2 if ws else 1  # v1: one code path per consumer warpgroup
     assert len(E4M3_WGMMA.findall(ptx)) == copies * head_dim // 32

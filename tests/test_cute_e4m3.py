@@ -235,3 +235,29 @@ def test_terms_probe_matches_float64(bits, head_dim, gqa):
           f"(of sum |products|)")
     assert accum <= 2.0 ** -13
     assert exact <= 2.0 ** -13 + 2.0 ** -8  # one term's rounding (2^-4) times the next term's (2^-4)
+
+
+@pytest.mark.parametrize("bits,head_dim", CASES)
+def test_placed_registers_carry_the_token_halfs_factor(bits, head_dim):
+    """The decode kernels' placement (``k_placement_e4m3``, taken where ``Sm90Config.k_factors`` differ):
+    each byte of register ``e``, read as E4M3, is ``q 2^9 / k_factor_h``, ``h`` the token half of CuTe's row
+    for that byte (rows + 8 of a 16-row block), for the code at the unplaced register's bit."""
+    import foscar
+    from foscar.cute.config import config_for
+    from foscar.cute.operands_e4m3 import k_placement_e4m3, k_register_source_e4m3
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64), 4, 64, "e4m3")
+    placed = cfg.k_factors[0] != cfg.k_factors[1]
+    assert placed == (bits == 2)
+    gen = torch.Generator().manual_seed(11 * bits + head_dim)
+    codes = torch.randint(0, 1 << bits, (64, head_dim), generator=gen, dtype=torch.int32)
+    words = pack_codes(codes, bits, "k").long() & 0xFFFFFFFF
+    word, _ = tile_register_source_e4m3(bits, head_dim)
+    fmap = e4m3.tile_fragment_map(bits, head_dim, "k")  # CuTe's rows (tests above), the channels they hold
+    for e in range(k_registers_e4m3(head_dim)):
+        rot, field = k_placement_e4m3(bits, k_register_source_e4m3(bits, e)[1], placed)
+        reg = (words[word[:, e, 0]] >> rot) & (e4m3.PLACEMENT_MASK[bits] << field)
+        byte = torch.stack([(reg >> (8 * b)) & 0xFF for b in range(4)], -1).to(torch.uint8)
+        value = byte.view(torch.float8_e4m3fn).double()
+        row, chan = fmap["token"][0][:, e], fmap["channel"][0][:, e]
+        factor = torch.tensor(cfg.k_factors, dtype=torch.float64)[(row % 16) // 8]
+        assert torch.equal(value * factor, codes[row, chan].double())

@@ -110,3 +110,36 @@ def test_accumulator_ownership(m):
     v0, v1, mt = e % 2, (e // 2) % 2, e // 4
     assert torch.equal(own[..., 0], 64 * mt + 16 * w + lane // 4 + 8 * v1)
     assert torch.equal(own[..., 1], 2 * (lane % 4) + v0 + 0 * mt)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("v_axis", ("token", "channel"))
+def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head_dim):
+    """V^T's FP16 registers as ``operands.build_vt_registers`` builds them (a word rotated by the config's
+    placement of the register's token half, one ``lop3``) hold ``q + beta_h`` for CuTe's element, ``h`` the
+    token half of its k16 block, whose pivot ``v_operand_fold`` takes; fewer rotations than one placement."""
+    import foscar
+    from foscar.cute.config import config_for
+    from foscar.cute.fragment import v_register_source, v_rotations, v_token_half
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64, v_axis=v_axis), 4, 64)
+    gen = torch.Generator().manual_seed(7 * bits + head_dim)
+    codes = torch.randint(0, 1 << bits, (TILE_TOKENS, head_dim), generator=gen, dtype=torch.int32)
+    words = pack_codes(codes, bits, "v").long() & 0xFFFFFFFF
+    word, _ = tile_register_source(bits, head_dim, "v")
+    token, channel = ownership("v", head_dim)
+    for r in range(word.shape[1]):
+        h = v_token_half(r)
+        assert bool(((token[:, r] % 16) // 8 == h).all()), "the register's tokens are not its token half"
+        shl, pattern = cfg.v_shls[h], cfg.v_patterns[h]
+        rot = (v_register_source(bits, head_dim, r)[2] - shl) % 32
+        w = words[word[:, r, 0]]
+        x = ((w >> rot) | (w << (32 - rot))) & 0xFFFFFFFF
+        reg = (x & ((((1 << bits) - 1) << shl) * 0x00010001)) | (pattern * 0x00010001)
+        halves = torch.stack([reg & 0xFFFF, reg >> 16], -1).to(torch.int32).to(torch.int16)
+        value = halves.view(torch.float16).double()
+        beta = cfg.v_pivots[h] - ((1 << bits) - 1) / 2
+        assert torch.equal(value, codes[token[:, r], channel[:, r]].double() + beta)
+    uniform = len(v_rotations(bits, head_dim, (10 - bits,) * 2) - {0})
+    placed = len(v_rotations(bits, head_dim, cfg.v_shls) - {0})
+    assert placed == uniform if v_axis == "channel" else placed < uniform

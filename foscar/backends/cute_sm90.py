@@ -68,13 +68,16 @@ class CuteSm90(Backend):
         for ws, ctas in [first] + [v for v in variants if v != first]:
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas if ws else V0_RESIDENT)
             for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
-                out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {})})
+                out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {}),
+                            "k_operand": "bf16", "tiles_per_pass": 1})
         fmt, gqa, page = case.fmt, case.q_heads // case.kv_heads, case.page
         v1 = [c for c in out if c["warp_specialized"]]
         if takes(fmt, gqa, page, "e4m3", 1):
             out += [{**c, "k_operand": "e4m3"} for c in v1]
+        # every variant field given: a candidate left to the defaults would run what an earlier tuned
+        # entry of the case says, and be recorded as another
         return out + [{**c, "tiles_per_pass": 2} for c in out if c["warp_specialized"]
-                      and takes(fmt, gqa, page, c.get("k_operand", "bf16"), 2)]
+                      and takes(fmt, gqa, page, c["k_operand"], 2)]
 
     def launch(self, q, cache, config: dict):
         from ..cute.launch import decode

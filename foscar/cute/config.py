@@ -52,8 +52,11 @@ class Sm90Config:
     """Static configuration of one compiled kernel (the compile-cache key).
 
     The injection constants build each product's operands from the codes: BF16 bits
-    ``k_pattern | q << k_shl`` are ``q + beta_K`` (V: FP16, ``v_*``); ``*_pivot`` is the operand of the
-    middle code, and a group's middle value is ``z' + *_mid * s'``.
+    ``k_pattern | q << k_shl`` are ``q + beta_K``; V^T's FP16 bits ``v_patterns[h] | q << v_shls[h]`` are
+    ``q + beta_V[h]`` for the codes of token half ``h`` of each k16 block
+    (:func:`foscar.cute.fragment.v_token_half`: two placements take fewer shifts than one,
+    :func:`foscar.cute.fragment.v_token_half_shls`; channel-wise V keeps one). ``*_pivot`` is the operand
+    of the middle code, and a group's middle value is ``z' + *_mid * s'``.
     """
 
     bits: int
@@ -62,11 +65,11 @@ class Sm90Config:
     gqa: int  #: query heads per KV head (at most HEADS)
     k_pattern: int
     k_shl: int
-    k_pivot: float
+    k_pivots: tuple[float, float]  #: per token half (rows + 8 of a 16-row block: half 1)
     k_mid: float
-    v_pattern: int
-    v_shl: int
-    v_pivot: float
+    v_patterns: tuple[int, int]  #: per token half of a k16 block
+    v_shls: tuple[int, int]
+    v_pivots: tuple[float, float]
     v_mid: float
     sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
@@ -74,7 +77,9 @@ class Sm90Config:
     group_size: int = 0  #: values sharing one (s', z'): channels of a token-wise axis, tokens of a channel-wise one
     v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
     k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as two E4M3 terms (foscar.cute.operands_e4m3)
-    k_factor: float = 1.0  #: the K operand's scale: s' k_factor multiplies the MMA's sum (E4M3: 2^9)
+    #: the K operand's scale per token half: s' k_factor multiplies the MMA's sum (E4M3: 2^9; INT2 placed
+    #: with two registers a rotation, :func:`foscar.cute.operands_e4m3.k_placement_e4m3`: 2^7 for half 1)
+    k_factors: tuple[float, float] = (1.0, 1.0)
     #: KV tiles per softmax pass (v1): 2 puts a second tile's scores in the N columns that gqa <= 4 leaves as
     #: padding, so that one pass of the online softmax serves two tiles (:mod:`foscar.cute.pair`)
     tiles_per_pass: int = 1
@@ -209,7 +214,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
-    from ..format import E4M3_PLACEMENT, fold_constants, injection_constants, operand_for
+    from ..format import E4M3_PLACEMENT, fold_constants, injection, injection_constants, operand_for
+    from .fragment import v_token_half_shls
     if k_operand not in K_OPERANDS:
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     if tiles_per_pass not in TILES_PER_PASS:
@@ -234,11 +240,18 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:
         k = {**injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt), "K_FACTOR": 1.0}
-    v = injection_constants("V", operand_for(torch.float16, fmt.bits), fmt)
+    pivot = float(k["K_PIVOT"])
+    placed = 4.0 if e4m3 and fmt.bits == 2 else 1.0  # token half 1's operand is 4 q 2^-9 (k_placement_e4m3)
+    if fmt.v_axis == "channel":  # the acc-fold takes one pivot for every token of a tile
+        v_ops = (operand_for(torch.float16, fmt.bits),) * 2
+    else:
+        v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in v_token_half_shls(fmt.bits, fmt.head_dim))
+    v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
+    assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
-                      k_shl=k["K_SHL"], k_pivot=float(k["K_PIVOT"]), k_mid=float(k["K_MID"]),
-                      k_e4m3=e4m3, k_factor=float(k["K_FACTOR"]),
-                      v_pattern=v["V_PATTERN"], v_shl=v["V_SHL"], v_pivot=float(v["V_PIVOT"]),
-                      v_mid=float(v["V_MID"]), sink=fmt.sink, recent=fmt.recent,
+                      k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
+                      k_e4m3=e4m3, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
+                      v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
+                      v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass)

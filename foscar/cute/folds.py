@@ -105,9 +105,15 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
     channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
     ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``)."""
     qk_scale = wg.qk_scale
-    op_scale = qk_scale  # multiplies s': the operand's scale is s' k_factor (E4M3: 2^9); the offset's is not
-    if cutlass.const_expr(cfg.k_factor != 1.0):
-        op_scale = qk_scale * cfg.k_factor
+    # multiply s' of token half 0 and 1 (rows + 8): the operand's scale is s' k_factor (E4M3: 2^9); the
+    # offset's is not; c0, c1 the halves' pivots
+    op_scale = qk_scale
+    if cutlass.const_expr(cfg.k_factors[0] != 1.0):
+        op_scale = qk_scale * cfg.k_factors[0]
+    op_scale1 = op_scale
+    if cutlass.const_expr(cfg.k_factors[1] != cfg.k_factors[0]):
+        op_scale1 = qk_scale * cfg.k_factors[1]
+    c0, c1 = cfg.k_pivots
     s = []
     if cutlass.const_expr(cfg.kc == 2):
         col = wg.thr.col0
@@ -120,24 +126,24 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
             q0 = wg.smem.sQsum[col, c]
             q1 = wg.smem.sQsum[col + 1, c]
             ka0 = par[c * 2] * op_scale  # row 0: (s', z') at (0 * kc + c) * 2
-            ka1 = par[(2 + c) * 2] * op_scale  # row 1
+            ka1 = par[(2 + c) * 2] * op_scale1  # row 1
             ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
             ke1 = (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale
-            s00 = s00 + (acc_c[0] - cfg.k_pivot * q0) * ka0 + q0 * ke0
-            s01 = s01 + (acc_c[1] - cfg.k_pivot * q1) * ka0 + q1 * ke0
-            s10 = s10 + (acc_c[2] - cfg.k_pivot * q0) * ka1 + q0 * ke1
-            s11 = s11 + (acc_c[3] - cfg.k_pivot * q1) * ka1 + q1 * ke1
+            s00 = s00 + (acc_c[0] - c0 * q0) * ka0 + q0 * ke0
+            s01 = s01 + (acc_c[1] - c0 * q1) * ka0 + q1 * ke0
+            s10 = s10 + (acc_c[2] - c1 * q0) * ka1 + q0 * ke1
+            s11 = s11 + (acc_c[3] - c1 * q1) * ka1 + q1 * ke1
         s = [s00, s01, s10, s11]
     else:
         ks0, kz0, ks1, kz1 = sc.k
         qsum0, qsum1 = wg.qsum
         acc = accS[0]
         a0 = ks0 * op_scale
-        a1 = ks1 * op_scale
+        a1 = ks1 * op_scale1
         e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
         e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
-        s = [(acc[0] - cfg.k_pivot * qsum0) * a0 + qsum0 * e0, (acc[1] - cfg.k_pivot * qsum1) * a0 + qsum1 * e0,
-             (acc[2] - cfg.k_pivot * qsum0) * a1 + qsum0 * e1, (acc[3] - cfg.k_pivot * qsum1) * a1 + qsum1 * e1]
+        s = [(acc[0] - c0 * qsum0) * a0 + qsum0 * e0, (acc[1] - c0 * qsum1) * a0 + qsum1 * e0,
+             (acc[2] - c1 * qsum0) * a1 + qsum0 * e1, (acc[3] - c1 * qsum1) * a1 + qsum1 * e1]
     return s
 
 
@@ -166,7 +172,7 @@ def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
         qv = Float32(sQ[h0 + i, d])
         qs = BFloat16(qv * s_d)
         sQk[h0 + i, d] = qs
-        part[i] = qv * mid - cfg.k_pivot * Float32(qs)
+        part[i] = qv * mid - cfg.k_pivots[0] * Float32(qs)  # channel-wise K: BF16 operands, one pivot
     for i in cutlass.range_constexpr(per):  # sum over the warp's 32 channels
         v = part[i]
         for sh in cutlass.range_constexpr(5):
@@ -251,20 +257,23 @@ def store_p(sP: cute.Tensor, thr, q: list):
 
 def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):
     """Token-wise V: ``P'_g = P s'_V[g] / sigma_g`` (FP16) per channel group ``g`` into its B operand, and the
-    offset correction per element (``P mid - c sigma P'``, the corrections in units of ``sigma``) gathered
-    into ``out.corr[g]`` (rescaled by ``al``); then the fence and barrier the wgmma reads need. ``v[g]`` holds
-    the group's ``(s', z')`` of this thread's two rows, ``sigma`` the new units."""
+    offset correction per element (``P mid - c_h sigma P'``, ``c_h`` the pivot of the element's token half,
+    the corrections in units of ``sigma``) gathered into ``out.corr[g]`` (rescaled by ``al``); then the fence
+    and barrier the wgmma reads need. ``v[g]`` holds the group's ``(s', z')`` of this thread's two rows,
+    ``sigma`` the new units."""
     groups = len(sigma)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
     q = [[Float16(p[0] * r[g][0]), Float16(p[1] * r[g][0]), Float16(p[2] * r[g][1]), Float16(p[3] * r[g][1])]
          for g in range(groups)]
     mid = [(v[g][1] + cfg.v_mid * v[g][0], v[g][3] + cfg.v_mid * v[g][2]) for g in range(groups)]
-    cs = [cfg.v_pivot * sigma[g] for g in range(groups)]
+    # the pivot of element e's token half (fragment.v_token_half: rows prow0 and prow0 + 8 are halves 0, 1)
+    cs = [[cfg.v_pivots[h] * sigma[g] for h in range(2)] if cfg.v_pivots[0] != cfg.v_pivots[1]
+          else [cfg.v_pivots[0] * sigma[g]] * 2 for g in range(groups)]
     for g in range(groups):
         c = out.corr[g]
         for e in range(4):  # element e: row e // 2, column e % 2
-            c[e] = c[e] * al[e % 2] + (p[e] * mid[g][e // 2] - cs[g] * Float32(q[g][e]))
+            c[e] = c[e] * al[e % 2] + (p[e] * mid[g][e // 2] - cs[g][e // 2] * Float32(q[g][e]))
     for g in range(groups):
         store_p(wg.smem.sP[g], wg.thr, q[g])
     cute.arch.fence_view_async_shared()
@@ -313,7 +322,7 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
     for e in cutlass.range_constexpr(cute.size(accO)):
         ps = psum0 if e % 2 == 0 else psum1
         vs_e = vpar[2 * e]
-        accO[e] = (accO[e] * al[e % 2] + (accT[e] - cfg.v_pivot * ps) * vs_e
+        accO[e] = (accO[e] * al[e % 2] + (accT[e] - cfg.v_pivots[0] * ps) * vs_e
                    + ps * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
 
 

@@ -65,6 +65,35 @@ def v_register_source(bits: int, head_dim: int, r: int) -> tuple[int, int, int]:
     return kb // nib, mh, bits * (4 * (kb % nib) + j)
 
 
+def v_token_half(r: int) -> int:
+    """1 when V^T register ``r``'s two k (tokens) are the upper 8 of their k16 block (fragment order
+    ``((2, 2, 2), ...)``: the row's +8 in bit 0 of ``r``, the k's +8 in bit 1). A thread's P element ``e`` of a
+    tile (token ``row0 + 8 (e // 2)``, ``row0 % 16 < 8``) is in half ``e // 2``."""
+    return (r % 4) // 2
+
+
+def v_rotations(bits: int, head_dim: int, shls: tuple[int, int]) -> frozenset[int]:
+    """The right rotations of a V word its registers are built from when the codes of token half ``h`` go to
+    bit ``shls[h]`` of each 16-bit half (``v_register_source``, ``v_token_half``): one funnel shift each but
+    for rotation 0."""
+    regs = 4 * (head_dim // 64) * (TILE_TOKENS // 16)
+    return frozenset((v_register_source(bits, head_dim, r)[2] - shls[v_token_half(r)]) % 32 for r in range(regs))
+
+
+@functools.lru_cache(maxsize=None)
+def v_token_half_shls(bits: int, head_dim: int, min_shl: int = 4) -> tuple[int, int]:
+    """The bit ``(shl_0, shl_1)`` of a 16-bit half that token half 0 and 1's codes are placed at in V^T's FP16
+    operands: the fewest rotations per word (:func:`v_rotations`), then the highest bits, at bits
+    ``min_shl`` to ``10 - bits`` (the mantissa). The operand is ``q + 2^(10 - shl)``: the accumulator carries
+    that offset times the sum of P' until the correction cancels it, and the tensor core's FP32 sum loses
+    its low bits to it (on the H200, offsets of 256 raised the kernels' error by up to a third; 64 is the
+    largest taken). INT2: (4, 8), 4 rotations a word where one bit for every register takes 7; INT4: (4, 6),
+    3 where one bit takes 4."""
+    top = 10 - bits
+    cands = [(s0, s1) for s0 in range(min_shl, top + 1, 2) for s1 in range(min_shl, top + 1, 2)]
+    return min(cands, key=lambda s: (len(v_rotations(bits, head_dim, s) - {0}), -min(s), -sum(s)))
+
+
 def tile_register_source(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(word, shift)``, each ``[128, regs, 2]``: the word of a 64-token tile's packed codes (index into
     the tile's ``64 * head_dim * bits / 32`` words, pack blocks in token order) and the bit holding the

@@ -13,7 +13,7 @@ from cutlass import BFloat16, Float16, Float32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .config import HEADS, THREADS, TILE, Sm90Config
-from .fragment import k_register_source, v_register_source
+from .fragment import k_register_source, v_register_source, v_token_half
 
 LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
 
@@ -73,12 +73,20 @@ def load_q(cfg: Sm90Config, mQ: cute.Tensor, sQ: cute.Tensor, b, kvh, tidx):
                 sQ[h, d] = val
 
 
-def inject(w: Uint32, field: int, shl: int, bits: int, pattern: int) -> Uint32:
-    """Two operands ``pattern | q << shl`` from the codes at bits ``field`` and ``field + 16`` of ``w``."""
-    rot = (field - shl) % 32
-    x = cute.arch.shf(w, w, rot, "r") if rot else w
+def inject_rotated(w: Uint32, rot: int) -> Uint32:
+    """``w`` rotated right by ``rot`` bits (one funnel shift; none for 0)."""
+    return cute.arch.shf(w, w, rot, "r") if rot else w
+
+
+def place(x: Uint32, shl: int, bits: int, pattern: int) -> Uint32:
+    """Two operands ``pattern | q << shl`` from the codes at bits ``shl`` and ``shl + 16`` of ``x`` (one ``lop3``)."""
     mask = (((1 << bits) - 1) << shl) * 0x00010001
     return cute.arch.lop3(x, Uint32(mask), Uint32(pattern * 0x00010001), LOP_AND_OR)
+
+
+def inject(w: Uint32, field: int, shl: int, bits: int, pattern: int) -> Uint32:
+    """Two operands ``pattern | q << shl`` from the codes at bits ``field`` and ``field + 16`` of ``w``."""
+    return place(inject_rotated(w, (field - shl) % 32), shl, bits, pattern)
 
 
 @cute.jit
@@ -94,8 +102,24 @@ def build_k_registers(cfg: Sm90Config, regs: cute.Tensor, kw: cute.Tensor):
 @cute.jit
 def build_vt_registers(cfg: Sm90Config, regs: cute.Tensor, vw: cute.Tensor):
     """V^T's A registers (``regs``: the Uint32 view of the O^T product's A fragment) from this thread's
-    words of the tile (``vw[mh, vb]``, loaded at :func:`foscar.cute.fragment.v_word`): FP16 ``q + beta_V``."""
+    words of the tile (``vw[mh, vb]``, loaded at :func:`foscar.cute.fragment.v_word`): FP16
+    ``q + beta_V[h]`` for the tokens of half ``h`` (:func:`foscar.cute.fragment.v_token_half`); the registers
+    of one word that take the same rotation share it."""
+    values = vt_register_values(cfg, vw, cute.size(regs))
     for r in cutlass.range_constexpr(cute.size(regs)):
+        regs[r] = values[r]
+
+
+def vt_register_values(cfg: Sm90Config, vw: cute.Tensor, nregs: int) -> list:
+    """The values of :func:`build_vt_registers` (plain Python at trace time: one rotation per word and
+    rotation amount)."""
+    rotated, values = {}, []
+    for r in range(nregs):
         vb, mh, field = v_register_source(cfg.bits, cfg.head_dim, r)
-        w = Uint32(vw[mh, vb])
-        regs[r] = inject(w, field, cfg.v_shl, cfg.bits, cfg.v_pattern)
+        h = v_token_half(r)
+        shl = cfg.v_shls[h]
+        key = (mh, vb, (field - shl) % 32)
+        if key not in rotated:
+            rotated[key] = inject_rotated(Uint32(vw[mh, vb]), key[2])
+        values.append(place(rotated[key], shl, cfg.bits, cfg.v_patterns[h]))
+    return values

@@ -52,6 +52,17 @@ def k_register_source_e4m3(bits: int, e: int) -> tuple[int, int]:
     return e // per_word, bits * (e % per_word)
 
 
+def k_placement_e4m3(bits: int, shift: int, placed: bool) -> tuple[int, int]:
+    """``(rotation, field)``: the register whose codes are at bit ``shift`` of each byte of its word
+    (:func:`k_register_source_e4m3`) is ``(kw[i] >> rotation) & (mask << field)``, ``rotation + field =
+    shift``. ``placed`` (INT2): a byte's bits 0-3 read as E4M3 are the integer ``n 2^-9``, so the codes at
+    bits 2-3 stay there (``4 q 2^-9``) and two registers share each rotation: the odd registers (rows + 8
+    of the fragment: token half 1, ``Sm90Config.k_factors``) carry 4 times the operand."""
+    if placed and bits == 2:
+        return 4 * (shift // 4), shift % 4
+    return shift, 0
+
+
 def k_registers_e4m3(head_dim: int) -> int:
     """E4M3 A registers (4 bytes each) of a thread for one 64-token K tile: ``head_dim / 8``."""
     return TILE * head_dim // 4 // THREADS
@@ -99,13 +110,15 @@ def build_k_registers_e4m3(cfg, regs: cute.Tensor, kw: cute.Tensor):
     """K's E4M3 A registers (``regs``: the Uint32 view of the S^T product's A fragment, ``head_dim/8`` of
     them) from this thread's words of the tile (``kw``, loaded at :func:`~foscar.cute.fragment.k_word`):
     register ``e`` is ``(kw[i] >> shift) & mask`` at :func:`k_register_source_e4m3`. ``cfg`` needs
-    ``bits`` only (an :class:`~foscar.cute.config.Sm90Config` or :class:`E4m3Tile`)."""
-    mask = Uint32(PLACEMENT_MASK[cfg.bits])
+    ``bits`` (an :class:`~foscar.cute.config.Sm90Config` or :class:`E4m3Tile`); a config whose
+    ``k_factors`` differ by token half takes :func:`k_placement_e4m3`'s shared rotations."""
+    placed = len(set(getattr(cfg, "k_factors", (1.0,)))) > 1
     for e in cutlass.range_constexpr(cute.size(regs)):
-        i, sh = k_register_source_e4m3(cfg.bits, e)
+        i, shift = k_register_source_e4m3(cfg.bits, e)
+        rot, field = k_placement_e4m3(cfg.bits, shift, placed)
         w = Uint32(kw[i])
-        x = w >> sh if sh else w
-        regs[e] = x & mask
+        x = w >> rot if rot else w
+        regs[e] = x & Uint32(PLACEMENT_MASK[cfg.bits] << field)
 
 
 # --------------------------------------------------------------------------------------------
