@@ -190,8 +190,9 @@ class DecodePlan:
         from ._checks import decode_out_buffers
         out, lse = decode_out_buffers(q, out, lse, False)  # checks what was given; allocates only a missing out
         problem = DecodeProblem(q, cache, out, lse, self.sm_scale, self.num_splits, q.shape[1] // cache.num_kv_heads)
-        solved = problem.in_cache_space()
-        backends.get(self.backend).run(solved, self.launch)
+        chosen = backends.get(self.backend)
+        solved = problem if chosen.rotates(cache.fmt) else problem.in_cache_space()
+        chosen.run(solved, self.launch)
         problem.finish(solved)
         return out if lse is None else (out, lse)
 
@@ -231,13 +232,17 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
                                   num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
                      os.environ.get(ENV, "auto"))
-    solved = problem.in_cache_space()  # a rotated cache: the query rotated in, the output rotated back
-    if torch.compiler.is_compiling():  # the custom op: what torch.compile traces
+    # a rotated cache: the query rotated in, the output rotated back (by the kernels, where they do it; the
+    # custom op's cache names no rotation)
+    compiling = torch.compiler.is_compiling()
+    in_kernel = backends.get(chosen).rotates(cache.fmt) and not compiling
+    solved = problem if in_kernel else problem.in_cache_space()
+    if compiling:  # the custom op: what torch.compile traces
         torch.ops.foscar.decode(*op_args(solved.q, cache, solved.out, solved.lse, solved.sm_scale, chosen,
                                          num_splits))
     else:  # eager: the same implementation without the dispatcher's host time
         backends.get(chosen).run(solved)
-    problem.finish(solved)
+    problem.finish(solved, lse_wanted=want_lse)
     return (problem.out, problem.lse) if want_lse else problem.out
 
 

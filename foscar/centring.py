@@ -62,6 +62,18 @@ def lse_correction(q: torch.Tensor, mean: torch.Tensor, sm_scale: float,
     return sm_scale * (q.to(dtype) * mu).sum(-1)
 
 
+def add_lse_correction(lse: torch.Tensor, q: torch.Tensor, mean: torch.Tensor, sm_scale: float) -> None:
+    """``lse += sm_scale q mu`` in place (``lse [B, Hq]`` float32, :func:`lse_correction`) in four kernels,
+    elementwise (no matmul: TF32 would round the product)."""
+    B, Hq, D = q.shape
+    H = mean.shape[1]
+    if not lse.is_contiguous():
+        lse.add_(lse_correction(q, mean, sm_scale, lse.dtype))
+        return
+    prod = (q.reshape(B, H, Hq // H, D).to(lse.dtype) * mean.to(q.device, lse.dtype).view(B, H, 1, D)).sum(-1)
+    lse.view(B, H, Hq // H).add_(prod, alpha=sm_scale)
+
+
 def keys_to_store(cache, k_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(k_new centred, the mean to keep)`` for an append: the cache's mean, or with a mean pending from
     the first append (``key_mean="prefill"`` on an empty cache) each sequence's mean over these tokens

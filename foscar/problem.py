@@ -52,16 +52,17 @@ class DecodeProblem:
         return DecodeProblem(rotate(self.q, self.cache.fmt, work=work), self.cache, torch.empty_like(self.out),
                              self.lse, self.sm_scale, self.num_splits, self.gqa)
 
-    def finish(self, solved: DecodeProblem) -> None:
+    def finish(self, solved: DecodeProblem, lse_wanted: bool = True) -> None:
         """This problem's output from the one :meth:`in_cache_space` gave, once solved (``out R^T``), and
-        for centred keys (:mod:`foscar.centring`) the LSE corrected by ``sm_scale q mu``."""
+        for centred keys (:mod:`foscar.centring`) the LSE corrected by ``sm_scale q mu`` where the caller
+        takes it (``lse_wanted``)."""
         if solved is not self:
             from .format import rotate
             work = torch.float64 if self.out.dtype == torch.float64 else torch.float32
             self.out.copy_(rotate(solved.out, self.cache.fmt, inverse=True, work=work))
-        if self.lse is not None and self.cache.k_mean is not None:
-            from .centring import lse_correction
-            self.lse.add_(lse_correction(self.q, self.cache.k_mean, self.sm_scale))
+        if lse_wanted and self.lse is not None and self.cache.k_mean is not None:
+            from .centring import add_lse_correction
+            add_lse_correction(self.lse, self.q, self.cache.k_mean, self.sm_scale)
 
     @property
     def batch(self) -> int:

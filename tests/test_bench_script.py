@@ -307,6 +307,21 @@ def test_foscar_auto_runs_what_decode_picks():
     assert bd.check_output(runner.out, bd.quant_slice_reference(inp), 3.0)["status"] == "ok"
 
 
+def test_foscar_auto_rotated_decodes_a_rotated_centred_view_of_the_codes():
+    """``foscar_auto_rotated`` times foscar.decode over the same codes read as a rotated, centred cache (a
+    view: no copy), its output that of the exact decode of that view; timing only in the bench's check."""
+    torch.manual_seed(2)
+    cache = bd.make_random_cache(bd.Case(2, 128, 4), bd.make_block_table(2, 2, "identity", 0))
+    q = torch.randn(2, bd.HQ, bd.HEAD_DIM).to(torch.bfloat16)
+    runner = bd.KERNELS["foscar_auto_rotated"].build(bd.QuantInputs(q, cache), bd.parse_args([]))
+    (view,) = runner.keep
+    assert view.fmt.rotation == "hadamard" and view.k_mean is not None and cache.fmt.rotation is None
+    assert view.k_codes is cache.k_codes and runner.judged
+    runner.fn()
+    exact = foscar.decode_exact(q, view)
+    assert float((runner.out.double() - exact.double()).norm() / exact.double().norm()) < 1e-2
+
+
 # ---- the one driver: check, then time -------------------------------------------------------
 def _driver_case():
     torch.manual_seed(3)
@@ -358,7 +373,7 @@ def test_foscar_kernels_go_through_the_backend_registry(monkeypatch):
     assert kinds == {"foscar_folded": "BackendKernel", "foscar_reconstruct": "Baseline",
                      "foscar_cute": "BackendKernel", "foscar_cute_ws": "BackendKernel",
                      "foscar_cute_e4m3": "BackendKernel", "foscar_cute_pair": "BackendKernel",
-                     "foscar_auto": "AutoKernel",
+                     "foscar_auto": "AutoKernel", "foscar_auto_rotated": "AutoKernel",
                      "foscar_bf16": "Baseline", "flashinfer_tc": "Baseline", "flashinfer": "Baseline",
                      "cudnn_sdpa": "Baseline", "flashinfer_fp8": "Baseline", "flashinfer_nvfp4": "Baseline",
                      "fa4": "Baseline"}
@@ -594,7 +609,8 @@ def test_iters_below_five_are_refused():
         bd.parse_args(["--iters", "3"])
     args = bd.parse_args(["--bits", "4", "2", "2"])
     assert args.bits == (2, 4) and args.grid == "paper"
-    opt_in = ("foscar_cute", "foscar_cute_ws", "foscar_cute_e4m3", "foscar_cute_pair", "foscar_auto", "flashinfer_fp8",
+    opt_in = ("foscar_cute", "foscar_cute_ws", "foscar_cute_e4m3", "foscar_cute_pair", "foscar_auto",
+              "foscar_auto_rotated", "flashinfer_fp8",
               "flashinfer_nvfp4", "fa4")  # named
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]
 

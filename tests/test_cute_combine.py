@@ -103,3 +103,46 @@ def test_matches_float64(parts, out_dtype, with_lse):
         assert g[0, 0] == -math.inf and ref_lse[0, 0] == -math.inf
         fin = torch.isfinite(ref_lse)
         assert bool(((g - ref_lse).abs()[fin] <= 2.0 ** -18 * (ref_lse.abs()[fin] + 1)).all())
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_the_rotating_merge_compiles_for_sm90a(head_dim):
+    """With ``rotate``: a Walsh-Hadamard round (one barrier each) per power of two of the head dim, after the
+    merge; still one store of the output."""
+    plain = compile_combine(CombineConfig(head_dim, "bf16", False, 16), keep_ptx=True).__ptx__
+    ptx = compile_combine(CombineConfig(head_dim, "bf16", False, 16, True), keep_ptx=True).__ptx__
+    rounds = head_dim.bit_length() - 1
+    assert ptx.count("bar.sync") - plain.count("bar.sync") >= rounds
+    assert ".local" not in ptx and ptx.count("st.global") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("parts,out_dtype", ((3, "f32"), (66, "bf16")))
+def test_the_rotating_merge_is_the_merge_rotated_back(parts, out_dtype):
+    """``combine(..., rotation)``: the float64 merge times ``R^T`` (a NaN of a row spreads over it, an
+    all-empty row stays 0), the LSE unchanged."""
+    import foscar
+    from foscar.cute.launch import combine, rotation_vector
+    from foscar.format import rotation_matrix
+    B, H, D = 3, 5, 128
+    fmt = foscar.KVFormat(bits=4, head_dim=D, group_size=128, rotation="hadamard", rotation_seed=3)
+    gen = torch.Generator().manual_seed(parts)
+    o, lse = _partials(B, H, parts, D, gen)
+    ref_o, ref_lse = _reference(o, lse)
+    ref_o = ref_o @ rotation_matrix(fmt).T
+    dt = DTYPES[out_dtype]
+    out = torch.full((B, H, D), float("nan"), dtype=dt, device="cuda")
+    got_lse = torch.full((B, H), float("nan"), device="cuda")
+    combine(o.float().cuda(), lse.float().cuda(), out, got_lse, rotation_vector(fmt, torch.device("cuda")))
+    torch.cuda.synchronize()
+    out = out.cpu().double()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_o)), "NaN exactly where float64 has it"
+    assert bool((out[0, 0] == 0).all()), "an all-empty row is 0"
+    tol = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -18}[dt]
+    fin = torch.isfinite(ref_o)
+    scale = (_reference(o.nan_to_num(0.0).abs(), lse)[0].norm(dim=-1, keepdim=True) / D ** 0.5).expand_as(ref_o)
+    err = (out - ref_o).abs()[fin]
+    assert bool((err <= tol * (ref_o.abs()[fin] + scale[fin])).all())
+    g = got_lse.cpu().double()
+    assert torch.equal(torch.isnan(g), torch.isnan(ref_lse))

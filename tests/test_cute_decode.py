@@ -1,6 +1,7 @@
 """The CuTe DSL Hopper kernels (v0 and v1). CPU: every supported variant compiles for sm_90a, and its
 PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
 oracle, no worse than BF16 attention on the same dequantized cache."""
+import dataclasses
 import os
 import re
 
@@ -432,3 +433,22 @@ def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+
+
+# ---- a rotated cache (foscar.cute.rotation) ------------------------------------------------------------
+@pytest.mark.parametrize("bits,head_dim,k_operand,tiles,ws", [
+    (2, 128, "e4m3", 2, True), (4, 64, "e4m3", 2, True), (4, 128, "bf16", 1, True), (2, 128, "bf16", 1, False)])
+def test_rotated_caches_compile_for_sm90a(bits, head_dim, k_operand, tiles, ws):
+    """Stage 1 of a rotated cache rotates Q as it stages it: a Walsh-Hadamard round (one barrier each) per
+    power of two of the head dim more than the unrotated kernel, the tile loop the same, no local memory."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64)
+    plain_cfg = config_for(fmt, 4, 64, k_operand, tiles)
+    cfg = config_for(dataclasses.replace(fmt, rotation="hadamard", rotation_seed=1), 4, 64, k_operand, tiles)
+    assert cfg.rotation and not plain_cfg.rotation and dataclasses.replace(cfg, rotation=False) == plain_cfg
+    plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2).__ptx__
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2).__ptx__
+    barriers = re.compile(r"\bbar(rier)?\.(sync|arrive)")
+    assert len(barriers.findall(ptx)) - len(barriers.findall(plain)) >= head_dim.bit_length() - 1
+    wgmma = re.compile(r"wgmma\.mma_async")
+    assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"

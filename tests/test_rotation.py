@@ -143,6 +143,44 @@ def test_every_gpu_backend_decodes_a_rotated_cache_gpu(backend):
     assert torch.equal(graph_out, out)
 
 
+CUTE_ROTATED = [  # (bits, D, G, windows, variant): v1 E4M3 K two tiles a pass, v1 BF16 K, v0, with windows
+    (2, 128, 4, None, dict(warp_specialized=True, k_operand="e4m3", tiles_per_pass=2)),
+    (4, 64, 2, None, dict(warp_specialized=True, k_operand="e4m3", tiles_per_pass=2)),
+    (4, 128, 1, None, dict(warp_specialized=True, k_operand="bf16", tiles_per_pass=1)),
+    (2, 64, 8, None, dict(warp_specialized=False)),
+    (4, 128, 4, (4, 100), dict(warp_specialized=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits,D,G,windows,variant", CUTE_ROTATED)
+def test_the_cute_kernels_rotate_in_and_back_gpu(bits, D, G, windows, variant):
+    """The CuTe kernels take a rotated cache's query and output as they are (stage 1 rotates Q, the merge
+    the output): each variant within the kernels' bound of the oracle, the LSE as close to the exact
+    decode's as the Triton kernel's (the rotation leaves it unchanged), NaN-poisoned outputs all written."""
+    from _helpers import bf16_attention, kernel_error_bound
+
+    from foscar.cute.launch import decode
+    status = {s.name: s for s in foscar.backend_status(torch.device("cuda"), fmt_of(bits=bits), 4)}
+    if not status["cute"].usable:
+        pytest.skip(status["cute"].why)
+    sink, recent = windows or (0, 0)
+    fmt = fmt_of(bits=bits, head_dim=D, group_size=64, rotation_seed=7, sink=sink, recent=recent)
+    q, k, v = (x.cuda() for x in _inputs(L=2000, D=D, G=G, seed=bits + D + G))
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64)
+    q = q.bfloat16()
+    out = torch.full_like(q, float("nan"))
+    out, lse = decode(q, cache, out=out, return_lse=True, num_splits=3, **variant)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert bool(torch.isfinite(out).all())
+    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+    # the LSE: as close to the exact decode's as the Triton kernel's (the query rotated around it, BF16 operands)
+    _, lse_triton = foscar.decode(q, cache, backend="triton", return_lse=True)
+    base = float((lse_triton.double() - lse_exact.double()).abs().max())
+    assert float((lse.double() - lse_exact.double()).abs().max()) <= 1.5 * base + 1e-3
+
+
 def test_rotated_codes_written_elsewhere_decode_when_the_rotation_is_named():
     """export() gives the rotated codes with the format naming the rotation; from_quantized of them (as an
     OSCAR-style writer stores them) decodes to the same output."""

@@ -54,6 +54,12 @@ class Backend:
     def status(self, key: ProblemKey) -> BackendStatus:  # pragma: no cover - every backend overrides it
         raise NotImplementedError
 
+    def rotates(self, fmt: KVFormat) -> bool:
+        """Whether the backend's kernels take a rotated cache's query and output as they are (rotating them
+        in and back themselves); else the caller hands it the problem in the cache's space
+        (:meth:`foscar.problem.DecodeProblem.in_cache_space`)."""
+        return False
+
     def preferred(self, fmt: KVFormat) -> bool:
         """Whether ``auto`` takes this backend for ``fmt`` when it is usable (measured faster)."""
         return True

@@ -37,6 +37,11 @@ class CuteSm90(Backend):
                 return BackendStatus(self.name, False, str(e))
         return BackendStatus(self.name, True, f"CuTe DSL sm_90a kernel on {torch.cuda.get_device_name(dev)}")
 
+    def rotates(self, fmt) -> bool:
+        """The query rotated as stage 1 stages it, the output as the split merge writes it
+        (:mod:`foscar.cute.rotation`): a rotated cache costs no launch of its own."""
+        return True
+
     def preferred(self, fmt) -> bool:
         """Token-wise K. Measured on the H200 with v1, the CuTe default (``docs/results-h200.md``): token-wise
         K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;

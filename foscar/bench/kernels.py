@@ -106,20 +106,41 @@ class AutoKernel:
 
     name: str
     default: bool = True
+    #: decode a view of the same codes as a rotated (Hadamard, seeded signs) and centred cache: what the
+    #: rotation and the centring cost (their correctness: tests/test_rotation.py, tests/test_centring.py)
+    rotated: bool = False
     family: ClassVar[str] = "quant"
 
     def build(self, inp: QuantInputs, args) -> Runner:
         import foscar
+        cache = rotated_view(inp.cache) if self.rotated else inp.cache
         try:
-            foscar.select_backend(inp.q, inp.cache)
+            foscar.select_backend(inp.q, cache)
         except UnsupportedError as e:
             raise KernelMissing(str(e)) from e
         out = _nan_like(inp.q)
         kw = {**_splits(args), "out": out}
-        return Runner(lambda: foscar.decode(inp.q, inp.cache, **kw), out)
+        judged = "a rotated, centred view of the same codes: timing only" if self.rotated else None
+        return Runner(lambda: foscar.decode(inp.q, cache, **kw), out, keep=(cache,), judged=judged)
 
     def unavailable(self, e: BaseException) -> bool:
         return _foscar_unavailable(e)
+
+
+def rotated_view(cache, rotated: bool = True, centred: bool = True):
+    """``cache``'s tensors (no copy) as a cache of the same format with a Hadamard rotation (seed 0:
+    ``rotated``) and a random key mean (seed 0: ``centred``)."""
+    import copy
+    import dataclasses
+    view = copy.copy(cache)
+    if rotated:
+        view.fmt = dataclasses.replace(cache.fmt, rotation="hadamard", rotation_seed=0)
+    if centred:
+        gen = torch.Generator(device=cache.k_codes.device).manual_seed(0)
+        view.k_mean = torch.randn(cache.seq_lens.shape[0], cache.num_kv_heads, cache.fmt.head_dim, generator=gen,
+                                  device=cache.k_codes.device)
+        view.k_mean_pending = False
+    return view
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +300,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     BackendKernel("foscar_cute_pair", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2},
                   default=False),  # two tiles per softmax pass
     AutoKernel("foscar_auto", default=False),
+    AutoKernel("foscar_auto_rotated", default=False, rotated=True),
     Baseline("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),
     Baseline("flashinfer_tc", "bf16", build_flashinfer(True)),
     Baseline("flashinfer", "bf16", build_flashinfer(False)),

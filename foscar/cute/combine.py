@@ -23,6 +23,7 @@ from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from .config import CombineConfig
+from .rotation import walsh_hadamard
 
 LN2 = math.log(2.0)
 
@@ -34,17 +35,19 @@ class CombineSm90:
         self.cfg, self.out_type = cfg, out_type
 
     @cute.jit
-    def __call__(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+    def __call__(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor,
                  stream: cuda.CUstream):
         """Merge ``mOP [B, Hq, parts, D]``, ``mLP [B, Hq, parts]`` into ``mO [B, Hq, D]`` (and ``mLSE
-        [B, Hq]`` when the config writes it; else any tensor), on ``stream``."""
+        [B, Hq]`` when the config writes it; else any tensor), on ``stream``; with the config's ``rotate``, the
+        merged row rotated back out of the cache's space (``mRot [D]``: each channel's ``s / sqrt(D)``,
+        :mod:`foscar.cute.rotation`; else any tensor)."""
         batch = cute.size(mOP, mode=[0])
         heads = cute.size(mOP, mode=[1])
-        self.kernel(mOP, mLP, mO, mLSE).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1),
+        self.kernel(mOP, mLP, mO, mLSE, mRot).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1),
                                                stream=stream)
 
     @cute.kernel
-    def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         cfg = self.cfg
@@ -58,6 +61,9 @@ class CombineSm90:
         alloc = SmemAllocator()
         sL = alloc.allocate_tensor(Float32, cute.make_layout(chunk), byte_alignment=16)
         sAcc = alloc.allocate_tensor(Float32, cute.make_layout(D + 1), byte_alignment=16)  # rank 1's sums
+        sRow = None  # a rotated cache: the merged row, rotated back in place
+        if cutlass.const_expr(cfg.rotate):
+            sRow = alloc.allocate_tensor(Float32, cute.make_layout((1, 1, D), stride=(0, 0, 1)), byte_alignment=16)
         parts = cute.size(mLP, mode=[2])
         m = -Float32.inf
         total = Float32(0.0)
@@ -100,11 +106,19 @@ class CombineSm90:
             if r == 0:
                 acc = acc + sAcc[d]
                 total = total + sAcc[D]
-        if r == 0:
-            denom = Float32(1.0)
-            if total != 0:  # NaN != 0: a NaN total divides and stays NaN
-                denom = total
+        denom = Float32(1.0)
+        if total != 0:  # NaN != 0: a NaN total divides and stays NaN
+            denom = total
+        if cutlass.const_expr(cfg.rotate):  # o = (o_R H) s / sqrt(D): every channel of the row first
+            if r == 0:
+                sRow[0, 0, d] = acc / denom
+            cute.arch.sync_threads()
+            walsh_hadamard(sRow, 1, D, tid, threads, 0)
+            if r == 0:
+                mO[b, h, d] = (sRow[0, 0, d] * mRot[d]).to(self.out_type)
+        elif r == 0:
             mO[b, h, d] = (acc / denom).to(self.out_type)
+        if r == 0:
             if cutlass.const_expr(cfg.write_lse):
                 if d == 0:
                     out_lse = -Float32.inf

@@ -33,7 +33,7 @@ WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 #: vector loads): one compile serves every batch, length and pool size.
 STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
-                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3))
+                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -83,6 +83,8 @@ class Sm90Config:
     #: KV tiles per softmax pass (v1): 2 puts a second tile's scores in the N columns that gqa <= 4 leaves as
     #: padding, so that one pass of the online softmax serves two tiles (:mod:`foscar.cute.pair`)
     tiles_per_pass: int = 1
+    #: a rotated cache (``KVFormat.rotation``): stage 1 rotates the query into its space (:mod:`foscar.cute.rotation`)
+    rotation: bool = False
 
     @property
     def kc(self) -> int:
@@ -156,7 +158,8 @@ class Sm90Config:
         return self.head_dim // 64
 
 #: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
-COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2))
+COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2),
+                   ("rotation", "f32", 1))
 #: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
 COMBINE_MAX_CHUNK = 128
 #: The partials one combine thread loads per chunk (its registers: 64 outputs fit without a spill).
@@ -174,6 +177,7 @@ class CombineConfig:
     out_dtype: str
     write_lse: bool
     chunk: int
+    rotate: bool = False  #: rotate the merged output back out of a rotated cache's space (:mod:`foscar.cute.rotation`)
 
     @property
     def thread_chunk(self) -> int:
@@ -254,4 +258,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
                       v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
-                      v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass)
+                      v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
+                      rotation=fmt.rotation is not None)

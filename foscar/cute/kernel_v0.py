@@ -31,22 +31,22 @@ class FoldDecodeSm90(TileKernel):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
-                 num_splits: Int32, stream: cuda.CUstream):
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
+                 qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
         graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
         kernel)."""
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(self.cfg)
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
-        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP,
+        self.kernel(qk_mma, pv_mma, sQ_layout, sP_layout, mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP, mRot,
                     qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor,
                mKP: cute.Tensor, mVP: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-               mLP: cute.Tensor, qk_scale: Float32):
+               mLP: cute.Tensor, mRot: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         kvh, b, split = cute.arch.block_idx()
@@ -55,7 +55,7 @@ class FoldDecodeSm90(TileKernel):
         smem = self._shared_memory(sQ_layout, sP_layout)
 
         # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
-        stage_q(cfg, mQ, smem, b, kvh, tidx)
+        stage_q(cfg, mQ, smem, b, kvh, tidx, mRot, smem.sQrot)
         cute.arch.sync_threads()
         q_sums(cfg, smem.sQ, smem.sQsum, tidx, smem.sQinv)
         cute.arch.fence_view_async_shared()
@@ -106,7 +106,12 @@ class FoldDecodeSm90(TileKernel):
         if cutlass.const_expr(cfg.k_e4m3):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
-        return WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf, sQinv, sQred)
+        smem = WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf, sQinv, sQred)
+        smem.sQrot = None  # a rotated cache: Q rotated in FP32 here before it is staged
+        if cutlass.const_expr(cfg.rotation):
+            smem.sQrot = alloc.allocate_tensor(Float32, cute.make_layout((1, HEADS, cfg.head_dim),
+                                                                         stride=(0, cfg.head_dim, 1)), byte_alignment=16)
+        return smem
 
     @cute.jit
     def _take_next(self, regs: TileRegisters, regs_next: TileRegisters):

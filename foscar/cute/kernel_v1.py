@@ -57,8 +57,8 @@ class FoldDecodeSm90WS(TileKernel):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, qk_scale: Float32,
-                 num_splits: Int32, stream: cuda.CUstream):
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
+                 qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
@@ -83,7 +83,7 @@ class FoldDecodeSm90WS(TileKernel):
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
-                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP,
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
                        qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
                                         stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                         preferred_smem_carveout=100)  # all of the SM's shared memory
@@ -93,7 +93,7 @@ class FoldDecodeSm90WS(TileKernel):
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, qk_scale: Float32):
+                  mLP: cute.Tensor, mRot: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = STAGES * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
@@ -116,7 +116,11 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.mbarrier_init_fence()
         # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
         if role == 0:
-            stage_q(cfg, mQ, smems[0], b, kvh, tidx)
+            # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
+            # the barriers below (the fence after them orders these writes before the ring's)
+            sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
+                                     cute.make_layout((1, HEADS, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
+            stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot)
         cute.arch.sync_threads()
         q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
         cute.arch.fence_view_async_shared()

@@ -47,16 +47,22 @@ def q_element_type(cfg: Sm90Config):
 
 
 @cute.jit
-def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx):
+def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Tensor, sQrot):
     """Q^T of KV head ``kvh``'s query heads into ``smem.sQ`` by one warpgroup: BF16 (:func:`load_q`), or two
     E4M3 terms per head with each head's ``2^-e`` in ``smem.sQinv``
-    (:func:`foscar.cute.operands_e4m3.load_q_terms`)."""
+    (:func:`foscar.cute.operands_e4m3.load_q_terms`). A rotated cache (``cfg.rotation``): Q rotated into
+    its space first, in FP32 into ``sQrot`` (:func:`foscar.cute.rotation.rotate_q`), and staged from there."""
+    src, b_src, kvh_src = mQ, b, kvh
+    if cutlass.const_expr(cfg.rotation):
+        from .rotation import rotate_q
+        rotate_q(cfg, mQ, mRot, sQrot, b, kvh * cfg.gqa, tidx, Q_LOAD_BARRIER)
+        src, b_src, kvh_src = sQrot, 0, 0
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import load_q_terms
-        load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, mQ, b, kvh * cfg.gqa, smem.sQ, smem.sQinv, smem.sQred, tidx,
-                     Q_LOAD_BARRIER)
+        load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, src, b_src, kvh_src * cfg.gqa, smem.sQ, smem.sQinv, smem.sQred,
+                     tidx, Q_LOAD_BARRIER)
     else:
-        load_q(cfg, mQ, smem.sQ, b, kvh, tidx)
+        load_q(cfg, src, smem.sQ, b_src, kvh_src, tidx)
 
 
 @cute.jit
@@ -69,7 +75,7 @@ def load_q(cfg: Sm90Config, mQ: cute.Tensor, sQ: cute.Tensor, b, kvh, tidx):
             if d < D:
                 val = BFloat16(0.0)
                 if h < cfg.gqa:
-                    val = mQ[b, kvh * cfg.gqa + h, d]
+                    val = mQ[b, kvh * cfg.gqa + h, d].to(BFloat16)  # BF16, or the rotated FP32
                 sQ[h, d] = val
 
 
