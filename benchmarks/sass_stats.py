@@ -22,7 +22,7 @@ from foscar.triton.decode import fold_decode_stage1
 from foscar.triton.launch import stage1_constexprs
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KP": "*fp32", "VP": "*fp32", "BT": "*i32", "SEQ": "*i32",
-            "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEM": "*i32"}
+            "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEM": "*i32", "ROT": "*fp32"}
 STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "stride_kph", "stride_vpp", "stride_vph",
            "stride_btb", "stride_opb", "stride_oph", "stride_ops", "stride_lpb", "stride_lph", "stride_ob", "stride_oh",
            "stride_lb", "stride_lh")

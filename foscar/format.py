@@ -350,6 +350,17 @@ def _rotation_on(head_dim: int, seed: int | None, dtype: torch.dtype, device: to
     return _rotation64(head_dim, seed).to(dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def rotation_factors(fmt: "KVFormat", device) -> torch.Tensor:
+    """What a kernel that rotates in place takes of the format's rotation: FP32 ``[D]``, each channel's
+    ``s / sqrt(D)`` (the first column of :func:`rotation_matrix`: ``H``'s is all ones), so that ``x R =
+    (x * f) H`` and ``y R^T = (y H) * f``; 4 zeros for a format without one (not read). One tensor per format
+    and device, made on first use (a CUDA-graph capture after a warm-up call allocates nothing)."""
+    if fmt.rotation is None:
+        return torch.zeros(4, dtype=torch.float32, device=device)
+    return rotation_matrix(fmt)[:, 0].to(device=device, dtype=torch.float32).contiguous()
+
+
 def rotate(x: torch.Tensor, fmt: "KVFormat", inverse: bool = False, work: torch.dtype = torch.float64) -> torch.Tensor:
     """``x [..., D] R`` (``inverse``: ``x R^T``) in ``x``'s dtype, computed in ``work`` and rounded once:
     float64 (the default, what the write paths use) makes a token's rotated values independent of the

@@ -85,8 +85,12 @@ def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale
                     interp: bool) -> None:
     """The BF16 sink and recent ring of ``cache`` as partials ``part0, part0 + 1, ...`` (any backend's
     stage 1 writes the KV splits before them; the combine merges all). ``gqa``: query heads per KV head;
-    ``qk_scale``: the softmax scale times log2(e) (the partial LSEs are base 2)."""
+    ``qk_scale``: the softmax scale times log2(e) (the partial LSEs are base 2). ``q`` as the caller has it:
+    rotated here into a rotated cache's space (the windows hold rotated values)."""
     G = gqa
+    if cache.fmt.rotation is not None and num_window_parts(cache.fmt):
+        from .format import rotate
+        q = rotate(q, cache.fmt, work=torch.float32)
     block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
     fmt = cache.fmt
     split = (fmt.sink, fmt.recent, fmt.flush)
@@ -121,13 +125,15 @@ def bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block
         num_warps=num_warps, num_stages=num_stages)
 
 
-def combine(o_part, l_part, out, lse):
+def combine(o_part, l_part, out, lse, rotation: torch.Tensor | None = None):
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and ``lse``)
-    with the standalone combine kernel (:func:`foscar.triton.combine.combine_stage2`)."""
+    with the standalone combine kernel (:func:`foscar.triton.combine.combine_stage2`); ``rotation``
+    (:func:`foscar.format.rotation_factors`): the partials are in a rotated cache's space, ``out`` is not."""
     from .triton.combine import combine_stage2
     B, Hq, parts, D = o_part.shape
     combine_stage2[(B, Hq)](
-        o_part, l_part, out, lse if lse is not None else l_part,
+        o_part, l_part, out, lse if lse is not None else l_part, rotation if rotation is not None else l_part,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts), D=D, WRITE_LSE=lse is not None, num_warps=4)
+        NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts), D=D, WRITE_LSE=lse is not None,
+        ROTATE=rotation is not None, num_warps=4)

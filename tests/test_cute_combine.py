@@ -123,7 +123,8 @@ def test_the_rotating_merge_is_the_merge_rotated_back(parts, out_dtype):
     """``combine(..., rotation)``: the float64 merge times ``R^T`` (a NaN of a row spreads over it, an
     all-empty row stays 0), the LSE unchanged."""
     import foscar
-    from foscar.cute.launch import combine, rotation_vector
+    from foscar.cute.launch import combine
+    from foscar.format import rotation_factors
     from foscar.format import rotation_matrix
     B, H, D = 3, 5, 128
     fmt = foscar.KVFormat(bits=4, head_dim=D, group_size=128, rotation="hadamard", rotation_seed=3)
@@ -134,7 +135,7 @@ def test_the_rotating_merge_is_the_merge_rotated_back(parts, out_dtype):
     dt = DTYPES[out_dtype]
     out = torch.full((B, H, D), float("nan"), dtype=dt, device="cuda")
     got_lse = torch.full((B, H), float("nan"), device="cuda")
-    combine(o.float().cuda(), lse.float().cuda(), out, got_lse, rotation_vector(fmt, torch.device("cuda")))
+    combine(o.float().cuda(), lse.float().cuda(), out, got_lse, rotation_factors(fmt, torch.device("cuda")))
     torch.cuda.synchronize()
     out = out.cpu().double()
     assert torch.equal(torch.isnan(out), torch.isnan(ref_o)), "NaN exactly where float64 has it"

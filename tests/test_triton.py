@@ -92,6 +92,23 @@ def test_windows_contiguous_and_gqa(bits, k_axis, v_axis):
     run_and_check(q, cache, num_splits=2)
 
 
+@pytest.mark.parametrize("k_axis,v_axis,windows,fused", [
+    ("token", "token", False, True), ("channel", "token", False, False), ("token", "channel", True, True),
+    ("channel", "channel", True, False)])
+def test_a_rotated_cache_is_rotated_in_the_kernels(k_axis, v_axis, windows, fused):
+    """A rotated cache (seeded signs) given the query as it is: stage 1 rotates it as it loads it, the split
+    merge (in the epilogue, or its own kernel) rotates the output back; the BF16 windows take the query
+    rotated too. The oracle decodes the unrotated values. The query is one whose rotation is BF16, so that
+    the kernels' BF16 query operand rounds nothing away: the float32 bound holds under the interpreter."""
+    from foscar.format import rotate
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis=k_axis, v_axis=v_axis, rotation="hadamard",
+                          rotation_seed=3, **({"sink": 4, "recent": 9} if windows else {}))
+    q, cache = make(fmt, [1, 77, 161], Hkv=2, G=4, page=64, seed=5)
+    q = rotate(rotate(q.double(), fmt).to(torch.bfloat16).double(), fmt, inverse=True).to(q.dtype if GPU else
+                                                                                             torch.float32)
+    run_and_check(q, cache, num_splits=3, fused_combine=fused)
+
+
 @pytest.mark.parametrize("v_axis", ("token", "channel"))
 @pytest.mark.parametrize("magnitude", V_MAGNITUDES)
 def test_values_of_any_magnitude(magnitude, v_axis):

@@ -23,6 +23,10 @@ class Triton(Backend):
                                  f"builds BF16 operands: needs mapping 'bf16', not {key.fmt.mapping!r}")
         return BackendStatus(self.name, True, f"Triton kernels on {torch.cuda.get_device_name(dev)}")
 
+    def rotates(self, fmt) -> bool:
+        """Stage 1 rotates the query as it loads it, the split merge (fused or its own kernel) the output."""
+        return True
+
     def launch_config(self, problem) -> dict:
         from ..triton.launch import launch_config
         _, num_splits, _, _ = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)

@@ -214,6 +214,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         k_operand: str | None = None, tiles_per_pass: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
+    from ..format import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
     from .config import config_for
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
@@ -228,29 +229,14 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
     o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
-    rot = rotation_vector(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
+    rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
                cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part, rot)  # Q: BF16 operands
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
-    if num_window_parts(fmt):
-        from ..format import rotate
-        q_win = rotate(q, fmt, work=torch.float32)  # the BF16 windows' partials take Q in the cache's space
-        window_partials(q_win, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
+    window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None)
-
-
-@functools.lru_cache(maxsize=64)
-def rotation_vector(fmt, device: torch.device) -> torch.Tensor:
-    """The kernels' ``rotation`` argument: FP32 ``[D]``, each channel's ``s / sqrt(D)`` of the format's
-    rotation (the first column of :func:`foscar.format.rotation_matrix`: ``H``'s is all ones), or 4 zeros
-    for a format without one (not read). Made once per format and device: a CUDA-graph capture after a
-    warm-up call allocates nothing."""
-    if fmt.rotation is None:
-        return torch.zeros(4, dtype=torch.float32, device=device)
-    from ..format import rotation_matrix
-    return rotation_matrix(fmt, torch.float64)[:, 0].to(device=device, dtype=torch.float32).contiguous()
 
 
 #: The combine's output element type of each output dtype (the query's).
@@ -261,7 +247,8 @@ def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: 
             rotation: torch.Tensor | None = None) -> None:
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and
     ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream;
-    ``rotation`` (:func:`rotation_vector`): the partials are in a rotated cache's space, the output is not."""
+    ``rotation`` (:func:`foscar.format.rotation_factors`): the partials are in a rotated cache's space, the
+    output is not."""
     from .config import CombineConfig, combine_chunk
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),
                         rotation is not None)

@@ -4,7 +4,7 @@ cache's space as it stages Q (``q R = H (q * s / sqrt(D))``: :func:`rotate_q`), 
 the merged output back (``o = (o_R H) * s / sqrt(D)``: :func:`walsh_hadamard` on the merged row, then the
 same per-channel factor). Both are an in-place Walsh-Hadamard transform over shared memory, ``log2(D)``
 butterfly rounds with a barrier after each. The factor ``s / sqrt(D)`` per channel is the kernels'
-``rotation`` argument (:func:`foscar.cute.launch.rotation_vector`).
+``rotation`` argument (:func:`foscar.format.rotation_factors`).
 """
 from __future__ import annotations
 

@@ -8,13 +8,16 @@ its query heads' partials, so a decode is one launch.
 import triton
 import triton.language as tl
 
+from .common import walsh_hadamard
+
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # a global a kernel may read: a constexpr
 
 
 @triton.jit
 def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
-                stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
-                CHUNK: tl.constexpr, D: tl.constexpr, WRITE_LSE: tl.constexpr, CACHED: tl.constexpr):
+                stride_oph, stride_ops, stride_lph, stride_oh, stride_lh, ROT,
+                CHUNK: tl.constexpr, D: tl.constexpr, WRITE_LSE: tl.constexpr, CACHED: tl.constexpr,
+                ROTATE: tl.constexpr):
     """``O[h] = sum_i 2^(lse_i - m) o_i / sum_i 2^(lse_i - m)`` for the heads ``hh`` (masked by ``hmask``)
     of one batch entry (``OP, LP, O, LSE`` point at its rows), over ``n_parts`` partials taken
     ``CHUNK`` at a time with a running maximum (one pass; the loads of a chunk do not wait on each
@@ -24,7 +27,9 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
     :func:`foscar.decode_exact`. Empty partials (``lse = -inf``) weigh 0 whatever their output holds;
     all empty (a sequence of length 0): ``O = 0``, ``LSE = -inf``. A NaN LSE (a broken partial) makes
     ``O`` and ``LSE`` NaN, never a merge of the others. ``CACHED=False`` reads the partials
-    past the L1 (``.cg``): the fused epilogue reads what other SMs just wrote.
+    past the L1 (``.cg``): the fused epilogue reads what other SMs just wrote. ``ROTATE``: the partials
+    are in a rotated cache's space, ``O`` is not: ``O (H) f`` (``ROT``: the factors ``f``,
+    :func:`foscar.format.rotation_factors`).
     """
     cc = tl.arange(0, CHUNK)
     dd = tl.arange(0, D)
@@ -50,6 +55,8 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
         m = m_new
     empty = total == 0  # NaN != 0: a NaN total divides and stays NaN
     out = acc / tl.where(empty, 1.0, total)[:, None]
+    if ROTATE:
+        out = walsh_hadamard(out, D) * tl.load(ROT + dd)[None, :]
     tl.store(O + hh[:, None] * stride_oh + dd[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
     if WRITE_LSE:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -59,16 +66,17 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
 
 @triton.jit
 def combine_stage2(
-    OP, LP, O, LSE,
+    OP, LP, O, LSE, ROT,
     stride_opb, stride_oph, stride_ops,
     stride_lpb, stride_lph,
     stride_ob, stride_oh,
     stride_lb, stride_lh,
     NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """One program per (batch entry, query head): :func:`merge_parts` over all partials in one chunk."""
     b = tl.program_id(0)
     hh = tl.program_id(1) + tl.arange(0, 1)
     merge_parts(OP + b * stride_opb, LP + b * stride_lpb, O + b * stride_ob, LSE + b * stride_lb, hh, hh >= 0,
-                NUM_PARTS, stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
-                CHUNK=PARTS_PAD, D=D, WRITE_LSE=WRITE_LSE, CACHED=True)
+                NUM_PARTS, stride_oph, stride_ops, stride_lph, stride_oh, stride_lh, ROT,
+                CHUNK=PARTS_PAD, D=D, WRITE_LSE=WRITE_LSE, CACHED=True, ROTATE=ROTATE)

@@ -73,3 +73,18 @@ def dot(a, b, INTERPRET: tl.constexpr):
     else:
         r = tl.dot(a, b)
     return r
+
+
+@triton.jit
+def walsh_hadamard(x, D: tl.constexpr):
+    """``x [H, D] H_D`` (Sylvester's unnormalized Hadamard matrix, ``D`` a power of two) of a float32 block:
+    ``log2(D)`` butterfly rounds, each pairing the elements ``span`` apart (reshapes, no memory). What a
+    rotated cache's query and output go through (:func:`foscar.format.rotation_matrix`:
+    ``R = diag(s) H / sqrt(D)``)."""
+    H: tl.constexpr = x.shape[0]
+    for stage in tl.static_range(12):  # head dims up to 4096; the span of a round is 1 << stage
+        if (1 << stage) < D:
+            y = tl.permute(tl.reshape(x, (H, D // (2 << stage), 2, 1 << stage)), (0, 1, 3, 2))
+            a, c = tl.split(y)
+            x = tl.reshape(tl.permute(tl.join(a + c, a - c), (0, 1, 3, 2)), (H, D))
+    return x

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .combine import merge_parts
-from .common import dot, dot_acc, partial_result, round_operand, split_of, split_range
+from .common import dot, dot_acc, partial_result, round_operand, split_of, split_range, walsh_hadamard
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -123,7 +123,7 @@ def _load_tile(KC, VC, KP, VP, page, kvh, tile, t_lo, t_hi, n_quant, tt, k_s, k_
 
 @triton.jit
 def fold_decode_stage1(
-    Q, KC, VC, KP, VP, BT, SEQ, OP, LP, O, LSE, SEM,
+    Q, KC, VC, KP, VP, BT, SEQ, OP, LP, O, LSE, SEM, ROT,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_cp, stride_ch,  # codes pool [pages, Hkv, W]
@@ -140,7 +140,7 @@ def fold_decode_stage1(
     V_PATTERN: tl.constexpr, V_SHL: tl.constexpr, V_MID: tl.constexpr, V_PIVOT: tl.constexpr,
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr,
-    WRITE_LSE: tl.constexpr, P_START: tl.constexpr, P_OFFSET_RATIO: tl.constexpr,
+    WRITE_LSE: tl.constexpr, P_START: tl.constexpr, P_OFFSET_RATIO: tl.constexpr, ROTATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -159,7 +159,17 @@ def fold_decode_stage1(
     tt = tl.arange(0, BLOCK_N)
     hmask = hh < G
     q_ptr = Q + b * stride_qb + (kvh * G + hh)[:, None] * stride_qh + dd[None, :]
-    q = tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    if ROTATE:  # a rotated cache: q R = (q f) H in FP32 (ROT: the factors f), then the BF16 operand
+        qr = walsh_hadamard(tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.float32) * tl.load(ROT + dd)[None, :],
+                            D)
+        # back through this split's partial-output rows (written again below): loaded as the query is, the
+        # rotated query has the layout the tile loop was built for (else its layout costs spills there)
+        s_ptr = OP + b * stride_opb + (kvh * G + hh)[:, None] * stride_oph + split * stride_ops + dd[None, :]
+        tl.store(s_ptr, qr, mask=hmask[:, None])
+        tl.debug_barrier()
+        q = round_operand(tl.load(s_ptr, mask=hmask[:, None], other=0.0, cache_modifier=".cg"), INTERPRET)
+    else:
+        q = tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
     qf = q.to(tl.float32)
     if K_TOKEN:  # Q split by channel group: [KC_, BLOCK_H, KGC], and its sums (from the consumed BF16 Q)
         q3 = tl.permute(tl.reshape(q, (BLOCK_H, KC_, KGC)), (1, 0, 2))
@@ -337,8 +347,8 @@ def fold_decode_stage1(
             mh = tl.arange(0, MERGE_H)
             merge_parts(OP + b * stride_opb, LP + b * stride_lpb, O + b * stride_ob, LSE + b * stride_lb,
                         kvh * G + mh, mh < G, tl.num_programs(2) + WINDOWS,
-                        stride_oph, stride_ops, stride_lph, stride_oh, stride_lh,
-                        CHUNK=CHUNK, D=D, WRITE_LSE=WRITE_LSE, CACHED=False)
+                        stride_oph, stride_ops, stride_lph, stride_oh, stride_lh, ROT,
+                        CHUNK=CHUNK, D=D, WRITE_LSE=WRITE_LSE, CACHED=False, ROTATE=ROTATE)
 
 
 @triton.jit

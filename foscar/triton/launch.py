@@ -13,7 +13,7 @@ from .. import autotune
 from .._checks import check_int, check_tensor, decode_out_buffers
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
+from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for, rotation_factors
 from ..problem import DecodeProblem
 from ..quantize import RANGE_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
@@ -163,11 +163,12 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     bt = cache.page_table.block_table
     cap = max_registers(fmt, prefetch, G) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
+    rot = rotation_factors(fmt, q.device)  # a rotated cache: stage 1 rotates Q in, the merge the output back
     if fused_combine:  # the windows' partials first: stage 1's last split merges them
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
     lse_buf = lse if lse is not None else l_part
     fold_decode_stage1[(B, Hkv, num_splits)](
-        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, out, lse_buf, sem, qk_scale,
+        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, out, lse_buf, sem, rot, qk_scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
@@ -177,7 +178,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
         num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
-        combine(o_part, l_part, out, lse)
+        combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None)
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: built once per format and launch
@@ -197,7 +198,8 @@ def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = T
         **injection_constants("K", k_op, fmt), **injection_constants("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
         WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
-        WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO))
+        WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO,
+        ROTATE=fmt.rotation is not None))
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
