@@ -55,7 +55,7 @@ def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") 
     """The backend a call runs on: ``backend`` (or ``$FOSCAR_BACKEND`` when ``backend="auto"``) if it can
     run, else an :class:`UnsupportedError` saying why; ``"auto"``: the first usable of
     :data:`AUTO_ORDER` (the reference only on the CPU)."""
-    G = q.shape[1] // cache.num_kv_heads
+    G = q.shape[-2] // cache.num_kv_heads  # q [B, Hq, D] or a step's [B, q_len, Hq, D]
     return _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
 
 
@@ -160,9 +160,10 @@ class DecodePlan:
 
     backend: str
     fmt: KVFormat
-    shape: tuple[int, int, int]  # q: [B, Hq, D]
+    shape: tuple[int, int, int]  # q: [B, Hq, D] (a step of q_len tokens: its rows, [B q_len, Hq, D])
     sm_scale: float
     launch: LaunchPlan  # the backend's config (num_splits; the CuTe variant) and workspace
+    q_len: int = 0  #: planned for steps ``q [B, q_len, Hq, D]`` (:mod:`foscar.multitoken`); 0: ``q [B, Hq, D]``
 
     @property
     def num_splits(self) -> int | None:
@@ -180,7 +181,20 @@ class DecodePlan:
     def run(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None):
         """Decode ``q`` over ``cache`` (same batch shape and format as planned) into ``out`` (and ``lse``).
-        Without ``out`` the call allocates it (outside a CUDA graph)."""
+        Without ``out`` the call allocates it (outside a CUDA graph). Planned for steps of ``q_len`` tokens:
+        ``q [B, q_len, Hq, D]``, ``out`` and ``lse`` shaped per token (:mod:`foscar.multitoken`)."""
+        if self.q_len:
+            from .multitoken import flatten_step, unflatten
+            check_tensor("q", q, ndim=4)
+            B, T = q.shape[:2]
+            if (B * T, *q.shape[2:]) != self.shape or T != self.q_len:
+                raise InvalidArgumentError("q", f"the planned step of {self.q_len} tokens, rows {self.shape}",
+                                           tuple(q.shape))
+            q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
+            return unflatten(self._run_rows(q_rows, view, out_rows, lse_rows), B, T)
+        return self._run_rows(q, cache, out, lse)
+
+    def _run_rows(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None, lse: torch.Tensor | None):
         check_tensor("q", q, ndim=3)
         if not isinstance(cache, QuantKVCache):
             raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
@@ -199,12 +213,18 @@ class DecodePlan:
 
 def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, backend: str = "auto",
          num_splits: int | None = None) -> DecodePlan:
-    """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`)."""
+    """Prepare decodes of queries shaped like ``q`` over caches like ``cache`` (:class:`DecodePlan`); ``q [B,
+    q_len, Hq, D]``: steps of ``q_len`` tokens (:mod:`foscar.multitoken`)."""
+    q_len = 0
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        from .multitoken import flatten_step
+        q_len = q.shape[1]
+        q, cache, _, _ = flatten_step(q, cache, None, None)
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
                      os.environ.get(ENV, "auto"))
     launch = backends.get(chosen).plan(problem)
-    return DecodePlan(chosen, cache.fmt, tuple(q.shape), problem.sm_scale, launch)
+    return DecodePlan(chosen, cache.fmt, tuple(q.shape), problem.sm_scale, launch, q_len)
 
 
 def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
@@ -225,8 +245,16 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     Returns ``out [B, Hq, D]`` (``q``'s dtype for BF16/FP16/FP32 queries; or the given ``out``), and
     ``lse [B, Hq]`` (float32, natural log) when ``return_lse`` or ``lse`` is given. ``backend``: ``"auto"``
     (default), ``"cute"``, ``"triton"`` or ``"reference"`` (module docstring). ``num_splits``: KV splits
-    per sequence for the GPU kernels (default: the kernel's heuristic).
+    per sequence for the GPU kernels (default: the kernel's heuristic). ``q [B, q_len, Hq, D]``: a step of
+    ``q_len`` tokens per sequence, appended to the cache before the call, causal among themselves
+    (:mod:`foscar.multitoken`); ``out [B, q_len, Hq, D]``, ``lse [B, q_len, Hq]``.
     """
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # a step of several tokens: one decode of its rows
+        from .multitoken import flatten_step, unflatten
+        B, T = q.shape[:2]
+        q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
+        return unflatten(decode(q_rows, view, sm_scale=sm_scale, out=out_rows, lse=lse_rows, return_lse=return_lse,
+                                backend=backend, num_splits=num_splits), B, T)
     want_lse = return_lse or lse is not None
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True,
                                   num_splits=num_splits)

@@ -11,7 +11,7 @@ import torch
 
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from ._checks import check_decode_inputs
+from ._checks import check_decode_inputs, check_tensor
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *,
            operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,17 +44,34 @@ def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None
 
     GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``. Returns ``out [B, Hq, D]`` in ``dtype``
     (and ``lse [B, Hq]``, natural log, when ``return_lse``). A sequence of length 0 gives zeros and
-    ``lse = -inf``.
+    ``lse = -inf``. ``q [B, q_len, Hq, D]``: a step of ``q_len`` tokens already in the cache, token ``j``
+    attending to the first ``L - q_len + 1 + j`` tokens (:mod:`foscar.multitoken`); ``out [B, q_len, Hq, D]``,
+    ``lse [B, q_len, Hq]``.
     """
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    step = isinstance(q, torch.Tensor) and q.dim() == 4
+    if step:
+        check_tensor("q", q, ndim=4)
+        if q.shape[1] < 1:
+            raise InvalidArgumentError("q", "a step of q_len >= 1 tokens", tuple(q.shape))
+    G, sm_scale = check_decode_inputs(q[:, 0] if step else q, cache, sm_scale, dtype)
     if dtype is None:
         raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    T = q.shape[1] if step else 1
+    lens = cache.seq_lens.long().cpu()
+    if step and B and int(lens.min()) < T:
+        b = int(lens.argmin())
+        raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
+                                   f"{int(lens[b])} at sequence {b}")
+    q4 = q if step else q.unsqueeze(1)
     k, v = cache.dequantize(dtype)
-    out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
-    lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
+    out = torch.empty(B, T, Hkv * G, D, dtype=dtype, device=q.device)
+    lse = torch.empty(B, T, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
-        L = int(cache.seq_lens[b])
-        o, s = attend(q[b].to(dtype).reshape(Hkv, G, D), k[b, :, :L], v[b, :, :L], sm_scale)
-        out[b], lse[b] = o.reshape(Hkv * G, D), s.reshape(Hkv * G)
+        for j in range(T):
+            L = int(lens[b]) - T + 1 + j
+            o, s = attend(q4[b, j].to(dtype).reshape(Hkv, G, D), k[b, :, :L], v[b, :, :L], sm_scale)
+            out[b, j], lse[b, j] = o.reshape(Hkv * G, D), s.reshape(Hkv * G)
+    if not step:
+        out, lse = out[:, 0], lse[:, 0]
     return (out, lse) if return_lse else out

@@ -1,0 +1,82 @@
+"""Decode steps of several query tokens per sequence (speculative verification, multi-token prediction):
+``q [B, q_len, Hq, D]``, the step's ``q_len`` tokens appended to the cache first, as serving engines do, and
+token ``j`` of a step attending to the cache up to itself: the first ``L - q_len + 1 + j`` of the
+sequence's ``L`` tokens (causal among the new tokens).
+
+Run here as one decode of ``B * q_len`` single-token rows over a view of the cache (:func:`causal_view`):
+row ``(b, j)`` is sequence ``b`` cut at ``L_b - q_len + 1 + j`` tokens, its pages the same pages (no code is
+copied). Every backend serves it as it serves one token, and a CUDA graph captures it (the view's lengths
+and page table are made on the device); it reads the cache once per token of the step. A cache whose
+BF16 recent ring is not empty (``KVFormat.recent_capacity``: a recent window, or the tokens of a channel-wise
+group not yet complete) is refused: its ring holds the newest tokens of the full length only.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ._checks import check_tensor
+from .cache import PageTable, QuantKVCache
+from .errors import InvalidArgumentError, UnsupportedError
+
+
+def causal_view(cache: QuantKVCache, q_len: int) -> QuantKVCache:
+    """``cache`` as ``B * q_len`` sequences, row ``b * q_len + j`` sequence ``b`` cut at ``L_b - q_len + 1 + j``
+    tokens (at least 0), on the same pools and pages."""
+    if cache.fmt.recent_capacity:
+        raise UnsupportedError(f"q_len={q_len} with recent={cache.fmt.recent}, flush={cache.fmt.flush}",
+                               "decode steps of several tokens take caches without a BF16 recent ring "
+                               "(token-wise K and V, recent=0) for now")
+    B, T = cache.batch_size, q_len
+    dev = cache.seq_lens.device
+    cut = torch.arange(1 - T, 1, device=dev, dtype=cache.seq_lens.dtype)  # -(T-1) ... 0
+    lens = (cache.seq_lens.view(B, 1) + cut.view(1, T)).clamp_min(0).reshape(B * T)
+    pt = cache.page_table
+    view = copy.copy(cache)  # a validated cache's rows: no check again (the constructor reads lengths back)
+    view.seq_lens = lens
+    view.page_table = PageTable(pt.block_table.repeat_interleave(T, 0), pt.num_pages.repeat_interleave(T, 0))
+    for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
+        setattr(view, name, getattr(cache, name).repeat_interleave(T, 0))
+    if cache.k_mean is not None:
+        view.k_mean = cache.k_mean.repeat_interleave(T, 0)
+    return view
+
+
+def flatten_step(q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None, lse: torch.Tensor | None):
+    """``(q_rows [B q_len, Hq, D], view, out_rows, lse_rows)`` of a step ``q [B, q_len, Hq, D]``: the rows of
+    :func:`causal_view`, and the given ``out [B, q_len, Hq, D]`` / ``lse [B, q_len, Hq]`` as their rows
+    (``None`` where not given). On the CPU the lengths are checked to hold the step's tokens."""
+    if not isinstance(cache, QuantKVCache):
+        raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
+    check_tensor("q", q, ndim=4, device=cache.device)
+    B, T, Hq, D = q.shape
+    if B != cache.batch_size or T < 1:
+        raise InvalidArgumentError("q", f"shape ({cache.batch_size}, q_len >= 1, Hq, D) for this cache",
+                                   tuple(q.shape))
+    if cache.seq_lens.device.type == "cpu" and not torch.compiler.is_compiling():
+        short = (cache.seq_lens.long() < T).nonzero()
+        if short.numel():
+            b = int(short[0])
+            raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
+                                       f"{int(cache.seq_lens[b])} at sequence {b}")
+    rows = []
+    for name, t, shape in (("out", out, (B, T, Hq, D)), ("lse", lse, (B, T, Hq))):
+        if t is None:
+            rows.append(None)
+            continue
+        check_tensor(name, t, shape=shape, device=q.device)
+        try:
+            rows.append(t.view(B * T, *shape[2:]))
+        except RuntimeError as e:
+            raise InvalidArgumentError(name, "a tensor whose batch and q_len dims flatten into one (e.g. "
+                                       "contiguous)", tuple(t.stride())) from e
+    return q.reshape(B * T, Hq, D), causal_view(cache, T), rows[0], rows[1]
+
+
+def unflatten(result, B: int, T: int):
+    """A decode's ``out`` (or ``(out, lse)``) of the rows, shaped per step token."""
+    if isinstance(result, tuple):
+        out, lse = result
+        return out.view(B, T, *out.shape[1:]), lse.view(B, T, lse.shape[1])
+    return result.view(B, T, *result.shape[1:])

@@ -1,0 +1,107 @@
+"""Decode steps of several tokens per sequence (``q [B, q_len, Hq, D]``, :mod:`foscar.multitoken`): the
+oracle attends token ``j`` of a step to the first ``L - q_len + 1 + j`` tokens (checked here against
+single-token decodes of caches cut there); ``foscar.decode`` and a plan give the oracle's output and LSE
+within the kernels' arithmetic, on every backend here (the reference; Triton under the interpreter on a
+CPU machine); the step's outputs are the single-token decodes of its rows; bad steps are refused by name."""
+import pytest
+import torch
+from _helpers import rel
+
+import foscar
+from foscar.errors import InvalidArgumentError, UnsupportedError
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, D = len(lens), max(lens), fmt.head_dim
+    k, v = torch.randn(2, B, Hkv, L, D, generator=gen).unbind(0)
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16)
+    if GPU:
+        from test_triton import to_device
+        cache, q = to_device(cache, DEV), q.to(DEV)
+    return q, cache
+
+
+def _cut(cache, lens):
+    """The same cache with other lengths (token-wise, no windows: the codes of the first tokens are theirs)."""
+    import copy
+    c = copy.copy(cache)
+    c.seq_lens = torch.tensor(lens, dtype=torch.int32, device=cache.seq_lens.device)
+    return c
+
+
+def test_the_oracle_is_causal_among_the_steps_tokens():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    q, cache = _step(fmt, [70, 5, 130], 3)
+    out, lse = foscar.decode_exact(q, cache, return_lse=True)
+    assert out.shape == (3, 3, 8, 64) and lse.shape == (3, 3, 8)
+    for j in range(3):
+        cut = _cut(cache, [L - 2 + j for L in (70, 5, 130)])
+        o, s = foscar.decode_exact(q[:, j], cut, return_lse=True)
+        assert torch.equal(o, out[:, j]) and torch.equal(s, lse[:, j])
+
+
+@pytest.mark.parametrize("T", (1, 2, 4))
+@pytest.mark.parametrize("backend", ("auto", "reference"))
+def test_decode_and_plans_give_the_oracles_step(T, backend):
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=32, rotation="hadamard", rotation_seed=1)
+    q, cache = _step(fmt, [T, 77, 161], T, seed=T)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    got, got_lse = foscar.decode(q, cache, out=out, lse=lse, backend=backend)
+    assert got.data_ptr() == out.data_ptr() and got.shape == q.shape and got_lse.shape == q.shape[:3]
+    assert bool(torch.isfinite(out).all()) and rel(out, exact) < 1e-2
+    assert float((lse.double() - lse_exact).abs().max()) < 1e-2
+    # the step's rows are single-token decodes of the cache cut at each token
+    for j in range(T):
+        cut = _cut(cache, [int(L) - T + 1 + j for L in cache.seq_lens.cpu()])
+        one = foscar.decode(q[:, j], cut, backend=backend, out=torch.empty_like(out[:, j]))
+        assert torch.allclose(out[:, j], one, atol=1e-6, rtol=0)
+    plan = foscar.plan(q, cache, backend=backend)
+    assert plan.q_len == T and plan.shape == (3 * T, 8, 64)
+    again = torch.full_like(out, float("nan"))
+    plan.run(q, cache, out=again)
+    assert torch.equal(again, out)
+    assert foscar.decode(q, cache, backend=backend).shape == q.shape  # allocated out
+
+
+def test_bad_steps_are_refused_by_name():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    q, cache = _step(fmt, [3, 40], 4)
+    if not GPU:  # the lengths are read on the host only there
+        with pytest.raises(InvalidArgumentError, match=r"^cache.seq_lens: expected lengths >= q_len=4"):
+            foscar.decode(q, cache)
+    with pytest.raises(InvalidArgumentError, match=r"^q: expected shape \(2, q_len >= 1"):
+        foscar.decode(q[:1], cache)
+    with pytest.raises(InvalidArgumentError, match=r"^out: expected"):
+        foscar.decode(q[:, :1], cache, out=torch.empty(2, 2, 8, 64, device=q.device))
+    windowed = foscar.KVFormat(bits=4, head_dim=64, group_size=64, recent=16)
+    q, cache = _step(windowed, [30, 40], 2)
+    with pytest.raises(UnsupportedError, match="recent ring"):
+        foscar.decode(q, cache)
+    plan_q = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16, device=q.device)
+    q, cache = _step(fmt, [30, 40], 2)
+    plan = foscar.plan(plan_q, cache)
+    with pytest.raises(InvalidArgumentError, match="^q: expected the planned step of 2 tokens"):
+        plan.run(torch.zeros(2, 3, 8, 64, dtype=torch.bfloat16, device=q.device), cache)
+
+
+def test_the_triton_kernel_decodes_a_steps_rows():
+    """The rows of a step (``flatten_step``: the cache's pages once per token, the lengths cut) through the
+    Triton kernel (the interpreter on a CPU machine): the oracle's step, fused merge and its own kernel."""
+    import foscar.triton as ft
+    from foscar.multitoken import flatten_step, unflatten
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32)
+    q, cache = _step(fmt, [4, 90, 161], 4, seed=9)
+    exact = foscar.decode_exact(q, cache)
+    for fused in (True, False):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+        q_rows, view, out_rows, _ = flatten_step(q, cache, out, None)
+        ft.decode(q_rows, view, out=out_rows, num_splits=2, fused_combine=fused)
+        assert unflatten(out_rows, 3, 4).data_ptr() == out.data_ptr()
+        assert rel(out, exact) < (1e-2 if GPU else 1e-5)
