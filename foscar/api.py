@@ -190,11 +190,17 @@ class DecodePlan:
             if (B * T, *q.shape[2:]) != self.shape or T != self.q_len:
                 raise InvalidArgumentError("q", f"the planned step of {self.q_len} tokens, rows {self.shape}",
                                            tuple(q.shape))
+            if _steps_natively(self.backend, self.fmt):
+                from .multitoken import check_step, step_rows
+                check_step(q, cache)
+                out_rows, lse_rows = step_rows(q, out, lse)
+                return unflatten(self._run_rows(q.reshape(-1, *q.shape[2:]), cache, out_rows, lse_rows, T), B, T)
             q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
             return unflatten(self._run_rows(q_rows, view, out_rows, lse_rows), B, T)
         return self._run_rows(q, cache, out, lse)
 
-    def _run_rows(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None, lse: torch.Tensor | None):
+    def _run_rows(self, q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None, lse: torch.Tensor | None,
+                  q_len: int = 1):
         check_tensor("q", q, ndim=3)
         if not isinstance(cache, QuantKVCache):
             raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
@@ -203,7 +209,8 @@ class DecodePlan:
                                        f"{tuple(q.shape)}, {cache.fmt}")
         from ._checks import decode_out_buffers
         out, lse = decode_out_buffers(q, out, lse, False)  # checks what was given; allocates only a missing out
-        problem = DecodeProblem(q, cache, out, lse, self.sm_scale, self.num_splits, q.shape[1] // cache.num_kv_heads)
+        problem = DecodeProblem(q, cache, out, lse, self.sm_scale, self.num_splits, q.shape[1] // cache.num_kv_heads,
+                                q_len)
         chosen = backends.get(self.backend)
         solved = problem if chosen.rotates(cache.fmt) else problem.in_cache_space()
         chosen.run(solved, self.launch)
@@ -217,8 +224,16 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     q_len, Hq, D]``: steps of ``q_len`` tokens (:mod:`foscar.multitoken`)."""
     q_len = 0
     if isinstance(q, torch.Tensor) and q.dim() == 4:
-        from .multitoken import flatten_step
+        from .multitoken import flatten_step, step_problem
         q_len = q.shape[1]
+        if not isinstance(cache, QuantKVCache):
+            raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
+        chosen = _select(str(q.device), _fmt_values(cache.fmt), q.shape[2] // cache.num_kv_heads, cache.page_size,
+                         backend, os.environ.get(ENV, "auto"))
+        if _steps_natively(chosen, cache.fmt):
+            problem = step_problem(q, cache, sm_scale=sm_scale, num_splits=num_splits)
+            launch = backends.get(chosen).plan(problem)
+            return DecodePlan(chosen, cache.fmt, tuple(problem.q.shape), problem.sm_scale, launch, q_len)
         q, cache, _, _ = flatten_step(q, cache, None, None)
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, num_splits=num_splits)
     chosen = _select(str(q.device), _fmt_values(cache.fmt), problem.gqa, cache.page_size, backend,
@@ -249,12 +264,9 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     ``q_len`` tokens per sequence, appended to the cache before the call, causal among themselves
     (:mod:`foscar.multitoken`); ``out [B, q_len, Hq, D]``, ``lse [B, q_len, Hq]``.
     """
-    if isinstance(q, torch.Tensor) and q.dim() == 4:  # a step of several tokens: one decode of its rows
-        from .multitoken import flatten_step, unflatten
-        B, T = q.shape[:2]
-        q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
-        return unflatten(decode(q_rows, view, sm_scale=sm_scale, out=out_rows, lse=lse_rows, return_lse=return_lse,
-                                backend=backend, num_splits=num_splits), B, T)
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # a step of several tokens
+        return _decode_step(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse, backend=backend,
+                            num_splits=num_splits)
     want_lse = return_lse or lse is not None
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True,
                                   num_splits=num_splits)
@@ -272,6 +284,35 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         backends.get(chosen).run(solved)
     problem.finish(solved, lse_wanted=want_lse)
     return (problem.out, problem.lse) if want_lse else problem.out
+
+
+def _steps_natively(backend: str, fmt: KVFormat) -> bool:
+    """Whether a step of several tokens goes to ``backend`` as it is (else as the rows of a causal view); the
+    custom op of a compiled graph takes one-token problems."""
+    return backends.get(backend).steps(fmt) and not torch.compiler.is_compiling()
+
+
+def _decode_step(q: torch.Tensor, cache: QuantKVCache, *, sm_scale, out, lse, return_lse: bool, backend: str,
+                 num_splits):
+    """:func:`decode` of a step ``q [B, q_len, Hq, D]`` (:mod:`foscar.multitoken`): to a backend that takes
+    steps as they are, else one decode of the step's rows over a causal view of the cache."""
+    from .multitoken import flatten_step, step_problem, unflatten
+    if not isinstance(cache, QuantKVCache):
+        raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
+    B, T = q.shape[:2]
+    chosen = _select(str(q.device), _fmt_values(cache.fmt), q.shape[2] // cache.num_kv_heads, cache.page_size,
+                     backend, os.environ.get(ENV, "auto"))
+    if not _steps_natively(chosen, cache.fmt):
+        q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
+        return unflatten(decode(q_rows, view, sm_scale=sm_scale, out=out_rows, lse=lse_rows, return_lse=return_lse,
+                                backend=chosen, num_splits=num_splits), B, T)
+    want_lse = return_lse or lse is not None
+    problem = step_problem(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True, num_splits=num_splits)
+    run_backend = backends.get(chosen)
+    solved = problem if run_backend.rotates(cache.fmt) else problem.in_cache_space()
+    run_backend.run(solved)
+    problem.finish(solved, lse_wanted=want_lse)
+    return unflatten((problem.out, problem.lse) if want_lse else problem.out, B, T)
 
 
 WRITE_BACKENDS = ("triton", "reference")

@@ -3,12 +3,15 @@
 token ``j`` of a step attending to the cache up to itself: the first ``L - q_len + 1 + j`` of the
 sequence's ``L`` tokens (causal among the new tokens).
 
-Run here as one decode of ``B * q_len`` single-token rows over a view of the cache (:func:`causal_view`):
-row ``(b, j)`` is sequence ``b`` cut at ``L_b - q_len + 1 + j`` tokens, its pages the same pages (no code is
-copied). Every backend serves it as it serves one token, and a CUDA graph captures it (the view's lengths
-and page table are made on the device); it reads the cache once per token of the step. A cache whose
-BF16 recent ring is not empty (``KVFormat.recent_capacity``: a recent window, or the tokens of a channel-wise
-group not yet complete) is refused: its ring holds the newest tokens of the full length only.
+A backend whose ``steps`` says so takes the step as it is (:func:`step_problem`: a problem of the step's
+rows ``[B q_len, ...]`` over the cache, ``q_len`` set): the Triton kernel, each program taking all of a KV
+head's step tokens as rows, for caches without BF16 windows. Elsewhere the step runs as one decode of
+``B * q_len`` single-token rows over a view of the cache (:func:`causal_view`): row ``(b, j)`` is sequence
+``b`` cut at ``L_b - q_len + 1 + j`` tokens, its pages the same pages (no code is copied). Every backend
+serves that as it serves one token, and a CUDA graph captures it (the view's lengths and page table are
+made on the device); it reads the cache once per token of the step. A cache whose BF16 recent ring is not
+empty (``KVFormat.recent_capacity``: a recent window, or the tokens of a channel-wise group not yet
+complete) is refused there: its ring holds the newest tokens of the full length only.
 """
 from __future__ import annotations
 
@@ -47,6 +50,14 @@ def flatten_step(q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None,
     """``(q_rows [B q_len, Hq, D], view, out_rows, lse_rows)`` of a step ``q [B, q_len, Hq, D]``: the rows of
     :func:`causal_view`, and the given ``out [B, q_len, Hq, D]`` / ``lse [B, q_len, Hq]`` as their rows
     (``None`` where not given). On the CPU the lengths are checked to hold the step's tokens."""
+    check_step(q, cache)
+    out_rows, lse_rows = step_rows(q, out, lse)
+    return q.reshape(-1, *q.shape[2:]), causal_view(cache, q.shape[1]), out_rows, lse_rows
+
+
+def check_step(q: torch.Tensor, cache: QuantKVCache) -> None:
+    """A step ``q [B, q_len, Hq, D]`` for ``cache`` (its other checks are a one-token decode's); on the CPU the
+    lengths hold the step's tokens."""
     if not isinstance(cache, QuantKVCache):
         raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
     check_tensor("q", q, ndim=4, device=cache.device)
@@ -60,6 +71,12 @@ def flatten_step(q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None,
             b = int(short[0])
             raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
                                        f"{int(cache.seq_lens[b])} at sequence {b}")
+
+
+def step_rows(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):
+    """The given ``out [B, q_len, Hq, D]`` and ``lse [B, q_len, Hq]`` of a step as rows (``None`` where not
+    given)."""
+    B, T, Hq, D = q.shape
     rows = []
     for name, t, shape in (("out", out, (B, T, Hq, D)), ("lse", lse, (B, T, Hq))):
         if t is None:
@@ -71,7 +88,7 @@ def flatten_step(q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None,
         except RuntimeError as e:
             raise InvalidArgumentError(name, "a tensor whose batch and q_len dims flatten into one (e.g. "
                                        "contiguous)", tuple(t.stride())) from e
-    return q.reshape(B * T, Hq, D), causal_view(cache, T), rows[0], rows[1]
+    return rows[0], rows[1]
 
 
 def unflatten(result, B: int, T: int):
@@ -80,3 +97,19 @@ def unflatten(result, B: int, T: int):
         out, lse = result
         return out.view(B, T, *out.shape[1:]), lse.view(B, T, lse.shape[1])
     return result.view(B, T, *result.shape[1:])
+
+
+def step_problem(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
+                 lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None):
+    """The validated :class:`~foscar.problem.DecodeProblem` of a step ``q [B, q_len, Hq, D]`` over ``cache`` as
+    it is (``q_len`` set: its ``q``, ``out`` and ``lse`` are the step's rows), for a backend that takes steps."""
+    from ._checks import check_decode_inputs, check_finite, check_num_splits, decode_out_buffers
+    from .problem import DecodeProblem
+    check_step(q, cache)
+    rows_out, rows_lse = step_rows(q, out, lse)
+    gqa, sm_scale = check_decode_inputs(q[:, 0], cache, sm_scale)  # a token's checks
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_finite("q", q)  # every token's
+    rows = q.reshape(-1, *q.shape[2:])
+    out_, lse_ = decode_out_buffers(rows, rows_out, rows_lse, return_lse)
+    return DecodeProblem(rows, cache, out_, lse_, sm_scale, check_num_splits(num_splits), gqa, q.shape[1])

@@ -27,6 +27,9 @@ class DecodeProblem:
     sm_scale: float
     num_splits: int | None
     gqa: int  # query heads per KV head
+    #: a step of q_len tokens per sequence (:mod:`foscar.multitoken`): ``q``, ``out`` and ``lse`` are its rows
+    #: ``[B q_len, ...]``, over the cache as it is (for a backend whose ``steps`` says it takes them)
+    q_len: int = 1
 
     @classmethod
     def build(cls, q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
@@ -50,7 +53,7 @@ class DecodeProblem:
         from .format import rotate
         work = torch.float64 if self.q.dtype == torch.float64 else torch.float32
         return DecodeProblem(rotate(self.q, self.cache.fmt, work=work), self.cache, torch.empty_like(self.out),
-                             self.lse, self.sm_scale, self.num_splits, self.gqa)
+                             self.lse, self.sm_scale, self.num_splits, self.gqa, self.q_len)
 
     def finish(self, solved: DecodeProblem, lse_wanted: bool = True) -> None:
         """This problem's output from the one :meth:`in_cache_space` gave, once solved (``out R^T``), and
@@ -62,7 +65,8 @@ class DecodeProblem:
             self.out.copy_(rotate(solved.out, self.cache.fmt, inverse=True, work=work))
         if lse_wanted and self.lse is not None and self.cache.k_mean is not None:
             from .centring import add_lse_correction
-            add_lse_correction(self.lse, self.q, self.cache.k_mean, self.sm_scale)
+            mean = self.cache.k_mean if self.q_len == 1 else self.cache.k_mean.repeat_interleave(self.q_len, 0)
+            add_lse_correction(self.lse, self.q, mean, self.sm_scale)
 
     @property
     def batch(self) -> int:

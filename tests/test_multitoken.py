@@ -46,9 +46,13 @@ def test_the_oracle_is_causal_among_the_steps_tokens():
 
 
 @pytest.mark.parametrize("T", (1, 2, 4))
-@pytest.mark.parametrize("backend", ("auto", "reference"))
+@pytest.mark.parametrize("backend", ("auto", "reference", "triton", "cute"))
 def test_decode_and_plans_give_the_oracles_step(T, backend):
-    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=32, rotation="hadamard", rotation_seed=1)
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64 if backend == "cute" else 32, rotation="hadamard",
+                          rotation_seed=1)
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, 4)}
+    if backend in status and not status[backend].usable:
+        pytest.skip(status[backend].why)
     q, cache = _step(fmt, [T, 77, 161], T, seed=T)
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
@@ -113,3 +117,32 @@ def test_the_triton_kernel_decodes_a_steps_rows():
         ft.decode(q_rows, view, out=out_rows, num_splits=2, fused_combine=fused)
         assert unflatten(out_rows, 3, 4).data_ptr() == out.data_ptr()
         assert rel(out, exact) < (1e-2 if GPU else 1e-5)
+
+
+@pytest.mark.parametrize("kw", ({}, {"rotation": "hadamard", "rotation_seed": 2}, {"group_size": 64}))
+@pytest.mark.parametrize("T", (2, 3, 8))
+def test_the_triton_kernel_takes_a_step_as_it_is(kw, T):
+    """``foscar.triton.decode(q [B, q_len, Hq, D])``: each program takes all the step's tokens of its KV head
+    as rows (causal among them; a row may see no token of a split), the merge in the epilogue and as a
+    kernel of its own; the oracle's step to float32 (the interpreter) and NaN-poisoned outputs written."""
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(bits=4, head_dim=64, **({"group_size": 32} | kw))
+    q, cache = _step(fmt, [T, 90, 161], T, seed=T)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    for fused in (True, False):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+        got, _ = ft.decode(q, cache, out=out, lse=lse, num_splits=5, fused_combine=fused)
+        assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
+        assert rel(out, exact) < (1e-2 if GPU else 1e-5)
+        assert float((lse.double() - lse_exact).abs().max()) < (1e-2 if GPU else 1e-4)
+
+
+def test_the_triton_kernel_refuses_a_step_over_windows():
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, sink=4)
+    q, cache = _step(fmt, [30, 40], 2)
+    with pytest.raises(UnsupportedError, match="caches without BF16 windows"):
+        ft.decode(q, cache)
+    # foscar.decode takes it as the rows of a causal view (a sink window stays where it is)
+    assert rel(foscar.decode(q, cache, out=torch.empty(q.shape, device=q.device)), foscar.decode_exact(q, cache)) < 1e-2

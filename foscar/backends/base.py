@@ -60,6 +60,12 @@ class Backend:
         (:meth:`foscar.problem.DecodeProblem.in_cache_space`)."""
         return False
 
+    def steps(self, fmt: KVFormat) -> bool:
+        """Whether the backend takes a step of several tokens per sequence as it is (a problem with
+        ``q_len > 1``); else the caller hands it one decode of the step's rows over a causal view of the cache
+        (:mod:`foscar.multitoken`)."""
+        return False
+
     def preferred(self, fmt: KVFormat) -> bool:
         """Whether ``auto`` takes this backend for ``fmt`` when it is usable (measured faster)."""
         return True

@@ -27,6 +27,11 @@ class Triton(Backend):
         """Stage 1 rotates the query as it loads it, the split merge (fused or its own kernel) the output."""
         return True
 
+    def steps(self, fmt) -> bool:
+        """A step's tokens are rows of each program (causal among them) where the cache has no BF16 windows."""
+        from ..splitkv import num_window_parts
+        return num_window_parts(fmt) == 0
+
     def launch_config(self, problem) -> dict:
         from ..triton.launch import launch_config
         _, num_splits, _, _ = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)

@@ -141,6 +141,7 @@ def fold_decode_stage1(
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr, P_START: tl.constexpr, P_OFFSET_RATIO: tl.constexpr, ROTATE: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,14 +158,24 @@ def fold_decode_stage1(
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)
-    hmask = hh < G
-    q_ptr = Q + b * stride_qb + (kvh * G + hh)[:, None] * stride_qh + dd[None, :]
+    hmask = hh < G * STEP
+    # row hh: query head kvh G + hh % G of token hh // G of the step, a row b STEP + hh // G of Q (and of the
+    # partials and the output); one token (STEP 1): head kvh G + hh of row b
+    if STEP == 1:
+        row_off = b * stride_qb + (kvh * G + hh) * stride_qh
+        op_off = b * stride_opb + (kvh * G + hh) * stride_oph
+        lp_off = b * stride_lpb + (kvh * G + hh) * stride_lph
+    else:
+        row_off = (b * STEP + hh // G) * stride_qb + (kvh * G + hh % G) * stride_qh
+        op_off = (b * STEP + hh // G) * stride_opb + (kvh * G + hh % G) * stride_oph
+        lp_off = (b * STEP + hh // G) * stride_lpb + (kvh * G + hh % G) * stride_lph
+    q_ptr = Q + row_off[:, None] + dd[None, :]
     if ROTATE:  # a rotated cache: q R = (q f) H in FP32 (ROT: the factors f), then the BF16 operand
         qr = walsh_hadamard(tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.float32) * tl.load(ROT + dd)[None, :],
                             D)
         # back through this split's partial-output rows (written again below): loaded as the query is, the
         # rotated query has the layout the tile loop was built for (else its layout costs spills there)
-        s_ptr = OP + b * stride_opb + (kvh * G + hh)[:, None] * stride_oph + split * stride_ops + dd[None, :]
+        s_ptr = OP + op_off[:, None] + split * stride_ops + dd[None, :]
         tl.store(s_ptr, qr, mask=hmask[:, None])
         tl.debug_barrier()
         q = round_operand(tl.load(s_ptr, mask=hmask[:, None], other=0.0, cache_modifier=".cg"), INTERPRET)
@@ -256,11 +267,18 @@ def fold_decode_stage1(
                 st = dot(x, tl.trans(q), INTERPRET)
         if not (K_TOKEN and FOLD):
             st = st * qk_scale
-        st = tl.where(valid[:, None], st, float("-inf"))
+        if STEP == 1:
+            st = tl.where(valid[:, None], st, float("-inf"))
+        else:  # causal among the step's tokens: token j sees the first n - STEP + 1 + j
+            st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
+                          float("-inf"))
         # ---- online softmax (base 2) over the token axis ----------------------------------------
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(st - m_new[None, :])  # P^T [BLOCK_N, BLOCK_H]
+        m_use = m_new
+        if STEP > 1:  # a row may see no token of a tile, or of the whole split: its P and rescale stay 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(st - m_use[None, :])  # P^T [BLOCK_N, BLOCK_H]
         m_i = m_new
         l_el = l_el * alpha[None, :] + p
         # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
@@ -331,10 +349,9 @@ def fold_decode_stage1(
     out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
     cg = tl.arange(0, VC_)
     jj = tl.arange(0, VGC)
-    o_ptr = (OP + b * stride_opb + (kvh * G + hh)[None, None, :] * stride_oph + split * stride_ops
-             + (cg[:, None, None] * VGC + jj[None, :, None]))
+    o_ptr = OP + op_off[None, None, :] + split * stride_ops + (cg[:, None, None] * VGC + jj[None, :, None])
     tl.store(o_ptr, out, mask=hmask[None, None, :])
-    tl.store(LP + b * stride_lpb + (kvh * G + hh) * stride_lph + split, lse, mask=hmask)
+    tl.store(LP + lp_off + split, lse, mask=hmask)
     if FUSED_COMBINE:
         # Stage 2 in the epilogue: the last of this KV head's splits to finish merges its query heads'
         # partials (and the BF16 windows', written by kernels launched before this one). The counter
@@ -345,8 +362,12 @@ def fold_decode_stage1(
         if done == tl.num_programs(2) - 1:
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
             mh = tl.arange(0, MERGE_H)
-            merge_parts(OP + b * stride_opb, LP + b * stride_lpb, O + b * stride_ob, LSE + b * stride_lb,
-                        kvh * G + mh, mh < G, tl.num_programs(2) + WINDOWS,
+            heads = kvh * G + mh
+            if STEP > 1:  # a step's rows b STEP + j of head kvh G + h: row j Hq + kvh G + h from row b STEP (the
+                # launcher fuses the merge only where the row strides are Hq times the head strides)
+                heads = (mh // G) * (G * tl.num_programs(1)) + kvh * G + mh % G
+            merge_parts(OP + b * STEP * stride_opb, LP + b * STEP * stride_lpb, O + b * STEP * stride_ob,
+                        LSE + b * STEP * stride_lb, heads, mh < G * STEP, tl.num_programs(2) + WINDOWS,
                         stride_oph, stride_ops, stride_lph, stride_oh, stride_lh, ROT,
                         CHUNK=CHUNK, D=D, WRITE_LSE=WRITE_LSE, CACHED=False, ROTATE=ROTATE)
 

@@ -128,11 +128,20 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :class:`foscar.DecodePlan` holds them): the call then allocates nothing. Without it, the counters
     are a zeroed buffer kept per device and stream (they reset themselves after each call).
     """
-    problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
-                                  num_splits=num_splits)
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # a step of q_len tokens: its rows, the cache as it is
+        from ..multitoken import step_problem
+        problem = step_problem(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                               num_splits=num_splits)
+    else:
+        problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                                      num_splits=num_splits)
     run(problem, kernel=kernel, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_fp16=pv_fp16,
         prefetch=prefetch, fused_combine=fused_combine, workspace=workspace)
-    return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
+    result = (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
+    if problem.q_len == 1:
+        return result
+    from ..multitoken import unflatten
+    return unflatten(result, q.shape[0], problem.q_len)
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = "folded", block_n: int | None = None,
@@ -140,7 +149,10 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
         fused_combine: bool = True, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the Triton backend's own checks (a CUDA device or the interpreter, the ``bf16`` mapping, unit-stride
-    ``q``), then the launches, writing ``problem.out`` and ``problem.lse``."""
+    ``q``), then the launches, writing ``problem.out`` and ``problem.lse``. ``problem.q_len > 1``: its
+    ``q``, ``out`` and ``lse`` are a step's rows (``[B q_len, Hq, ...]``, :mod:`foscar.multitoken`) over its
+    cache as it is, each program taking all the step's tokens of its KV head (a cache without BF16
+    windows)."""
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     _check_device(q)
     fmt = cache.fmt
@@ -150,18 +162,26 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
         raise InvalidArgumentError("kernel", f"one of {KERNELS}", repr(kernel))
     if q.stride(-1) != 1:
         raise InvalidArgumentError("q", "unit stride in the last dim", tuple(q.stride()))
-    B, Hq, D = q.shape
+    q_len = problem.q_len
+    rows, Hq, D = q.shape
+    B = rows // q_len
     Hkv = cache.num_kv_heads
+    if q_len > 1 and num_window_parts(fmt):
+        raise UnsupportedError(f"q_len={q_len} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
+                               "the Triton kernel takes steps of several tokens over caches without BF16 windows")
     bn, num_splits, num_warps, prefetch = launch_config(
-        q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
+        q[::q_len], cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
         num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting())
     parts = num_splits + num_window_parts(fmt)
-    o_part, l_part, sem = workspace_for(workspace, B, Hq, parts, D, q.device, Hkv)
+    o_part, l_part, sem = workspace_for(workspace, rows, Hq, parts, D, q.device, Hkv)
+    if q_len > 1 and (out.stride(0) != Hq * out.stride(1) or (lse is not None and lse.stride(0) != Hq * lse.stride(1))
+                      or o_part.stride(1) * Hq != o_part.stride(0) or l_part.stride(1) * Hq != l_part.stride(0)):
+        fused_combine = False  # the fused merge finds a step's rows as rows of heads
     qk_scale = sm_scale * LOG2E
     interp = interpreting()
     kc, kp, vp = cache.k_codes, cache.k_params, cache.v_params
     bt = cache.page_table.block_table
-    cap = max_registers(fmt, prefetch, G) if num_warps == 4 and kernel == "folded" else None
+    cap = max_registers(fmt, prefetch, G * q_len) if num_warps == 4 and kernel == "folded" else None
     regs = {} if interp or cap is None else {"maxnreg": cap}
     rot = rotation_factors(fmt, q.device)  # a rotated cache: stage 1 rotates Q in, the merge the output back
     if fused_combine:  # the windows' partials first: stage 1's last split merges them
@@ -174,7 +194,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
         out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
         **stage1_constexprs(fmt, G, block_n=bn, page=cache.page_size, pv_fp16=pv_fp16, fold=kernel == "folded",
                             interpret=interp, prefetch=prefetch, fused_combine=fused_combine,
-                            write_lse=lse is not None),
+                            write_lse=lse is not None, step=q_len),
         num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
@@ -184,22 +204,22 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
 @functools.lru_cache(maxsize=256)  # host time per call: built once per format and launch
 def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = True, fold: bool = True,
                       interpret: bool = False, prefetch: int = 1, fused_combine: bool = True,
-                      write_lse: bool = False) -> MappingProxyType:
+                      write_lse: bool = False, step: int = 1) -> MappingProxyType:
     """The constexprs of :func:`fold_decode_stage1` for a format, GQA ratio and launch (one home: the
     launcher and ``benchmarks/sass_stats.py`` compile the same kernel), read-only (they are cached).
-    Heads run along N, padded to 8."""
+    Heads run along N, padded to 8 (a step of ``step`` tokens: its ``G step`` rows)."""
     D = fmt.head_dim
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
     return MappingProxyType(dict(
-        BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G)), BLOCK_N=block_n, PAGE=page,
+        BITS=fmt.bits, D=D, G=G, BLOCK_H=max(8, triton.next_power_of_2(G * step)), BLOCK_N=block_n, PAGE=page,
         GROUP=fmt.group_size, K_TOKEN=fmt.k_axis == "token", V_TOKEN=fmt.v_axis == "token",
         SINK=fmt.sink, RECENT=fmt.recent, FLUSH=fmt.flush,
         **injection_constants("K", k_op, fmt), **injection_constants("V", v_op, fmt),
         PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
-        WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G), CHUNK=merge_chunk(G, D),
+        WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G * step), CHUNK=merge_chunk(G * step, D),
         WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO,
-        ROTATE=fmt.rotation is not None))
+        ROTATE=fmt.rotation is not None, STEP=step))
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
