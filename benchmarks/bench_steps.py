@@ -1,0 +1,109 @@
+"""Decode steps of several tokens per sequence (speculative verification): time against one token, and
+against FlashInfer BF16 with the same step, in one process:
+
+    FLASHINFER_WORKSPACE_BASE=/tmp/fi python benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K \\
+        --bits 2 4 --q-len 1 2 4 8
+
+Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V, random codes) and step length: the time of
+``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
+of one launch) as a CUDA-graph replay, the L2 flushed before each (``fixed_cost.timed``: median of
+``--iters``), its ratio to the same backend's one-token decode, and FlashInfer's paged prefill wrapper with
+``q_len`` query tokens per sequence and the causal mask (BF16 KV; a one-token step is its decode too).
+First, at a small shape, each step's output against the float64 oracle (``foscar.decode_exact``).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import Case, make_random_cache, parse_shapes
+from fixed_cost import FLUSH_BYTES, timed
+
+import foscar
+from foscar.bench import make_block_table, time_call
+from foscar.bench.grid import FI_WORKSPACE_BYTES
+from foscar.bench.inputs import make_bf16_inputs
+
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+
+
+def flashinfer_step(inp, T: int):
+    """A run of FlashInfer's paged prefill over ``inp``'s BF16 pages for ``T`` causal query tokens per
+    sequence, or ``None`` where FlashInfer is not installed."""
+    try:
+        import flashinfer
+    except Exception as e:  # reported, never skipped silently
+        print(f"FlashInfer: not installed ({type(e).__name__}: {e})")
+        return None
+    B, pages = inp.block_table.shape
+    dev = inp.q.device
+    ws = torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    qo = torch.arange(B + 1, dtype=torch.int32, device=dev) * T
+    kv = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages
+    last = torch.full((B,), PAGE, dtype=torch.int32, device=dev)
+    w.plan(qo, kv, inp.block_table.reshape(-1).contiguous(), last, HQ, HKV, D, PAGE, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    q = torch.randn(B * T, HQ, D, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(q)
+    return lambda: w.run(q, (inp.k_cache, inp.v_cache), out=out), (ws, w, qo, kv, last, q, out)
+
+
+def check(steps, dev) -> None:
+    """Each step length's output against the oracle at B 2, L 1K (INT4 and INT2)."""
+    for bits in (4, 2):
+        cache = make_random_cache(Case(2, 1024, bits), make_block_table(2, 1024 // PAGE, "shuffled", 0).to(dev))
+        for T in steps:
+            q = torch.randn(2, T, HQ, D, dtype=torch.bfloat16, device=dev)
+            exact = foscar.decode_exact(q, cache)
+            for backend in ("auto", "triton"):
+                out = foscar.decode(q, cache, backend=backend, out=torch.empty(q.shape, device=dev))
+                err = float((out.double() - exact).norm() / exact.norm())
+                print(f"check INT{bits} q_len {T} {backend}: error {err:.2e} against the float64 oracle")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("8:32K,8:128K,64:32K,64:128K"))
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--q-len", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--iters", type=int, default=5)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    check(a.q_len, dev)
+    print(f"\nGPU {torch.cuda.get_device_name(dev)}; CUDA-graph replays, L2 flushed, median of {a.iters}\n")
+    print("| B | L | bits | q_len | auto µs (x its q_len 1) | triton µs (x its q_len 1) | FlashInfer BF16 µs "
+          "(x its q_len 1) |\n|---|---|---|---|---|---|---|")
+    for (B, L) in a.shapes:
+        bt = make_block_table(B, L // PAGE, "shuffled", 0).to(dev)
+        inp = make_bf16_inputs(torch.zeros(B, HQ, D, dtype=torch.bfloat16, device=dev), bt, L, HKV)
+        fi = {}
+        for T in a.q_len:
+            run = flashinfer_step(inp, T)
+            try:
+                fi[T] = timed(run[0], flush, a.iters) if run else None
+            except Exception as e:  # a wrapper a CUDA graph cannot capture: timed eagerly, and said so
+                print(f"FlashInfer q_len {T}: no CUDA-graph capture ({type(e).__name__}: {str(e)[:80]}), timed eagerly")
+                fi[T] = time_call(run[0], iters=a.iters, warmup=5, flush=flush)["median_us"]
+        for bits in a.bits:
+            cache = make_random_cache(Case(B, L, bits), bt)
+            base = {}
+            for T in a.q_len:
+                q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
+                out = torch.empty(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
+                row = []
+                for backend in ("auto", "triton"):
+                    t = timed(lambda c=cache, b=backend: foscar.decode(q, c, out=out, backend=b), flush, a.iters)
+                    base.setdefault(backend, t)
+                    row.append(f"{t:.1f} ({t / base[backend]:.2f}x)")
+                f = fi[T]
+                row.append("-" if f is None else f"{f:.1f} ({f / fi[a.q_len[0]]:.2f}x)")
+                print(f"| {B} | {L // 1024}K | INT{bits} | {T} | " + " | ".join(row) + " |")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
