@@ -131,3 +131,61 @@ def test_smollm2_generation_and_perplexity():
                              **fit.cache_kwargs(model, fit.FoscarCache(**cfg)))[0, ids.shape[1]:]
         assert fit.token_agreement(out, base) >= 0.9, (cfg, tok.decode(out))
         assert fit.perplexity(model, text_ids, fit.FoscarCache(**cfg)) <= 1.1 * ppl_base
+
+
+def test_a_step_of_several_tokens_is_one_foscar_decode(monkeypatch):
+    """After the prompt, a forward of 4 new tokens (assisted decoding, speculative verification) over a cache
+    without a recent ring is one foscar.decode of q [B, 4, Hq, D], causal among the step's tokens: its
+    logits are those of the same step attended over the dequantized cache (SDPA), and of 4 one-token steps."""
+    ref, ours = tiny_models()
+    ids = torch.randint(0, 97, (1, 104), generator=torch.Generator().manual_seed(4))
+
+    def run(step: int, calls: list):
+        cache = fit.FoscarCache(bits=4, group_size=64)
+        kw = fit.cache_kwargs(ours, cache)
+        with torch.no_grad():
+            ours(ids[:, :100], use_cache=True, **kw)
+            outs = [ours(ids[:, t:t + step], use_cache=True, **kw).logits for t in range(100, 104, step)]
+        return torch.cat(outs, dim=1)
+
+    real = fit.foscar.decode
+    calls = []
+    monkeypatch.setattr(fit.foscar, "decode", lambda q, cache, **kw: calls.append(tuple(q.shape)) or real(q, cache, **kw))
+    step = run(4, calls)
+    assert calls == [(1, 4, 4, 64)] * 2  # one call per layer, the step's 4 tokens
+    single = run(1, calls)
+    assert torch.allclose(step, single, atol=1e-5, rtol=0)  # logits of magnitude 0.6
+    monkeypatch.setattr(fit, "MAX_STEP", 1)  # the step over the dequantized cache instead
+    dense = run(4, calls)
+    assert torch.allclose(step, dense, atol=1e-3, rtol=0)
+
+
+def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
+    """transformers' assisted decoding with prompt-lookup drafts (``prompt_lookup_num_tokens``): each
+    verification is one foscar.decode step of the drafts, the rejected ones cropped off the cache; with the
+    prompt but its last token prefilled first (so that no generated token attends to unquantized keys, as a
+    prefill with the drafts would) the greedy output is that of plain decoding through the same kind of cache."""
+    ref, ours = tiny_models()
+    gen = torch.Generator().manual_seed(5)
+    motif = torch.randint(0, 97, (1, 12), generator=gen)
+    ids = torch.cat([motif, torch.randint(0, 97, (1, 70), generator=gen), motif, motif[:, :4]], dim=1)  # repeats
+
+    def generate(**kw):  # the prompt but its last token prefilled: every new token attends through the cache
+        cache = fit.FoscarCache(bits=4, group_size=64)
+        ckw = fit.cache_kwargs(ours, cache)
+        with torch.no_grad():
+            ours(ids[:, :-1], use_cache=True, **ckw)
+        return ours.generate(ids, max_new_tokens=40, do_sample=False, **ckw, **kw)
+
+    plain = generate()
+    real, steps = fit.foscar.decode, []
+    monkeypatch.setattr(fit.foscar, "decode",
+                        lambda q, cache, **kw: steps.append(q.dim() == 4 and q.shape[1]) or real(q, cache, **kw))
+    assisted = generate(prompt_lookup_num_tokens=7)
+    assert torch.equal(plain, assisted)
+    assert any(t and t > 1 for t in steps), "no step of several tokens was verified"
+    cache = fit.FoscarCache(bits=4, group_size=64, recent=16)  # a ring cannot be cropped: said before a step
+    with pytest.raises(ValueError, match="can be cropped"):
+        ours.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=7, **fit.cache_kwargs(ours, cache))
+    with pytest.raises(fit.UnsupportedError, match="crops caches without BF16 windows"):
+        cache.layers[0].crop(-1)

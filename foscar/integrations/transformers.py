@@ -10,8 +10,11 @@ attention function that decodes through ``foscar.decode``.
 The prompt (a first update of several tokens) is appended to the cache and attended with SDPA over its
 own unquantized keys and values, as KIVI-style caches do. Each decode step appends its token and
 attends with ``foscar.decode`` over the cache: the quantized tokens read as packed codes, the BF16 sink
-and recent windows as they are. Several new tokens after the prompt (assisted decoding, chunked
-prefill) attend over the dequantized cache with SDPA. Pages (64 tokens) are added as sequences grow.
+and recent windows as they are. A step of up to :data:`MAX_STEP` new tokens after the prompt (assisted
+decoding, speculative verification) is one ``foscar.decode`` of ``q [B, q_len, Hq, D]``, causal among the
+step's tokens (:mod:`foscar.multitoken`), where the cache has no BF16 recent ring; longer runs of new
+tokens (chunked prefill), and steps over a ring, attend over the dequantized cache with SDPA. Pages (64
+tokens) are added as sequences grow.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from ..quantize import check_quantizer
 
 ATTN_IMPL = "foscar"
 PAGE = 64
+#: The most new tokens after the prompt that one ``foscar.decode`` step takes (speculative verification)
+MAX_STEP = 8
 
 
 class FoscarLayer(CacheLayerMixin):
@@ -37,6 +42,12 @@ class FoscarLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can take tokens off (assisted decoding asks before its first crop): a cache
+        without BF16 windows."""
+        return not self.is_initialized or not (self.cache.fmt.sink or self.cache.fmt.recent_capacity)
 
     def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None):
         super().__init__()
@@ -84,15 +95,16 @@ class FoscarLayer(CacheLayerMixin):
         self.length += T
         if prior == 0:  # the prompt: SDPA over its own keys and values
             return key_states, value_states
-        if T == 1:  # a decode step: the attention function reads the cache through the tag
-            keys = key_states.detach().clone()
+        if T == 1 or (T <= MAX_STEP and not self.cache.fmt.recent_capacity):  # a decode step: the attention
+            keys = key_states.detach().clone()  # function reads the cache through the tag
             keys._foscar_layer = self
             return keys, value_states
         k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
     def attend(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """A decode step's attention of ``q [B, Hq, D]`` over this layer's cache (:func:`foscar.decode`)."""
+        """A decode step's attention of ``q [B, Hq, D]`` (or a step's ``[B, q_len, Hq, D]``, the step's tokens
+        already appended) over this layer's cache (:func:`foscar.decode`)."""
         return foscar.decode(q, self.cache, sm_scale=scaling, backend=self.backend)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -106,6 +118,27 @@ class FoscarLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache, self.length, self.is_initialized = None, 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), as
+        assisted decoding does with the rejected candidates: the lengths go back, and the next appends write
+        over their codes. A cache with BF16 windows is refused (its ring holds the forgotten tokens in place
+        of older ones)."""
+        if tokens_to_remove > 0:
+            raise InvalidArgumentError("tokens_to_remove", "a negative count of tokens to remove (or 0)",
+                                       tokens_to_remove)
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.length:
+            raise InvalidArgumentError("tokens_to_remove", f"at most the {self.length} tokens cached", n)
+        fmt = self.cache.fmt
+        if fmt.sink or fmt.recent_capacity:
+            raise UnsupportedError(f"crop with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
+                                   "a FoscarCache crops caches without BF16 windows (token-wise K and V, "
+                                   "sink=0, recent=0)")
+        self.cache.seq_lens.sub_(n)
+        self.length -= n
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedError("beam search", "FoscarCache does not reorder sequences yet")
@@ -142,12 +175,26 @@ def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     over the layer's packed cache, everything else through SDPA. Returns ``[B, T, Hq, D]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     layer = getattr(key, "_foscar_layer", None)
-    if layer is None or query.shape[2] != 1:
+    if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
+    T = query.shape[2]
+    if attention_mask is not None and not _is_step_mask(attention_mask, T, layer.length):
         raise UnsupportedError("attention_mask", "padded batches are not supported by the foscar decode yet")
-    return layer.attend(query[:, :, 0, :], scaling).to(query.dtype)[:, None], None
+    if T == 1:
+        return layer.attend(query[:, :, 0, :], scaling).to(query.dtype)[:, None], None
+    return layer.attend(query.transpose(1, 2).contiguous(), scaling).to(query.dtype), None
+
+
+def _is_step_mask(mask: torch.Tensor, T: int, length: int) -> bool:
+    """Whether ``mask [B, 1, T, >= length]`` (bool: True attends; else additive: 0 attends) is the causal mask
+    of a step of ``T`` tokens that end a sequence of ``length``: token ``j`` sees the first
+    ``length - T + 1 + j`` keys, nothing else (no padding)."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    pos = torch.arange(allowed.shape[-1], device=mask.device)
+    limit = length - T + 1 + torch.arange(T, device=mask.device)
+    expected = pos[None, :] < limit[:, None]  # [T, kv]
+    return bool((allowed[..., -T:, :] == expected).all())
 
 
 def register() -> None:
