@@ -189,6 +189,14 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
         "NVIDIA_H200", "3.6.0", "4.8.1")
     assert at.meta_mismatch(meta, {"foscar": foscar.__version__}) is None  # this foscar reads it
     assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 26, "cute": 26}
+    # every CuTe entry names the variant it was timed as (a default left open would be another entry's)
+    from foscar.cute.config import config_for  # plain Python: the variant is one the kernels take
+    for e in (e for e in doc["entries"] if e["key"]["backend"] == "cute"):
+        k, c = e["key"], e["config"]
+        assert {"warp_specialized", "k_operand", "tiles_per_pass"} <= set(c), e
+        fmt = foscar.KVFormat(bits=k["bits"], head_dim=k["head_dim"], group_size=k["group"], k_axis=k["k_axis"],
+                              v_axis=k["v_axis"])
+        config_for(fmt, k["gqa"], k["page"], c["k_operand"], c["tiles_per_pass"])
     tuned = {e["key"]["backend"]: e["config"] for e in doc["entries"]
              if {**e["key"], "backend": "triton"} == asdict(key())}  # B = 8, L = 32K, INT4, GQA 4, page 64
     installed(monkeypatch, "3.6.1", "4.8.1")
