@@ -146,3 +146,11 @@ def test_the_triton_kernel_refuses_a_step_over_windows():
         ft.decode(q, cache)
     # foscar.decode takes it as the rows of a causal view (a sink window stays where it is)
     assert rel(foscar.decode(q, cache, out=torch.empty(q.shape, device=q.device)), foscar.decode_exact(q, cache)) < 1e-2
+
+
+def test_torch_compile_traces_a_step_without_graph_breaks():
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    q, cache = _step(fmt, [10, 40], 3)
+    step = torch.compile(lambda x: foscar.decode(x, cache), fullgraph=True)
+    out = step(q)
+    assert out.shape == q.shape and rel(out, foscar.decode_exact(q, cache)) < 1e-2
