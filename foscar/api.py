@@ -228,8 +228,7 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
         q_len = q.shape[1]
         if not isinstance(cache, QuantKVCache):
             raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
-        chosen = _select(str(q.device), _fmt_values(cache.fmt), q.shape[2] // cache.num_kv_heads, cache.page_size,
-                         backend, os.environ.get(ENV, "auto"))
+        chosen = select_backend(q, cache, backend)
         if _steps_natively(chosen, cache.fmt):
             problem = step_problem(q, cache, sm_scale=sm_scale, num_splits=num_splits)
             launch = backends.get(chosen).plan(problem)
@@ -300,8 +299,7 @@ def _decode_step(q: torch.Tensor, cache: QuantKVCache, *, sm_scale, out, lse, re
     if not isinstance(cache, QuantKVCache):
         raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
     B, T = q.shape[:2]
-    chosen = _select(str(q.device), _fmt_values(cache.fmt), q.shape[2] // cache.num_kv_heads, cache.page_size,
-                     backend, os.environ.get(ENV, "auto"))
+    chosen = select_backend(q, cache, backend)
     if not _steps_natively(chosen, cache.fmt):
         q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
         return unflatten(decode(q_rows, view, sm_scale=sm_scale, out=out_rows, lse=lse_rows, return_lse=return_lse,

@@ -55,9 +55,10 @@ def flatten_step(q: torch.Tensor, cache: QuantKVCache, out: torch.Tensor | None,
     return q.reshape(-1, *q.shape[2:]), causal_view(cache, q.shape[1]), out_rows, lse_rows
 
 
-def check_step(q: torch.Tensor, cache: QuantKVCache) -> None:
-    """A step ``q [B, q_len, Hq, D]`` for ``cache`` (its other checks are a one-token decode's); on the CPU the
-    lengths hold the step's tokens."""
+def check_step(q: torch.Tensor, cache: QuantKVCache, read_lengths: bool | None = None) -> None:
+    """A step ``q [B, q_len, Hq, D]`` for ``cache`` (its other checks are a one-token decode's), and that the
+    lengths hold the step's tokens where ``read_lengths`` (default: where they live on the host, outside a
+    compiled graph; the oracle reads them anyway)."""
     if not isinstance(cache, QuantKVCache):
         raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
     check_tensor("q", q, ndim=4, device=cache.device)
@@ -65,12 +66,15 @@ def check_step(q: torch.Tensor, cache: QuantKVCache) -> None:
     if B != cache.batch_size or T < 1:
         raise InvalidArgumentError("q", f"shape ({cache.batch_size}, q_len >= 1, Hq, D) for this cache",
                                    tuple(q.shape))
-    if cache.seq_lens.device.type == "cpu" and not torch.compiler.is_compiling():
-        short = (cache.seq_lens.long() < T).nonzero()
+    if read_lengths is None:
+        read_lengths = cache.seq_lens.device.type == "cpu" and not torch.compiler.is_compiling()
+    if read_lengths:
+        lens = cache.seq_lens.long().cpu()
+        short = (lens < T).nonzero()
         if short.numel():
             b = int(short[0])
             raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
-                                       f"{int(cache.seq_lens[b])} at sequence {b}")
+                                       f"{int(lens[b])} at sequence {b}")
 
 
 def step_rows(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):

@@ -11,7 +11,7 @@ import torch
 
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from ._checks import check_decode_inputs, check_tensor
+from ._checks import check_decode_inputs
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, *,
            operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,19 +50,14 @@ def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None
     """
     step = isinstance(q, torch.Tensor) and q.dim() == 4
     if step:
-        check_tensor("q", q, ndim=4)
-        if q.shape[1] < 1:
-            raise InvalidArgumentError("q", "a step of q_len >= 1 tokens", tuple(q.shape))
+        from .multitoken import check_step
+        check_step(q, cache, read_lengths=True)
     G, sm_scale = check_decode_inputs(q[:, 0] if step else q, cache, sm_scale, dtype)
     if dtype is None:
         raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     T = q.shape[1] if step else 1
     lens = cache.seq_lens.long().cpu()
-    if step and B and int(lens.min()) < T:
-        b = int(lens.argmin())
-        raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
-                                   f"{int(lens[b])} at sequence {b}")
     q4 = q if step else q.unsqueeze(1)
     k, v = cache.dequantize(dtype)
     out = torch.empty(B, T, Hkv * G, D, dtype=dtype, device=q.device)

@@ -9,6 +9,7 @@ from _helpers import rel
 
 import foscar
 from foscar import backends
+from foscar.bench import as_graph
 from foscar.errors import InvalidArgumentError, UnsupportedError
 
 GPU = torch.cuda.is_available()
@@ -187,16 +188,9 @@ def test_auto_on_a_gpu_and_cuda_graph_replay():
     assert foscar.select_backend(q, cache) == ("cute" if status["cute"].usable else "triton")  # Hopper: CuTe
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     eager = foscar.decode(q, cache).clone()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        foscar.decode(q, cache, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
-        foscar.decode(q, cache, out=out)
+    replay = as_graph(lambda: foscar.decode(q, cache, out=out))  # warmed on a side stream, then captured
     out.fill_(float("nan"))
-    g.replay()
+    replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
 
