@@ -29,9 +29,9 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
-                   max_registers=None, prefetch=1, fused_combine=True):
+                   max_registers=None, prefetch=1, fused_combine=True, q_len=1):
     constexprs = dict(stage1_constexprs(fmt, G, block_n=block_n, page=page, fold=fold, prefetch=prefetch,
-                                        fused_combine=fused_combine))
+                                        fused_combine=fused_combine, step=q_len))
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -79,10 +79,19 @@ def main():
     p.add_argument("--prefetch", type=int, default=1, choices=(1, 2), help="KV tiles in flight")
     p.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
     p.add_argument("--separate-combine", action="store_true", help="without the split merge in the epilogue")
+    p.add_argument("--rotation", action="store_true", help="a rotated cache (the query rotated as it is loaded)")
+    p.add_argument("--q-len", type=int, default=1, help="tokens of a decode step, rows of each program")
+    p.add_argument("--launcher-cap", action="store_true",
+                   help="the register cap the launcher would set (foscar.triton.launch.max_registers)")
     a = p.parse_args()
-    fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
+    fmt = KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis,
+                   rotation="hadamard" if a.rotation else None)
+    cap = a.max_registers
+    if a.launcher_cap:
+        from foscar.triton.launch import max_registers
+        cap = max_registers(fmt, a.prefetch, a.gqa * a.q_len)
     k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
-                       max_registers=a.max_registers, prefetch=a.prefetch, fused_combine=not a.separate_combine)
+                       max_registers=cap, prefetch=a.prefetch, fused_combine=not a.separate_combine, q_len=a.q_len)
     total, mix = loop_mix(k)
     res = resources(k)
     print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "
