@@ -135,19 +135,23 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
                k_sink: torch.Tensor, v_sink: torch.Tensor, k_recent: torch.Tensor, v_recent: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, bits: int, head_dim: int, group: int, k_axis: str, v_axis: str,
                mapping: str, sink: int, recent: int, page_size: int, contiguous: bool, sm_scale: float,
-               backend: str, num_splits: int) -> None:
+               backend: str, num_splits: int, q_len: int) -> None:
     cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous),
                               (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
                                k_sink, v_sink, k_recent, v_recent))
+    run = backends.get(backend)
+    if q_len > 1 and not run.steps(cache.fmt):  # a step's rows over the causal view (:mod:`foscar.multitoken`)
+        from .multitoken import causal_view
+        cache, q_len = causal_view(cache, q_len), 1
     problem = DecodeProblem(q, cache, out, lse, sm_scale, None if num_splits <= 0 else num_splits,
-                            q.shape[1] // cache.num_kv_heads)  # validated by the caller
-    backends.get(backend).run(problem)
+                            q.shape[1] // cache.num_kv_heads, q_len)  # validated by the caller
+    run.run(problem)
 
 
 @_decode_op.register_fake
 def _(q, k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages, k_sink, v_sink, k_recent, v_recent,
       out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous, sm_scale,
-      backend, num_splits) -> None:
+      backend, num_splits, q_len) -> None:
     return None
 
 
@@ -241,14 +245,16 @@ def plan(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None,
     return DecodePlan(chosen, cache.fmt, tuple(q.shape), problem.sm_scale, launch, q_len)
 
 
-def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None) -> tuple:
+def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num_splits: int | None,
+            q_len: int = 1) -> tuple:
     """The arguments of ``torch.ops.foscar.decode`` for a (validated) call: the cache as its tensors and
-    its format as plain values."""
+    its format as plain values; ``q_len > 1``: ``q`` holds the rows of steps of ``q_len`` tokens."""
     fmt = cache.fmt
     pt = cache.page_table
     return (q, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.seq_lens, pt.block_table,
             pt.num_pages, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent, out, lse, *_fmt_values(fmt),
-            cache.page_size, cache.contiguous, float(sm_scale), backend, 0 if num_splits is None else int(num_splits))
+            cache.page_size, cache.contiguous, float(sm_scale), backend, 0 if num_splits is None else int(num_splits),
+            int(q_len))
 
 
 def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, out: torch.Tensor | None = None,
@@ -286,29 +292,35 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
 
 
 def _steps_natively(backend: str, fmt: KVFormat) -> bool:
-    """Whether a step of several tokens goes to ``backend`` as it is (else as the rows of a causal view); the
-    custom op of a compiled graph takes one-token problems."""
-    return backends.get(backend).steps(fmt) and not torch.compiler.is_compiling()
+    """Whether a step of several tokens goes to ``backend`` as it is (else as the rows of a causal view)."""
+    return backends.get(backend).steps(fmt)
 
 
 def _decode_step(q: torch.Tensor, cache: QuantKVCache, *, sm_scale, out, lse, return_lse: bool, backend: str,
                  num_splits):
     """:func:`decode` of a step ``q [B, q_len, Hq, D]`` (:mod:`foscar.multitoken`): to a backend that takes
-    steps as they are, else one decode of the step's rows over a causal view of the cache."""
+    steps as they are, else one decode of the step's rows over a causal view of the cache (in a compiled
+    graph the custom op makes the view: it is a Python object, not a tensor)."""
     from .multitoken import flatten_step, step_problem, unflatten
     if not isinstance(cache, QuantKVCache):
         raise InvalidArgumentError("cache", "a foscar.QuantKVCache", type(cache).__name__)
     B, T = q.shape[:2]
     chosen = select_backend(q, cache, backend)
-    if not _steps_natively(chosen, cache.fmt):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not _steps_natively(chosen, cache.fmt):
         q_rows, view, out_rows, lse_rows = flatten_step(q, cache, out, lse)
         return unflatten(decode(q_rows, view, sm_scale=sm_scale, out=out_rows, lse=lse_rows, return_lse=return_lse,
                                 backend=chosen, num_splits=num_splits), B, T)
     want_lse = return_lse or lse is not None
     problem = step_problem(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=True, num_splits=num_splits)
     run_backend = backends.get(chosen)
-    solved = problem if run_backend.rotates(cache.fmt) else problem.in_cache_space()
-    run_backend.run(solved)
+    if compiling:  # the custom op (the cache it rebuilds names no rotation: the query goes in rotated)
+        solved = problem.in_cache_space()
+        torch.ops.foscar.decode(*op_args(solved.q, cache, solved.out, solved.lse, solved.sm_scale, chosen,
+                                         num_splits, T))
+    else:
+        solved = problem if run_backend.rotates(cache.fmt) else problem.in_cache_space()
+        run_backend.run(solved)
     problem.finish(solved, lse_wanted=want_lse)
     return unflatten((problem.out, problem.lse) if want_lse else problem.out, B, T)
 

@@ -153,3 +153,24 @@ def test_torch_compile_traces_a_step_without_graph_breaks():
     step = torch.compile(lambda x: foscar.decode(x, cache), fullgraph=True)
     out = step(q)
     assert out.shape == q.shape and rel(out, foscar.decode_exact(q, cache)) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+def test_the_custom_op_takes_a_step(backend):
+    """The custom op a compiled graph calls takes a step's rows with ``q_len`` (the reference through the
+    causal view it makes itself; Triton as it is): opcheck, and the output of ``foscar.decode``."""
+    from foscar.api import op_args
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, 2)}
+    if not status[backend].usable:
+        pytest.skip(status[backend].why)
+    q, cache = _step(fmt, [10, 40], 2, Hkv=1, G=2)
+    rows = q.reshape(-1, *q.shape[2:])
+    out = torch.full(rows.shape, float("nan"), device=q.device)
+    lse = torch.full(rows.shape[:2], float("nan"), device=q.device)
+    args = op_args(rows, cache, out, lse, 0.125, backend, None, 2)
+    if backend == "reference":
+        torch.library.opcheck(torch.ops.foscar.decode.default, args)
+    torch.ops.foscar.decode(*args)
+    want = foscar.decode(q, cache, sm_scale=0.125, backend=backend, out=torch.empty(q.shape, device=q.device))
+    assert torch.allclose(out.view(q.shape), want, atol=1e-6, rtol=0)

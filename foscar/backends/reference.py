@@ -1,5 +1,6 @@
 """The PyTorch backend: :func:`foscar.decode_folded` with the kernels' arithmetic (BF16 QK and FP16 PV
-operands, float32 accumulation), on any device. ``auto`` takes it on the CPU only."""
+operands, float32 accumulation), on any device. ``auto`` takes it on the CPU only. It reads the lengths back
+to the host, so a CUDA graph cannot capture it (the GPU kernels' plans are for graphs)."""
 from __future__ import annotations
 
 import torch
