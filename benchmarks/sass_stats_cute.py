@@ -1,7 +1,7 @@
 """Instruction counts of the CuTe DSL stage-1 kernels, compiled for sm_90a on any machine (no GPU).
 
     python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2] \
-        [--k-operand e4m3]
+        [--k-operand e4m3] [--q-len 2]
 
 Compiles the kernel (``foscar.cute.compile.compile_stage1``, keeping the cubin CuTe DSL builds),
 disassembles it with Triton's bundled cuobjdump and takes the consumer warpgroup's
@@ -84,10 +84,12 @@ def main() -> int:
     p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3"), help="the K operands (Sm90Config.k_e4m3)")
     p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2),
                    help="v1: KV tiles per softmax pass (Sm90Config.tiles_per_pass); counts are per tile")
+    p.add_argument("--q-len", type=int, default=1, help="query tokens per sequence (Sm90Config.step): gqa * q_len "
+                   "query rows, the wgmma N 8, 16 or 32")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()
     fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis, v_axis=a.v_axis)
-    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass)
+    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     sass = sass_of(cubin)
     loop = tile_loop(sass)
@@ -97,7 +99,7 @@ def main() -> int:
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, INT{a.bits} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
-          f"g {a.group_size} GQA {a.gqa}, {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
+          f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
           f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "
           f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel\n")
     print("| class | per thread per tile | share |\n|---|---|---|")

@@ -112,8 +112,12 @@ def test_unsupported_configurations_say_why(kw, what):
     args = {"bits": 4, "head_dim": 128, "group_size": 128, **kw}
     with pytest.raises(UnsupportedError, match=what):
         config_for(foscar.KVFormat(**args), 4, 64)
-    with pytest.raises(UnsupportedError, match="gqa <= 8"):
-        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 16, 64)
+    with pytest.raises(UnsupportedError, match="gqa \\* q_len <= 32"):
+        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 64, 64)
+    with pytest.raises(UnsupportedError, match="gqa \\* q_len <= 32"):
+        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 8, 64, step=5)
+    with pytest.raises(UnsupportedError, match="without BF16 windows"):
+        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128, recent=16), 4, 64, step=2)
     with pytest.raises(UnsupportedError, match="pages of 64k"):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 48)
 
@@ -133,6 +137,46 @@ def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
     _decode_against_the_oracle(fmt, lens, G, "error", num_splits=num_splits, warp_specialized=bool(ws),
                                ctas_per_sm=ws or None)
+
+
+@pytest.mark.parametrize("G,step,cols", [(1, 1, 8), (8, 1, 8), (9, 1, 16), (16, 1, 16), (17, 1, 32), (32, 1, 32),
+                                         (4, 2, 8), (4, 4, 16), (4, 8, 32), (3, 3, 16)])
+def test_query_rows_take_8_16_or_32_columns(G, step, cols):
+    cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), G, 64, step=step)
+    assert (cfg.rows, cfg.cols, cfg.nb, cfg.acc_elems) == (G * step, cols, cols // 8, 128 * cols // 128)
+
+
+@pytest.mark.parametrize("cols,gqa", [(16, 16), (32, 32), (16, 4)])
+@pytest.mark.parametrize("bits", (2, 4))
+def test_sixteen_and_thirtytwo_columns_compile_for_sm90a(bits, cols, gqa):
+    """v1 with N 16 and 32: every axis combination, one and two CTAs per SM (the tuner decides); a step of
+    tokens beside the heads (``gqa`` 4: 4 tokens)."""
+    fmts = [dict(), dict(k_axis="channel"), dict(v_axis="channel"), dict(group_size=64, head_dim=64)]
+    for kw in fmts:
+        fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **kw})
+        cfg = config_for(fmt, gqa, 64, step=cols // gqa if gqa == 4 and kw == {} else 1)
+        for ctas in (1, 2):
+            assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas) is not None
+
+
+def test_v0_takes_eight_columns_and_one_token():
+    from foscar.cute.config import V0_LIMITS
+    assert "one query token" in V0_LIMITS and "8 query heads" in V0_LIMITS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("ctas", (1, 2))
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,windows", [
+    ([5000, 129, 1], 16, None, {}), ([3000, 64], 32, 3, {}), ([2000, 700], 16, 2, {"k_axis": "channel"}),
+    ([4100, 260], 32, None, {"v_axis": "channel"}), ([1500, 90], 16, None, {"group_size": 64}),
+    ([3000, 5], 16, 3, {"sink": 4, "recent": 100}), ([700, 9], 12, None, {}),
+    ([2500, 64], 32, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64})])
+def test_sixteen_and_thirtytwo_heads_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ctas):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
+    _decode_against_the_oracle(fmt, lens, G, f"GQA {G} error", num_splits=num_splits, warp_specialized=True,
+                               ctas_per_sm=ctas)
 
 
 def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:

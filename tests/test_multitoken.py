@@ -174,3 +174,38 @@ def test_the_custom_op_takes_a_step(backend):
     torch.ops.foscar.decode(*args)
     want = foscar.decode(q, cache, sm_scale=0.125, backend=backend, out=torch.empty(q.shape, device=q.device))
     assert torch.allclose(out.view(q.shape), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("G,T,num_splits,fmt_kw", [
+    (4, 2, None, {}), (4, 4, None, {}), (4, 8, None, {}), (1, 8, 3, {}), (2, 3, 64, {}), (8, 2, None, {}),
+    (16, 2, None, {}), (8, 8, None, {}), (4, 4, 5, {"rotation": "hadamard"}), (4, 3, None, {"group_size": 64})])
+def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits, fmt_kw):
+    """A step's tokens as N columns of the CuTe kernel beside the heads (``G T`` rows; beyond 32 the causal
+    view's rows), the causal limit per column, splits whose last tile some columns do not see (64 splits
+    over a few tiles): NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle
+    (BF16 attention's error on the same dequantized cache, token by token), the LSE within 1e-2."""
+    from _helpers import bf16_attention, kernel_error_bound
+
+    status = {s.name: s for s in foscar.backend_status(DEV, foscar.KVFormat(bits=bits, head_dim=128,
+                                                                             group_size=128), G)}
+    if not status["cute"].usable:
+        pytest.skip(status["cute"].why)
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    lens = [T, 64 * 7 + T - 1, 4099]  # a step alone; one past a tile by T - 1; long
+    q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
+    rows = q.reshape(-1, *q.shape[2:])
+    out = torch.full(rows.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(rows.shape[:2], float("nan"), device=q.device)
+    foscar.decode(q, cache, out=out.view(q.shape), lse=lse.view(q.shape[:3]), backend="cute", num_splits=num_splits)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    got = out.view(q.shape)
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(lse).all())
+    base = torch.stack([bf16_attention(q[:, j], _cut(cache, [L - T + 1 + j for L in lens]), sdpa=True)
+                        for j in range(T)], 1)
+    err, ref_err = rel(got, exact), rel(base, exact)
+    print(f"\nG {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
+    assert err <= kernel_error_bound(fmt, ref_err)
+    assert float((lse.view(q.shape[:3]).double() - lse_exact).abs().max()) <= 1e-2

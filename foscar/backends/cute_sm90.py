@@ -42,6 +42,12 @@ class CuteSm90(Backend):
         (:mod:`foscar.cute.rotation`): a rotated cache costs no launch of its own."""
         return True
 
+    def steps(self, fmt) -> bool:
+        """A step's tokens are N columns of the kernel beside the heads (``gqa * q_len <= 32``; more rows run
+        as the causal view's, one token each) where the cache has no BF16 windows."""
+        from ..splitkv import num_window_parts
+        return num_window_parts(fmt) == 0
+
     def preferred(self, fmt) -> bool:
         """Token-wise K. Measured on the H200 with v1, the CuTe default (``docs/results-h200.md``): token-wise
         K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;
@@ -50,7 +56,8 @@ class CuteSm90(Backend):
 
     def launch_config(self, problem) -> dict:
         from ..cute.launch import launch_config
-        return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)._asdict()
+        return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits,
+                             step=problem.q_len)._asdict()
 
     def num_parts(self, fmt, config: dict) -> int:
         from ..cute.launch import num_parts

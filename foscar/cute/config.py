@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from ..format import v_block_tokens
 
 TILE = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
-HEADS = 8  #: query heads of one KV head, padded: the wgmma N
+HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or to 16 or 32: ``Sm90Config.cols``)
+MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads times the step's tokens)
+#: What v0 takes beyond :func:`config_for` (checked by :func:`foscar.cute.launch.run`)
+V0_LIMITS = "v0 (warp_specialized=False) takes one query token per sequence and at most 8 query heads per KV head"
 THREADS = 128  #: threads of one warpgroup
-RED_SLOTS = 16  #: reduction slots per warp in shared memory: 8 column maxima, the |s'_V| maxima, padding
 CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
@@ -62,7 +64,7 @@ class Sm90Config:
     bits: int
     head_dim: int
     page: int  #: tokens per page (a multiple of TILE)
-    gqa: int  #: query heads per KV head (at most HEADS)
+    gqa: int  #: query heads per KV head
     k_pattern: int
     k_shl: int
     k_pivots: tuple[float, float]  #: per token half (rows + 8 of a 16-row block: half 1)
@@ -85,6 +87,27 @@ class Sm90Config:
     tiles_per_pass: int = 1
     #: a rotated cache (``KVFormat.rotation``): stage 1 rotates the query into its space (:mod:`foscar.cute.rotation`)
     rotation: bool = False
+    #: query tokens per sequence (a decode step, :mod:`foscar.multitoken`): column ``c`` of the N axis is
+    #: token ``c // gqa``, head ``c % gqa``, and sees the tokens up to its own (:func:`column_token`)
+    step: int = 1
+    #: the wgmma N: ``gqa * step`` query rows padded to 8, 16 or 32 (:func:`columns_for`)
+    cols: int = HEADS
+
+    @property
+    def rows(self) -> int:
+        """Query rows of one KV head: its heads times the step's tokens."""
+        return self.gqa * self.step
+
+    @property
+    def nb(self) -> int:
+        """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
+        return self.cols // HEADS
+
+    @property
+    def red_slots(self) -> int:
+        """Reduction slots per warp in shared memory: the column maxima, the ``|s'_V|`` maxima, the
+        channel-wise V sums of ``P~`` (from ``cols``)."""
+        return 2 * self.cols
 
     @property
     def kc(self) -> int:
@@ -129,7 +152,7 @@ class Sm90Config:
     @property
     def acc_elems(self) -> int:
         """O^T accumulator elements per thread."""
-        return self.head_dim * HEADS // THREADS
+        return self.head_dim * self.cols // THREADS
 
     @property
     def k_words(self) -> int:
@@ -156,6 +179,56 @@ class Sm90Config:
     def mh(self) -> int:
         """m64 halves of the head dim (the row blocks of V^T)."""
         return self.head_dim // 64
+
+
+def columns_for(rows: int) -> int:
+    """The wgmma N of ``rows`` query rows: 8, 16 or 32."""
+    cols = HEADS
+    while cols < rows:
+        cols *= 2
+    return cols
+
+
+def slot_column(k: int, col0):
+    """The N column of a thread's column slot ``k`` (``col0``: its first column, ``2 quad``): slots ``2j``
+    and ``2j + 1`` are the thread's two columns of 8-column block ``j``."""
+    return HEADS * (k // 2) + col0 + k % 2
+
+
+def s_slot(e: int) -> int:
+    """The column slot of ``S^T`` accumulator element ``e`` (CuTe's ``m64nN`` C fragment, element
+    ``e = c + 2 r + 4 j``: column ``8 j + 2 quad + c``, row ``row0 + 8 r``)."""
+    return 2 * (e // 4) + e % 2
+
+
+def row_half(e: int) -> int:
+    """The token row of accumulator element ``e``: 0 for ``row0``, 1 for ``row0 + 8``."""
+    return (e // 2) % 2
+
+
+def o_slot(e: int, nb: int) -> int:
+    """The column slot of O^T accumulator element ``e`` (``e = c + 2 r + 4 j + 4 nb m``, ``m`` the m64 block
+    of the head dim)."""
+    return 2 * ((e // 4) % nb) + e % 2
+
+
+def o_block(e: int, nb: int) -> int:
+    """The m64 block of the head dim (V^T's rows) of O^T accumulator element ``e``."""
+    return e // (4 * nb)
+
+
+def column_token(c, gqa: int, step: int):
+    """The step token of N column ``c`` (the padding columns: the last token's)."""
+    return cutlass_min(c // gqa, step - 1)
+
+
+def cutlass_min(a, b):
+    """``min`` of a traced value and a Python int (``cutlass.min``), or of two Python ints."""
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    import cutlass
+    return cutlass.min(a, b)
+
 
 #: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
 COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2),
@@ -207,14 +280,17 @@ TILES_PER_PASS = (1, 2)
 
 
 @functools.lru_cache(maxsize=256)  # host time per call
-def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1) -> Sm90Config:
+def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
+               step: int = 1) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
-    page size, K operand (:data:`K_OPERANDS`) and tiles per softmax pass (:data:`TILES_PER_PASS`); the
-    injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`,
-    :func:`foscar.format.fold_constants`): one home. E4M3 K operands take token-wise K, at most 4 query
-    heads per KV head (two Q terms each in the N columns) and no BF16 windows; two tiles per pass take
-    token-wise K and V and at most 4 query heads per KV head (the second tile's scores in the other four
-    columns)."""
+    page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query
+    tokens per sequence (``step``); the injection constants are the Triton kernels'
+    (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
+    ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :data:`MAX_COLS`. E4M3 K
+    operands take token-wise K, one token, at most 4 query heads per KV head (two Q terms each in the 8
+    columns) and no BF16 windows; two tiles per pass take token-wise K and V, one token and at most 4 query
+    heads per KV head (the second tile's scores in the other four columns); a step of several tokens takes a
+    cache without BF16 windows (its causal limits are the quantized tokens')."""
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
@@ -229,17 +305,25 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
                                "the CuTe kernels need g a multiple of 64 (channels of a token-wise axis, tokens of "
                                "a channel-wise one), dividing the head dim for a token-wise axis")
-    if fmt.head_dim not in (64, 128) or gqa > HEADS or page % TILE or fmt.mapping != "bf16":
-        raise UnsupportedError(f"head_dim={fmt.head_dim}, gqa={gqa}, page={page}, mapping={fmt.mapping!r}",
-                               "the CuTe kernels need head_dim 64/128, gqa <= 8 query heads per KV head, pages of "
-                               "64k tokens, bf16")
+    if not isinstance(step, int) or step < 1:
+        raise InvalidArgumentError("step", "query tokens per sequence, an int >= 1", step)
+    if fmt.head_dim not in (64, 128) or gqa * step > MAX_COLS or page % TILE or fmt.mapping != "bf16":
+        raise UnsupportedError(f"head_dim={fmt.head_dim}, gqa={gqa}, q_len={step}, page={page}, mapping={fmt.mapping!r}",
+                               f"the CuTe kernels need head_dim 64/128, gqa * q_len <= {MAX_COLS} query rows per "
+                               "KV head, pages of 64k tokens, bf16")
+    from ..splitkv import num_window_parts
+    if step > 1 and num_window_parts(fmt):
+        raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
+                               "the CuTe kernels take steps of several tokens over caches without BF16 windows")
     e4m3 = k_operand == "e4m3"
-    if e4m3 and (fmt.k_axis != "token" or gqa > HEADS // 2 or fmt.sink or fmt.recent):
-        raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, sink={fmt.sink}, "
-                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa <= 4 and no windows")
-    if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2):
-        raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}",
-                               "two tiles per softmax pass take token-wise K and V and gqa <= 4")
+    if e4m3 and (fmt.k_axis != "token" or gqa > HEADS // 2 or step > 1 or fmt.sink or fmt.recent):
+        raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, sink={fmt.sink}, "
+                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa <= 4, one token and "
+                               "no windows")
+    if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
+        raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
+                               f"q_len={step}", "two tiles per softmax pass take token-wise K and V, gqa <= 4 and "
+                               "one token")
     if e4m3:
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:
@@ -259,4 +343,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
-                      rotation=fmt.rotation is not None)
+                      rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step))

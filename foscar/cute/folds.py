@@ -21,7 +21,7 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import HEADS, THREADS
+from .config import HEADS, THREADS, o_block, o_slot, row_half, s_slot, slot_column
 from .operands import build_vt_registers
 from .softmax import column_sums
 
@@ -35,28 +35,31 @@ def power_of_two_reciprocal(x: Float32) -> Float32:
 
 
 class OutputAccumulator:
-    """One warpgroup's O^T accumulator ``acc`` (this thread's ``head_dim * 8 / 128`` elements, element
-    ``e``: m64 half ``e // 4``, head column ``2 quad + e % 2``) in units of ``sigma``, and the offset
-    corrections gathered per S^T element since the last fold (``corr``). Token-wise V has one ``sigma`` (a
-    power of two at least every ``|s'_V|`` so far) and one ``corr`` per channel group, each group one m64
-    half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries ``sigma``."""
+    """One warpgroup's O^T accumulator ``acc`` (this thread's ``head_dim * cols / 128`` elements, element
+    ``e``: m64 half :func:`~foscar.cute.config.o_block`, column slot :func:`~foscar.cute.config.o_slot`) in
+    units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
+    Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
+    channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
+    ``sigma``."""
 
-    def __init__(self, acc: cute.Tensor, sigma: list, corr: list):
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
+        self.nb = nb
 
     def __extract_mlir_values__(self):
         return [s.ir_value() for s in self.sigma]
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
-        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr)
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb)
 
-    def rescale(self, al: tuple, sigma: list):
-        """Rescale the accumulator to new running maxima (``al``, per head column) and new units ``sigma``."""
+    def rescale(self, al: list, sigma: list):
+        """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
         ratio = [self.sigma[g] * power_of_two_reciprocal(sigma[g]) for g in range(len(sigma))]
-        for e in range(cute.size(self.acc)):  # element e: half e // 4, column 2 quad + e % 2
-            self.acc[e] = self.acc[e] * (al[e % 2] * ratio[e // 4 if len(sigma) == 2 else 0])
+        nb = self.nb
+        for e in range(cute.size(self.acc)):
+            self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[o_block(e, nb) if len(sigma) == 2 else 0])
         self.sigma = sigma
 
 
@@ -83,16 +86,16 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
             else:
                 sQsum[h, c] = acc_q
     elif cutlass.const_expr(cfg.kc == 1):
-        if tidx < HEADS:
+        if tidx < cfg.cols:
             acc_q = Float32(0.0)
             for d in cutlass.range(D, unroll=8):
                 acc_q += Float32(sQ[tidx, d])
             sQsum[tidx] = acc_q
     else:
         width = D // cfg.kc
-        if tidx < HEADS * cfg.kc:
-            h = tidx % HEADS
-            c = tidx // HEADS
+        if tidx < cfg.cols * cfg.kc:
+            h = tidx % cfg.cols
+            c = tidx // cfg.cols
             acc_q = Float32(0.0)
             for d in cutlass.range(width, unroll=8):
                 acc_q += Float32(sQ[h, c * width + d])
@@ -113,37 +116,30 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
     op_scale1 = op_scale
     if cutlass.const_expr(cfg.k_factors[1] != cfg.k_factors[0]):
         op_scale1 = qk_scale * cfg.k_factors[1]
-    c0, c1 = cfg.k_pivots
+    cs = cfg.k_pivots
+    n_el = 4 * cfg.nb
     s = []
     if cutlass.const_expr(cfg.kc == 2):
-        col = wg.thr.col0
-        s00 = Float32(0.0)
-        s01 = Float32(0.0)
-        s10 = Float32(0.0)
-        s11 = Float32(0.0)
+        col0 = wg.thr.col0
+        s = [Float32(0.0) for _ in range(n_el)]
         for c in cutlass.range_constexpr(2):
             acc_c = accS[c]
-            q0 = wg.smem.sQsum[col, c]
-            q1 = wg.smem.sQsum[col + 1, c]
-            ka0 = par[c * 2] * op_scale  # row 0: (s', z') at (0 * kc + c) * 2
-            ka1 = par[(2 + c) * 2] * op_scale1  # row 1
-            ke0 = (par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale
-            ke1 = (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale
-            s00 = s00 + (acc_c[0] - c0 * q0) * ka0 + q0 * ke0
-            s01 = s01 + (acc_c[1] - c0 * q1) * ka0 + q1 * ke0
-            s10 = s10 + (acc_c[2] - c1 * q0) * ka1 + q0 * ke1
-            s11 = s11 + (acc_c[3] - c1 * q1) * ka1 + q1 * ke1
-        s = [s00, s01, s10, s11]
+            q = [wg.smem.sQsum[slot_column(k, col0), c] for k in range(2 * cfg.nb)]
+            ka = [par[c * 2] * op_scale, par[(2 + c) * 2] * op_scale1]  # rows 0, 1: (s', z') at (r * kc + c) * 2
+            ke = [(par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale,
+                  (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale]
+            for e in cutlass.range_constexpr(n_el):
+                r, k = row_half(e), s_slot(e)
+                s[e] = s[e] + (acc_c[e] - cs[r] * q[k]) * ka[r] + q[k] * ke[r]
     else:
         ks0, kz0, ks1, kz1 = sc.k
-        qsum0, qsum1 = wg.qsum
+        qsum = wg.qsum
         acc = accS[0]
-        a0 = ks0 * op_scale
-        a1 = ks1 * op_scale1
-        e0 = (kz0 + cfg.k_mid * ks0) * qk_scale
-        e1 = (kz1 + cfg.k_mid * ks1) * qk_scale
-        s = [(acc[0] - c0 * qsum0) * a0 + qsum0 * e0, (acc[1] - c0 * qsum1) * a0 + qsum1 * e0,
-             (acc[2] - c1 * qsum0) * a1 + qsum0 * e1, (acc[3] - c1 * qsum1) * a1 + qsum1 * e1]
+        a = [ks0 * op_scale, ks1 * op_scale1]
+        ez = [(kz0 + cfg.k_mid * ks0) * qk_scale, (kz1 + cfg.k_mid * ks1) * qk_scale]
+        for e in cutlass.range_constexpr(n_el):
+            r, k = row_half(e), s_slot(e)
+            s.append((acc[e] - cs[r] * qsum[k]) * a[r] + qsum[k] * ez[r])
     return s
 
 
@@ -152,7 +148,7 @@ def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
     """Channel-wise K, at a token group's first tile: ``Q' = bf16(Q s')`` into ``sQk`` (the QK product's B
     operand) and the group's offset correction per head, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot
     ``c``, from the BF16 ``Q'`` the MMA consumes), into ``sKf``. Thread ``tidx`` holds channel
-    ``tidx % D``'s ``(s', z')`` (``s_d``, ``z_d``) and handles its ``HEADS * D / 128`` elements of ``Q``."""
+    ``tidx % D``'s ``(s', z')`` (``s_d``, ``z_d``) and handles its ``cols * D / 128`` elements of ``Q``."""
     D = cfg.head_dim
     thr = wg.thr
     sQ = wg.smem.sQ
@@ -162,7 +158,7 @@ def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
     ctid = thr.tidx
     warp = thr.warp
     lane = thr.lane
-    per = HEADS * D // THREADS  # heads per thread: 8 (D = 128) or 4 (D = 64)
+    per = cfg.cols * D // THREADS  # rows per thread: cols (D = 128) or cols / 2 (D = 64)
     d = ctid % D
     h0 = (ctid // D) * per
     mid = z_d + cfg.k_mid * s_d
@@ -182,7 +178,7 @@ def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
         for i in cutlass.range_constexpr(per):
             sKr[warp, i] = part[i]
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    if ctid < HEADS:  # head h: the warps holding its channels (all four at D = 128; two at D = 64)
+    if ctid < cfg.cols:  # row h: the warps holding its channels (all four at D = 128; two at D = 64)
         warps = D // 32
         first = (ctid // per) * warps
         acc = Float32(0.0)
@@ -194,13 +190,12 @@ def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
 
 
 def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
-    """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's four S^T elements."""
-    quad = wg.thr.quad
-    kc0 = wg.smem.sKf[2 * quad]
-    kc1 = wg.smem.sKf[2 * quad + 1]
+    """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements."""
+    col0 = 2 * wg.thr.quad
+    n_el = cute.size(accS)
+    kc = [wg.smem.sKf[slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
-    return [(accS[0] + kc0) * qk_scale, (accS[1] + kc1) * qk_scale, (accS[2] + kc0) * qk_scale,
-            (accS[3] + kc1) * qk_scale]
+    return [(accS[e] + kc[s_slot(e)]) * qk_scale for e in range(n_el)]
 
 
 #: The largest units (``2^126``: their reciprocal is normal); ``|s'_V|`` above it still keeps ``P'`` within FP16.
@@ -231,28 +226,27 @@ def grow_sigma(sigma: Float32, bound: Float32) -> Float32:
 @cute.jit
 def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
     """Token-wise V: the units ``sigma`` of ``P'`` for this tile, per channel group, from the tile's largest
-    :func:`p_units_bound` (``tv``; the second group's from slot ``HEADS + 1`` of the reduction
+    :func:`p_units_bound` (``tv``; the second group's from slot ``cols + 1`` of the reduction
     :func:`foscar.cute.softmax.tile_maxima` left in shared memory)."""
     sigma = [grow_sigma(out.sigma[0], tv)]
     if cutlass.const_expr(cfg.vc == 2):
         sRed = wg.smem.sRed
         buf = tile % 2
-        tv2 = sRed[buf, 0, HEADS + 1]
+        tv2 = sRed[buf, 0, cfg.cols + 1]
         for wi in cutlass.range_constexpr(1, 4):
-            tv2 = cute.arch.fmax(tv2, sRed[buf, wi, HEADS + 1])
+            tv2 = cute.arch.fmax(tv2, sRed[buf, wi, cfg.cols + 1])
         sigma.append(grow_sigma(out.sigma[1], tv2))
     return sigma
 
 
 def store_p(sP: cute.Tensor, thr, q: list):
-    """A tile's four P elements of this thread (element e: head col0 + e % 2, token prow0 + 8 (e // 2) of
-    the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B operand ``sP`` of the O^T product."""
+    """A tile's P elements of this thread (element e: column slot ``s_slot(e)`` from ``col0``, token
+    ``prow0 + 8 row_half(e)`` of the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B operand
+    ``sP`` of the O^T product."""
     col = thr.col0
     row0 = thr.prow0
-    sP[col, row0] = q[0]
-    sP[col + 1, row0] = q[1]
-    sP[col, row0 + 8] = q[2]
-    sP[col + 1, row0 + 8] = q[3]
+    for e in range(len(q)):
+        sP[slot_column(s_slot(e), col), row0 + 8 * row_half(e)] = q[e]
 
 
 def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):
@@ -262,18 +256,19 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
     and barrier the wgmma reads need. ``v[g]`` holds the group's ``(s', z')`` of this thread's two rows,
     ``sigma`` the new units."""
     groups = len(sigma)
+    n_el = len(p)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
-    q = [[Float16(p[0] * r[g][0]), Float16(p[1] * r[g][0]), Float16(p[2] * r[g][1]), Float16(p[3] * r[g][1])]
-         for g in range(groups)]
+    q = [[Float16(p[e] * r[g][row_half(e)]) for e in range(n_el)] for g in range(groups)]
     mid = [(v[g][1] + cfg.v_mid * v[g][0], v[g][3] + cfg.v_mid * v[g][2]) for g in range(groups)]
     # the pivot of element e's token half (fragment.v_token_half: rows prow0 and prow0 + 8 are halves 0, 1)
     cs = [[cfg.v_pivots[h] * sigma[g] for h in range(2)] if cfg.v_pivots[0] != cfg.v_pivots[1]
           else [cfg.v_pivots[0] * sigma[g]] * 2 for g in range(groups)]
     for g in range(groups):
         c = out.corr[g]
-        for e in range(4):  # element e: row e // 2, column e % 2
-            c[e] = c[e] * al[e % 2] + (p[e] * mid[g][e // 2] - cs[g][e // 2] * Float32(q[g][e]))
+        for e in range(n_el):
+            h = row_half(e)
+            c[e] = c[e] * al[s_slot(e)] + (p[e] * mid[g][h] - cs[g][h] * Float32(q[g][e]))
     for g in range(groups):
         store_p(wg.smem.sP[g], wg.thr, q[g])
     cute.arch.fence_view_async_shared()
@@ -291,23 +286,24 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
     warp = thr.warp
     quad = thr.quad
     accO = out.acc
-    q = [Float16(p[0]), Float16(p[1]), Float16(p[2]), Float16(p[3])]
+    q = [Float16(x) for x in p]
     store_p(wg.smem.sP[0], thr, q)
-    ps0 = Float32(q[0]) + Float32(q[2])  # column sums of the P~ the MMA consumes
-    ps1 = Float32(q[1]) + Float32(q[3])
+    slots = len(p) // 2
+    cols = cfg.cols
+    # the column sums of the P~ the MMA consumes
+    ps = [Float32(q[4 * (k // 2) + k % 2]) + Float32(q[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
     for sh in cutlass.range_constexpr(3):
-        ps0 = ps0 + cute.arch.shuffle_sync_bfly(ps0, 4 << sh)
-        ps1 = ps1 + cute.arch.shuffle_sync_bfly(ps1, 4 << sh)
+        for k in cutlass.range_constexpr(slots):
+            ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 4 << sh)
     if lane < 4:
-        sRed[buf, warp, HEADS + 2 * lane] = ps0
-        sRed[buf, warp, HEADS + 2 * lane + 1] = ps1
+        for k in cutlass.range_constexpr(slots):
+            sRed[buf, warp, cols + slot_column(k, 2 * lane)] = ps[k]
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    psum0 = sRed[buf, 0, HEADS + 2 * quad]
-    psum1 = sRed[buf, 0, HEADS + 2 * quad + 1]
+    psum = [sRed[buf, 0, cols + slot_column(k, 2 * quad)] for k in range(slots)]
     for wi in cutlass.range_constexpr(1, 4):
-        psum0 = psum0 + sRed[buf, wi, HEADS + 2 * quad]
-        psum1 = psum1 + sRed[buf, wi, HEADS + 2 * quad + 1]
+        for k in cutlass.range_constexpr(slots):
+            psum[k] = psum[k] + sRed[buf, wi, cols + slot_column(k, 2 * quad)]
     build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
     tOrV = wg.frags.tOrV
     tOrP = wg.frags.tOrP[0]
@@ -320,10 +316,10 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
     warpgroup.wait_group(0)
     vpar = regs.vpar
     for e in cutlass.range_constexpr(cute.size(accO)):
-        ps = psum0 if e % 2 == 0 else psum1
+        k = o_slot(e, cfg.nb)
         vs_e = vpar[2 * e]
-        accO[e] = (accO[e] * al[e % 2] + (accT[e] - cfg.v_pivots[0] * ps) * vs_e
-                   + ps * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
+        accO[e] = (accO[e] * al[k] + (accT[e] - cfg.v_pivots[0] * psum[k]) * vs_e
+                   + psum[k] * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
 
 
 @cute.jit
@@ -331,12 +327,13 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, half: c
                            thr):
     """The offset corrections of channel group ``g`` gathered per element join the accumulator (in units of
     its ``sigma``): all of it (``half < 0``), or the m64 half ``half`` whose channels are the group."""
-    c0, c1 = column_sums(out.corr[g], sSum, thr)
+    cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
+    nb = out.nb
     inv = power_of_two_reciprocal(out.sigma[g])
     for e in cutlass.range_constexpr(cute.size(accO)):
-        if cutlass.const_expr(half < 0 or e // 4 == half):
-            accO[e] = accO[e] + (c0 if e % 2 == 0 else c1) * inv
+        if cutlass.const_expr(half < 0 or o_block(e, nb) == half):
+            accO[e] = accO[e] + cs[o_slot(e, nb)] * inv
     out.corr[g].fill(0.0)
 
 

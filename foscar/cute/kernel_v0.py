@@ -1,6 +1,8 @@
 """v0 of the Hopper decode stage 1: one warpgroup per CTA (batch entry, KV head, KV split), four CTAs per
 SM, loading the next tile's words and ``(s', z')`` from global memory into registers while it computes
-one (a software pipeline), then the tile step of :class:`~foscar.cute.warpgroup.TileKernel`."""
+one (a software pipeline), then the tile step of :class:`~foscar.cute.warpgroup.TileKernel`. It takes
+one query token per sequence and at most 8 query heads per KV head (``Sm90Config.cols`` 8; its registers
+hold no more): :data:`foscar.cute.config.V0_LIMITS`."""
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
@@ -11,7 +13,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens
-from .config import HEADS, RED_SLOTS, THREADS, TILE
+from .config import HEADS, THREADS, TILE, V0_LIMITS
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
@@ -36,6 +38,7 @@ class FoldDecodeSm90(TileKernel):
         """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
         graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
         kernel)."""
+        assert self.cfg.cols == HEADS and self.cfg.step == 1, V0_LIMITS
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(self.cfg)
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
@@ -55,12 +58,12 @@ class FoldDecodeSm90(TileKernel):
         smem = self._shared_memory(sQ_layout, sP_layout)
 
         # ---- Q^T (heads padded with zeros) and sum(Q) of the BF16 operand --------------------------
-        stage_q(cfg, mQ, smem, b, kvh, tidx, mRot, smem.sQrot)
+        stage_q(cfg, mQ, smem, b, kvh, tidx, mRot, smem.sQrot, lambda c: self.query_row(c, kvh, 0))
         cute.arch.sync_threads()
         q_sums(cfg, smem.sQ, smem.sQsum, tidx, smem.sQinv)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
-        qsum = (smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1])
+        qsum = [smem.sQsum[2 * thr.quad], smem.sQsum[2 * thr.quad + 1]]
 
         # ---- the split's tiles ------------------------------------------------------------------------
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
@@ -94,7 +97,7 @@ class FoldDecodeSm90(TileKernel):
         sP2 = sP  # token-wise V with two channel groups: the second group's P' (its own buffer then)
         if cfg.vc == 2:
             sP2 = alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
-        sRed = alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16)
+        sRed = alloc.allocate_tensor(Float32, cute.make_layout((2, 4, cfg.red_slots)), byte_alignment=16)
         sSum = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
         sQk = None  # channel-wise K's Q s' (BF16 K operands)

@@ -18,7 +18,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, HEADS, RED_SLOTS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config
+from .config import CONSUMERS, HEADS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
@@ -31,6 +31,7 @@ from .warpgroup import (
     WarpgroupSmem,
     WarpgroupThread,
     allocate_registers,
+    causal_limits,
 )
 
 
@@ -98,7 +99,7 @@ class FoldDecodeSm90WS(TileKernel):
         slots = STAGES * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
         kvh, b, split = cute.arch.block_idx()
-        n_splits = cute.arch.grid_dim()[2]
+        n_kvh, _, n_splits = cute.arch.grid_dim()
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # the warpgroup: 0 producer, 1 + c consumer c
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)  # set once, before any branch (the tile step zeroes accS)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -118,9 +119,10 @@ class FoldDecodeSm90WS(TileKernel):
         if role == 0:
             # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
             # the barriers below (the fence after them orders these writes before the ring's)
+            assert cfg.cols * cfg.head_dim <= STAGES * CONSUMERS * cfg.tile_words  # the rotated Q fits the K stages
             sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
-                                     cute.make_layout((1, HEADS, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
-            stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot)
+                                     cute.make_layout((1, cfg.cols, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
+            stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
         cute.arch.sync_threads()
         q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
         cute.arch.fence_view_async_shared()
@@ -134,7 +136,8 @@ class FoldDecodeSm90WS(TileKernel):
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
                 cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
-                self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale)
+                self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
+                              n_kvh)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
@@ -155,7 +158,7 @@ class FoldDecodeSm90WS(TileKernel):
         ring = StageRing(sK, sV, sKP, sVP, full, empty)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
-        sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
+        sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)
 
         def each(make):
             return [make() for _ in range(CONSUMERS)]
@@ -165,14 +168,14 @@ class FoldDecodeSm90WS(TileKernel):
 
         sP = each(p_buffer)
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
-        sRed = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, 4, RED_SLOTS)), byte_alignment=16))
-        sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
+        sRed = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, 4, cfg.red_slots)), byte_alignment=16))
+        sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
         sQk = [None] * CONSUMERS  # channel-wise K's Q s' (BF16 K operands)
         if cutlass.const_expr(not cfg.k_e4m3):
             sQk = each(lambda: alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024,
                                                      swizzle=sQ_layout.inner))
-        sKr = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16))
-        sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16))
+        sKr = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
+        sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16))
         sQinv = sQred = None
         if cutlass.const_expr(cfg.k_e4m3):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
@@ -222,18 +225,18 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
-                 qk_scale: Float32):
+                 qk_scale: Float32, n_kvh):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         pair = cfg.tiles_per_pass == 2
         thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c, pair)
-        qsum = (smem.sQsum[thr.col0], smem.sQsum[thr.col0 + 1])
+        qsum = [smem.sQsum[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
         qinv = (smem.sQinv[thr.col0], smem.sQinv[thr.col0 + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv)
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
-        thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, HEADS)))
+        thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
             for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
                 k = (tile - t_lo) // CONSUMERS
@@ -266,7 +269,7 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
                 t0 = tile * TILE
                 state = self._tile_step(wg, regs, state, k, t0, 0)
-        self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c)
+        self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c, n_kvh)
 
     @cute.jit
     def _read_words(self, ring: StageRing, slot, regs: TileRegisters, thr: WarpgroupThread):

@@ -87,27 +87,28 @@ class LaunchConfig(NamedTuple):
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
                   k_operand: str | None = None, tiles_per_pass: int | None = None,
-                  use_tuned: bool = True) -> LaunchConfig:
-    """The :class:`LaunchConfig` of a launch: the given values, else the autotune cache's (backend
-    ``"cute"``; only where its entry is the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`,
-    :data:`WS_CTAS_PER_SM`, :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per
-    softmax pass where the format takes them (:func:`default_variant`); v0 takes BF16 K operands and one
-    tile per pass. Host facts only: no device read."""
+                  use_tuned: bool = True, step: int = 1) -> LaunchConfig:
+    """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows): the
+    given values, else the autotune cache's (backend ``"cute"``, one-token decodes; only where its entry is
+    the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
+    :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
+    takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. Host facts only:
+    no device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
-    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned else {}
+    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned and step == 1 else {}
     if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
         warp_specialized = DEFAULT_WARP_SPECIALIZED if warp_specialized is None else bool(warp_specialized)
     if ctas_per_sm is None:
-        ctas_per_sm = tuned.get("ctas_per_sm") or WS_CTAS_PER_SM
+        ctas_per_sm = tuned.get("ctas_per_sm") or default_ctas_per_sm(G * step)
     check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
     default_k, default_tiles = ("bf16", 1) if tuned or not warp_specialized else default_variant(
-        cache.fmt, G, cache.page_size, k_operand)
+        cache.fmt, G, cache.page_size, k_operand, step)
     if k_operand is None:
         k_operand = tuned.get("k_operand", default_k)
     if tiles_per_pass is None:
@@ -119,28 +120,36 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     if num_splits is None:
         num_splits = tuned.get("num_splits")
     if num_splits is None:
-        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, max_tiles_of(cache), q.device,
+        num_splits = default_num_splits(cache.batch_size, cache.num_kv_heads, max_tiles_of(cache), q.device,
                                         ctas_per_sm if warp_specialized else V0_RESIDENT)
     check_int("num_splits", num_splits, minimum=1)
     return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
 
 
+def default_ctas_per_sm(rows: int) -> int:
+    """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` at the 8 columns of
+    ``wgmma`` N 8; one above (16 or 32 columns: the accumulators of more columns take the registers of one
+    CTA per SM, :data:`foscar.cute.config.WS_REGISTERS`)."""
+    from .config import HEADS
+    return WS_CTAS_PER_SM if rows <= HEADS else 1
+
+
 @functools.lru_cache(maxsize=256)  # host time per call: a refusal is an exception, which config_for does not cache
-def default_variant(fmt, G: int, page: int, k_operand: str | None = None) -> tuple[str, int]:
+def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: int = 1) -> tuple[str, int]:
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
     given) and two tiles per softmax pass, each where the format takes it (:func:`takes`).
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
     cases and E4M3 K operands in 21."""
-    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1) else "bf16")
-    return k_operand, (2 if takes(fmt, G, page, k_operand, 2) else 1)
+    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1, step) else "bf16")
+    return k_operand, (2 if takes(fmt, G, page, k_operand, 2, step) else 1)
 
 
-def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int) -> bool:
-    """Whether the kernels take the format with these K operands and tiles per pass
-    (:func:`foscar.cute.config.config_for` does not refuse them)."""
+def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int, step: int = 1) -> bool:
+    """Whether the kernels take the format with these K operands, tiles per pass and query tokens per
+    sequence (:func:`foscar.cute.config.config_for` does not refuse them)."""
     from .config import config_for
     try:
-        config_for(fmt, G, page, k_operand, tiles_per_pass)
+        config_for(fmt, G, page, k_operand, tiles_per_pass, step)
     except (UnsupportedError, InvalidArgumentError):
         return False
     return True
@@ -216,22 +225,35 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..format import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import config_for
+    from .config import MAX_COLS, config_for
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
+    T = problem.q_len
+    if G * T > MAX_COLS:  # more rows than the N columns: the step's rows over the causal view, one token each
+        from dataclasses import replace
+
+        from ..multitoken import causal_view
+        problem, T = replace(problem, cache=causal_view(cache, T), q_len=1), 1
+        cache = problem.cache
     fmt = cache.fmt
-    B = q.shape[0]
+    B = cache.batch_size  # a step's rows: B * T rows of q, its tokens the kernel's N columns
     warp_specialized, ctas, num_splits, k_operand, tiles_per_pass = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
-        tiles_per_pass=tiles_per_pass)
-    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass)
+        tiles_per_pass=tiles_per_pass, step=T)
+    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T)
+    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8):
+        from .config import V0_LIMITS
+        raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
-    o_part, l_part, _ = workspace_for(workspace, B, q.shape[1], parts, fmt.head_dim, q.device, cache.num_kv_heads)
+    o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
+                                      cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
-    tensors = (q.to(torch.bfloat16).contiguous(), cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
-               cache.page_table.block_table, cache.seq_lens.to(torch.int32), o_part, l_part, rot)  # Q: BF16 operands
+    Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
+    tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes, cache.k_params,
+               cache.v_params, cache.page_table.block_table, cache.seq_lens.to(torch.int32),
+               o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]), rot)  # Q: BF16 operands
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream

@@ -12,7 +12,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import BFloat16, Float16, Float32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from .config import HEADS, THREADS, TILE, Sm90Config
+from .config import THREADS, TILE, Sm90Config
 from .fragment import k_register_source, v_register_source, v_token_half
 
 LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
@@ -22,18 +22,18 @@ def mmas_and_layouts(cfg: Sm90Config):
     """Host side, both kernels: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16, or E4M3 with
     ``cfg.k_e4m3``) and ``O^T = V^T P^T`` (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
     pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+                                         (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
         qk_mma = qk_mma_e4m3()
         sQ_layout = sq_layout_e4m3(cfg.head_dim)
     else:
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE, HEADS), warpgroup.OperandSource.RMEM)
+                                             (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        sQ_layout = cute.tile_to_shape(q_atom, (HEADS, cfg.head_dim), (0, 1))
+        sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))
     p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
-    sP_layout = cute.tile_to_shape(p_atom, (HEADS, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
+    sP_layout = cute.tile_to_shape(p_atom, (cfg.cols, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 
@@ -47,35 +47,37 @@ def q_element_type(cfg: Sm90Config):
 
 
 @cute.jit
-def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Tensor, sQrot):
-    """Q^T of KV head ``kvh``'s query heads into ``smem.sQ`` by one warpgroup: BF16 (:func:`load_q`), or two
-    E4M3 terms per head with each head's ``2^-e`` in ``smem.sQinv``
+def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Tensor, sQrot, query_row):
+    """Q^T of KV head ``kvh``'s query rows into ``smem.sQ`` by one warpgroup (``query_row(c)``: the row of
+    ``mQ`` that N column ``c`` is, :meth:`foscar.cute.warpgroup.TileKernel.query_row`): BF16 (:func:`load_q`),
+    or two E4M3 terms per head with each head's ``2^-e`` in ``smem.sQinv``
     (:func:`foscar.cute.operands_e4m3.load_q_terms`). A rotated cache (``cfg.rotation``): Q rotated into
     its space first, in FP32 into ``sQrot`` (:func:`foscar.cute.rotation.rotate_q`), and staged from there."""
-    src, b_src, kvh_src = mQ, b, kvh
+    src, b_src, row_src = mQ, b, query_row
     if cutlass.const_expr(cfg.rotation):
         from .rotation import rotate_q
-        rotate_q(cfg, mQ, mRot, sQrot, b, kvh * cfg.gqa, tidx, Q_LOAD_BARRIER)
-        src, b_src, kvh_src = sQrot, 0, 0
-    if cutlass.const_expr(cfg.k_e4m3):
+        rotate_q(cfg, mQ, mRot, sQrot, b, query_row, tidx, Q_LOAD_BARRIER)
+        src, b_src, row_src = sQrot, 0, (lambda c: c)
+    if cutlass.const_expr(cfg.k_e4m3):  # one token (config_for): rows kvh * gqa + h
         from .operands_e4m3 import load_q_terms
-        load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, src, b_src, kvh_src * cfg.gqa, smem.sQ, smem.sQinv, smem.sQred,
+        load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, src, b_src, row_src(0), smem.sQ, smem.sQinv, smem.sQred,
                      tidx, Q_LOAD_BARRIER)
     else:
-        load_q(cfg, src, smem.sQ, b_src, kvh_src, tidx)
+        load_q(cfg, src, smem.sQ, b_src, row_src, tidx)
 
 
 @cute.jit
-def load_q(cfg: Sm90Config, mQ: cute.Tensor, sQ: cute.Tensor, b, kvh, tidx):
-    """Q^T of KV head ``kvh``'s query heads into shared memory (padded heads zero), by one warpgroup."""
+def load_q(cfg: Sm90Config, mQ: cute.Tensor, sQ: cute.Tensor, b, query_row, tidx):
+    """Q^T of the query rows (column ``c``: row ``query_row(c)`` of ``mQ``) into shared memory (padded columns
+    zero), by one warpgroup."""
     D = cfg.head_dim
-    for h in cutlass.range_constexpr(HEADS):
+    for h in cutlass.range_constexpr(cfg.cols):
         for d0 in cutlass.range_constexpr(D // THREADS if D >= THREADS else 1):
             d = d0 * THREADS + tidx
             if d < D:
                 val = BFloat16(0.0)
-                if h < cfg.gqa:
-                    val = mQ[b, kvh * cfg.gqa + h, d].to(BFloat16)  # BF16, or the rotated FP32
+                if cutlass.const_expr(h < cfg.rows):
+                    val = mQ[b, query_row(h), d].to(BFloat16)  # BF16, or the rotated FP32
                 sQ[h, d] = val
 
 

@@ -79,10 +79,10 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     parts_b, _ = kern._qk(wg, regs_b, sc, t0_b, state.kgroup, frags.accS_b, False)
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
     s = kern._scores(wg, regs, sc, parts)
-    tm0, tm1, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, sc.v_scales())
+    tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, sc.v_scales())
     softmax = state.softmax
     out = state.out
-    al = softmax.advance(tm0, tm1)
+    al = softmax.advance(tm)
     sigma = p_scales(cfg, wg, out, step, tv)
     p = softmax.probabilities(s, al)
     v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)  # both tiles' P' (B's tokens from row TILE)

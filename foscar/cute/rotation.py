@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .config import HEADS, THREADS
+from .config import THREADS
 
 
 @cute.jit
@@ -41,17 +41,17 @@ def walsh_hadamard(buf: cute.Tensor, rows: cutlass.Constexpr, n: cutlass.Constex
 
 
 @cute.jit
-def rotate_q(cfg, mQ: cute.Tensor, mRot: cute.Tensor, sQrot: cute.Tensor, b, head0, tidx, bar_id: cutlass.Constexpr):
-    """``sQrot[0, h, :] = q R`` of the ``cfg.gqa`` query heads ``mQ[b, head0 + h, :]`` (FP32; the padded heads
-    zero), by one warpgroup (named barrier ``bar_id``): Q read in the cache's space from there on."""
+def rotate_q(cfg, mQ: cute.Tensor, mRot: cute.Tensor, sQrot: cute.Tensor, b, query_row, tidx, bar_id: cutlass.Constexpr):
+    """``sQrot[0, c, :] = q R`` of the ``cfg.rows`` query rows ``mQ[b, query_row(c), :]`` (FP32; the padded
+    columns zero), by one warpgroup (named barrier ``bar_id``): Q read in the cache's space from there on."""
     D = cfg.head_dim
-    for h in cutlass.range_constexpr(HEADS):
+    for h in cutlass.range_constexpr(cfg.cols):
         for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
             d = d0 * THREADS + tidx
             if d < D:
                 val = Float32(0.0)
-                if h < cfg.gqa:
-                    val = Float32(mQ[b, head0 + h, d]) * mRot[d]
+                if cutlass.const_expr(h < cfg.rows):
+                    val = Float32(mQ[b, query_row(h), d]) * mRot[d]
                 sQrot[0, h, d] = val
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
-    walsh_hadamard(sQrot, cfg.gqa, D, tidx, THREADS, bar_id)
+    walsh_hadamard(sQrot, cfg.rows, D, tidx, THREADS, bar_id)

@@ -1,11 +1,12 @@
-"""Online softmax (base 2) over the token axis of ``S^T``, per head column, for one warpgroup.
+"""Online softmax (base 2) over the token axis of ``S^T``, per query-row column, for one warpgroup.
 
-A thread holds four elements of a tile's ``S^T`` (element ``e``: head column ``2 quad + e % 2``, token row
-``row0 + 8 (e // 2)``); a column's 64 tokens sit on the eight lanes sharing ``quad`` in each of the four
-warps, so a column reduction is three butterfly shuffles, then the warps through shared memory. With two
-tiles per pass (``thr.pair``, :mod:`foscar.cute.pair`) quads 2 and 3 hold the second tile's heads 0-3: one
-more shuffle joins a head's two tiles.
-:class:`OnlineSoftmax` is the running state of a thread's two columns.
+A thread holds ``4 nb`` elements of a tile's ``S^T`` (``nb = cols / 8`` column blocks; element ``e``: column
+slot :func:`~foscar.cute.config.s_slot`, the column ``8 (e // 4) + 2 quad + e % 2``, token row
+``row0 + 8 ((e // 2) % 2)``), two columns per block; a column's 64 tokens sit on the eight lanes sharing
+``quad`` in each of the four warps, so a column reduction is three butterfly shuffles, then the warps
+through shared memory. With two tiles per pass (``thr.pair``, :mod:`foscar.cute.pair`, 8 columns) quads 2
+and 3 hold the second tile's heads 0-3: one more shuffle joins a head's two tiles.
+:class:`OnlineSoftmax` is the running state of a thread's ``2 nb`` columns.
 """
 from __future__ import annotations
 
@@ -13,63 +14,76 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .config import HEADS, THREADS
+from .config import HEADS, THREADS, s_slot
 
 
 class OnlineSoftmax:
-    """The running maxima ``m0``, ``m1`` of this thread's two head columns (base 2, scaled scores) and the
-    running sums ``sums`` of ``exp2(s - m)`` per accumulator element (a 4-register tensor, summed over the
-    token rows at the end: :func:`column_sums`). A run-time loop carries ``m0`` and ``m1``."""
+    """The running maxima ``m`` of this thread's ``2 nb`` columns (base 2, scaled scores; a list by column
+    slot) and the running sums ``sums`` of ``exp2(s - m)`` per accumulator element (a ``4 nb``-register
+    tensor, summed over the token rows at the end: :func:`column_sums`). A run-time loop carries ``m``.
+    ``guard`` (a step of several tokens): a column may see no token of a tile or of a whole split (its
+    causal limit), and its maximum stays ``-inf``; the exponentials then take 0 in its place, so that
+    ``exp2(-inf - -inf)`` never makes a NaN of an empty column."""
 
-    def __init__(self, m0: Float32, m1: Float32, sums: cute.Tensor):
-        self.m0 = m0
-        self.m1 = m1
+    def __init__(self, m: list, sums: cute.Tensor, guard: bool = False):
+        self.m = m
         self.sums = sums
+        self.guard = guard
+        self.m_use = m
 
     def __extract_mlir_values__(self):
-        return [self.m0.ir_value(), self.m1.ir_value()]
+        return [x.ir_value() for x in self.m]
 
     def __new_from_mlir_values__(self, values) -> OnlineSoftmax:
-        return OnlineSoftmax(Float32(values[0]), Float32(values[1]), self.sums)
+        return OnlineSoftmax([Float32(v) for v in values], self.sums, self.guard)
 
-    def advance(self, tm0: Float32, tm1: Float32):
-        """Take a tile's column maxima ``tm0``, ``tm1``: the new running maxima, and the factors ``(al0, al1)``
+    def advance(self, tm: list) -> list:
+        """Take a tile's column maxima ``tm``: the new running maxima, and the factors ``al`` (by column slot)
         that rescale what was accumulated under the old ones."""
-        mn0 = cute.arch.fmax(self.m0, tm0)
-        mn1 = cute.arch.fmax(self.m1, tm1)
-        al0 = cute.math.exp2(self.m0 - mn0, fastmath=True)
-        al1 = cute.math.exp2(self.m1 - mn1, fastmath=True)
-        self.m0 = mn0
-        self.m1 = mn1
-        return al0, al1
+        mn = [cute.arch.fmax(self.m[k], tm[k]) for k in range(len(tm))]
+        m_use = mn
+        if cutlass.const_expr(self.guard):
+            m_use = [nonempty_max(x) for x in mn]
+        al = [cute.math.exp2(self.m[k] - m_use[k], fastmath=True) for k in range(len(tm))]
+        self.m = mn
+        self.m_use = m_use
+        return al
 
-    def probabilities(self, s: list, al: tuple) -> list:
-        """``P = exp2(S - m)`` of a tile's four elements ``s`` under the running maxima, added to the running
-        sums (rescaled by ``al``, :meth:`advance`)."""
-        p = [cute.math.exp2(s[0] - self.m0, fastmath=True), cute.math.exp2(s[1] - self.m1, fastmath=True),
-             cute.math.exp2(s[2] - self.m0, fastmath=True), cute.math.exp2(s[3] - self.m1, fastmath=True)]
-        for e in range(4):
-            self.sums[e] = self.sums[e] * al[e % 2] + p[e]
+    def probabilities(self, s: list, al: list) -> list:
+        """``P = exp2(S - m)`` of a tile's elements ``s`` under the running maxima, added to the running sums
+        (rescaled by ``al``, :meth:`advance`)."""
+        p = [cute.math.exp2(s[e] - self.m_use[s_slot(e)], fastmath=True) for e in range(len(s))]
+        for e in range(len(s)):
+            self.sums[e] = self.sums[e] * al[s_slot(e)] + p[e]
         return p
 
 
 @cute.jit
+def nonempty_max(m: Float32) -> Float32:
+    """A running maximum to subtract: ``m``, or 0 while its column has seen no token (``-inf``)."""
+    u = m
+    if m == -Float32.inf:
+        u = Float32(0.0)
+    return u
+
+
+@cute.jit
 def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
-    """One shared-memory round for a tile's column maxima (of the four scores ``s``) and its largest bound
+    """One shared-memory round for a tile's column maxima (of the scores ``s``) and its largest bound
     on the P' units (token-wise V: :func:`foscar.cute.folds.p_units_bound` of this thread's two rows in ``vs``,
-    one pair per channel group; the second group's maximum is left in slot ``HEADS + 1`` of ``sRed``).
-    Lanes, then the four warps through ``sRed``'s buffer ``tile % 2``: ``(tm0, tm1, tv)``."""
-    mx0 = cute.arch.fmax(s[0], s[2])
-    mx1 = cute.arch.fmax(s[1], s[3])
+    one pair per channel group; the second group's maximum is left in slot ``cols + 1`` of ``sRed``).
+    Lanes, then the four warps through ``sRed``'s buffer ``tile % 2``: ``(tm, tv)``, ``tm`` by column slot."""
+    slots = 2 * cfg.nb
+    mx = [cute.arch.fmax(s[4 * (k // 2) + k % 2], s[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
     vs0, vs1 = vs[0]
     vmx = cute.arch.fmax(vs0, vs1)  # the bounds are >= 0
     for sh in cutlass.range_constexpr(3):
-        mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << sh))
-        mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << sh))
+        for k in cutlass.range_constexpr(slots):
+            mx[k] = cute.arch.fmax(mx[k], cute.arch.shuffle_sync_bfly(mx[k], 4 << sh))
         vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
     if cutlass.const_expr(thr.pair):  # the same head's column of the pass's other tile, two quads over
-        mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 2))
-        mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 2))
+        for k in cutlass.range_constexpr(slots):
+            mx[k] = cute.arch.fmax(mx[k], cute.arch.shuffle_sync_bfly(mx[k], 2))
     vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
     vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
     if cutlass.const_expr(cfg.vc == 2):
@@ -81,44 +95,47 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     lane = thr.lane
     quad = thr.quad
     buf = tile % 2
+    cols = cfg.cols
     if lane < 4:
-        sRed[buf, warp, 2 * lane] = mx0
-        sRed[buf, warp, 2 * lane + 1] = mx1
+        for k in cutlass.range_constexpr(slots):
+            sRed[buf, warp, HEADS * (k // 2) + 2 * lane + k % 2] = mx[k]
     if lane == 0:
-        sRed[buf, warp, HEADS] = vmx
+        sRed[buf, warp, cols] = vmx
         if cutlass.const_expr(cfg.vc == 2):
-            sRed[buf, warp, HEADS + 1] = wmx
+            sRed[buf, warp, cols + 1] = wmx
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    tm0 = sRed[buf, 0, 2 * quad]
-    tm1 = sRed[buf, 0, 2 * quad + 1]
-    tv = sRed[buf, 0, HEADS]
+    tm = [sRed[buf, 0, HEADS * (k // 2) + 2 * quad + k % 2] for k in range(slots)]
+    tv = sRed[buf, 0, cols]
     for wi in cutlass.range_constexpr(1, 4):
-        tm0 = cute.arch.fmax(tm0, sRed[buf, wi, 2 * quad])
-        tm1 = cute.arch.fmax(tm1, sRed[buf, wi, 2 * quad + 1])
-        tv = cute.arch.fmax(tv, sRed[buf, wi, HEADS])
-    return tm0, tm1, tv
+        for k in cutlass.range_constexpr(slots):
+            tm[k] = cute.arch.fmax(tm[k], sRed[buf, wi, HEADS * (k // 2) + 2 * quad + k % 2])
+        tv = cute.arch.fmax(tv, sRed[buf, wi, cols])
+    return tm, tv
 
 
 @cute.jit
-def column_sums(el: cute.Tensor, sSum: cute.Tensor, thr):
-    """Sums over a tile's 64 token rows of per-element values ``el`` (element e: column 2 quad + e % 2):
-    lanes sharing the columns, then the four warps through ``sSum``."""
+def column_sums(el: cute.Tensor, sSum: cute.Tensor, thr) -> list:
+    """Sums over a tile's 64 token rows of per-element values ``el`` (``4 nb`` elements, element e: column
+    slot :func:`~foscar.cute.config.s_slot`): lanes sharing the columns, then the four warps through
+    ``sSum`` (``[4, cols]``). Returns the sums by column slot."""
     warp = thr.warp
     lane = thr.lane
     quad = thr.quad
-    c0 = el[0] + el[2]
-    c1 = el[1] + el[3]
+    slots = cute.size(el) // 2
+    c = [el[4 * (k // 2) + k % 2] + el[4 * (k // 2) + k % 2 + 2] for k in range(slots)]
     for sh in cutlass.range_constexpr(3):
-        c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 4 << sh)
-        c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 4 << sh)
+        for k in cutlass.range_constexpr(slots):
+            c[k] = c[k] + cute.arch.shuffle_sync_bfly(c[k], 4 << sh)
     if cutlass.const_expr(thr.pair):  # two tiles per pass: the head's elements of the other tile
-        c0 = c0 + cute.arch.shuffle_sync_bfly(c0, 2)
-        c1 = c1 + cute.arch.shuffle_sync_bfly(c1, 2)
+        for k in cutlass.range_constexpr(slots):
+            c[k] = c[k] + cute.arch.shuffle_sync_bfly(c[k], 2)
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)  # earlier readers of sSum are done
     if lane < 4:
-        sSum[warp, 2 * lane] = c0
-        sSum[warp, 2 * lane + 1] = c1
+        for k in cutlass.range_constexpr(slots):
+            sSum[warp, HEADS * (k // 2) + 2 * lane + k % 2] = c[k]
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    t0 = sSum[0, 2 * quad] + sSum[1, 2 * quad] + sSum[2, 2 * quad] + sSum[3, 2 * quad]
-    t1 = sSum[0, 2 * quad + 1] + sSum[1, 2 * quad + 1] + sSum[2, 2 * quad + 1] + sSum[3, 2 * quad + 1]
-    return t0, t1
+    t = []
+    for k in cutlass.range_constexpr(slots):
+        col = HEADS * (k // 2) + 2 * quad + k % 2
+        t.append(sSum[0, col] + sSum[1, col] + sSum[2, col] + sSum[3, col])
+    return t

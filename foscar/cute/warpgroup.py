@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
-from .config import CORRECTION_TILES, HEADS, TILE, Sm90Config
+from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_block, o_slot, row_half, s_slot, slot_column
 from .folds import (
     OutputAccumulator,
     p_units_bound,
@@ -101,10 +101,10 @@ class Fragments:
         self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
         self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = None if cfg.k_e4m3 else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
-        self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+        self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.cols)), Float32)
         self.accS_b = None  # two tiles per pass: the second tile's S^T
         if cfg.tiles_per_pass == 2:
-            self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, HEADS)), Float32)
+            self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.cols)), Float32)
         self.thr_pv = pv_mma.get_slice(tidx)
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
@@ -125,12 +125,14 @@ class TileRegisters:
 
 
 class Warpgroup:
-    """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's two head
-    columns (the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length, ``qinv``
-    (E4M3 K operands) the ``2^-e`` of the same columns."""
+    """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's columns
+    (by column slot; the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length,
+    ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns; ``limits`` (a step of several tokens) each
+    column's causal limit, the tokens it sees (:func:`causal_limits`)."""
 
-    def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: tuple,
-                 n, qk_scale: Float32, qinv: tuple | None = None):
+    def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
+                 n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None):
+        self.limits = limits
         self.qinv = qinv  # E4M3 K operands: the 2^-e of this thread's two head columns
         self.thr = thr
         self.smem = smem
@@ -171,9 +173,10 @@ class RunningState:
                 + [self.kgroup.ir_value()])
 
     def __new_from_mlir_values__(self, values) -> RunningState:
+        m = len(self.softmax.m)
         n = len(self.out.sigma)
-        return RunningState(self.softmax.__new_from_mlir_values__(values[:2]),
-                            self.out.__new_from_mlir_values__(values[2:2 + n]), Int32(values[2 + n]))
+        return RunningState(self.softmax.__new_from_mlir_values__(values[:m]),
+                            self.out.__new_from_mlir_values__(values[m:m + n]), Int32(values[m + n]))
 
 
 def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
@@ -182,12 +185,13 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     ``prefetch``, a second tile's (v0's software pipeline: the next tile; two tiles a pass: tile B; else
     None). Allocated here, in one fixed order:
     the order of the register tensors is the order of the kernel's loop-carried registers in the PTX."""
-    acc = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((cfg.head_dim, HEADS)), Float32)
+    acc = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((cfg.head_dim, cfg.cols)), Float32)
     acc.fill(0.0)
     kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
     vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
-    sums = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-    corr = [cute.make_rmem_tensor(cute.make_layout(4), Float32) for _ in range(2)]  # one per V channel group
+    n_el = 4 * cfg.nb  # S^T elements per thread
+    sums = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
+    corr = [cute.make_rmem_tensor(cute.make_layout(n_el), Float32) for _ in range(2)]  # one per V channel group
     sums.fill(0.0)
     for c in corr:
         c.fill(0.0)
@@ -197,9 +201,9 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
                       cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)]
     par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
-    softmax = OnlineSoftmax(Float32(-Float32.inf), Float32(-Float32.inf), sums)
+    softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
-    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc])
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
@@ -236,6 +240,14 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
 
 
+def causal_limits(cfg: Sm90Config, col0, n) -> list | None:
+    """A step of several tokens (``cfg.step``): the tokens each of this thread's columns sees (by column slot;
+    ``col0`` its first column), ``n - (step - 1 - j)`` for the column's step token ``j``; else None."""
+    if cfg.step == 1:
+        return None
+    return [n - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step)) for k in range(2 * cfg.nb)]
+
+
 @cute.jit
 def quantized_length(cfg: Sm90Config, L):
     """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
@@ -267,12 +279,12 @@ class TileKernel:
         cfg = self.cfg
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS, kgroup = self._qk(wg, regs, sc, t0, state.kgroup)
-        s = self._scores(wg, regs, sc, accS)
+        s = self._scores(wg, regs, sc, accS, t0)
         # ---- online softmax; the tile's largest |s'_V| rides in the same reduction -----------------------
-        tm0, tm1, tv = tile_maxima(cfg, wg.thr, wg.smem.sRed, tile, s, sc.v_scales())
+        tm, tv = tile_maxima(cfg, wg.thr, wg.smem.sRed, tile, s, sc.v_scales())
         softmax = state.softmax
         out = state.out
-        al = softmax.advance(tm0, tm1)
+        al = softmax.advance(tm)
         sigma = p_scales(cfg, wg, out, tile, tv)
         p = softmax.probabilities(s, al)
         # ---- O^T = V^T P'^T ---------------------------------------------------------------------------
@@ -331,24 +343,27 @@ class TileKernel:
         return partials, kgroup
 
     @cute.jit
-    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list) -> list:
-        """The tile's four scaled scores of this thread (element e: column 2 quad + e % 2, row row0 + 8 (e // 2))
-        from K's fold; ``-inf`` on rows past the sequence."""
+    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0) -> list:
+        """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
+        ``row0 + 8 row_half(e)``) from K's fold; ``-inf`` on rows past the sequence and, in a step of several
+        tokens, past each column's causal limit (the tile starting at token ``t0``)."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
             s = k_operand_fold_scores(partials[0], wg)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg)
-        s00, s01, s10, s11 = s
-        valid0, valid1 = sc.valid
-        if not valid0:
-            s00 = -Float32.inf
-            s01 = -Float32.inf
-        if not valid1:
-            s10 = -Float32.inf
-            s11 = -Float32.inf
-        return [s00, s01, s10, s11]
+        valid = sc.valid
+        out = []
+        for e in cutlass.range_constexpr(len(s)):
+            x = s[e]
+            if not valid[row_half(e)]:
+                x = -Float32.inf
+            if cutlass.const_expr(cfg.step > 1):
+                if t0 + wg.thr.row0 + 8 * row_half(e) >= wg.limits[s_slot(e)]:
+                    x = -Float32.inf
+            out.append(x)
+        return out
 
     @cute.jit
     def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
@@ -377,46 +392,51 @@ class TileKernel:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split):
+    def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split,
+                  n_kvh=0):
         """The last offset corrections, then the partial output ``acc / sum`` and LSE (base 2) of the
-        warpgroup's tiles into partial slot ``split``."""
+        warpgroup's tiles into partial slot ``split`` (``n_kvh``: the KV heads, for a step's rows)."""
         cfg = self.cfg
         D = cfg.head_dim
-        G = cfg.gqa
         thr = wg.thr
         out = state.out
         accO = out.acc
         fold_corrections(cfg, out, wg.smem.sSum, thr)
-        l0, l1 = column_sums(state.softmax.sums, wg.smem.sSum, thr)
-        # ---- the split's partial output and LSE (base 2) ---------------------------------------------------
-        inv0 = Float32(0.0)
-        inv1 = Float32(0.0)
+        sums = column_sums(state.softmax.sums, wg.smem.sSum, thr)
+        slots = len(sums)
+        # ---- the split's partial output and LSE (base 2), by query row (:meth:`query_row`) --------------------
         top = Float32(1.0) if cfg.vc == 2 else out.sigma[0]  # two groups: each element takes its group's below
-        if l0 != 0:  # a NaN sum is not empty: its output and LSE stay NaN, never a dropped partial
-            inv0 = top / l0
-        if l1 != 0:
-            inv1 = top / l1
-        thr_c = wg.frags.thr_pv.partition_C(cute.make_identity_tensor((D, HEADS)))
+        inv = []
+        for k in cutlass.range_constexpr(slots):
+            x = Float32(0.0)
+            if sums[k] != 0:  # a NaN sum is not empty: its output and LSE stay NaN, never a dropped partial
+                x = top / sums[k]
+            inv.append(x)
+        thr_c = wg.frags.thr_pv.partition_C(cute.make_identity_tensor((D, cfg.cols)))
+        nb = cfg.nb
         for e in cutlass.range_constexpr(cute.size(accO)):
             ch, h = thr_c[e]
-            if h < G:
+            if h < cfg.rows:
+                row = self.query_row(h, kvh, n_kvh)
                 if cutlass.const_expr(cfg.vc == 2):
-                    mOP[b, kvh * G + h, split, ch] = (accO[e] * out.sigma[e // 4] * (inv0 if e % 2 == 0 else inv1))
+                    mOP[b, row, split, ch] = accO[e] * out.sigma[o_block(e, nb)] * inv[o_slot(e, nb)]
                 else:
-                    mOP[b, kvh * G + h, split, ch] = accO[e] * (inv0 if e % 2 == 0 else inv1)
-        m0 = state.softmax.m0
-        m1 = state.softmax.m1
+                    mOP[b, row, split, ch] = accO[e] * inv[o_slot(e, nb)]
         warp = thr.warp
         lane = thr.lane
-        quad = thr.quad
         if warp == 0 and lane < 4:
-            lse0 = -Float32.inf
-            lse1 = -Float32.inf
-            if l0 != 0:
-                lse0 = m0 + cute.math.log2(l0)
-            if l1 != 0:
-                lse1 = m1 + cute.math.log2(l1)
-            if 2 * quad < G:
-                mLP[b, kvh * G + 2 * quad, split] = lse0
-            if 2 * quad + 1 < G:
-                mLP[b, kvh * G + 2 * quad + 1, split] = lse1
+            for k in cutlass.range_constexpr(slots):
+                col = slot_column(k, 2 * thr.quad)
+                lse = -Float32.inf
+                if sums[k] != 0:
+                    lse = state.softmax.m[k] + cute.math.log2(sums[k])
+                if col < cfg.rows:
+                    mLP[b, self.query_row(col, kvh, n_kvh), split] = lse
+
+    def query_row(self, c, kvh, n_kvh):
+        """The row of ``q`` (``[B, step * Hq, D]``), of the partials and of their LSE that N column ``c`` of KV
+        head ``kvh`` is: head ``kvh * gqa + c % gqa`` of step token ``c // gqa`` (``n_kvh``: the KV heads)."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.step == 1):
+            return kvh * cfg.gqa + c
+        return (c // cfg.gqa) * (n_kvh * cfg.gqa) + kvh * cfg.gqa + c % cfg.gqa
