@@ -496,3 +496,17 @@ def test_rotated_caches_compile_for_sm90a(bits, head_dim, k_operand, tiles, ws):
     wgmma = re.compile(r"wgmma\.mma_async")
     assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+def test_more_query_rows_take_one_wave_of_splits(monkeypatch):
+    """16 and 32 query rows a KV head: two CTAs per SM up to 16 columns, one at 32, and one wave of splits
+    (the counts measured best on the H200 with benchmarks/sweep_rows.py at B 8, L 128K)."""
+    from foscar import splitkv
+    from foscar.cute import launch
+    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
+    assert [launch.default_ctas_per_sm(r) for r in (4, 8, 16, 32)] == [2, 2, 2, 1]
+    assert [launch.default_waves(r) for r in (4, 8, 16, 32)] == [4, 4, 1, 1]
+    dev = torch.device("cuda")
+    assert launch.default_num_splits(8, 1, 2048, dev, 1, launch.default_waves(32)) == 16  # GQA 32
+    assert launch.default_num_splits(8, 2, 2048, dev, 2, launch.default_waves(16)) == 16  # GQA 16
+    assert launch.default_num_splits(8, 8, 2048, dev, 2, launch.default_waves(4)) == 16  # GQA 4: as before

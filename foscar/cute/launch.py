@@ -53,18 +53,19 @@ WS_CTAS_PER_SM = 2
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device,
-                       resident: int = V0_RESIDENT) -> int:
+                       resident: int = V0_RESIDENT, waves: int = 4) -> int:
     """KV splits per sequence: one wave of resident CTAs (a CTA pays a prologue, an epilogue and a merge
     slot, so short splits cost more than a wave's tail); where the splits of one wave would still be 64
     tiles or longer, up to four waves (a shorter tail), never splits under 64 tiles; at most 64.
     Measured on the H200 (``benchmarks/sweep_cute.py``, ``docs/results-h200.md``): at B = 8, L = 8K,
-    8 splits take 40.8 us where 32 (the Triton rule) take 53.6; at B = 64, L = 8K, 1 and 2 splits tie."""
+    8 splits take 40.8 us where 32 (the Triton rule) take 53.6; at B = 64, L = 8K, 1 and 2 splits tie.
+    ``waves``: the most waves (1 for 16 and 32 query rows a KV head, :func:`default_waves`)."""
     from ..splitkv import sm_count
     heads = max(1, batch * kv_heads)
     one_wave = max(1, resident * sm_count(device) // heads)  # no CTA left for a second wave
     splits = min(one_wave, max_tiles)
-    if max_tiles // one_wave >= 64:
-        splits = min(4 * one_wave, max_tiles // 64)
+    if max_tiles // one_wave >= 64 and waves > 1:
+        splits = min(waves * one_wave, max_tiles // 64)
     return max(1, min(splits, 64))
 
 
@@ -121,17 +122,27 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         num_splits = tuned.get("num_splits")
     if num_splits is None:
         num_splits = default_num_splits(cache.batch_size, cache.num_kv_heads, max_tiles_of(cache), q.device,
-                                        ctas_per_sm if warp_specialized else V0_RESIDENT)
+                                        ctas_per_sm if warp_specialized else V0_RESIDENT, default_waves(G * step))
     check_int("num_splits", num_splits, minimum=1)
     return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
 
 
 def default_ctas_per_sm(rows: int) -> int:
-    """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` at the 8 columns of
-    ``wgmma`` N 8; one above (16 or 32 columns: the accumulators of more columns take the registers of one
-    CTA per SM, :data:`foscar.cute.config.WS_REGISTERS`)."""
+    """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` up to 16 columns, one at
+    32 (the accumulators of 32 columns take the registers of one CTA per SM,
+    :data:`foscar.cute.config.WS_REGISTERS`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8,
+    L 128K, Hq 32, ``docs/bench/h200/sweep-rows.md``): GQA 16 at two CTAs 144.7 us (INT2) where one takes
+    159.5, though 16 columns spill at two; GQA 32 at one 117.4 us where two take 172.1."""
     from .config import HEADS
-    return WS_CTAS_PER_SM if rows <= HEADS else 1
+    return WS_CTAS_PER_SM if rows <= 2 * HEADS else 1
+
+
+def default_waves(rows: int) -> int:
+    """The most waves of CTAs :func:`default_num_splits` fills: 4, one beyond 8 query rows a KV head
+    (measured as :func:`default_ctas_per_sm`: GQA 32 at 16 splits 117.4 us where 32 take 124.7, GQA 16 at two
+    CTAs 144.7 where 32 take 148.4)."""
+    from .config import HEADS
+    return 4 if rows <= HEADS else 1
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a refusal is an exception, which config_for does not cache

@@ -1,0 +1,69 @@
+"""Split count and CTAs per SM of the CuTe v1 kernel by query rows per KV head (GQA ratios and decode steps):
+
+    python benchmarks/sweep_rows.py --shapes 8:128K --heads 32:1 32:2 --q-len 1 --bits 2 4 --splits 0.5 1 2 --ctas 1 2
+
+Per shape, heads (``Hq:Hkv``), step length and bits: ``foscar.cute.launch.run`` of a step problem (random
+codes, D 128, g 128, token-wise K and V, BF16 K operands and one tile a pass where the rows exceed 4) at each
+split count (multiples of :func:`foscar.cute.launch.default_num_splits`) and CTAs per SM, timed as a CUDA-graph
+replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``); each candidate's output is first
+held to the Triton kernel's on the same step (a wrong one is printed and not timed). A working tool for the
+defaults of 16 and 32 columns; the product's tuned configs come from ``foscar tune``.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import Case, make_random_cache, parse_shapes
+from fixed_cost import FLUSH_BYTES, timed
+
+import foscar
+from foscar.bench import make_block_table
+from foscar.cute import launch
+from foscar.multitoken import step_problem
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("8:128K"))
+    p.add_argument("--heads", nargs="+", default=["32:1", "32:2"], help="Hq:Hkv")
+    p.add_argument("--q-len", type=int, nargs="+", default=[1])
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--splits", type=float, nargs="+", default=[0.5, 1, 2], help="multiples of the default")
+    p.add_argument("--ctas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--iters", type=int, default=5)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    print("| B | L | Hq:Hkv | q_len | bits | CTAs/SM | splits (default) | µs |\n|---|---|---|---|---|---|---|---|")
+    for (B, L) in a.shapes:
+        bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
+        for heads in a.heads:
+            hq, hkv = (int(x) for x in heads.split(":"))
+            for bits in a.bits:
+                cache = make_random_cache(Case(B, L, bits, q_heads=hq, kv_heads=hkv), bt)
+                for T in a.q_len:
+                    q = torch.randn(B, T, hq, 128, dtype=torch.bfloat16, device=dev)
+                    want = foscar.decode(q, cache, backend="triton")
+                    out = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
+                    problem = step_problem(q, cache, out=out)
+                    base = launch.default_num_splits(B, hkv, L // 64, dev, 1)
+                    for ctas in a.ctas:
+                        for s in sorted({max(1, round(base * m)) for m in a.splits}):
+                            out.fill_(float("nan"))
+                            launch.run(problem, num_splits=s, ctas_per_sm=ctas, warp_specialized=True)
+                            err = float((out.double() - want.double()).norm() / want.double().norm())
+                            label = f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | {ctas} | {s} ({base}) |"
+                            if not err < 2e-2:
+                                print(f"{label} wrong: {err:.2e} from the Triton kernel's output |", flush=True)
+                                continue
+                            t = timed(lambda s=s, c=ctas: launch.run(problem, num_splits=s, ctas_per_sm=c,
+                                                                      warp_specialized=True), flush, a.iters)
+                            print(f"{label} {t:.1f} |", flush=True)
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
