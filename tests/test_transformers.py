@@ -181,6 +181,13 @@ def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
     real, steps = fit.foscar.decode, []
     monkeypatch.setattr(fit.foscar, "decode",
                         lambda q, cache, **kw: steps.append(q.dim() == 4 and q.shape[1]) or real(q, cache, **kw))
+    import transformers
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
+        # measured with 5.17: its verification step comes with a mask that is not the step's causal one, over
+        # a cache it did not crop: refused by name, never decoded wrong
+        with pytest.raises(fit.UnsupportedError, match="attention_mask"):
+            generate(prompt_lookup_num_tokens=7)
+        pytest.skip(f"transformers {transformers.__version__}: assisted decoding is refused (5.24 is checked)")
     assisted = generate(prompt_lookup_num_tokens=7)
     assert torch.equal(plain, assisted)
     assert any(t and t > 1 for t in steps), "no step of several tokens was verified"

@@ -2,12 +2,13 @@
 
 Every K/V axis combination with groups of ``g`` = 64 or 128 (a multiple of the 64-token tile; for a
 token-wise axis, ``g`` channels dividing the head dim: one or two channel groups per token); INT2/INT4,
-head dim 64/128, up to 8 query heads per KV head, paged caches. Per 64-token KV tile, a computing
+head dim 64/128, up to 32 query rows per KV head (its query heads times a step's tokens: the wgmma N, 8,
+16 or 32 columns, ``Sm90Config.cols``), paged caches. Per 64-token KV tile, a computing
 warpgroup (:class:`~foscar.cute.warpgroup.TileKernel`, shared by both kernels):
 
 - builds K's A registers from the packed words (:mod:`foscar.cute.operands`, at the positions of
-  :mod:`foscar.cute.fragment`) and computes ``S^T = K Q^T`` on ``wgmma.m64n8k16``, Q^T (heads padded to
-  8) in shared memory;
+  :mod:`foscar.cute.fragment`) and computes ``S^T = K Q^T`` on ``wgmma.m64nNk16``, Q^T (rows padded to
+  N) in shared memory;
 - applies K's fold (:mod:`foscar.cute.folds`): the acc-fold of token-wise K, or the operand-fold
   ``Q' = bf16(Q s')`` of channel-wise K with its offset correction;
 - runs the online softmax, base 2 (:mod:`foscar.cute.softmax`);
