@@ -510,3 +510,37 @@ def test_more_query_rows_take_one_wave_of_splits(monkeypatch):
     assert launch.default_num_splits(8, 1, 2048, dev, 1, launch.default_waves(32)) == 16  # GQA 32
     assert launch.default_num_splits(8, 2, 2048, dev, 2, launch.default_waves(16)) == 16  # GQA 16
     assert launch.default_num_splits(8, 8, 2048, dev, 2, launch.default_waves(4)) == 16  # GQA 4: as before
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("fmt_kw,gqa", [({}, 2), ({"group_size": 256}, 8), ({"v_axis": "channel"}, 4),
+                                        ({"sink": 4, "recent": 32}, 2), ({"rotation": "hadamard"}, 2)])
+def test_head_dim_256_compiles_for_sm90a(bits, fmt_kw, gqa):
+    """Head dim 256: v1 at one CTA per SM (four m64 blocks of V^T; two channel groups of two blocks each)."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=256, **{"group_size": 128, **fmt_kw})
+    assert compile_stage1(config_for(fmt, gqa, 64), warp_specialized=True, ctas_per_sm=1) is not None
+
+
+@pytest.mark.parametrize("fmt_kw,gqa,kw", [({"k_axis": "channel"}, 2, {}), ({"group_size": 64}, 2, {}), ({}, 16, {}),
+                                           ({}, 4, {"step": 4}), ({}, 2, {"k_operand": "e4m3"}),
+                                           ({}, 2, {"tiles_per_pass": 2})])
+def test_head_dim_256_says_what_it_takes(fmt_kw, gqa, kw):
+    fmt = foscar.KVFormat(bits=4, head_dim=256, **{"group_size": 128, **fmt_kw})
+    with pytest.raises(UnsupportedError, match="head dim 256 takes token-wise K, groups of 128 or 256"):
+        config_for(fmt, gqa, 64, **kw)
+    from foscar.backends.cute_sm90 import CuteSm90
+    from foscar.cute.launch import default_ctas_per_sm
+    assert not CuteSm90().preferred(foscar.KVFormat(bits=4, head_dim=256, group_size=128))  # until measured
+    assert default_ctas_per_sm(2, 256) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([5000, 129, 1], 2, None, {}), ([3000, 64], 8, 3, {"group_size": 256}), ([4100, 260], 4, None, {"v_axis": "channel"}),
+    ([3000, 5], 2, 3, {"sink": 4, "recent": 100}), ([700, 9], 1, None, {"rotation": "hadamard"})])
+def test_head_dim_256_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
+    fmt = foscar.KVFormat(bits=bits, head_dim=256, **{"group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"D 256 GQA {G} error", num_splits=num_splits, warp_specialized=True,
+                               ctas_per_sm=1)

@@ -112,7 +112,7 @@ def test_accumulator_ownership(m):
     assert torch.equal(own[..., 1], 2 * (lane % 4) + v0 + 0 * mt)
 
 
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("v_axis", ("token", "channel"))
 def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head_dim):
@@ -122,7 +122,8 @@ def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head
     import foscar
     from foscar.cute.config import config_for
     from foscar.cute.fragment import v_register_source, v_rotations, v_token_half
-    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64, v_axis=v_axis), 4, 64)
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64 if head_dim < 256 else 128,
+                                     v_axis=v_axis), 4, 64)
     gen = torch.Generator().manual_seed(7 * bits + head_dim)
     codes = torch.randint(0, 1 << bits, (TILE_TOKENS, head_dim), generator=gen, dtype=torch.int32)
     words = pack_codes(codes, bits, "v").long() & 0xFFFFFFFF

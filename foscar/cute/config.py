@@ -18,7 +18,8 @@ TILE = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
 HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or to 16 or 32: ``Sm90Config.cols``)
 MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads times the step's tokens)
 #: What v0 takes beyond :func:`config_for` (checked by :func:`foscar.cute.launch.run`)
-V0_LIMITS = "v0 (warp_specialized=False) takes one query token per sequence and at most 8 query heads per KV head"
+V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
+             "and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
 CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
@@ -177,8 +178,12 @@ class Sm90Config:
 
     @property
     def mh(self) -> int:
-        """m64 halves of the head dim (the row blocks of V^T)."""
+        """m64 blocks of the head dim (the row blocks of V^T)."""
         return self.head_dim // 64
+
+    def v_group(self, m: int) -> int:
+        """The channel group of token-wise V that m64 block ``m`` of V^T (of O^T) belongs to."""
+        return m * self.vc // self.mh
 
 
 def columns_for(rows: int) -> int:
@@ -307,10 +312,16 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                                "a channel-wise one), dividing the head dim for a token-wise axis")
     if not isinstance(step, int) or step < 1:
         raise InvalidArgumentError("step", "query tokens per sequence, an int >= 1", step)
-    if fmt.head_dim not in (64, 128) or gqa * step > MAX_COLS or page % TILE or fmt.mapping != "bf16":
+    if fmt.head_dim not in (64, 128, 256) or gqa * step > MAX_COLS or page % TILE or fmt.mapping != "bf16":
         raise UnsupportedError(f"head_dim={fmt.head_dim}, gqa={gqa}, q_len={step}, page={page}, mapping={fmt.mapping!r}",
-                               f"the CuTe kernels need head_dim 64/128, gqa * q_len <= {MAX_COLS} query rows per "
+                               f"the CuTe kernels need head_dim 64/128/256, gqa * q_len <= {MAX_COLS} query rows per "
                                "KV head, pages of 64k tokens, bf16")
+    if fmt.head_dim == 256 and (fmt.k_axis != "token" or fmt.group_size < 128 or gqa * step > HEADS
+                                or k_operand != "bf16" or tiles_per_pass != 1):
+        raise UnsupportedError(f"head_dim=256 with k_axis={fmt.k_axis!r}, group_size={g}, gqa={gqa}, q_len={step}, "
+                               f"k_operand={k_operand!r}, tiles_per_pass={tiles_per_pass}",
+                               "head dim 256 takes token-wise K, groups of 128 or 256, gqa * q_len <= 8, BF16 K "
+                               "operands and one tile a pass (the registers of one CTA per SM)")
     from ..splitkv import num_window_parts
     if step > 1 and num_window_parts(fmt):
         raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",

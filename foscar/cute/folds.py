@@ -42,24 +42,29 @@ class OutputAccumulator:
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
     ``sigma``."""
 
-    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1):
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
         self.nb = nb
+        self.mh = mh
+
+    def group(self, e: int) -> int:
+        """The channel group (its ``sigma`` and ``corr``) of accumulator element ``e``."""
+        return o_block(e, self.nb) * len(self.sigma) // self.mh
 
     def __extract_mlir_values__(self):
         return [s.ir_value() for s in self.sigma]
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
-        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb)
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh)
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
         ratio = [self.sigma[g] * power_of_two_reciprocal(sigma[g]) for g in range(len(sigma))]
         nb = self.nb
         for e in range(cute.size(self.acc)):
-            self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[o_block(e, nb) if len(sigma) == 2 else 0])
+            self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
         self.sigma = sigma
 
 
@@ -323,24 +328,20 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
 
 
 @cute.jit
-def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, half: cutlass.Constexpr, sSum: cute.Tensor,
-                           thr):
-    """The offset corrections of channel group ``g`` gathered per element join the accumulator (in units of
-    its ``sigma``): all of it (``half < 0``), or the m64 half ``half`` whose channels are the group."""
+def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: cute.Tensor, thr):
+    """The offset corrections of channel group ``g`` gathered per element join the accumulator elements of
+    the group's channels (in units of its ``sigma``)."""
     cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
     nb = out.nb
     inv = power_of_two_reciprocal(out.sigma[g])
     for e in cutlass.range_constexpr(cute.size(accO)):
-        if cutlass.const_expr(half < 0 or o_block(e, nb) == half):
+        if cutlass.const_expr(out.group(e) == g):
             accO[e] = accO[e] + cs[o_slot(e, nb)] * inv
     out.corr[g].fill(0.0)
 
 
 def fold_corrections(cfg, out: OutputAccumulator, sSum: cute.Tensor, thr):
     """Every channel group's gathered offset corrections into the accumulator."""
-    if cfg.vc == 2:
-        add_offset_corrections(out, 0, 0, sSum, thr)
-        add_offset_corrections(out, 1, 1, sSum, thr)
-    else:
-        add_offset_corrections(out, 0, -1, sSum, thr)
+    for g in range(len(out.sigma)):
+        add_offset_corrections(out, g, sSum, thr)

@@ -106,7 +106,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         warp_specialized = tuned.get("warp_specialized")
         warp_specialized = DEFAULT_WARP_SPECIALIZED if warp_specialized is None else bool(warp_specialized)
     if ctas_per_sm is None:
-        ctas_per_sm = tuned.get("ctas_per_sm") or default_ctas_per_sm(G * step)
+        ctas_per_sm = tuned.get("ctas_per_sm") or default_ctas_per_sm(G * step, cache.fmt.head_dim)
     check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
     default_k, default_tiles = ("bf16", 1) if tuned or not warp_specialized else default_variant(
         cache.fmt, G, cache.page_size, k_operand, step)
@@ -127,14 +127,15 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
 
 
-def default_ctas_per_sm(rows: int) -> int:
+def default_ctas_per_sm(rows: int, head_dim: int = 128) -> int:
     """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` up to 16 columns, one at
-    32 (the accumulators of 32 columns take the registers of one CTA per SM,
+    32 and at head dim 256 (the accumulators of 32 columns, the A fragments of 256 channels take the
+    registers of one CTA per SM,
     :data:`foscar.cute.config.WS_REGISTERS`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8,
     L 128K, Hq 32, ``docs/bench/h200/sweep-rows.md``): GQA 16 at two CTAs 144.7 us (INT2) where one takes
     159.5, though 16 columns spill at two; GQA 32 at one 117.4 us where two take 172.1."""
     from .config import HEADS
-    return WS_CTAS_PER_SM if rows <= 2 * HEADS else 1
+    return WS_CTAS_PER_SM if rows <= 2 * HEADS and head_dim <= 128 else 1
 
 
 def default_waves(rows: int) -> int:
@@ -254,7 +255,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
         tiles_per_pass=tiles_per_pass, step=T)
     cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T)
-    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8):
+    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits

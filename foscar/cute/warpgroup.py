@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
-from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_block, o_slot, row_half, s_slot, slot_column
+from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_slot, row_half, s_slot, slot_column
 from .folds import (
     OutputAccumulator,
     p_units_bound,
@@ -203,7 +203,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
     softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
-    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb)
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
@@ -369,20 +369,23 @@ class TileKernel:
     def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
         """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
-        each m64 half of V^T multiplies its own P' (one (64 x 8) MMA chain each)."""
+        each group's m64 blocks of V^T multiply its own P' (one MMA chain each)."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
         accO = out.acc
         warpgroup.fence()
         if cutlass.const_expr(cfg.vc == 2):
-            for half in cutlass.range_constexpr(2):
-                acc_h = accO[(None, half, None)]
-                acc3 = cute.make_tensor(acc_h.iterator, cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0)))
+            per = cfg.mh // 2  # m64 blocks per channel group: contiguous in both fragments
+            nb = cfg.nb
+            for grp in cutlass.range_constexpr(2):
+                acc_h = accO[(None, grp * per, None)]
+                acc3 = cute.make_tensor(acc_h.iterator, cute.make_layout(((2, 2, nb), per, 1),
+                                                                         stride=((1, 2, 4), 4 * nb, 0)))
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                    a_h = tOrV[(None, half, kb)]
-                    a2 = cute.make_tensor(a_h.iterator, cute.make_layout(((2, 2, 2), 1), stride=((1, 2, 4), 0)))
-                    b_h = frags.tOrP[half][(None, None, kb0 + kb)]
+                    a_h = tOrV[(None, grp * per, kb)]
+                    a2 = cute.make_tensor(a_h.iterator, cute.make_layout(((2, 2, 2), per), stride=((1, 2, 4), 8)))
+                    b_h = frags.tOrP[grp][(None, None, kb0 + kb)]
                     cute.gemm(wg.pv_mma, acc3, a2, b_h, acc3)
         else:
             tOrP = frags.tOrP[0]
@@ -419,7 +422,7 @@ class TileKernel:
             if h < cfg.rows:
                 row = self.query_row(h, kvh, n_kvh)
                 if cutlass.const_expr(cfg.vc == 2):
-                    mOP[b, row, split, ch] = accO[e] * out.sigma[o_block(e, nb)] * inv[o_slot(e, nb)]
+                    mOP[b, row, split, ch] = accO[e] * out.sigma[out.group(e)] * inv[o_slot(e, nb)]
                 else:
                     mOP[b, row, split, ch] = accO[e] * inv[o_slot(e, nb)]
         warp = thr.warp
