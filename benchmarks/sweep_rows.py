@@ -1,12 +1,14 @@
 """Split count and CTAs per SM of the CuTe v1 kernel by query rows per KV head (GQA ratios and decode steps):
 
-    python benchmarks/sweep_rows.py --shapes 8:128K --heads 32:1 32:2 --q-len 1 --bits 2 4 --splits 0.5 1 2 --ctas 1 2
+    python benchmarks/sweep_rows.py --shapes 8:128K --heads 32:1 32:2 --q-len 1 --bits 2 4 --splits 0.5 1 2 4 --ctas 1 2
+    python benchmarks/sweep_rows.py --shapes 8:32K,64:32K --heads 16:8 8:4 --head-dim 256 --bits 4 --splits 1 --ctas 1
 
 Per shape, heads (``Hq:Hkv``), step length and bits: ``foscar.cute.launch.run`` of a step problem (random
-codes, D 128, g 128, token-wise K and V, BF16 K operands and one tile a pass where the rows exceed 4) at each
+codes, D 128 (``--head-dim``), g 128, token-wise K and V, BF16 K operands and one tile a pass where the rows exceed 4) at each
 split count (multiples of :func:`foscar.cute.launch.default_num_splits`) and CTAs per SM, timed as a CUDA-graph
 replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``); each candidate's output is first
-held to the Triton kernel's on the same step (a wrong one is printed and not timed). A working tool for the
+held to the Triton kernel's on the same step (a wrong one is printed and not timed); the Triton kernel's own
+time is the last line of each case. A working tool for the
 defaults of 16 and 32 columns; the product's tuned configs come from ``foscar tune``.
 """
 import argparse
@@ -16,11 +18,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import Case, make_random_cache, parse_shapes
+from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, timed
 
 import foscar
-from foscar.bench import make_block_table
+from foscar.bench import make_block_table, random_cache
 from foscar.cute import launch
 from foscar.multitoken import step_problem
 
@@ -33,6 +35,7 @@ def main():
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     p.add_argument("--splits", type=float, nargs="+", default=[0.5, 1, 2], help="multiples of the default")
     p.add_argument("--ctas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--iters", type=int, default=5)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -43,9 +46,10 @@ def main():
         for heads in a.heads:
             hq, hkv = (int(x) for x in heads.split(":"))
             for bits in a.bits:
-                cache = make_random_cache(Case(B, L, bits, q_heads=hq, kv_heads=hkv), bt)
+                fmt = foscar.KVFormat(bits, a.head_dim, 128)
+                cache = random_cache(fmt, bt, L, kv_heads=hkv, page=64)
                 for T in a.q_len:
-                    q = torch.randn(B, T, hq, 128, dtype=torch.bfloat16, device=dev)
+                    q = torch.randn(B, T, hq, a.head_dim, dtype=torch.bfloat16, device=dev)
                     want = foscar.decode(q, cache, backend="triton")
                     out = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
                     problem = step_problem(q, cache, out=out)
@@ -62,6 +66,8 @@ def main():
                             t = timed(lambda s=s, c=ctas: launch.run(problem, num_splits=s, ctas_per_sm=c,
                                                                       warp_specialized=True), flush, a.iters)
                             print(f"{label} {t:.1f} |", flush=True)
+                    t = timed(lambda: foscar.decode(q, cache, out=out, backend="triton"), flush, a.iters)
+                    print(f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | Triton | - | {t:.1f} |", flush=True)
                     torch.cuda.empty_cache()
 
 
