@@ -2,7 +2,7 @@
 
 Every K/V axis combination with groups of ``g`` = 64 or 128 (a multiple of the 64-token tile; for a
 token-wise axis, ``g`` channels dividing the head dim: one or two channel groups per token); INT2/INT4,
-head dim 64/128, up to 32 query rows per KV head (its query heads times a step's tokens: the wgmma N, 8,
+head dim 64/128 (256: token-wise K, g 128/256, up to 8 query rows), up to 32 query rows per KV head (its query heads times a step's tokens: the wgmma N, 8,
 16 or 32 columns, ``Sm90Config.cols``), paged caches. Per 64-token KV tile, a computing
 warpgroup (:class:`~foscar.cute.warpgroup.TileKernel`, shared by both kernels):
 
