@@ -1,6 +1,6 @@
 """FP4 block formats (BitDecoding-FP4 §2): E2M1 codes in blocks along the head dim, each block sharing one scale.
 
-- **E2M1** (:func:`e2m1_values`): a 4-bit code, bit 3 the sign, bits 2-1 the exponent ``e``, bit 0 the
+- **E2M1** (:func:`foscar.format.e2m1_decode`): a 4-bit code, bit 3 the sign, bits 2-1 the exponent ``e``, bit 0 the
   mantissa ``m``: ``2^(e-1) (1 + m/2)`` for ``e >= 1``, ``m / 2`` for ``e = 0``; the magnitudes
   ``0, 0.5, 1, 1.5, 2, 3, 4, 6``.
 - **NVFP4** (:data:`NVFP4`): blocks of 16 values, an E4M3 block scale, an FP32 scale per tensor;
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgumentError
+from .format import e2m1_decode
 
-#: The E2M1 magnitudes by the code's low three bits (exponent, mantissa).
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: E8M0 exponent bias; the byte 255 is NaN.
@@ -67,14 +66,6 @@ def spec_for(name: str) -> Fp4Spec:
 # ------------------------------------------------------------------------------------------------
 # E2M1 codes
 # ------------------------------------------------------------------------------------------------
-def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The E2M1 values of ``codes`` (integers 0-15)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=codes.device)
-    c = codes.to(torch.int64)
-    v = mags[c & 7]
-    return torch.where((c & 8) != 0, -v, v)
-
-
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
@@ -172,7 +163,7 @@ def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | 
         s = decode_scale(sb, spec) * tensor_scale
         y = torch.where(s[..., None] > 0, xb / s[..., None], torch.zeros_like(xb))
         codes = e2m1_round(y)
-        err = ((e2m1_values(codes) * s[..., None] - xb) ** 2).sum(-1)
+        err = ((e2m1_decode(codes) * s[..., None] - xb) ** 2).sum(-1)
         if best is None:
             best = (sb, codes, err)
         else:
@@ -187,7 +178,7 @@ def dequantize_blocks(q: Fp4Blocks, dtype: torch.dtype = torch.float64) -> torch
     """The values of ``q`` (codes times block scale times the per-tensor scale), in ``dtype``."""
     spec = q.spec
     shape = q.codes.shape
-    v = e2m1_values(q.codes, torch.float64).reshape(*shape[:-1], -1, spec.block)
+    v = e2m1_decode(q.codes).reshape(*shape[:-1], -1, spec.block)
     s = decode_scale(q.scales, spec) * q.tensor_scale
     return (v * s[..., None]).reshape(shape).to(dtype)
 
