@@ -391,7 +391,7 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "token-wise K"), ({}, 8, "gqa <= 4"),
+@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "token-wise K"), ({}, 32, "gqa \\* q_len <= 16"),
                                          ({"sink": 4}, 4, "no windows")])
 def test_e4m3_k_operands_say_what_they_take(kw, gqa, what):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
@@ -544,3 +544,29 @@ def test_head_dim_256_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
     fmt = foscar.KVFormat(bits=bits, head_dim=256, **{"group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"D 256 GQA {G} error", num_splits=num_splits, warp_specialized=True,
                                ctas_per_sm=1)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("gqa,step,ctas", [(8, 1, 2), (6, 1, 2), (16, 1, 1), (4, 2, 2), (4, 4, 1), (2, 3, 2)])
+def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
+    """E4M3 K operands beyond 4 query rows: Q's terms in separate column blocks of a QK product twice as wide
+    (``Sm90Config.term_blocks``), a step's tokens among the rows; v1 only, and not a default until measured."""
+    from foscar.cute.launch import default_variant
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, gqa, 64, "e4m3", step=step)
+    assert cfg.term_blocks and cfg.qk_cols == 2 * cfg.cols
+    assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas) is not None
+    assert default_variant(fmt, gqa, 64, None, step) == ("bf16", 1)
+    assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([5000, 129, 1], 8, None, {}), ([3000, 64], 16, 3, {}), ([700, 9], 6, None, {"group_size": 64}),
+    ([4100, 260], 8, None, {"v_axis": "channel"}), ([2000, 33], 16, 2, {"rotation": "hadamard"})])
+def test_e4m3_term_blocks_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"E4M3 K term blocks GQA {G}: error", num_splits=num_splits,
+                               warp_specialized=True, k_operand="e4m3")

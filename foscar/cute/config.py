@@ -19,7 +19,7 @@ HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or 
 MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads times the step's tokens)
 #: What v0 takes beyond :func:`config_for` (checked by :func:`foscar.cute.launch.run`)
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
-             "and head dim 64/128")
+             "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
 CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
@@ -103,6 +103,19 @@ class Sm90Config:
     def nb(self) -> int:
         """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
         return self.cols // HEADS
+
+    @property
+    def term_blocks(self) -> bool:
+        """E4M3 K operands with Q's two terms in separate column blocks (more than 4 query rows): ``hi`` of row
+        ``c`` in column ``c``, ``lo`` in column ``cols + c`` of a QK product :attr:`qk_cols` wide, so that a
+        row's terms sit in one thread (:func:`foscar.cute.operands_e4m3.sum_term_blocks`); up to 4 rows they
+        share the 8 columns (:func:`foscar.cute.operands_e4m3.term_columns`)."""
+        return self.k_e4m3 and self.rows > HEADS // 2
+
+    @property
+    def qk_cols(self) -> int:
+        """The N of the QK product: twice the columns with :attr:`term_blocks`, else the columns."""
+        return 2 * self.cols if self.term_blocks else self.cols
 
     @property
     def red_slots(self) -> int:
@@ -327,10 +340,12 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
                                "the CuTe kernels take steps of several tokens over caches without BF16 windows")
     e4m3 = k_operand == "e4m3"
-    if e4m3 and (fmt.k_axis != "token" or gqa > HEADS // 2 or step > 1 or fmt.sink or fmt.recent):
+    rows = gqa * step
+    if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2) or fmt.sink
+                 or fmt.recent):
         raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, sink={fmt.sink}, "
-                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa <= 4, one token and "
-                               "no windows")
+                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa * q_len <= 16 (a step: "
+                               "more than 4 rows) and no windows")
     if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
                                f"q_len={step}", "two tiles per softmax pass take token-wise K and V, gqa <= 4 and "

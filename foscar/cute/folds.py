@@ -21,7 +21,7 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import HEADS, THREADS, o_block, o_slot, row_half, s_slot, slot_column
+from .config import THREADS, o_block, o_slot, row_half, s_slot, slot_column
 from .operands import build_vt_registers
 from .softmax import column_sums
 
@@ -76,13 +76,13 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     D = cfg.head_dim
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import term_columns
-        gp = term_columns(cfg.gqa)
+        gp = cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)  # row h's lo term: column gp + h
         width = D // cfg.kc
-        if tidx < HEADS * cfg.kc:
-            h = tidx % HEADS
-            c = tidx // HEADS
+        if tidx < cfg.cols * cfg.kc:
+            h = tidx % cfg.cols
+            c = tidx // cfg.cols
             acc_q = Float32(0.0)
-            if h < cfg.gqa:
+            if h < cfg.rows:
                 for p in cutlass.range(width, unroll=8):
                     acc_q += sQ[h, c * width + p].to(Float32) + sQ[gp + h, c * width + p].to(Float32) * 0.0625
                 acc_q = acc_q * sQinv[h]

@@ -18,7 +18,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, HEADS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
+from .config import CONSUMERS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
@@ -178,8 +178,8 @@ class FoldDecodeSm90WS(TileKernel):
         sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16))
         sQinv = sQred = None
         if cutlass.const_expr(cfg.k_e4m3):
-            sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
-            sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
+            sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
+            sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c], sQinv,
                                     sQred) for c in range(CONSUMERS)]
 
@@ -233,7 +233,9 @@ class FoldDecodeSm90WS(TileKernel):
         thr = WarpgroupThread(tidx - THREADS * (c + 1), 1 + c, pair)
         qsum = [smem.sQsum[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
-        qinv = (smem.sQinv[thr.col0], smem.sQinv[thr.col0 + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
+        qinv = None
+        if cutlass.const_expr(cfg.k_e4m3):
+            qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))

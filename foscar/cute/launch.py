@@ -151,8 +151,11 @@ def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: 
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
     given) and two tiles per softmax pass, each where the format takes it (:func:`takes`).
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
-    cases and E4M3 K operands in 21."""
-    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1, step) else "bf16")
+    cases and E4M3 K operands in 21. Beyond 4 query rows (E4M3 K with the terms in separate column blocks,
+    ``Sm90Config.term_blocks``, not yet run on a GPU) BF16 K operands unless ``k_operand`` says otherwise."""
+    from .config import HEADS
+    measured = G * step <= HEADS // 2  # E4M3 K in separate term blocks (more rows) is not yet measured on a GPU
+    k_operand = k_operand or ("e4m3" if measured and takes(fmt, G, page, "e4m3", 1, step) else "bf16")
     return k_operand, (2 if takes(fmt, G, page, k_operand, 2, step) else 1)
 
 
@@ -255,7 +258,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
         tiles_per_pass=tiles_per_pass, step=T)
     cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T)
-    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128):
+    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits

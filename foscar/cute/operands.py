@@ -25,8 +25,8 @@ def mmas_and_layouts(cfg: Sm90Config):
                                          (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
-        qk_mma = qk_mma_e4m3()
-        sQ_layout = sq_layout_e4m3(cfg.head_dim)
+        qk_mma = qk_mma_e4m3(cfg.qk_cols)
+        sQ_layout = sq_layout_e4m3(cfg.head_dim, cfg.qk_cols)
     else:
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                              (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
@@ -58,7 +58,10 @@ def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Ten
         from .rotation import rotate_q
         rotate_q(cfg, mQ, mRot, sQrot, b, query_row, tidx, Q_LOAD_BARRIER)
         src, b_src, row_src = sQrot, 0, (lambda c: c)
-    if cutlass.const_expr(cfg.k_e4m3):  # one token (config_for): rows kvh * gqa + h
+    if cutlass.const_expr(cfg.term_blocks):
+        from .operands_e4m3 import load_q_term_blocks
+        load_q_term_blocks(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
+    elif cutlass.const_expr(cfg.k_e4m3):  # up to 4 rows of one token (config_for): rows kvh * gqa + h
         from .operands_e4m3 import load_q_terms
         load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, src, b_src, row_src(0), smem.sQ, smem.sQinv, smem.sQred,
                      tidx, Q_LOAD_BARRIER)

@@ -372,6 +372,61 @@ def sum_q_terms(acc: cute.Tensor, gqa: cutlass.Constexpr, quad, inv0: Float32, i
                 acc[e + 1] = s1
 
 
+@cute.jit
+def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQinv: cute.Tensor, sQred: cute.Tensor,
+                       tidx, bar_id: cutlass.Constexpr):
+    """Q^T of the ``cfg.rows`` query rows (column ``c``: row ``query_row(c)`` of ``mQ[b]``) into ``sQ`` as E4M3
+    terms in separate column blocks (``Sm90Config.term_blocks``): ``hi`` in column ``c``, ``lo`` in column
+    ``cols + c``, channels at their contraction index, the padded columns zero; ``sQinv[c]`` the ``2^-e`` of
+    row ``c`` (1 past the rows). By one warpgroup (named barrier ``bar_id``); ``sQred`` ``[4, cols]`` floats of
+    scratch. Each row's scale ``2^e`` is from its largest ``|q|`` (:func:`scale_exponent`)."""
+    D = cfg.head_dim
+    R = cfg.rows
+    C = cfg.cols
+    warp = tidx // 32
+    lane = tidx % 32
+    for h in cutlass.range_constexpr(R):
+        top = Float32(0.0)
+        for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+            d = d0 * THREADS + tidx
+            if d < D:
+                q = Float32(mQ[b, query_row(h), d])
+                top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
+        for sh in cutlass.range_constexpr(5):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
+        if lane == 0:
+            sQred[warp, h] = top
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    if tidx < C:
+        e = Int32(0)
+        if tidx < R:
+            top = sQred[0, tidx]
+            for wi in cutlass.range_constexpr(1, THREADS // 32):
+                top = cute.arch.fmax(top, sQred[wi, tidx])
+            e = scale_exponent(top)
+        sQinv[tidx] = power_of_two(-e)
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
+        p = p0 * THREADS + tidx
+        if p < D:
+            d = contraction_position(cfg.bits, p)
+            for h in cutlass.range_constexpr(C):
+                if cutlass.const_expr(h < R):  # 2^e from 2^-e: both exact powers of two
+                    store_q_terms(sQ, h, C + h, p, Float32(mQ[b, query_row(h), d]), 1.0 / sQinv[h])
+                else:
+                    sQ[h, p] = Float32(0.0).to(Float8E4M3FN)
+                    sQ[C + h, p] = Float32(0.0).to(Float8E4M3FN)
+
+
+@cute.jit
+def sum_term_blocks(acc: cute.Tensor, nb: cutlass.Constexpr, qinv: list):
+    """The scores of a QK accumulator with Q's terms in separate column blocks (``Sm90Config.term_blocks``):
+    element ``e`` of the first ``4 nb`` (the rows' columns) becomes ``(hi + lo / 16) 2^-e``, its ``lo`` element
+    ``e + 4 nb`` of the same thread (``qinv``: the ``2^-e`` by column slot)."""
+    for e in cutlass.range_constexpr(4 * nb):
+        acc[e] = (acc[e] + acc[e + 4 * nb] * 0.0625) * qinv[2 * (e // 4) + e % 2]
+
+
 class QkTermsProbeE4m3(_TileProbe):
     """``S^T[t] = K_t Q^T`` for tiles ``t`` with Q in FP32 split into E4M3 terms in the kernel
     (:func:`load_q_terms`, :func:`sum_q_terms`, as the decode kernels do): one CTA (one warpgroup) per tile.

@@ -35,7 +35,7 @@ from .folds import (
     v_operand_fold,
 )
 from .operands import build_k_registers, build_vt_registers
-from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms
+from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms, sum_term_blocks
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -101,10 +101,10 @@ class Fragments:
         self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
         self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = None if cfg.k_e4m3 else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
-        self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.cols)), Float32)
+        self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
         self.accS_b = None  # two tiles per pass: the second tile's S^T
         if cfg.tiles_per_pass == 2:
-            self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.cols)), Float32)
+            self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
         self.thr_pv = pv_mma.get_slice(tidx)
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
@@ -127,7 +127,7 @@ class TileRegisters:
 class Warpgroup:
     """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's columns
     (by column slot; the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length,
-    ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns; ``limits`` (a step of several tokens) each
+    ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns (by column slot); ``limits`` (a step of several tokens) each
     column's causal limit, the tokens it sees (:func:`causal_limits`)."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
@@ -337,7 +337,10 @@ class TileKernel:
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
+        if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
+            for part in partials:
+                sum_term_blocks(part, cfg.nb, wg.qinv)
+        elif cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
         return partials, kgroup
