@@ -1,14 +1,16 @@
 """Split count and CTAs per SM of the CuTe v1 kernel by query rows per KV head (GQA ratios and decode steps):
 
     python benchmarks/sweep_rows.py --shapes 8:128K --heads 32:1 32:2 --q-len 1 --bits 2 4 --splits 0.5 1 2 4 --ctas 1 2
-    python benchmarks/sweep_rows.py --shapes 8:32K,64:32K --heads 16:8 8:4 --head-dim 256 --bits 4 --splits 1 --ctas 1
+    FLASHINFER_WORKSPACE_BASE=/tmp/fi python benchmarks/sweep_rows.py --shapes 8:32K,64:32K --heads 16:8 8:4 \
+        --head-dim 256 --bits 4 --splits 1 --ctas 1 --flashinfer
 
 Per shape, heads (``Hq:Hkv``), step length and bits: ``foscar.cute.launch.run`` of a step problem (random
 codes, D 128 (``--head-dim``), g 128, token-wise K and V, BF16 K operands and one tile a pass where the rows exceed 4) at each
 split count (multiples of :func:`foscar.cute.launch.default_num_splits`) and CTAs per SM, timed as a CUDA-graph
 replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``); each candidate's output is first
 held to the Triton kernel's on the same step (a wrong one is printed and not timed); the Triton kernel's own
-time is the last line of each case. A working tool for the
+time is the last line of each case, and with ``--flashinfer`` FlashInfer's BF16 decode (tensor cores) of the
+same shape, timed the same way in the same process. A working tool for the
 defaults of 16 and 32 columns; the product's tuned configs come from ``foscar tune``.
 """
 import argparse
@@ -37,6 +39,7 @@ def main():
     p.add_argument("--ctas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--flashinfer", action="store_true", help="time FlashInfer's BF16 decode (tensor cores) too")
     a = p.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
@@ -45,6 +48,14 @@ def main():
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
         for heads in a.heads:
             hq, hkv = (int(x) for x in heads.split(":"))
+            if a.flashinfer:
+                from foscar.bench.inputs import make_bf16_inputs
+                from foscar.bench.kernels import build_flashinfer
+                inp = make_bf16_inputs(torch.randn(B, hq, a.head_dim, dtype=torch.bfloat16, device=dev), bt, L, hkv)
+                fi = build_flashinfer(True)(inp, None)
+                t = timed(fi.fn, flush, a.iters)
+                print(f"| {B} | {L // 1024}K | {heads} | 1 | BF16 | FlashInfer | - | {t:.1f} |", flush=True)
+                del inp, fi
             for bits in a.bits:
                 fmt = foscar.KVFormat(bits, a.head_dim, 128)
                 cache = random_cache(fmt, bt, L, kv_heads=hkv, page=64)
