@@ -144,3 +144,22 @@ def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head
     uniform = len(v_rotations(bits, head_dim, (10 - bits,) * 2) - {0})
     placed = len(v_rotations(bits, head_dim, cfg.v_shls) - {0})
     assert placed == uniform if v_axis == "channel" else placed < uniform
+
+
+@pytest.mark.parametrize("m,n", [(64, 8), (64, 16), (64, 32), (128, 16), (128, 32), (256, 8)])
+def test_column_slots_are_cutes_accumulator(m, n):
+    """The kernels' map of accumulator element ``e`` to its column slot and token row (``s_slot``, ``o_slot``,
+    ``row_half``, ``o_block``, ``slot_column``: plain Python at trace time) is CuTe's C fragment of the
+    ``(64, n)`` tiled MMA, for S^T (m 64) and O^T (m the head dim)."""
+    from foscar.cute.config import o_block, o_slot, row_half, s_slot, slot_column
+    from foscar.cute.fragment import rs_accumulator_ownership
+    own = rs_accumulator_ownership(m, n)
+    nb = n // 8
+    t = torch.arange(128)
+    w, lane = t // 32, t % 32
+    for e in range(own.shape[1]):
+        slot = s_slot(e) if m == 64 else o_slot(e, nb)
+        col = torch.tensor([slot_column(slot, 2 * int(q)) for q in lane % 4])
+        row = 64 * (0 if m == 64 else o_block(e, nb)) + 16 * w + lane // 4 + 8 * row_half(e)
+        assert torch.equal(own[:, e, 1], col), e
+        assert torch.equal(own[:, e, 0], row), e
