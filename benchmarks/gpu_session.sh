@@ -17,6 +17,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh accuracy [cute]  # the stress study through one GPU backend
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh rows WHEELS      # 16/32 columns, head dim 256, E4M3 term blocks: GPU
+#                                                                #   tests, then timings beside FlashInfer BF16
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
 #
@@ -33,7 +35,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|fa4 WHEELS}"
+step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|rows WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_nonfinite.py tests/test_fuzz_api.py \
@@ -124,6 +126,19 @@ case "$step" in
         --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1; echo "$h rc=$?"
     done
     python3 -m foscar.bench.cli plot "$OUT"/heads/*/bench_decode.json --out "$OUT/heads" --name heads ;;
+  rows)  # after the cute step: the GPU tests of 16/32 columns, head dim 256 and E4M3 term blocks; then timings
+          # with FlashInfer BF16 beside (its wheels folder as $2): head dim 256, and E4M3 against BF16 K beyond 4 rows
+    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py tests/test_multitoken.py \
+      -k "sixteen or head_dim_256 or term_blocks or columns_gpu" > "$OUT/rows-tests.log" 2>&1
+    echo "rows tests: $(tail -1 "$OUT/rows-tests.log")"
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?rows needs the FlashInfer wheels folder}"/*.whl
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    python3 benchmarks/sweep_rows.py --shapes 8:32K,64:32K,8:128K,64:128K --heads 16:8 8:4 --head-dim 256 --bits 4 \
+      --splits 1 --ctas 1 --flashinfer > "$OUT/rows-d256.md" 2>&1; echo "d256 rc=$?"
+    python3 benchmarks/sweep_rows.py --shapes 8:128K --heads 32:4 32:2 --bits 2 4 --splits 1 --ctas 1 2 \
+      --k-operands bf16 e4m3 > "$OUT/rows-e4m3.md" 2>&1; echo "e4m3 heads rc=$?"
+    python3 benchmarks/sweep_rows.py --shapes 8:128K,64:32K --heads 32:8 --q-len 2 4 --bits 2 4 --splits 1 \
+      --ctas 1 2 --k-operands bf16 e4m3 > "$OUT/rows-e4m3-steps.md" 2>&1; echo "e4m3 steps rc=$?" ;;
   fa4)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?fa4 needs the flash-attn-4, quack and tvm-ffi wheels}"/*.whl
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded cudnn_sdpa fa4 --out "$OUT/fa4" \
