@@ -297,6 +297,40 @@ def store_q_terms(sQ: cute.Tensor, col_hi, col_lo, p, q: Float32, scale: Float32
 
 
 @cute.jit
+def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutlass.Constexpr, mQ: cute.Tensor, b,
+               query_row, sQred: cute.Tensor, sQinv: cute.Tensor, tidx, bar_id: cutlass.Constexpr):
+    """Each query row's power-of-two scale for its E4M3 terms, by one warpgroup (named barrier ``bar_id``):
+    from the row's largest ``|q|`` (``mQ[b, query_row(h), :]``, :func:`scale_exponent`), ``2^e`` into
+    ``sQred[0, h]`` and ``2^-e`` into ``sQinv[h]`` for the ``cols`` columns (``e`` 0 past the ``rows``);
+    ``sQred`` ``[4, cols]`` floats, the warps' maxima first. Both written before the last barrier."""
+    D = head_dim
+    warp = tidx // 32
+    lane = tidx % 32
+    for h in cutlass.range_constexpr(rows):
+        top = Float32(0.0)
+        for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
+            d = d0 * THREADS + tidx
+            if d < D:
+                q = Float32(mQ[b, query_row(h), d])
+                top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
+        for sh in cutlass.range_constexpr(5):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
+        if lane == 0:
+            sQred[warp, h] = top
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    if tidx < cols:  # a thread reads and then writes its own column only
+        e = Int32(0)
+        if tidx < rows:
+            top = sQred[0, tidx]
+            for wi in cutlass.range_constexpr(1, THREADS // 32):
+                top = cute.arch.fmax(top, sQred[wi, tidx])
+            e = scale_exponent(top)
+        sQred[0, tidx] = power_of_two(e)
+        sQinv[tidx] = power_of_two(-e)
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+
+
+@cute.jit
 def load_q_terms(bits: cutlass.Constexpr, head_dim: cutlass.Constexpr, gqa: cutlass.Constexpr, mQ: cute.Tensor, b,
                  head0, sQ: cute.Tensor, sQinv: cute.Tensor, sQred: cute.Tensor, tidx, bar_id: cutlass.Constexpr):
     """Q^T of ``gqa`` heads (``mQ[b, head0 + h, d]``: head ``h``'s channel ``d``) into ``sQ`` as E4M3 terms at the
@@ -307,32 +341,7 @@ def load_q_terms(bits: cutlass.Constexpr, head_dim: cutlass.Constexpr, gqa: cutl
     D = head_dim
     G = gqa
     gp = term_columns(G)
-    warp = tidx // 32
-    lane = tidx % 32
-    for h in cutlass.range_constexpr(G):
-        top = Float32(0.0)
-        for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
-            d = d0 * THREADS + tidx
-            if d < D:
-                q = Float32(mQ[b, head0 + h, d])
-                top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
-        for sh in cutlass.range_constexpr(5):
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
-        if lane == 0:
-            sQred[warp, h] = top
-    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
-    if tidx < HEADS:
-        e = Int32(0)
-        if tidx < G:
-            top = sQred[0, tidx]
-            for wi in cutlass.range_constexpr(1, THREADS // 32):
-                top = cute.arch.fmax(top, sQred[wi, tidx])
-            e = scale_exponent(top)
-        sQred[0, tidx] = power_of_two(e)  # each head's 2^e, read below
-        sQinv[tidx] = Float32(1.0)
-        if tidx < G:
-            sQinv[tidx] = power_of_two(-e)
-    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    row_scales(D, G, HEADS, mQ, b, lambda h: head0 + h, sQred, sQinv, tidx, bar_id)
     for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
         p = p0 * THREADS + tidx
         if p < D:
@@ -383,36 +392,14 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
     D = cfg.head_dim
     R = cfg.rows
     C = cfg.cols
-    warp = tidx // 32
-    lane = tidx % 32
-    for h in cutlass.range_constexpr(R):
-        top = Float32(0.0)
-        for d0 in cutlass.range_constexpr(max(1, D // THREADS)):
-            d = d0 * THREADS + tidx
-            if d < D:
-                q = Float32(mQ[b, query_row(h), d])
-                top = cute.arch.fmax(top, cute.arch.fmax(q, -q))
-        for sh in cutlass.range_constexpr(5):
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, 16 >> sh))
-        if lane == 0:
-            sQred[warp, h] = top
-    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
-    if tidx < C:
-        e = Int32(0)
-        if tidx < R:
-            top = sQred[0, tidx]
-            for wi in cutlass.range_constexpr(1, THREADS // 32):
-                top = cute.arch.fmax(top, sQred[wi, tidx])
-            e = scale_exponent(top)
-        sQinv[tidx] = power_of_two(-e)
-    cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id)
     for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
         p = p0 * THREADS + tidx
         if p < D:
             d = contraction_position(cfg.bits, p)
             for h in cutlass.range_constexpr(C):
-                if cutlass.const_expr(h < R):  # 2^e from 2^-e: both exact powers of two
-                    store_q_terms(sQ, h, C + h, p, Float32(mQ[b, query_row(h), d]), 1.0 / sQinv[h])
+                if cutlass.const_expr(h < R):
+                    store_q_terms(sQ, h, C + h, p, Float32(mQ[b, query_row(h), d]), sQred[0, h])
                 else:
                     sQ[h, p] = Float32(0.0).to(Float8E4M3FN)
                     sQ[C + h, p] = Float32(0.0).to(Float8E4M3FN)
