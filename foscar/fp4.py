@@ -86,7 +86,11 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def encode_scale(s: torch.Tensor, spec: Fp4Spec) -> torch.Tensor:
     """Block scales ``s`` (float, >= 0) as their bytes: E4M3 rounded to nearest (at most 448), or E8M0 the
-    power of two ``s`` is (``s`` must be one; 0 becomes ``2^-127``)."""
+    power of two ``s`` is (``s`` must be one; 0 becomes ``2^-127``). Anything else is refused by name."""
+    if not bool((torch.isfinite(s) & (s >= 0)).all()):
+        raise InvalidArgumentError("s", "finite block scales >= 0", "a negative, NaN or Inf scale")
+    if spec.scale == "e8m0" and not bool(((torch.frexp(s.to(torch.float64))[0] == 0.5) | (s == 0)).all()):
+        raise InvalidArgumentError("s", "powers of two (E8M0 block scales)", "a scale that is not one")
     if spec.scale == "e4m3":
         return s.clamp(max=E4M3_MAX).to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
     e = torch.frexp(s.to(torch.float64).clamp(min=2.0 ** -127))[1] - 1  # s = 2^e exactly

@@ -127,4 +127,9 @@ def test_bad_input_is_refused_by_name():
         fp4.quantize_blocks(torch.randn(2, 32), "nvfp4", tensor_scale=0.0)
     with pytest.raises(InvalidArgumentError, match="floating-point"):
         fp4.quantize_blocks(torch.ones(2, 32, dtype=torch.int32), "nvfp4")
+    with pytest.raises(InvalidArgumentError, match="powers of two"):
+        fp4.encode_scale(torch.tensor([3.0]), fp4.MXFP4)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgumentError, match="finite block scales"):
+            fp4.encode_scale(torch.tensor([bad]), fp4.NVFP4)
     assert fp4.NVFP4.bytes_per_token(128) == 72 and fp4.MXFP4.bytes_per_token(128) == 68
