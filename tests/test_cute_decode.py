@@ -530,7 +530,7 @@ def test_head_dim_256_says_what_it_takes(fmt_kw, gqa, kw):
         config_for(fmt, gqa, 64, **kw)
     from foscar.backends.cute_sm90 import CuteSm90
     from foscar.cute.launch import default_ctas_per_sm
-    assert not CuteSm90().preferred(foscar.KVFormat(bits=4, head_dim=256, group_size=128))  # until measured
+    assert CuteSm90().preferred(foscar.KVFormat(bits=4, head_dim=256, group_size=128))
     assert default_ctas_per_sm(2, 256) == 1
 
 
@@ -550,13 +550,13 @@ def test_head_dim_256_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
 @pytest.mark.parametrize("gqa,step,ctas", [(8, 1, 2), (6, 1, 2), (16, 1, 1), (4, 2, 2), (4, 4, 1), (2, 3, 2)])
 def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
     """E4M3 K operands beyond 4 query rows: Q's terms in separate column blocks of a QK product twice as wide
-    (``Sm90Config.term_blocks``), a step's tokens among the rows; v1 only, and not a default until measured."""
+    (``Sm90Config.term_blocks``), a step's tokens among the rows; v1 only, the default K operands there."""
     from foscar.cute.launch import default_variant
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     cfg = config_for(fmt, gqa, 64, "e4m3", step=step)
     assert cfg.term_blocks and cfg.qk_cols == 2 * cfg.cols
     assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas) is not None
-    assert default_variant(fmt, gqa, 64, None, step) == ("bf16", 1)
+    assert default_variant(fmt, gqa, 64, None, step) == ("e4m3", 1)
     assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
 
 

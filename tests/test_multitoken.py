@@ -181,19 +181,20 @@ def test_the_custom_op_takes_a_step(backend):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,num_splits,fmt_kw", [
     (4, 2, None, {}), (4, 4, None, {}), (4, 8, None, {}), (1, 8, 3, {}), (2, 3, 64, {}), (8, 2, None, {}),
-    (16, 2, None, {}), (8, 8, None, {}), (4, 4, 5, {"rotation": "hadamard"}), (4, 3, None, {"group_size": 64})])
+    (16, 2, None, {}), (8, 8, None, {}), (4, 4, 5, {"rotation": "hadamard"}), (4, 3, None, {"group_size": 64}),
+    (4, 2, None, {"head_dim": 256}), (4, 4, None, {"head_dim": 256})])
 def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits, fmt_kw):
-    """A step's tokens as N columns of the CuTe kernel beside the heads (``G T`` rows; beyond 32 the causal
-    view's rows), the causal limit per column, splits whose last tile some columns do not see (64 splits
+    """A step's tokens as N columns of the CuTe kernel beside the heads (``G T`` rows; beyond
+    :func:`foscar.cute.config.max_rows`, 32 or 8 at head dim 256, the causal view's rows), the causal limit
+    per column, splits whose last tile some columns do not see (64 splits
     over a few tiles): NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle
     (BF16 attention's error on the same dequantized cache, token by token), the LSE within 1e-2."""
     from _helpers import bf16_attention, kernel_error_bound
 
-    status = {s.name: s for s in foscar.backend_status(DEV, foscar.KVFormat(bits=bits, head_dim=128,
-                                                                             group_size=128), G)}
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
     if not status["cute"].usable:
         pytest.skip(status["cute"].why)
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
     lens = [T, 64 * 7 + T - 1, 4099]  # a step alone; one past a tile by T - 1; long
     q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
     rows = q.reshape(-1, *q.shape[2:])

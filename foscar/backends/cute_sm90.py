@@ -51,9 +51,9 @@ class CuteSm90(Backend):
     def preferred(self, fmt) -> bool:
         """Token-wise K. Measured on the H200 with v1, the CuTe default (``docs/results-h200.md``): token-wise
         K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x; token-wise K, channel-wise V 1.16-1.40x;
-        channel-wise K 0.85-1.31x (INT2 0.85-0.98x): there Triton is kept. Head dim 256 (``backend="cute"``)
-        is not yet validated on a GPU: ``auto`` keeps Triton for it."""
-        return fmt.k_axis == "token" and fmt.head_dim <= 128
+        channel-wise K 0.85-1.31x (INT2 0.85-0.98x): there Triton is kept. Head dim 256, INT4: 1.9-2.3x
+        Triton (``docs/bench/h200/rows-d256.md``)."""
+        return fmt.k_axis == "token"
 
     def launch_config(self, problem) -> dict:
         from ..cute.launch import launch_config

@@ -297,6 +297,12 @@ K_OPERANDS = ("bf16", "e4m3")
 TILES_PER_PASS = (1, 2)
 
 
+def max_rows(fmt) -> int:
+    """The most query rows of one KV head a kernel takes for ``fmt``: :data:`MAX_COLS`, 8 at head dim 256 (the
+    registers of its A fragments)."""
+    return HEADS if fmt.head_dim == 256 else MAX_COLS
+
+
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
                step: int = 1) -> Sm90Config:
@@ -304,9 +310,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query
     tokens per sequence (``step``); the injection constants are the Triton kernels'
     (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
-    ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :data:`MAX_COLS`. E4M3 K
-    operands take token-wise K, one token, at most 4 query heads per KV head (two Q terms each in the 8
-    columns) and no BF16 windows; two tiles per pass take token-wise K and V, one token and at most 4 query
+    ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
+    operands take token-wise K, at most 16 query rows per KV head (up to 4 the two Q terms share the 8
+    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`) and no BF16 windows; two tiles per pass take token-wise K and V, one token and at most 4 query
     heads per KV head (the second tile's scores in the other four columns); a step of several tokens takes a
     cache without BF16 windows (its causal limits are the quantized tokens')."""
     import torch

@@ -151,11 +151,10 @@ def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: 
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
     given) and two tiles per softmax pass, each where the format takes it (:func:`takes`).
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
-    cases and E4M3 K operands in 21. Beyond 4 query rows (E4M3 K with the terms in separate column blocks,
-    ``Sm90Config.term_blocks``, not yet run on a GPU) BF16 K operands unless ``k_operand`` says otherwise."""
-    from .config import HEADS
-    measured = G * step <= HEADS // 2  # E4M3 K in separate term blocks (more rows) is not yet measured on a GPU
-    k_operand = k_operand or ("e4m3" if measured and takes(fmt, G, page, "e4m3", 1, step) else "bf16")
+    cases and E4M3 K operands in 21; beyond 4 query rows (Q's terms in separate column blocks,
+    ``Sm90Config.term_blocks``) E4M3 K is 5-15% faster than BF16 K at GQA 8 and 16
+    (``docs/bench/h200/rows-e4m3.md``)."""
+    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1, step) else "bf16")
     return k_operand, (2 if takes(fmt, G, page, k_operand, 2, step) else 1)
 
 
@@ -240,12 +239,12 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..format import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import MAX_COLS, config_for
+    from .config import config_for, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     T = problem.q_len
-    if G * T > MAX_COLS:  # more rows than the N columns: the step's rows over the causal view, one token each
+    if G * T > max_rows(cache.fmt):  # more rows than the columns: the causal view's rows, one token each
         from dataclasses import replace
 
         from ..multitoken import causal_view
