@@ -23,9 +23,10 @@ import torch
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
 from .centring import centre, check_key_mean, sequence_means
-from .format import CHANNEL, TOKEN, KVFormat, pack_codes, rotate, unpack_codes
+from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
 from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
+from .rotation import rotate
 
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -458,7 +459,7 @@ class QuantKVCache:
         (channel-wise), ``Q`` at least every sequence's quantized count (``fmt.split_length``);
         windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
         ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``). With
-        ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.format.rotation_matrix`),
+        ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.rotation.rotation_matrix`),
         as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
         ``k_mean [B, Hkv, D]``: the mean the keys were centred by before that (:mod:`foscar.centring`).
         """

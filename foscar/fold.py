@@ -67,7 +67,8 @@ from . import e4m3
 from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
-from .format import E4M3_PLACEMENT, TOKEN, operand_for, rotate, unpack_codes
+from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
+from .rotation import rotate
 from .reference import attend
 from .splitkv import split_ranges
 

@@ -50,7 +50,7 @@ class DecodeProblem:
         ``q R (k R)^T = q k^T``); without one, this problem. :meth:`finish` then rotates the output back."""
         if self.cache.fmt.rotation is None:
             return self
-        from .format import rotate
+        from .rotation import rotate
         work = torch.float64 if self.q.dtype == torch.float64 else torch.float32
         return DecodeProblem(rotate(self.q, self.cache.fmt, work=work), self.cache, torch.empty_like(self.out),
                              self.lse, self.sm_scale, self.num_splits, self.gqa, self.q_len)
@@ -60,7 +60,7 @@ class DecodeProblem:
         for centred keys (:mod:`foscar.centring`) the LSE corrected by ``sm_scale q mu`` where the caller
         takes it (``lse_wanted``)."""
         if solved is not self:
-            from .format import rotate
+            from .rotation import rotate
             work = torch.float64 if self.out.dtype == torch.float64 else torch.float32
             self.out.copy_(rotate(solved.out, self.cache.fmt, inverse=True, work=work))
         if lse_wanted and self.lse is not None and self.cache.k_mean is not None:

@@ -89,7 +89,7 @@ def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale
     rotated here into a rotated cache's space (the windows hold rotated values)."""
     G = gqa
     if cache.fmt.rotation is not None and num_window_parts(cache.fmt):
-        from .format import rotate
+        from .rotation import rotate
         q = rotate(q, cache.fmt, work=torch.float32)
     block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
     fmt = cache.fmt
@@ -128,7 +128,7 @@ def bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block
 def combine(o_part, l_part, out, lse, rotation: torch.Tensor | None = None):
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and ``lse``)
     with the standalone combine kernel (:func:`foscar.triton.combine.combine_stage2`); ``rotation``
-    (:func:`foscar.format.rotation_factors`): the partials are in a rotated cache's space, ``out`` is not."""
+    (:func:`foscar.rotation.rotation_factors`): the partials are in a rotated cache's space, ``out`` is not."""
     from .triton.combine import combine_stage2
     B, Hq, parts, D = o_part.shape
     combine_stage2[(B, Hq)](

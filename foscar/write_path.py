@@ -10,7 +10,8 @@ from ._checks import check_finite, check_tensor
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError
 from .centring import keep_mean, keys_to_store
-from .format import TOKEN, pack_codes, rotate_given, unpack_codes
+from .format import TOKEN, pack_codes, unpack_codes
+from .rotation import rotate_given
 from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
 
 
@@ -18,7 +19,7 @@ from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
 def tokens_to_store(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor):
     """``with tokens_to_store(cache, k, v) as (k, v): <write them>``: the tokens as every write path stores
     them, keys centred (:func:`foscar.centring.keys_to_store`) and then both rotated
-    (:func:`foscar.format.rotate_given`); a mean taken from them becomes the cache's only if the write
+    (:func:`foscar.rotation.rotate_given`); a mean taken from them becomes the cache's only if the write
     succeeds (:func:`foscar.centring.keep_mean`)."""
     k_new, mean = keys_to_store(cache, k_new)
     yield rotate_given(cache.fmt, k_new, v_new)

@@ -124,8 +124,8 @@ def test_the_rotating_merge_is_the_merge_rotated_back(parts, out_dtype):
     all-empty row stays 0), the LSE unchanged."""
     import foscar
     from foscar.cute.launch import combine
-    from foscar.format import rotation_factors
-    from foscar.format import rotation_matrix
+    from foscar.rotation import rotation_factors
+    from foscar.rotation import rotation_matrix
     B, H, D = 3, 5, 128
     fmt = foscar.KVFormat(bits=4, head_dim=D, group_size=128, rotation="hadamard", rotation_seed=3)
     gen = torch.Generator().manual_seed(parts)

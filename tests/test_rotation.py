@@ -12,7 +12,7 @@ from _helpers import rel
 
 import foscar
 from foscar.errors import InvalidArgumentError
-from foscar.format import rotate, rotation_matrix
+from foscar.rotation import rotate, rotation_matrix
 
 
 def fmt_of(**kw):
@@ -199,7 +199,7 @@ def test_the_triton_write_path_writes_a_rotated_cache_as_the_reference_does():
     """foscar.append's Triton branch rotates the tokens as QuantKVCache.append does, then runs the Triton
     kernels: the two caches are equal bit for bit (the kernels under the interpreter on the CPU)."""
     import foscar.triton as ft
-    from foscar.format import rotate_given
+    from foscar.rotation import rotate_given
     from test_append import DEV, snapshot
     fmt = fmt_of(head_dim=64, group_size=32, bits=2, rotation_seed=8, sink=3, recent=5)
     # tokens whose rotated values are small multiples of 1/4 (BF16-exact: the interpreter truncates FP32 to

@@ -100,7 +100,7 @@ def test_a_rotated_cache_is_rotated_in_the_kernels(k_axis, v_axis, windows, fuse
     merge (in the epilogue, or its own kernel) rotates the output back; the BF16 windows take the query
     rotated too. The oracle decodes the unrotated values. The query is one whose rotation is BF16, so that
     the kernels' BF16 query operand rounds nothing away: the float32 bound holds under the interpreter."""
-    from foscar.format import rotate
+    from foscar.rotation import rotate
     fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis=k_axis, v_axis=v_axis, rotation="hadamard",
                           rotation_seed=3, **({"sink": 4, "recent": 9} if windows else {}))
     q, cache = make(fmt, [1, 77, 161], Hkv=2, G=4, page=64, seed=5)

@@ -237,7 +237,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         k_operand: str | None = None, tiles_per_pass: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
-    from ..format import rotation_factors
+    from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
     from .config import config_for, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
@@ -283,7 +283,7 @@ def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: 
             rotation: torch.Tensor | None = None) -> None:
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and
     ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream;
-    ``rotation`` (:func:`foscar.format.rotation_factors`): the partials are in a rotated cache's space, the
+    ``rotation`` (:func:`foscar.rotation.rotation_factors`): the partials are in a rotated cache's space, the
     output is not."""
     from .config import CombineConfig, combine_chunk
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),

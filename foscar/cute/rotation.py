@@ -1,10 +1,10 @@
-"""The format's Hadamard rotation (:func:`foscar.format.rotation_matrix`, ``R = diag(s) H / sqrt(D)``) inside
+"""The format's Hadamard rotation (:func:`foscar.rotation.rotation_matrix`, ``R = diag(s) H / sqrt(D)``) inside
 the CuTe kernels, so that a rotated cache costs no launch of its own: stage 1 rotates the query into the
 cache's space as it stages Q (``q R = H (q * s / sqrt(D))``: :func:`rotate_q`), and the split merge rotates
 the merged output back (``o = (o_R H) * s / sqrt(D)``: :func:`walsh_hadamard` on the merged row, then the
 same per-channel factor). Both are an in-place Walsh-Hadamard transform over shared memory, ``log2(D)``
 butterfly rounds with a barrier after each. The factor ``s / sqrt(D)`` per channel is the kernels'
-``rotation`` argument (:func:`foscar.format.rotation_factors`).
+``rotation`` argument (:func:`foscar.rotation.rotation_factors`).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def merge_parts(OP, LP, O, LSE, hh, hmask, n_parts,
     ``O`` and ``LSE`` NaN, never a merge of the others. ``CACHED=False`` reads the partials
     past the L1 (``.cg``): the fused epilogue reads what other SMs just wrote. ``ROTATE``: the partials
     are in a rotated cache's space, ``O`` is not: ``O (H) f`` (``ROT``: the factors ``f``,
-    :func:`foscar.format.rotation_factors`).
+    :func:`foscar.rotation.rotation_factors`).
     """
     cc = tl.arange(0, CHUNK)
     dd = tl.arange(0, D)

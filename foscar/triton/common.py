@@ -79,7 +79,7 @@ def dot(a, b, INTERPRET: tl.constexpr):
 def walsh_hadamard(x, D: tl.constexpr):
     """``x [H, D] H_D`` (Sylvester's unnormalized Hadamard matrix, ``D`` a power of two) of a float32 block:
     ``log2(D)`` butterfly rounds, each pairing the elements ``span`` apart (reshapes, no memory). What a
-    rotated cache's query and output go through (:func:`foscar.format.rotation_matrix`:
+    rotated cache's query and output go through (:func:`foscar.rotation.rotation_matrix`:
     ``R = diag(s) H / sqrt(D)``)."""
     H: tl.constexpr = x.shape[0]
     for stage in tl.static_range(12):  # head dims up to 4096; the span of a round is 1 << stage

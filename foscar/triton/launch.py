@@ -13,7 +13,8 @@ from .. import autotune
 from .._checks import check_int, check_tensor, decode_out_buffers
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for, rotation_factors
+from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
+from ..rotation import rotation_factors
 from ..problem import DecodeProblem
 from ..quantize import RANGE_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
