@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import quantize_kv
+from ..cache_io import quantize_kv
 from ..format import KVFormat
 from ..reference import attend, decode_exact
 from ..synthetic import stress_inputs

@@ -1,7 +1,8 @@
 """Decode benchmark (``foscar bench speed``): foscar's kernels against FlashInfer BF16 and cuDNN SDPA, in one run.
 
-Times, per shape (Hq=32, Hkv=8 or ``--heads``, D=128, g=128, page 64), with the L2 flushed (512 MiB written) before
-each call and CUDA events around the call alone (median of ``--iters`` after ``--warmup``):
+Times, per shape (Hq=32, Hkv=8 or ``--heads``; D=128 or ``--head-dim`` 64 or 256; g = min(128, D); page 64), with
+the L2 flushed (512 MiB written) before each call and CUDA events around the call alone (median of ``--iters``
+after ``--warmup``):
 
 - ``foscar_folded``       backend "triton" of foscar.backends: launch(q, cache, {kernel="folded", out=out})
                           (quantized cache; its availability is the backend's status)
@@ -54,7 +55,8 @@ On the GPU machine, one command, sending ``.gpu/fi`` along (carry)::
     python3 benchmarks/bench_decode.py --grid paper --check --kernel-time --out $OUT 2>&1 | tee $OUT/bench_decode.log
 
 Other runs: ``--grid axes`` (the four K/V axis combinations), ``--grid quick`` (a smoke run),
-``--shapes 8:128K,64:32K``, ``--bits 2``, ``--kernels foscar_folded flashinfer_tc``,
+``--shapes 8:128K,64:32K``, ``--bits 2``, ``--kernels foscar_folded flashinfer_tc``, ``--heads 16:8``,
+``--head-dim 256`` (every kernel, format, byte count, memory estimate and reference at that head dim),
 ``--cuda-graph`` (time graph replays; fails for a call that synchronizes with the host).
 """
 
@@ -66,12 +68,14 @@ import sys
 
 import torch
 
+from ..format import SUPPORTED_HEAD_DIMS
 from .common import (as_graph, cache_to, int_in, make_block_table, one_head_cache, parse_heads, positive_float,
                      random_cache, rel_l2, writable_dir)
 from .ceiling import measure_read_ceiling, read_kernel, read_rates, xor_reduce
-from .grid import (AXES_SHAPES, AXIS_COMBOS, CHANNEL, FLUSH_BYTES, GIB, GQA, GRIDS, GROUP, HEAD_DIM, HKV, HQ, KI,
-                   LENGTH_QUANTUM, MIB, PAGE, PAPER_SHAPES, QUICK_SHAPES, SM_SCALE, TOKEN, Case, build_grid, bytes_read,
-                   fmt_len, group_by_shape, kv_bytes_per_token, parse_length, parse_shapes, peak_bytes, plan_shapes)
+from .grid import (AXES_SHAPES, AXIS_COMBOS, BF16_BYTES_PER_TOKEN, CHANNEL, FLUSH_BYTES, GIB, GQA, GRIDS, GROUP,
+                   HEAD_DIM, HKV, HQ, KI, LENGTH_QUANTUM, MIB, PAGE, PAPER_SHAPES, QUICK_SHAPES, SM_SCALE, TOKEN, Case,
+                   bf16_bytes_per_token, build_grid, bytes_read, fmt_len, group_by_shape, group_for, kv_bytes_per_token,
+                   parse_length, parse_shapes, peak_bytes, plan_shapes, sm_scale)
 from .inputs import (Bf16Inputs, QuantInputs, SliceRef, bf16_slice_reference, make_bf16_inputs, make_random_cache,
                      quant_slice_reference, slice_reference)
 from .kernels import KERNELS, AutoKernel, BackendKernel, Baseline, KernelMissing, Runner
@@ -88,10 +92,10 @@ __all__ = [
     # the command line
     "DESCRIPTION", "PROG", "build_parser", "main", "parse_args",
     # the problem and grids (foscar.bench.grid)
-    "AXES_SHAPES", "AXIS_COMBOS", "CHANNEL", "FLUSH_BYTES", "GIB", "GQA", "GRIDS", "GROUP", "HEAD_DIM", "HKV", "HQ",
-    "KI", "LENGTH_QUANTUM", "MIB", "PAGE", "PAPER_SHAPES", "QUICK_SHAPES", "SM_SCALE", "TOKEN", "Case", "build_grid",
-    "bytes_read", "fmt_len", "group_by_shape", "kv_bytes_per_token", "parse_length", "parse_shapes", "peak_bytes",
-    "plan_shapes",
+    "AXES_SHAPES", "AXIS_COMBOS", "BF16_BYTES_PER_TOKEN", "CHANNEL", "FLUSH_BYTES", "GIB", "GQA", "GRIDS", "GROUP",
+    "HEAD_DIM", "HKV", "HQ", "KI", "LENGTH_QUANTUM", "MIB", "PAGE", "PAPER_SHAPES", "QUICK_SHAPES", "SM_SCALE",
+    "TOKEN", "Case", "bf16_bytes_per_token", "build_grid", "bytes_read", "fmt_len", "group_by_shape", "group_for",
+    "kv_bytes_per_token", "parse_length", "parse_shapes", "peak_bytes", "plan_shapes", "sm_scale",
     # inputs and references (foscar.bench.inputs, foscar.bench.common)
     "Bf16Inputs", "QuantInputs", "SliceRef", "bf16_slice_reference", "make_bf16_inputs", "make_random_cache",
     "quant_slice_reference", "slice_reference", "as_graph", "cache_to", "make_block_table", "one_head_cache",
@@ -150,6 +154,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
                    help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8); the head-ratio sweep "
                         "(paper Fig. 15) runs one --heads per invocation and `foscar bench plot` joins them")
+    p.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=HEAD_DIM,
+                   help=f"head dimension D of q, K and V (default: {HEAD_DIM}); the (s, z) groups are min({GROUP}, D) "
+                        f"channels (token-wise) or tokens (channel-wise): {GROUP} for D 128 and 256, 64 for D 64")
     p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays of each call")
     p.add_argument("--kernel-time", action="store_true",
                    help="also sum each call's GPU kernel times with the profiler (leaves out host gaps)")

@@ -241,8 +241,9 @@ def build_flashinfer_fp8(inp: Bf16Inputs, args) -> Runner:
 
 
 def build_flashinfer_nvfp4(inp: Bf16Inputs, args) -> Runner:
-    """NVFP4 KV (the fa2 backend; 72 bytes per token and KV head per tensor, exactly what foscar INT4 with
-    g = 128 and FP32 scale and offset stores), random codes and scales: timing only."""
+    """NVFP4 KV (the fa2 backend; D/2 + D/16 bytes per token and KV head per tensor, the head dim D from the
+    cache's shape: at D = 128 and 256 exactly what foscar INT4 with g = 128 and FP32 scale and offset
+    stores), random codes and scales: timing only."""
     wrapper, keep = _fi_plan(_flashinfer(), inp, torch.uint8, use_tensor_cores=True, backend="fa2")
     n, page, kv_heads, head_dim = inp.k_cache.shape
     dev = inp.q.device

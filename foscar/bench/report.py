@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from .common import to_csv
-from .grid import AXIS_COMBOS, HKV, HQ, KI, PAPER_SHAPES, TOKEN, bytes_read, fmt_len
+from .grid import AXIS_COMBOS, HEAD_DIM, HKV, HQ, KI, PAPER_SHAPES, TOKEN, bytes_read, fmt_len
 
 BASELINE = "flashinfer_tc"
 READ_BARS = {4: 0.40, 2: 0.25}  # fraction of the read ceiling, B in {8, 64}, L >= 32K
@@ -26,13 +26,14 @@ def geomean(values: list[float]) -> float | None:
 
 
 def annotate(records: list[dict], ceiling_tbps: float | None) -> None:
-    """Add bytes, TB/s, fraction of the read ceiling and speedup over the baseline to timed records."""
+    """Add bytes, TB/s, fraction of the read ceiling and speedup over the baseline to timed records (the
+    bytes from each record's ``Hq``, ``Hkv`` and ``D``, the defaults where a record has none)."""
     base = {(r["B"], r["L"]): r["median_us"] for r in records if r["kernel"] == BASELINE and r["status"] == "ok"}
     kbase = {(r["B"], r["L"]): r.get("kernel_us") for r in records if r["kernel"] == BASELINE and r["status"] == "ok"}
     for r in records:
         kb, kus = kbase.get((r["B"], r["L"])), r.get("kernel_us")
         r["kernel_speedup_vs_baseline"] = kb / kus if kb and kus else None
-        r["bytes"] = bytes_read(r["B"], r["L"], r["bits"], r.get("Hq", HQ), r.get("Hkv", HKV))
+        r["bytes"] = bytes_read(r["B"], r["L"], r["bits"], r.get("Hq", HQ), r.get("Hkv", HKV), r.get("D", HEAD_DIM))
         us = r.get("median_us")
         timed = us is not None
         r["tbps"] = r["bytes"] / (us * 1e-6) / 1e12 if timed else None
@@ -171,7 +172,8 @@ def render_summary(result: dict) -> str:
     lines = []
     cl = result.get("ceiling") or {}
     lines.append(f"Read ceiling: {_num(cl.get('tbps'), '.2f', ' TB/s')} ({cl.get('source', 'not measured')}); "
-                 f"GPU {result['meta'].get('gpu', '?')}; timing: {result['meta'].get('timing', '?')}.")
+                 f"GPU {result['meta'].get('gpu', '?')}; timing: {result['meta'].get('timing', '?')}."
+                 + (f" Problem: {problem_text(result['meta']['problem'])}." if result["meta"].get("problem") else ""))
     geo = []
     for kernel in ["foscar_folded", "foscar_reconstruct"] + other_lowbit_kernels(records):
         for bits in sorted({r["bits"] for r in records if r["bits"] != 16}):
@@ -200,6 +202,11 @@ def render_summary(result: dict) -> str:
         lines.append("")
         lines += problems
     return "\n".join(lines)
+
+
+def problem_text(problem: dict) -> str:
+    """The run's problem (``meta["problem"]``) as ``Hq 32, Hkv 8, D 128, g 128, page 64``."""
+    return ", ".join(f"{k} {v}" for k, v in problem.items())
 
 
 def problem_lines(result: dict) -> list[str]:
@@ -249,7 +256,7 @@ def failures(result: dict) -> list[str]:
     return bad + list(result.get("fatal", []))
 
 
-CSV_COLUMNS = ("B", "L", "Hq", "Hkv", "bits", "k_axis", "v_axis", "kernel", "status", "median_us", "min_us",
+CSV_COLUMNS = ("B", "L", "Hq", "Hkv", "D", "bits", "k_axis", "v_axis", "kernel", "status", "median_us", "min_us",
                "tbps", "ceiling_frac", "speedup_vs_baseline", "err", "bf16_err", "err_ratio", "first_call_s",
                "host_sync", "timing")
 

@@ -2,8 +2,8 @@
 (:mod:`foscar.bench.kernels`) on every shape of the grid through the one driver,
 :func:`foscar.bench.measure.measure`, and writes the records after each shape.
 
-A run's state is passed explicitly: the parsed arguments (their ``heads`` included) and a :class:`Target`,
-where everything lives and how the L2 is flushed.
+A run's state is passed explicitly: the parsed arguments (their ``heads`` and ``head_dim`` included) and a
+:class:`Target`, where everything lives and how the L2 is flushed.
 """
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import quantize_kv
+from ..cache_io import quantize_kv
 from ..format import KVFormat
 from ..progress import Progress
 from ..reference import attend, decode_exact
 from ..synthetic import stress_inputs
 from .ceiling import measure_read_ceiling, read_kernel
 from .common import cache_to, make_block_table, rel_l2
-from .grid import FLUSH_BYTES, GROUP, HEAD_DIM, MIB, PAGE, Case, build_grid, fmt_len, group_by_shape, plan_shapes
+from .grid import (FLUSH_BYTES, HEAD_DIM, MIB, PAGE, Case, build_grid, fmt_len, group_by_shape, group_for,
+                   plan_shapes, sm_scale)
 from .inputs import QuantInputs, bf16_slice_reference, make_bf16_inputs, make_random_cache, quant_slice_reference
 from .kernels import KERNELS, KernelMissing, flashinfer_version
 from .measure import NotHeld, SliceCheck, measure, short_error
@@ -65,9 +66,9 @@ def cuda_alive(device) -> bool:
         return False
 
 
-def new_record(shape, bits, axes, kernel, heads: tuple[int, int]) -> dict:
-    return {"B": shape[0], "L": shape[1], "Hq": heads[0], "Hkv": heads[1], "bits": bits, "k_axis": axes[0],
-            "v_axis": axes[1], "kernel": kernel, "status": "not run"}
+def new_record(shape, bits, axes, kernel, heads: tuple[int, int], head_dim: int = HEAD_DIM) -> dict:
+    return {"B": shape[0], "L": shape[1], "Hq": heads[0], "Hkv": heads[1], "D": head_dim, "bits": bits,
+            "k_axis": axes[0], "v_axis": axes[1], "kernel": kernel, "status": "not run"}
 
 
 def time_kernel(name: str, inputs, check: SliceCheck, session: Session) -> dict:
@@ -100,7 +101,7 @@ def run_shape(shape, cases, session: Session, block_table, records: list[dict]) 
     """
     args, device = session.args, session.target.device
     kernels = args.kernels
-    q = torch.randn(shape[0], args.heads[0], HEAD_DIM, dtype=torch.bfloat16, device=device)
+    q = torch.randn(shape[0], args.heads[0], args.head_dim, dtype=torch.bfloat16, device=device)
     stages = [(None, [k for k in kernels if KERNELS[k].family == "bf16"])]
     stages += [(c, [k for k in kernels if KERNELS[k].family == "quant"]) for c in cases]
     for case, names in stages:
@@ -115,7 +116,7 @@ def run_shape(shape, cases, session: Session, block_table, records: list[dict]) 
         else:
             failed = None
         for name in names:
-            rec = new_record(shape, bits, axes, name, args.heads)
+            rec = new_record(shape, bits, axes, name, args.heads, args.head_dim)
             rec.update({"status": failed} if failed else time_kernel(name, inputs, check, session))
             rec["timing"] = "cuda-graph" if args.cuda_graph else "eager"
             records.append(rec)
@@ -128,16 +129,16 @@ def run_shape(shape, cases, session: Session, block_table, records: list[dict]) 
 def run_exact_check(bits: int, axes: tuple[str, str], kernels: list[str], args, device) -> list[dict]:
     """--check: foscar kernels vs decode_exact (float64, CPU) on a small ragged quantize_kv cache."""
     hq, hkv = args.heads
-    gqa = hq // hkv
-    fmt = KVFormat(bits, HEAD_DIM, GROUP, *axes)
+    gqa, D = hq // hkv, args.head_dim
+    fmt = KVFormat(bits, D, group_for(D), *axes)
     lens = torch.tensor(CHECK_LENS, dtype=torch.int32)
-    q, k, v = stress_inputs(len(CHECK_LENS), hq, hkv, max(CHECK_LENS), HEAD_DIM, seed=args.seed + bits)
+    q, k, v = stress_inputs(len(CHECK_LENS), hq, hkv, max(CHECK_LENS), D, seed=args.seed + bits)
     q = q.to(torch.bfloat16)
     cache = quantize_kv(k, v, fmt, seq_lens=lens, page_size=PAGE)
     exact = decode_exact(q, cache)
     kd, vd = cache.dequantize(torch.float64)
-    bf16 = torch.stack([attend(q[b].float().reshape(hkv, gqa, HEAD_DIM), kd[b, :, :n], vd[b, :, :n],
-                               HEAD_DIM ** -0.5, operand_dtype=torch.bfloat16)[0].reshape(hq, HEAD_DIM)
+    bf16 = torch.stack([attend(q[b].float().reshape(hkv, gqa, D), kd[b, :, :n], vd[b, :, :n],
+                               sm_scale(D), operand_dtype=torch.bfloat16)[0].reshape(hq, D)
                         for b, n in enumerate(CHECK_LENS)])
     bf16_err = rel_l2(bf16, exact)
     inputs = QuantInputs(q.to(device), cache_to(cache, device))
@@ -177,13 +178,14 @@ def device_meta(args, argv: list[str], prog: str, flush_bytes: int = FLUSH_BYTES
             "command": f"{prog} {shlex.join(argv)}".strip(), "argv": argv, "args": vars(args),
             "timing": ("CUDA-graph replay" if args.cuda_graph else "eager calls")
             + f", L2 flushed ({flush_bytes // MIB} MiB), median of {args.iters} after {args.warmup} warm-up",
-            "page_order": args.page_order, "problem": {"Hq": hq, "Hkv": hkv, "D": HEAD_DIM, "g": GROUP, "page": PAGE},
+            "page_order": args.page_order,
+            "problem": {"Hq": hq, "Hkv": hkv, "D": args.head_dim, "g": group_for(args.head_dim), "page": PAGE},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def run(args: argparse.Namespace, argv: list[str], prog: str, target: Target) -> int:
     """The whole benchmark on ``target``: --check, the read ceiling, then every shape; the exit status."""
-    cases = build_grid(args.grid, args.bits, args.shapes, args.heads)
+    cases = build_grid(args.grid, args.bits, args.shapes, args.heads, args.head_dim)
     result = {"meta": device_meta(args, argv, prog, target.flush_bytes), "ceiling": None, "checks": [], "records": [],
               "skipped": [], "fatal": []}
     log(f"bench_decode: {result['meta']['gpu']}, torch {torch.__version__}, flashinfer {result['meta']['flashinfer']}")
@@ -205,7 +207,8 @@ def run(args: argparse.Namespace, argv: list[str], prog: str, target: Target) ->
     budget = args.max_gb * 1e9 if args.max_gb is not None else torch.cuda.mem_get_info()[0] - 4e9
     groups = group_by_shape(cases)
     shapes, result["skipped"] = plan_shapes(list(groups), args.bits, budget, contiguous_copy="fa4" in args.kernels,
-                                            kv_heads=args.heads[1], flush_bytes=target.flush_bytes)
+                                            kv_heads=args.heads[1], flush_bytes=target.flush_bytes,
+                                            head_dim=args.head_dim)
     for s in result["skipped"]:
         log(f"skipping B={s['B']} L={s['L']}: {s['reason']}")
     bar = Progress(len(shapes))
