@@ -1,7 +1,8 @@
 """foscar: affine-folded decode attention over 2-bit and 4-bit KV caches (FOSCAR, arXiv 2611.09722)."""
 from ._version import __version__
 from .api import DecodePlan, append, backend_status, decode, plan, select_backend
-from .cache import PageTable, QuantKVCache, quantize_kv
+from .cache import PageTable, QuantKVCache
+from .cache_io import quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
 from .format import (

@@ -6,7 +6,10 @@ Each sequence of ``L`` tokens is stored in three parts (``KVFormat.split_length`
 
 The quantized part lives in a pool of pages shared by the batch: codes ``[pages, Hkv, W]`` (int32
 words, ``W = page_size*D*bits/32``, layout ``LAYOUT_TAG``) and parameters
-``[pages, Hkv, rows, cols, 2]`` (FP32 ``(s', z')`` pairs, rows/cols from ``KVFormat.param_shape``).
+``[pages, Hkv, rows, cols, 2]`` (FP32 ``(s', z')`` pairs, rows/cols from ``KVFormat.param_shape``); an FP4
+format (:mod:`foscar.fp4`) stores E2M1 codes in the same words and its block-scale bytes as the parameters,
+uint8 ``[pages, Hkv, page_size, D/block]``, with the per-tensor FP32 scales of K and V in ``tensor_scales
+[2]`` (NVFP4; 1 otherwise).
 Page ``j`` of a sequence holds its quantized tokens ``[j*page_size, (j+1)*page_size)``. A contiguous
 cache is the same thing with one page per sequence (``page_size`` = capacity, identity table).
 
@@ -22,10 +25,10 @@ import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
 from .errors import InvalidArgumentError
-from .centring import centre, check_key_mean, sequence_means
+from .centring import check_key_mean
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
-from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
+from .quantize import DEFAULT_QUANTILE
 from .rotation import rotate
 
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -56,7 +59,7 @@ class QuantKVCache:
     k_mean_pending: bool = False
 
     def __init__(self, fmt: KVFormat, *, k_codes, k_params, v_codes, v_params, seq_lens, page_table: PageTable,
-                 k_sink, v_sink, k_recent, v_recent, contiguous: bool = False):
+                 k_sink, v_sink, k_recent, v_recent, contiguous: bool = False, tensor_scales=None):
         if not isinstance(fmt, KVFormat):
             raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
         if not isinstance(page_table, PageTable):
@@ -73,7 +76,16 @@ class QuantKVCache:
         check_tensor("v_codes", v_codes, shape=(P, H, W), dtypes=(torch.int32,), device=dev, contiguous=True)
         for name, t, tensor in (("k_params", k_params, "k"), ("v_params", v_params, "v")):
             rows, cols = fmt.param_shape(tensor, page_size)
-            check_tensor(name, t, shape=(P, H, rows, cols, 2), dtypes=(torch.float32,), device=dev, contiguous=True)
+            shape, dtype = ((P, H, rows, cols), torch.uint8) if fmt.is_fp4 else ((P, H, rows, cols, 2), torch.float32)
+            check_tensor(name, t, shape=shape, dtypes=(dtype,), device=dev, contiguous=True)
+        if tensor_scales is None:
+            tensor_scales = torch.ones(2, dtype=torch.float32, device=dev)
+        check_tensor("tensor_scales", tensor_scales, shape=(2,), dtypes=(torch.float32,), device=dev)
+        check_finite("tensor_scales", tensor_scales)
+        if not bool((tensor_scales > 0).all()) or (not fmt.fp4_spec or not fmt.fp4_spec.tensor_scale) and bool(
+                (tensor_scales != 1).any()):
+            raise InvalidArgumentError("tensor_scales", "positive per-tensor scales of K and V (1 unless NVFP4)",
+                                       tensor_scales.tolist())
         check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
         B = seq_lens.shape[0]
         if B and int(seq_lens.min()) < 0:
@@ -90,6 +102,7 @@ class QuantKVCache:
                 raise InvalidArgumentError(name, f"the dtype of k_sink ({k_sink.dtype})", t.dtype)
         self.k_codes, self.v_codes = k_codes, v_codes
         self.k_params, self.v_params = k_params, v_params
+        self.tensor_scales = tensor_scales
         self.k_sink, self.v_sink, self.k_recent, self.v_recent = k_sink, v_sink, k_recent, v_recent
         self.seq_lens = seq_lens.to(torch.int32)
         self.page_table = page_table
@@ -179,10 +192,15 @@ class QuantKVCache:
         return words.permute(1, 0, 2).reshape(self.num_kv_heads, -1)
 
     def quantized_params(self, tensor: str, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP32 ``(s', z')`` of sequence ``b``: ``[Hkv, n_quant, D/g]`` (token-wise) or ``[Hkv, n_quant/g, D]``."""
+        """FP32 ``(s', z')`` of sequence ``b``: ``[Hkv, n_quant, D/g]`` (token-wise) or ``[Hkv, n_quant/g, D]``;
+        an FP4 format's block scales times the tensor's scale (float64, exact) and zeros."""
         fmt, page = self.fmt, self.page_size
         n_quant = int(self.split()[1][b])
         pages = self.quantized_pages(b)
+        if fmt.is_fp4:
+            from .fp4 import decode_scale
+            s = decode_scale(self.quantized_scales(tensor, b), fmt.fp4_spec) * self.tensor_scale(tensor)
+            return s, torch.zeros_like(s)
         par = self._params(tensor)[pages].permute(1, 0, 2, 3, 4)  # [H, n, rows, cols, 2]
         H = self.num_kv_heads
         if fmt.axis(tensor) == TOKEN:
@@ -193,6 +211,16 @@ class QuantKVCache:
                 par = par[:, :: g // page]
             par = par.reshape(H, -1, par.shape[-2], 2)[:, : n_quant // g]
         return par[..., 0], par[..., 1]
+
+    def quantized_scales(self, tensor: str, b: int) -> torch.Tensor:
+        """An FP4 format's block-scale bytes of sequence ``b``: uint8 ``[Hkv, n_quant, D/block]``."""
+        n_quant = int(self.split()[1][b])
+        par = self._params(tensor)[self.quantized_pages(b)]  # [n, H, page, D/block]
+        return par.permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, par.shape[-1])[:, :n_quant]
+
+    def tensor_scale(self, tensor: str) -> float:
+        """The per-tensor scale of ``tensor`` (NVFP4's FP32 scale; 1 for the other formats)."""
+        return float(self.tensor_scales[tensor == "v"])
 
     def quantized_codes(self, tensor: str, b: int) -> torch.Tensor:
         """Logical codes of sequence ``b``'s quantized tokens: int32 ``[Hkv, n_quant, D]``."""
@@ -241,7 +269,7 @@ class QuantKVCache:
 
     def _dequantize_seq(self, tensor: str, b: int) -> torch.Tensor:
         fmt = self.fmt
-        y = fmt.op.construct(self.quantized_codes(tensor, b))  # [H, n, D], float64
+        y = fmt.values(self.quantized_codes(tensor, b))  # [H, n, D], float64
         sp, zp = self.quantized_params(tensor, b)
         g = fmt.group_size
         sp, zp = sp.double(), zp.double()
@@ -252,50 +280,18 @@ class QuantKVCache:
         return sp * y + zp
 
     def export(self) -> dict:
-        """Logical contents for interop (KIVI/OSCAR-style tensors), nothing lost.
-
-        ``{k,v}_codes``: uint8 ``[B, Hkv, Q, D]`` (``Q`` = longest quantized part, zero past each);
-        ``{k,v}_scale``/``{k,v}_offset``: the ``(s, z)`` of ``x = s*q + z``, float64 (exact from the
-        stored FP32 ``s', z'``), ``[B, Hkv, Q, D/g]`` token-wise or ``[B, Hkv, Q/g, D]`` channel-wise;
-        ``{k,v}_scale_folded``/``{k,v}_offset_folded``: the stored FP32 ``s', z'``;
-        ``{k,v}_sink``, ``{k,v}_recent``: the BF16 windows in token order (``[B, Hkv, n, D]``, zero
-        past each sequence's count); ``seq_lens``; ``format``; ``k_mean`` (the keys' centring mean, or
-        ``None``). With a rotation, the values as stored (rotated: ``format.rotation`` names it), keys
-        centred.
-        """
-        fmt, B, H, D, g = self.fmt, self.batch_size, self.num_kv_heads, self.head_dim, self.fmt.group_size
-        n_sink, n_quant, n_recent = self.split()
-        Q = int(n_quant.max()) if B else 0
-        R = int(n_recent.max()) if B else 0
-        res = {"format": fmt, "seq_lens": self.seq_lens.clone()}
-        for tensor in ("k", "v"):
-            rows, cols = fmt.param_shape(tensor, Q) if fmt.axis(tensor) == TOKEN else (Q // g, D)
-            codes = torch.zeros(B, H, Q, D, dtype=torch.uint8, device=self.device)
-            spf = torch.zeros(B, H, rows, cols, dtype=torch.float32, device=self.device)
-            zpf = torch.zeros_like(spf)
-            recent = torch.zeros(B, H, R, D, dtype=self.window_dtype, device=self.device)
-            for b in range(B):
-                nq = int(n_quant[b])
-                codes[b, :, :nq] = self.quantized_codes(tensor, b).to(torch.uint8)
-                sp, zp = self.quantized_params(tensor, b)
-                spf[b, :, : sp.shape[1]] = sp
-                zpf[b, :, : zp.shape[1]] = zp
-                recent[b, :, : int(n_recent[b])] = self.windows(tensor, b)[:, int(n_sink[b]):]
-            s, z = fmt.op.unfold(spf, zpf)
-            res.update({f"{tensor}_codes": codes, f"{tensor}_scale": s, f"{tensor}_offset": z,
-                        f"{tensor}_scale_folded": spf, f"{tensor}_offset_folded": zpf,
-                        f"{tensor}_sink": (self.k_sink if tensor == "k" else self.v_sink).clone(),
-                        f"{tensor}_recent": recent})
-        res["k_mean"] = None if self.k_mean is None else self.k_mean.clone()
-        return res
+        """Logical contents for interop, nothing lost (:func:`foscar.cache_io.export`)."""
+        from .cache_io import export
+        return export(self)
 
     # ---- building ----------------------------------------------------------------------------
     @classmethod
     def _allocate(cls, fmt: KVFormat, *, seq_lens: torch.Tensor, num_kv_heads: int, page_size: int | None,
                   page_table: PageTable | None, num_pages: int | None, window_dtype: torch.dtype,
-                  device: torch.device, size_name: str = "seq_lens") -> QuantKVCache:
+                  device: torch.device, size_name: str = "seq_lens", tensor_scales=None) -> QuantKVCache:
         """An all-zero cache with room for ``seq_lens``; the quantized parts are then written. An allocation
-        the device refuses is an error naming ``size_name``, the argument that sized it."""
+        the device refuses is an error naming ``size_name``, the argument that sized it. ``tensor_scales``:
+        NVFP4's per-tensor scales of K and V (floats; default 1)."""
         B, H, D = seq_lens.shape[0], num_kv_heads, fmt.head_dim
         _, n_quant, _ = fmt.split_length(seq_lens.long())
         max_q = int(n_quant.max()) if B else 0
@@ -332,11 +328,12 @@ class QuantKVCache:
                 raise InvalidArgumentError("page_table", "distinct pages for the quantized tokens being written",
                                            "a page used twice")
         W = fmt.words_per_page("k", page_size)
+        par_dtype = torch.uint8 if fmt.is_fp4 else torch.float32  # FP4: block-scale bytes
         rk, ck = fmt.param_shape("k", page_size)
         rv, cv = fmt.param_shape("v", page_size)
         shapes = {"k_codes": ((num_pages, H, W), torch.int32), "v_codes": ((num_pages, H, W), torch.int32),
-                  "k_params": ((num_pages, H, rk, ck, 2), torch.float32),
-                  "v_params": ((num_pages, H, rv, cv, 2), torch.float32),
+                  "k_params": ((num_pages, H, rk, ck) if fmt.is_fp4 else (num_pages, H, rk, ck, 2), par_dtype),
+                  "v_params": ((num_pages, H, rv, cv) if fmt.is_fp4 else (num_pages, H, rv, cv, 2), par_dtype),
                   "k_sink": ((B, H, fmt.sink, D), window_dtype), "v_sink": ((B, H, fmt.sink, D), window_dtype),
                   "k_recent": ((B, H, fmt.recent_capacity, D), window_dtype),
                   "v_recent": ((B, H, fmt.recent_capacity, D), window_dtype)}
@@ -347,11 +344,16 @@ class QuantKVCache:
             raise InvalidArgumentError(size_name, f"a cache that {device} can allocate",
                                        f"{need / 2 ** 30:.3g} GiB ({num_pages} pages of {page_size} tokens, "
                                        f"{H} KV heads): {type(e).__name__}") from None
+        scales = torch.tensor([1.0, 1.0] if tensor_scales is None else [float(x) for x in tensor_scales],
+                              dtype=torch.float32, device=device)
         return cls(fmt, **tensors, seq_lens=seq_lens.to(device=device, dtype=torch.int32), page_table=page_table,
+                   tensor_scales=scales,
                    contiguous=contiguous)
 
-    def _store_quantized(self, tensor: str, b: int, codes: torch.Tensor, sp: torch.Tensor, zp: torch.Tensor) -> None:
-        """Write logical codes ``[H, n_quant, D]`` and FP32 ``s', z'`` of sequence ``b`` into its pages."""
+    def _store_quantized(self, tensor: str, b: int, codes: torch.Tensor, sp: torch.Tensor,
+                         zp: torch.Tensor | None) -> None:
+        """Write logical codes ``[H, n_quant, D]`` and FP32 ``s', z'`` of sequence ``b`` into its pages (an FP4
+        format: its block-scale bytes ``sp [H, n_quant, D/block]``, ``zp`` None)."""
         fmt, page, H, D = self.fmt, self.page_size, self.num_kv_heads, self.head_dim
         pages = self.quantized_pages(b)
         n = pages.numel()
@@ -361,6 +363,10 @@ class QuantKVCache:
         codes = torch.nn.functional.pad(codes.to(torch.int32), (0, 0, 0, pad))
         words = pack_codes(codes.reshape(H, n, page, D), fmt.bits, tensor)  # [H, n, W]
         self._codes(tensor)[pages] = words.permute(1, 0, 2)
+        if fmt.is_fp4:
+            sb = torch.nn.functional.pad(sp.to(torch.uint8), (0, 0, 0, pad))
+            self._params(tensor)[pages] = sb.reshape(H, n, page, -1).permute(1, 0, 2, 3)
+            return
         par = torch.stack([sp, zp], dim=-1).to(torch.float32)  # [H, rows_total, cols, 2]
         rows, _ = fmt.param_shape(tensor, page)
         if fmt.axis(tensor) == CHANNEL and page < fmt.group_size:
@@ -381,15 +387,20 @@ class QuantKVCache:
     def empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len: int | None = None,
               page_size: int | None = 64, page_table: PageTable | None = None, num_pages: int | None = None,
               window_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-              key_mean=None) -> QuantKVCache:
+              key_mean=None, tensor_scales=None) -> QuantKVCache:
         """A cache of ``batch`` empty sequences to :meth:`append` to. Paged (``page_size``): the caller's
         ``page_table`` and pool size ``num_pages``, or, given ``max_len``, ``ceil(max_len / page_size)``
         pages per sequence. Contiguous (``page_size=None``): room for ``max_len`` tokens per sequence.
         ``key_mean``: key centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (the first append's
-        mean per sequence) or a ``[batch, num_kv_heads, head_dim]`` tensor."""
+        mean per sequence) or a ``[batch, num_kv_heads, head_dim]`` tensor. ``tensor_scales``: NVFP4's
+        per-tensor scales ``(k, v)`` (calibrated, as serving engines take them; default 1), fixed for the
+        cache's life: a value beyond what they let the E4M3 block scales hold is refused when appended."""
         key_mean = check_key_mean(key_mean, batch, num_kv_heads, fmt.head_dim, torch.device(device))
         cache = cls._empty(fmt, batch, num_kv_heads, max_len=max_len, page_size=page_size, page_table=page_table,
                            num_pages=num_pages, window_dtype=window_dtype, device=device)
+        if tensor_scales is not None:
+            from .fp4 import check_tensor_scales
+            cache.tensor_scales.copy_(check_tensor_scales(fmt, tensor_scales, cache.device))
         cache.k_mean_pending = isinstance(key_mean, str)
         cache.k_mean = None if key_mean is None or isinstance(key_mean, str) else key_mean
         return cache
@@ -448,139 +459,7 @@ class QuantKVCache:
         return check_append(self, k_new, v_new, quantizer)
 
     @classmethod
-    def from_quantized(cls, fmt: KVFormat, *, k_codes, k_scale, k_offset, v_codes, v_scale, v_offset, seq_lens,
-                       k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
-                       page_table: PageTable | None = None, num_pages: int | None = None,
-                       k_mean: torch.Tensor | None = None) -> QuantKVCache:
-        """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
-
-        Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),
-        ``(s, z)`` of ``x = s*q + z`` shaped ``[B, Hkv, Q, D/g]`` (token-wise) or ``[B, Hkv, Q/g, D]``
-        (channel-wise), ``Q`` at least every sequence's quantized count (``fmt.split_length``);
-        windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
-        ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``). With
-        ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.rotation.rotation_matrix`),
-        as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
-        ``k_mean [B, Hkv, D]``: the mean the keys were centred by before that (:mod:`foscar.centring`).
-        """
-        if not isinstance(fmt, KVFormat):
-            raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
-        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
-        check_tensor("k_codes", k_codes, ndim=4)
-        B, H, Q, D = k_codes.shape
-        dev = k_codes.device
-        if D != fmt.head_dim:
-            raise InvalidArgumentError("k_codes", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
-        check_tensor("seq_lens", seq_lens, shape=(B,), device=dev)
-        n_sink, n_quant, n_recent = fmt.split_length(seq_lens.long())
-        if B and int(n_quant.max()) > Q:
-            b = int(n_quant.argmax())
-            raise InvalidArgumentError("seq_lens", f"lengths whose quantized parts fit the {Q} tokens of k_codes "
-                                       f"(dim 2)", f"{int(seq_lens[b])} at sequence {b} ({int(n_quant[b])} quantized)")
-        g = fmt.group_size
-        wdtype = None
-        tensors = {}
-        for tensor, codes, s, z, sink, recent in (("k", k_codes, k_scale, k_offset, k_sink, k_recent),
-                                                  ("v", v_codes, v_scale, v_offset, v_sink, v_recent)):
-            check_tensor(f"{tensor}_codes", codes, shape=(B, H, Q, D), device=dev)
-            if codes.is_floating_point() or codes.dtype == torch.bool:
-                raise InvalidArgumentError(f"{tensor}_codes", "an integer dtype", codes.dtype)
-            if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << fmt.bits)):
-                raise InvalidArgumentError(f"{tensor}_codes", f"codes in [0, {1 << fmt.bits})",
-                                           f"values in [{int(codes.min())}, {int(codes.max())}]")
-            shp = (B, H, Q, D // g) if fmt.axis(tensor) == TOKEN else (B, H, -(-Q // g), D)
-            for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
-                check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
-                check_finite(nm, t)
-            fmt.check_folded((f"{tensor}_scale", f"{tensor}_offset"), s, z)
-            for nm, t, need in ((f"{tensor}_sink", sink, n_sink), (f"{tensor}_recent", recent, n_recent)):
-                if t is None:
-                    if B and int(need.max()) > 0:
-                        raise InvalidArgumentError(nm, f"the BF16 tokens the format keeps ({int(need.max())} max)", None)
-                    continue
-                check_tensor(nm, t, ndim=4, dtypes=WINDOW_DTYPES, device=dev)
-                if t.shape[:2] != (B, H) or t.shape[3] != D or (B and t.shape[2] < int(need.max())):
-                    raise InvalidArgumentError(nm, f"shape ({B}, {H}, >= {int(need.max()) if B else 0}, {D})",
-                                               tuple(t.shape))
-                check_finite(nm, t)
-                fmt.check_magnitude(nm, t)
-                if wdtype is not None and t.dtype != wdtype:
-                    raise InvalidArgumentError(nm, f"window dtype {wdtype} like the other windows", t.dtype)
-                wdtype = t.dtype
-            tensors[tensor] = (codes, *fmt.op.fold(s, z), sink, recent)
-        cache = cls._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size, page_table=page_table,
-                              num_pages=num_pages, window_dtype=wdtype or torch.bfloat16, device=dev)
-        for b in range(B):
-            nq, ns, nr = int(n_quant[b]), int(n_sink[b]), int(n_recent[b])
-            wins = []
-            for tensor in ("k", "v"):
-                codes, sp, zp, sink, recent = tensors[tensor]
-                rows = nq if fmt.axis(tensor) == TOKEN else nq // g
-                cache._store_quantized(tensor, b, codes[b, :, :nq], sp[b, :, :rows], zp[b, :, :rows])
-                parts = [t[b, :, :n] for t, n in ((sink, ns), (recent, nr)) if t is not None]
-                wins.append(torch.cat(parts, dim=1) if parts else torch.zeros(H, 0, D, device=dev))
-            cache._store_windows(b, *wins)
-        if isinstance(k_mean, str):
-            raise InvalidArgumentError("k_mean", "None or a [B, Hkv, D] tensor", repr(k_mean))
-        cache.k_mean = check_key_mean(k_mean, B, H, D, dev)
-        return cache
-
-
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
-                quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
-                page_table: PageTable | None = None, num_pages: int | None = None,
-                window_dtype: torch.dtype = torch.bfloat16, key_mean=None) -> QuantKVCache:
-    """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
-
-    ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
-    ``page_size=None`` gives a contiguous cache; otherwise pages of ``page_size`` tokens, taken in
-    order from a fresh pool, or from ``page_table`` (a :class:`PageTable`) into a pool of
-    ``num_pages`` pages. ``quantizer``: ``"minmax"``, ``"mse"`` or ``"quantile"`` (``clip``).
-    The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``. ``key_mean``: key
-    centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (each sequence's mean) or ``[B, Hkv, D]``.
-    """
-    if not isinstance(fmt, KVFormat):
-        raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
-    check_tensor("k", k, ndim=4, dtypes=INPUT_DTYPES)
-    B, H, L, D = k.shape
-    if D != fmt.head_dim:
-        raise InvalidArgumentError("k", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
-    if H == 0:
-        raise InvalidArgumentError("k", "at least one KV head in dim 1", f"shape {tuple(k.shape)}")
-    check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
-    check_quantizer(quantizer)
-    if quantizer == "quantile" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                    or not 0.0 <= clip < 0.5):
-        raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", repr(clip))
-    if window_dtype not in WINDOW_DTYPES:
-        raise InvalidArgumentError("window_dtype", "torch.bfloat16 or torch.float16", window_dtype)
-    if seq_lens is None:
-        seq_lens = torch.full((B,), L, dtype=torch.int32, device=k.device)
-    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=INDEX_DTYPES, device=k.device)
-    if B and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > L):
-        raise InvalidArgumentError("seq_lens", f"lengths in [0, {L}] (k.shape[2])", seq_lens.tolist())
-    if page_table is not None and not isinstance(page_table, PageTable):
-        raise InvalidArgumentError("page_table", "a foscar.PageTable", type(page_table).__name__)
-    key_mean = check_key_mean(key_mean, B, H, D, k.device)
-    cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
-                                   page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
-                                   device=k.device)
-    if isinstance(key_mean, str):
-        key_mean = sequence_means(k, seq_lens)
-    cache.k_mean = key_mean
-    k = centre(k, key_mean)
-    k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
-    n_sink, n_quant, _ = cache.split()
-    for b in range(B):
-        Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])
-        for name, x in (("k", k), ("v", v)):
-            check_finite(name, x[b, :, :Lb])
-            fmt.check_storable(name, x[b, :, :Lb], window_dtype, 0, (b,))
-        for tensor, x in (("k", k), ("v", v)):
-            if nq:
-                codes, sp, zp = quantize_tensor(fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), fmt.bits,
-                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
-                cache._store_quantized(tensor, b, codes, sp, zp)
-        keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
-        cache._store_windows(b, k[b][:, keep], v[b][:, keep])
-    return cache
+    def from_quantized(cls, fmt: KVFormat, **tensors) -> QuantKVCache:
+        """Build a cache from existing logical codes and their group constants (:func:`foscar.cache_io.from_quantized`)."""
+        from .cache_io import from_quantized
+        return from_quantized(fmt, **tensors)

@@ -36,6 +36,10 @@ AXES = (TOKEN, CHANNEL)
 SUPPORTED_BITS = (2, 4)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_GROUPS = (32, 64, 128, 256)
+AFFINE = "affine"
+#: How a cache's values are coded (:attr:`KVFormat.scheme`): ``"affine"`` (``x = s q + z``, the paper's
+#: formats) or the FP4 block formats of :mod:`foscar.fp4` (E2M1 codes, one scale per block of channels).
+SCHEMES = (AFFINE, "nvfp4", "mxfp4")
 
 #: Layout tag of the packed words (bumped whenever the bit layout changes).
 LAYOUT_TAG = "foscar-wgmma-rs-v1"
@@ -333,6 +337,11 @@ class KVFormat:
     first when ``rotation_seed`` is given), which spreads outlier channels over every channel before
     quantization; every foscar entry point rotates what it is given and undoes it on what it returns
     (the query in, the output out; LSEs are unchanged), so results are those of the unrotated values.
+    scheme: ``"affine"`` (the default: unsigned codes, ``(s, z)`` per group), or an FP4 block format
+    (:mod:`foscar.fp4`): ``"nvfp4"`` (E2M1 codes, an E4M3 scale per 16 channels of a token, a per-tensor FP32
+    scale) or ``"mxfp4"`` (E2M1, an E8M0 scale per 32): ``bits=4``, ``group_size`` the block, both axes
+    token-wise (:meth:`fp4`). A format's values are :meth:`values` of its codes times the group's scale
+    (plus its offset: affine).
     """
 
     bits: int
@@ -345,12 +354,25 @@ class KVFormat:
     recent: int = 0
     rotation: str | None = None
     rotation_seed: int | None = None
+    scheme: str = AFFINE
     layout: str = LAYOUT_TAG
+
+    @classmethod
+    def fp4(cls, scheme: str, head_dim: int, **kw) -> KVFormat:
+        """The FP4 block format ``scheme`` (``"nvfp4"`` or ``"mxfp4"``) at ``head_dim``: 4-bit codes, groups of
+        its block, token-wise K and V; ``kw``: the windows, a rotation."""
+        from .fp4 import spec_for
+        return cls(bits=4, head_dim=head_dim, group_size=spec_for(scheme).block, scheme=scheme, **kw)
 
     def __post_init__(self):
         check_int("bits", self.bits, allowed=SUPPORTED_BITS)
         check_int("head_dim", self.head_dim, allowed=SUPPORTED_HEAD_DIMS)
-        check_int("group_size", self.group_size, allowed=SUPPORTED_GROUPS)
+        if self.scheme not in SCHEMES:
+            raise InvalidArgumentError("scheme", f"one of {SCHEMES}", repr(self.scheme))
+        if self.scheme != AFFINE:
+            self._check_fp4()
+        else:
+            check_int("group_size", self.group_size, allowed=SUPPORTED_GROUPS)
         for name in ("k_axis", "v_axis"):
             if getattr(self, name) not in AXES:
                 raise InvalidArgumentError(name, f"one of {AXES}", repr(getattr(self, name)))
@@ -376,10 +398,38 @@ class KVFormat:
                     f"{name}='token' with group_size={self.group_size}",
                     f"a token-wise group spans channels, so it must divide head_dim={self.head_dim}")
 
+    def _check_fp4(self) -> None:
+        from .fp4 import spec_for
+        spec = spec_for(self.scheme)
+        got = {"bits": self.bits, "group_size": self.group_size, "k_axis": self.k_axis, "v_axis": self.v_axis,
+               "mapping": self.mapping}
+        want = {"bits": 4, "group_size": spec.block, "k_axis": TOKEN, "v_axis": TOKEN, "mapping": "bf16"}
+        for name, value in want.items():
+            if got[name] != value:
+                raise UnsupportedError(f"{name}={got[name]!r} with scheme={self.scheme!r}",
+                                       f"{self.scheme} is 4-bit E2M1 codes in token-wise blocks of {spec.block} "
+                                       f"channels for K and V ({name}={value!r}; KVFormat.fp4 makes it)")
+
     # ---- derived ---------------------------------------------------------------------------
     @property
     def op(self) -> OperandMapping:
         return MAPPINGS[self.mapping]
+
+    @property
+    def is_fp4(self) -> bool:
+        """Whether the codes are E2M1 in FP4 blocks (:mod:`foscar.fp4`), not affine."""
+        return self.scheme != AFFINE
+
+    @property
+    def fp4_spec(self):
+        """The :class:`foscar.fp4.Fp4Spec` of an FP4 format (``None``: affine)."""
+        from .fp4 import spec_for
+        return spec_for(self.scheme) if self.is_fp4 else None
+
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        """What the codes ``q`` are worth before the group's scale, float64: the operand ``y`` the affine
+        cache's ``(s', z')`` are folded for (``x = s' y + z'``), or the E2M1 value (``x = s v``)."""
+        return e2m1_decode(codes) if self.is_fp4 else self.op.construct(codes)
 
     def axis(self, tensor: str) -> str:
         return self.k_axis if tensor == "k" else self.v_axis
@@ -515,6 +565,9 @@ class KVFormat:
                                        f"s={s[i].item():.6g}, z={z[i].item():.6g} at index {i}")
 
     def bytes_per_token(self) -> float:
-        """HBM bytes one quantized token costs per KV head, K and V together (codes + s' + z')."""
+        """HBM bytes one quantized token costs per KV head, K and V together (codes + s' + z', or the FP4
+        codes and block-scale bytes)."""
+        if self.is_fp4:
+            return 2 * self.fp4_spec.bytes_per_token(self.head_dim)
         per = self.head_dim * self.bits / 8 + 8 * self.head_dim / self.group_size
         return 2 * per

@@ -139,11 +139,38 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> float:
     return amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else 1.0
 
 
-def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | None = None) -> Fp4Blocks:
+def block_limit(spec: Fp4Spec, tensor_scale: float) -> float:
+    """The largest magnitude a block holds without clipping: 6 times the largest block scale (NVFP4: 448
+    times the tensor's scale; MXFP4: ``2^127``)."""
+    return E2M1_MAX * (E4M3_MAX * tensor_scale if spec.scale == "e4m3" else 2.0 ** 127)
+
+
+def check_tensor_scales(fmt, tensor_scales, device) -> torch.Tensor:
+    """NVFP4's per-tensor scales ``(k, v)`` (two finite positive numbers) as FP32 ``[2]`` on ``device``;
+    refused by name for any other format."""
+    spec = fmt.fp4_spec
+    if spec is None or not spec.tensor_scale:
+        raise InvalidArgumentError("tensor_scales", f"None (scheme={fmt.scheme!r} has no per-tensor scale)",
+                                   tensor_scales)
+    try:
+        t = torch.as_tensor(tensor_scales, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.numel() != 2 or not bool((torch.isfinite(t) & (t > 0)).all()):
+        raise InvalidArgumentError("tensor_scales", "(k_scale, v_scale): two finite positive floats", tensor_scales)
+    t32 = t.to(torch.float32)
+    if not bool((t32 > 0).all()) or not bool(torch.isfinite(t32).all()):
+        raise InvalidArgumentError("tensor_scales", "scales FP32 holds (normal, finite)", tensor_scales)
+    return t32.to(device)
+
+
+def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | None = None,
+                    search: bool = True) -> Fp4Blocks:
     """``x [..., D]`` (finite, ``D`` a multiple of the block) as FP4 blocks along its last dim: per block the
     candidate scale (:func:`_candidates`) whose dequantized block is nearer ``x`` in squared error (ties:
-    the first), the codes rounded to nearest (:func:`e2m1_round`). ``tensor_scale`` (NVFP4): given, or
-    :func:`nvfp4_tensor_scale` of ``x``."""
+    the first; ``search=False``: the first, the scale from the block's maximum), the codes rounded to nearest
+    (:func:`e2m1_round`). ``tensor_scale`` (NVFP4): given, or :func:`nvfp4_tensor_scale` of ``x``. A value
+    past :func:`block_limit` is refused by name (it would be clipped)."""
     spec = spec_for(spec) if isinstance(spec, str) else spec
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise InvalidArgumentError("x", "a floating-point tensor", type(x).__name__)
@@ -162,8 +189,12 @@ def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | 
         tensor_scale = 1.0
     xb = x.to(torch.float64).reshape(*x.shape[:-1], -1, spec.block)
     amax = xb.abs().amax(-1)
+    limit = block_limit(spec, tensor_scale)
+    if amax.numel() and float(amax.max()) > limit:
+        raise InvalidArgumentError("x", f"values of magnitude <= {limit:.6g} ({spec.name} blocks with tensor scale "
+                                   f"{tensor_scale:.6g}: 6 x the largest block scale)", f"{float(amax.max()):.6g}")
     best = None
-    for sb in _candidates(amax, spec, tensor_scale):
+    for sb in _candidates(amax, spec, tensor_scale)[: 2 if search else 1]:
         s = decode_scale(sb, spec) * tensor_scale
         y = torch.where(s[..., None] > 0, xb / s[..., None], torch.zeros_like(xb))
         codes = e2m1_round(y)

@@ -1,0 +1,196 @@
+"""Building a :class:`~foscar.cache.QuantKVCache` from dense values (:func:`quantize_kv`) or from codes another
+system quantized (:func:`from_quantized`), and its logical contents back out (:func:`export`): affine
+``(s, z)`` groups, and the FP4 block formats (:mod:`foscar.fp4`: E2M1 codes, block-scale bytes, NVFP4's
+per-tensor scale)."""
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_finite, check_tensor
+from .cache import INPUT_DTYPES, WINDOW_DTYPES, QuantKVCache
+from .centring import centre, check_key_mean, sequence_means
+from .errors import InvalidArgumentError
+from .format import TOKEN, KVFormat
+from .pagetable import INDEX_DTYPES, PageTable
+from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
+from .rotation import rotate
+
+
+def export(cache: QuantKVCache) -> dict:
+    """Logical contents for interop (KIVI/OSCAR-style tensors), nothing lost.
+
+    ``{k,v}_codes``: uint8 ``[B, Hkv, Q, D]`` (``Q`` = longest quantized part, zero past each);
+    ``{k,v}_scale``/``{k,v}_offset``: the ``(s, z)`` of ``x = s*q + z``, float64 (exact from the
+    stored FP32 ``s', z'``), ``[B, Hkv, Q, D/g]`` token-wise or ``[B, Hkv, Q/g, D]`` channel-wise;
+    ``{k,v}_scale_folded``/``{k,v}_offset_folded``: the stored FP32 ``s', z'``;
+    ``{k,v}_sink``, ``{k,v}_recent``: the BF16 windows in token order (``[B, Hkv, n, D]``, zero
+    past each sequence's count); ``seq_lens``; ``format``; ``k_mean`` (the keys' centring mean, or
+    ``None``). With a rotation, the values as stored (rotated: ``format.rotation`` names it), keys
+    centred.
+    """
+    fmt, B, H, D, g = cache.fmt, cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.fmt.group_size
+    n_sink, n_quant, n_recent = cache.split()
+    Q = int(n_quant.max()) if B else 0
+    R = int(n_recent.max()) if B else 0
+    res = {"format": fmt, "seq_lens": cache.seq_lens.clone()}
+    for tensor in ("k", "v"):
+        rows, cols = fmt.param_shape(tensor, Q) if fmt.axis(tensor) == TOKEN else (Q // g, D)
+        codes = torch.zeros(B, H, Q, D, dtype=torch.uint8, device=cache.device)
+        spf = torch.zeros(B, H, rows, cols, dtype=torch.float32, device=cache.device)
+        zpf = torch.zeros_like(spf)
+        recent = torch.zeros(B, H, R, D, dtype=cache.window_dtype, device=cache.device)
+        for b in range(B):
+            nq = int(n_quant[b])
+            codes[b, :, :nq] = cache.quantized_codes(tensor, b).to(torch.uint8)
+            sp, zp = cache.quantized_params(tensor, b)
+            spf[b, :, : sp.shape[1]] = sp
+            zpf[b, :, : zp.shape[1]] = zp
+            recent[b, :, : int(n_recent[b])] = cache.windows(tensor, b)[:, int(n_sink[b]):]
+        s, z = fmt.op.unfold(spf, zpf)
+        res.update({f"{tensor}_codes": codes, f"{tensor}_scale": s, f"{tensor}_offset": z,
+                    f"{tensor}_scale_folded": spf, f"{tensor}_offset_folded": zpf,
+                    f"{tensor}_sink": (cache.k_sink if tensor == "k" else cache.v_sink).clone(),
+                    f"{tensor}_recent": recent})
+    res["k_mean"] = None if cache.k_mean is None else cache.k_mean.clone()
+    return res
+
+
+
+def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_lens, k_offset=None, v_offset=None,
+                   k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
+                   page_table: PageTable | None = None, num_pages: int | None = None,
+                   k_mean: torch.Tensor | None = None) -> QuantKVCache:
+    """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
+
+    Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),
+    ``(s, z)`` of ``x = s*q + z`` shaped ``[B, Hkv, Q, D/g]`` (token-wise) or ``[B, Hkv, Q/g, D]``
+    (channel-wise), ``Q`` at least every sequence's quantized count (``fmt.split_length``);
+    windows in token order ``[B, Hkv, n, D]`` (``n`` at least each sequence's sink/recent count).
+    ``(s, z)`` are folded into the cache's FP32 ``(s', z')`` (one rounding of ``z'``). With
+    ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.rotation.rotation_matrix`),
+    as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
+    ``k_mean [B, Hkv, D]``: the mean the keys were centred by before that (:mod:`foscar.centring`).
+    """
+    if not isinstance(fmt, KVFormat):
+        raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
+    check_tensor("k_codes", k_codes, ndim=4)
+    B, H, Q, D = k_codes.shape
+    dev = k_codes.device
+    if D != fmt.head_dim:
+        raise InvalidArgumentError("k_codes", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
+    check_tensor("seq_lens", seq_lens, shape=(B,), device=dev)
+    n_sink, n_quant, n_recent = fmt.split_length(seq_lens.long())
+    if B and int(n_quant.max()) > Q:
+        b = int(n_quant.argmax())
+        raise InvalidArgumentError("seq_lens", f"lengths whose quantized parts fit the {Q} tokens of k_codes "
+                                   f"(dim 2)", f"{int(seq_lens[b])} at sequence {b} ({int(n_quant[b])} quantized)")
+    g = fmt.group_size
+    wdtype = None
+    tensors = {}
+    for tensor, codes, s, z, sink, recent in (("k", k_codes, k_scale, k_offset, k_sink, k_recent),
+                                              ("v", v_codes, v_scale, v_offset, v_sink, v_recent)):
+        check_tensor(f"{tensor}_codes", codes, shape=(B, H, Q, D), device=dev)
+        if codes.is_floating_point() or codes.dtype == torch.bool:
+            raise InvalidArgumentError(f"{tensor}_codes", "an integer dtype", codes.dtype)
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << fmt.bits)):
+            raise InvalidArgumentError(f"{tensor}_codes", f"codes in [0, {1 << fmt.bits})",
+                                       f"values in [{int(codes.min())}, {int(codes.max())}]")
+        shp = (B, H, Q, D // g) if fmt.axis(tensor) == TOKEN else (B, H, -(-Q // g), D)
+        for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
+            check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
+            check_finite(nm, t)
+        fmt.check_folded((f"{tensor}_scale", f"{tensor}_offset"), s, z)
+        for nm, t, need in ((f"{tensor}_sink", sink, n_sink), (f"{tensor}_recent", recent, n_recent)):
+            if t is None:
+                if B and int(need.max()) > 0:
+                    raise InvalidArgumentError(nm, f"the BF16 tokens the format keeps ({int(need.max())} max)", None)
+                continue
+            check_tensor(nm, t, ndim=4, dtypes=WINDOW_DTYPES, device=dev)
+            if t.shape[:2] != (B, H) or t.shape[3] != D or (B and t.shape[2] < int(need.max())):
+                raise InvalidArgumentError(nm, f"shape ({B}, {H}, >= {int(need.max()) if B else 0}, {D})",
+                                           tuple(t.shape))
+            check_finite(nm, t)
+            fmt.check_magnitude(nm, t)
+            if wdtype is not None and t.dtype != wdtype:
+                raise InvalidArgumentError(nm, f"window dtype {wdtype} like the other windows", t.dtype)
+            wdtype = t.dtype
+        tensors[tensor] = (codes, *fmt.op.fold(s, z), sink, recent)
+    cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size, page_table=page_table,
+                          num_pages=num_pages, window_dtype=wdtype or torch.bfloat16, device=dev)
+    for b in range(B):
+        nq, ns, nr = int(n_quant[b]), int(n_sink[b]), int(n_recent[b])
+        wins = []
+        for tensor in ("k", "v"):
+            codes, sp, zp, sink, recent = tensors[tensor]
+            rows = nq if fmt.axis(tensor) == TOKEN else nq // g
+            cache._store_quantized(tensor, b, codes[b, :, :nq], sp[b, :, :rows], zp[b, :, :rows])
+            parts = [t[b, :, :n] for t, n in ((sink, ns), (recent, nr)) if t is not None]
+            wins.append(torch.cat(parts, dim=1) if parts else torch.zeros(H, 0, D, device=dev))
+        cache._store_windows(b, *wins)
+    if isinstance(k_mean, str):
+        raise InvalidArgumentError("k_mean", "None or a [B, Hkv, D] tensor", repr(k_mean))
+    cache.k_mean = check_key_mean(k_mean, B, H, D, dev)
+    return cache
+
+
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
+                quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
+                page_table: PageTable | None = None, num_pages: int | None = None,
+                window_dtype: torch.dtype = torch.bfloat16, key_mean=None) -> QuantKVCache:
+    """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
+
+    ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
+    ``page_size=None`` gives a contiguous cache; otherwise pages of ``page_size`` tokens, taken in
+    order from a fresh pool, or from ``page_table`` (a :class:`PageTable`) into a pool of
+    ``num_pages`` pages. ``quantizer``: ``"minmax"``, ``"mse"`` or ``"quantile"`` (``clip``).
+    The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``. ``key_mean``: key
+    centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (each sequence's mean) or ``[B, Hkv, D]``.
+    """
+    if not isinstance(fmt, KVFormat):
+        raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
+    check_tensor("k", k, ndim=4, dtypes=INPUT_DTYPES)
+    B, H, L, D = k.shape
+    if D != fmt.head_dim:
+        raise InvalidArgumentError("k", f"head_dim {fmt.head_dim} (fmt.head_dim) in dim 3", D)
+    if H == 0:
+        raise InvalidArgumentError("k", "at least one KV head in dim 1", f"shape {tuple(k.shape)}")
+    check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
+    check_quantizer(quantizer)
+    if quantizer == "quantile" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                    or not 0.0 <= clip < 0.5):
+        raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", repr(clip))
+    if window_dtype not in WINDOW_DTYPES:
+        raise InvalidArgumentError("window_dtype", "torch.bfloat16 or torch.float16", window_dtype)
+    if seq_lens is None:
+        seq_lens = torch.full((B,), L, dtype=torch.int32, device=k.device)
+    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=INDEX_DTYPES, device=k.device)
+    if B and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > L):
+        raise InvalidArgumentError("seq_lens", f"lengths in [0, {L}] (k.shape[2])", seq_lens.tolist())
+    if page_table is not None and not isinstance(page_table, PageTable):
+        raise InvalidArgumentError("page_table", "a foscar.PageTable", type(page_table).__name__)
+    key_mean = check_key_mean(key_mean, B, H, D, k.device)
+    cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size,
+                                   page_table=page_table, num_pages=num_pages, window_dtype=window_dtype,
+                                   device=k.device)
+    if isinstance(key_mean, str):
+        key_mean = sequence_means(k, seq_lens)
+    cache.k_mean = key_mean
+    k = centre(k, key_mean)
+    k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
+    n_sink, n_quant, _ = cache.split()
+    for b in range(B):
+        Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])
+        for name, x in (("k", k), ("v", v)):
+            check_finite(name, x[b, :, :Lb])
+            fmt.check_storable(name, x[b, :, :Lb], window_dtype, 0, (b,))
+        for tensor, x in (("k", k), ("v", v)):
+            if nq:
+                codes, sp, zp = quantize_tensor(fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), fmt.bits,
+                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
+                cache._store_quantized(tensor, b, codes, sp, zp)
+        keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
+        cache._store_windows(b, k[b][:, keep], v[b][:, keep])
+    return cache
