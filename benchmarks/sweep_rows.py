@@ -45,7 +45,7 @@ def main():
     a = p.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    print("| B | L | Hq:Hkv | q_len | bits | CTAs/SM | K operands | splits (base: one wave of 1 CTA per SM) | µs |\n"
+    print("| B | L | Hq:Hkv | q_len | bits | CTAs/SM | K operands | splits (base of the multiples) | µs |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
