@@ -62,7 +62,14 @@ def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") 
 def _fmt_values(fmt: KVFormat) -> tuple:
     """The format as plain values (what the custom op takes, and what ``torch.compile`` can hold as a
     constant: older Dynamo cannot rebuild a frozen dataclass)."""
-    return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent)
+    return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent,
+            fmt.scheme)
+
+
+def _fmt_from_values(values: tuple) -> KVFormat:
+    """The :class:`KVFormat` of :func:`_fmt_values` (a rotation is applied outside the custom op)."""
+    *head, scheme = values
+    return KVFormat(*head, scheme=scheme)
 
 
 def _constant_for_compile(fn):
@@ -83,7 +90,7 @@ def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backe
     """The choice, made once per process and call signature (the status checks cost an eager decode
     call about 100 us of host time: imports looked up, the device queried). An error is not cached.
     :func:`clear_selection_cache` forgets the choices (after installing a backend, say)."""
-    fmt = KVFormat(*fmt_values)
+    fmt = _fmt_from_values(fmt_values)
     choice = backend
     source = "backend"
     if backend == "auto" and env != "auto":
@@ -114,13 +121,14 @@ def clear_selection_cache() -> None:
 # The custom op: tensors and plain values in, out and lse written in place
 # --------------------------------------------------------------------------------------------
 def _cache_from_parts(fmt_args, tensors) -> QuantKVCache:
-    bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous = fmt_args
-    (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
+    *fmt_values, page_size, contiguous = fmt_args
+    (k_codes, v_codes, k_params, v_params, tensor_scales, seq_lens, block_table, num_pages,
      k_sink, v_sink, k_recent, v_recent) = tensors
-    fmt = KVFormat(bits, head_dim, group, k_axis, v_axis, mapping, sink, recent)
+    fmt = _fmt_from_values(tuple(fmt_values))
     cache = QuantKVCache.__new__(QuantKVCache)  # validated when the caller built it: no host reads here
     cache.fmt = fmt
     cache.k_codes, cache.v_codes, cache.k_params, cache.v_params = k_codes, v_codes, k_params, v_params
+    cache.tensor_scales = tensor_scales
     cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent = k_sink, v_sink, k_recent, v_recent
     cache.seq_lens = seq_lens
     cache.page_table = PageTable(block_table, num_pages, None, page_size)
@@ -131,13 +139,14 @@ def _cache_from_parts(fmt_args, tensors) -> QuantKVCache:
 
 @torch.library.custom_op("foscar::decode", mutates_args=("out", "lse"))
 def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_params: torch.Tensor,
-               v_params: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_pages: torch.Tensor,
-               k_sink: torch.Tensor, v_sink: torch.Tensor, k_recent: torch.Tensor, v_recent: torch.Tensor,
-               out: torch.Tensor, lse: torch.Tensor, bits: int, head_dim: int, group: int, k_axis: str, v_axis: str,
-               mapping: str, sink: int, recent: int, page_size: int, contiguous: bool, sm_scale: float,
-               backend: str, num_splits: int, q_len: int) -> None:
-    cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous),
-                              (k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages,
+               v_params: torch.Tensor, tensor_scales: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+               num_pages: torch.Tensor, k_sink: torch.Tensor, v_sink: torch.Tensor, k_recent: torch.Tensor,
+               v_recent: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bits: int, head_dim: int, group: int,
+               k_axis: str, v_axis: str, mapping: str, sink: int, recent: int, scheme: str, page_size: int,
+               contiguous: bool, sm_scale: float, backend: str, num_splits: int, q_len: int) -> None:
+    cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, page_size,
+                               contiguous),
+                              (k_codes, v_codes, k_params, v_params, tensor_scales, seq_lens, block_table, num_pages,
                                k_sink, v_sink, k_recent, v_recent))
     run = backends.get(backend)
     if q_len > 1 and not run.steps(cache.fmt):  # a step's rows over the causal view (:mod:`foscar.multitoken`)
@@ -149,9 +158,9 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
 
 
 @_decode_op.register_fake
-def _(q, k_codes, v_codes, k_params, v_params, seq_lens, block_table, num_pages, k_sink, v_sink, k_recent, v_recent,
-      out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, page_size, contiguous, sm_scale,
-      backend, num_splits, q_len) -> None:
+def _(q, k_codes, v_codes, k_params, v_params, tensor_scales, seq_lens, block_table, num_pages, k_sink, v_sink,
+      k_recent, v_recent, out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, page_size,
+      contiguous, sm_scale, backend, num_splits, q_len) -> None:
     return None
 
 
@@ -251,7 +260,8 @@ def op_args(q, cache: QuantKVCache, out, lse, sm_scale: float, backend: str, num
     its format as plain values; ``q_len > 1``: ``q`` holds the rows of steps of ``q_len`` tokens."""
     fmt = cache.fmt
     pt = cache.page_table
-    return (q, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.seq_lens, pt.block_table,
+    return (q, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.tensor_scales, cache.seq_lens,
+            pt.block_table,
             pt.num_pages, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent, out, lse, *_fmt_values(fmt),
             cache.page_size, cache.contiguous, float(sm_scale), backend, 0 if num_splits is None else int(num_splits),
             int(q_len))

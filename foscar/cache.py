@@ -220,7 +220,7 @@ class QuantKVCache:
 
     def tensor_scale(self, tensor: str) -> float:
         """The per-tensor scale of ``tensor`` (NVFP4's FP32 scale; 1 for the other formats)."""
-        return float(self.tensor_scales[tensor == "v"])
+        return float(self.tensor_scales[int(tensor == "v")])
 
     def quantized_codes(self, tensor: str, b: int) -> torch.Tensor:
         """Logical codes of sequence ``b``'s quantized tokens: int32 ``[Hkv, n_quant, D]``."""

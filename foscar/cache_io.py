@@ -12,7 +12,7 @@ from .centring import centre, check_key_mean, sequence_means
 from .errors import InvalidArgumentError
 from .format import TOKEN, KVFormat
 from .pagetable import INDEX_DTYPES, PageTable
-from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
+from .quantize import DEFAULT_QUANTILE, FP4_QUANTIZERS, QUANTIZERS, check_quantizer, quantize_for
 from .rotation import rotate
 
 
@@ -33,6 +33,8 @@ def export(cache: QuantKVCache) -> dict:
     Q = int(n_quant.max()) if B else 0
     R = int(n_recent.max()) if B else 0
     res = {"format": fmt, "seq_lens": cache.seq_lens.clone()}
+    if fmt.is_fp4:
+        return _export_fp4(cache, res)
     for tensor in ("k", "v"):
         rows, cols = fmt.param_shape(tensor, Q) if fmt.axis(tensor) == TOKEN else (Q // g, D)
         codes = torch.zeros(B, H, Q, D, dtype=torch.uint8, device=cache.device)
@@ -55,11 +57,36 @@ def export(cache: QuantKVCache) -> dict:
     return res
 
 
+def _export_fp4(cache: QuantKVCache, res: dict) -> dict:
+    """:func:`export` of an FP4 format: ``{k,v}_codes`` (E2M1, uint8 ``[B, Hkv, Q, D]``), ``{k,v}_scale`` (the
+    block-scale bytes, uint8 ``[B, Hkv, Q, D/block]``), ``tensor_scales`` (FP32 ``[2]``), the windows, as
+    :func:`from_quantized` takes them."""
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    n_sink, n_quant, n_recent = cache.split()
+    Q = int(n_quant.max()) if B else 0
+    R = int(n_recent.max()) if B else 0
+    for tensor in ("k", "v"):
+        codes = torch.zeros(B, H, Q, D, dtype=torch.uint8, device=cache.device)
+        scales = torch.zeros(B, H, Q, D // cache.fmt.group_size, dtype=torch.uint8, device=cache.device)
+        recent = torch.zeros(B, H, R, D, dtype=cache.window_dtype, device=cache.device)
+        for b in range(B):
+            nq = int(n_quant[b])
+            codes[b, :, :nq] = cache.quantized_codes(tensor, b).to(torch.uint8)
+            scales[b, :, :nq] = cache.quantized_scales(tensor, b)
+            recent[b, :, : int(n_recent[b])] = cache.windows(tensor, b)[:, int(n_sink[b]):]
+        res.update({f"{tensor}_codes": codes, f"{tensor}_scale": scales,
+                    f"{tensor}_sink": (cache.k_sink if tensor == "k" else cache.v_sink).clone(),
+                    f"{tensor}_recent": recent})
+    res["tensor_scales"] = cache.tensor_scales.clone()
+    res["k_mean"] = None if cache.k_mean is None else cache.k_mean.clone()
+    return res
+
+
 
 def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_lens, k_offset=None, v_offset=None,
                    k_sink=None, v_sink=None, k_recent=None, v_recent=None, page_size: int | None = None,
                    page_table: PageTable | None = None, num_pages: int | None = None,
-                   k_mean: torch.Tensor | None = None) -> QuantKVCache:
+                   k_mean: torch.Tensor | None = None, tensor_scales=None) -> QuantKVCache:
     """Build a cache from existing logical codes, scales and offsets (KIVI, OSCAR, a serving engine).
 
     Shapes are those of :meth:`export`: codes ``[B, Hkv, Q, D]`` (integers in ``[0, 2^bits)``),
@@ -70,6 +97,10 @@ def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_len
     ``fmt.rotation`` every tensor is of the rotated values (``x R``, :func:`foscar.rotation.rotation_matrix`),
     as a writer that rotates before quantizing (OSCAR) stores them; :meth:`export` gives them back so.
     ``k_mean [B, Hkv, D]``: the mean the keys were centred by before that (:mod:`foscar.centring`).
+    An FP4 format (:mod:`foscar.fp4`): ``{k,v}_codes`` are E2M1 codes (0-15), ``{k,v}_scale`` the block scales
+    ``[B, Hkv, Q, D/block]`` as their bytes (uint8: E4M3 for NVFP4, E8M0 for MXFP4; or
+    ``torch.float8_e4m3fn`` for NVFP4), stored as they are; no offsets; NVFP4's per-tensor scales
+    ``tensor_scales=(k, v)`` (default 1). The values are codes times block scale times tensor scale.
     """
     if not isinstance(fmt, KVFormat):
         raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
@@ -97,10 +128,17 @@ def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_len
             raise InvalidArgumentError(f"{tensor}_codes", f"codes in [0, {1 << fmt.bits})",
                                        f"values in [{int(codes.min())}, {int(codes.max())}]")
         shp = (B, H, Q, D // g) if fmt.axis(tensor) == TOKEN else (B, H, -(-Q // g), D)
-        for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
-            check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
-            check_finite(nm, t)
-        fmt.check_folded((f"{tensor}_scale", f"{tensor}_offset"), s, z)
+        if fmt.is_fp4:
+            folded = (_fp4_scale_bytes(fmt, f"{tensor}_scale", s, shp, dev), None)
+            if z is not None:
+                raise InvalidArgumentError(f"{tensor}_offset", f"None ({fmt.scheme} blocks have no offset)",
+                                           type(z).__name__)
+        else:
+            for nm, t in ((f"{tensor}_scale", s), (f"{tensor}_offset", z)):
+                check_tensor(nm, t, shape=shp, dtypes=INPUT_DTYPES, device=dev)
+                check_finite(nm, t)
+            fmt.check_folded((f"{tensor}_scale", f"{tensor}_offset"), s, z)
+            folded = fmt.op.fold(s, z)
         for nm, t, need in ((f"{tensor}_sink", sink, n_sink), (f"{tensor}_recent", recent, n_recent)):
             if t is None:
                 if B and int(need.max()) > 0:
@@ -115,16 +153,20 @@ def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_len
             if wdtype is not None and t.dtype != wdtype:
                 raise InvalidArgumentError(nm, f"window dtype {wdtype} like the other windows", t.dtype)
             wdtype = t.dtype
-        tensors[tensor] = (codes, *fmt.op.fold(s, z), sink, recent)
+        tensors[tensor] = (codes, *folded, sink, recent)
+    if tensor_scales is not None:
+        from .fp4 import check_tensor_scales
+        tensor_scales = check_tensor_scales(fmt, tensor_scales, dev).tolist()
     cache = QuantKVCache._allocate(fmt, seq_lens=seq_lens, num_kv_heads=H, page_size=page_size, page_table=page_table,
-                          num_pages=num_pages, window_dtype=wdtype or torch.bfloat16, device=dev)
+                                   num_pages=num_pages, window_dtype=wdtype or torch.bfloat16, device=dev,
+                                   tensor_scales=tensor_scales)
     for b in range(B):
         nq, ns, nr = int(n_quant[b]), int(n_sink[b]), int(n_recent[b])
         wins = []
         for tensor in ("k", "v"):
             codes, sp, zp, sink, recent = tensors[tensor]
             rows = nq if fmt.axis(tensor) == TOKEN else nq // g
-            cache._store_quantized(tensor, b, codes[b, :, :nq], sp[b, :, :rows], zp[b, :, :rows])
+            cache._store_quantized(tensor, b, codes[b, :, :nq], sp[b, :, :rows], None if zp is None else zp[b, :, :rows])
             parts = [t[b, :, :n] for t, n in ((sink, ns), (recent, nr)) if t is not None]
             wins.append(torch.cat(parts, dim=1) if parts else torch.zeros(H, 0, D, device=dev))
         cache._store_windows(b, *wins)
@@ -134,12 +176,28 @@ def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_len
     return cache
 
 
+def _fp4_scale_bytes(fmt: KVFormat, name: str, s, shape: tuple, dev) -> torch.Tensor:
+    """Given FP4 block scales as their bytes (uint8, or ``float8_e4m3fn`` for NVFP4), checked: the shape, and
+    bytes that are scales (E4M3: not negative, not NaN; E8M0: not the NaN byte 255)."""
+    spec = fmt.fp4_spec
+    dtypes = (torch.uint8, torch.float8_e4m3fn) if spec.scale == "e4m3" else (torch.uint8,)
+    check_tensor(name, s, shape=shape, dtypes=dtypes, device=dev)
+    b = s.view(torch.uint8) if s.dtype != torch.uint8 else s
+    bad = ((b & 0x80) != 0) | ((b & 0x7F) == 0x7F) if spec.scale == "e4m3" else b == 255
+    if b.numel() and bool(bad.any()):
+        i = tuple(bad.nonzero()[0].tolist())
+        raise InvalidArgumentError(name, f"{spec.scale.upper()} block-scale bytes of scales >= 0 (no NaN"
+                                   f"{', no sign bit' if spec.scale == 'e4m3' else ''})",
+                                   f"byte 0x{int(b[i]):02X} at index {i}")
+    return b
+
+
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
                 quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
                 page_table: PageTable | None = None, num_pages: int | None = None,
-                window_dtype: torch.dtype = torch.bfloat16, key_mean=None) -> QuantKVCache:
+                window_dtype: torch.dtype = torch.bfloat16, key_mean=None, tensor_scales=None) -> QuantKVCache:
     """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
 
     ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
@@ -148,6 +206,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     ``num_pages`` pages. ``quantizer``: ``"minmax"``, ``"mse"`` or ``"quantile"`` (``clip``).
     The first ``fmt.sink`` and last ``fmt.recent`` tokens stay in ``window_dtype``. ``key_mean``: key
     centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (each sequence's mean) or ``[B, Hkv, D]``.
+    An FP4 format (:mod:`foscar.fp4`) takes ``"minmax"`` (block scales from the block maxima) or ``"mse"``
+    (two candidates a block); NVFP4's per-tensor scales ``tensor_scales=(k, v)`` are given or taken from the
+    values quantized (their largest magnitude over ``448 * 6``).
     """
     if not isinstance(fmt, KVFormat):
         raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
@@ -158,7 +219,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     if H == 0:
         raise InvalidArgumentError("k", "at least one KV head in dim 1", f"shape {tuple(k.shape)}")
     check_tensor("v", v, shape=(B, H, L, D), dtypes=INPUT_DTYPES, device=k.device)
-    check_quantizer(quantizer)
+    check_quantizer(quantizer, FP4_QUANTIZERS if fmt.is_fp4 else QUANTIZERS,
+                    f" (scheme={fmt.scheme!r})" if fmt.is_fp4 else "")
+    if tensor_scales is not None:
+        from .fp4 import check_tensor_scales
+        tensor_scales = check_tensor_scales(fmt, tensor_scales, k.device)
     if quantizer == "quantile" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                     or not 0.0 <= clip < 0.5):
         raise InvalidArgumentError("clip", "a quantile in [0, 0.5)", repr(clip))
@@ -181,6 +246,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     k = centre(k, key_mean)
     k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
     n_sink, n_quant, _ = cache.split()
+    if fmt.fp4_spec is not None and fmt.fp4_spec.tensor_scale:
+        cache.tensor_scales.copy_(tensor_scales if tensor_scales is not None else torch.tensor(
+            [_nvfp4_scale(fmt, x, n_sink, n_quant, window_dtype) for x in (k, v)], dtype=torch.float32))
     for b in range(B):
         Lb, ns, nq = int(seq_lens[b]), int(n_sink[b]), int(n_quant[b])
         for name, x in (("k", k), ("v", v)):
@@ -188,9 +256,23 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
             fmt.check_storable(name, x[b, :, :Lb], window_dtype, 0, (b,))
         for tensor, x in (("k", k), ("v", v)):
             if nq:
-                codes, sp, zp = quantize_tensor(fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), fmt.bits,
-                                                fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
+                codes, sp, zp = quantize_for(fmt, fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), tensor,
+                                             quantizer, clip, cache.tensor_scale(tensor))
                 cache._store_quantized(tensor, b, codes, sp, zp)
         keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
         cache._store_windows(b, k[b][:, keep], v[b][:, keep])
     return cache
+
+
+def _nvfp4_scale(fmt: KVFormat, x: torch.Tensor, n_sink, n_quant, window_dtype) -> float:
+    """NVFP4's per-tensor scale for the quantized tokens of ``x [B, H, L, D]``: their largest magnitude over
+    ``448 * 6`` (:func:`foscar.fp4.nvfp4_tensor_scale`), as the FP32 at or above it, so that the largest block's
+    scale fits E4M3 (1 when nothing is quantized or every value is 0)."""
+    from .fp4 import nvfp4_tensor_scale
+    parts = [fmt.as_quantized(x[b, :, int(n_sink[b]): int(n_sink[b]) + int(n_quant[b])], window_dtype).reshape(-1)
+             for b in range(x.shape[0])]
+    t = nvfp4_tensor_scale(torch.cat(parts)) if parts else 1.0
+    t32 = torch.tensor(t, dtype=torch.float32)
+    if float(t32) < t:
+        t32 = torch.nextafter(t32, torch.tensor(float("inf")))
+    return float(t32)

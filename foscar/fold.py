@@ -66,7 +66,7 @@ import torch
 from . import e4m3
 from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
 from .rotation import rotate
 from .reference import attend
@@ -338,7 +338,15 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
            pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_folded` of validated arguments (``G`` query heads per KV head) in the cache's space (a
-    rotated cache's query already rotated, its output not rotated back): ``(out, lse)``."""
+    rotated cache's query already rotated, its output not rotated back): ``(out, lse)``. An FP4 block format:
+    :func:`foscar.fold_fp4.folded_fp4`."""
+    if cache.fmt.is_fp4:
+        if E4M3 in (operand_dtype, pv_operand_dtype):
+            raise UnsupportedError(f"operand_dtype={operand_dtype}, pv_operand_dtype={pv_operand_dtype}",
+                                   f"the {cache.fmt.scheme} spec takes BF16, FP16, FP32 or exact operands")
+        from .fold_fp4 import folded_fp4
+        return folded_fp4(q, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits, dtype=dtype,
+                          operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)

@@ -128,3 +128,28 @@ def quantize_tensor(x: torch.Tensor, bits: int, axis: str, group_size: int, mapp
     xt = x.reshape(*lead, T // g, g, D).transpose(-1, -2)  # [..., T/g, D, g]
     q, sp, zp = quantize_groups(xt, bits, mapping, quantizer, clip, tensor)
     return q.transpose(-1, -2).reshape(*lead, T, D), sp, zp
+
+
+#: The quantizers an FP4 block format takes: ``"minmax"`` (the block scale from the block's largest
+#: magnitude) and ``"mse"`` (BitDecoding-FP4's two candidates per block, the lower squared error kept).
+FP4_QUANTIZERS = ("minmax", "mse")
+
+
+def quantize_for(fmt, x: torch.Tensor, tensor: str, quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE,
+                 tensor_scale: float = 1.0, name: str | None = None):
+    """Quantize ``x[..., T, D]`` of ``tensor`` as the format ``fmt`` stores it: affine, ``(codes, s', z')``
+    (:func:`quantize_tensor`); an FP4 block format (:mod:`foscar.fp4`), ``(codes, block-scale bytes, None)``
+    with ``tensor_scale`` (NVFP4's, already the FP32 the cache holds), a value past the blocks' limit
+    refused by ``name`` (default ``tensor``). Every write path quantizes through here."""
+    if not fmt.is_fp4:
+        return quantize_tensor(x, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
+    from .fp4 import block_limit, quantize_blocks
+    check_quantizer(quantizer, FP4_QUANTIZERS, f" (scheme={fmt.scheme!r})")
+    spec = fmt.fp4_spec
+    limit = block_limit(spec, tensor_scale)
+    if x.numel() and float(x.abs().max()) > limit:
+        raise InvalidArgumentError(name or tensor, f"values of magnitude <= {limit:.6g} ({spec.name} blocks, "
+                                   f"per-tensor scale {tensor_scale:.6g}: 6 x the largest block scale)",
+                                   f"{float(x.abs().max()):.6g}")
+    q = quantize_blocks(x, spec, tensor_scale if spec.tensor_scale else None, search=quantizer == "mse")
+    return q.codes, q.scales, None

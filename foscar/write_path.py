@@ -12,7 +12,7 @@ from .errors import InvalidArgumentError
 from .centring import keep_mean, keys_to_store
 from .format import TOKEN, pack_codes, unpack_codes
 from .rotation import rotate_given
-from .quantize import DEFAULT_QUANTILE, check_quantizer, quantize_tensor
+from .quantize import DEFAULT_QUANTILE, FP4_QUANTIZERS, QUANTIZERS, check_quantizer, quantize_for
 
 
 @contextlib.contextmanager
@@ -60,8 +60,8 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
                 if (~from_ring).any():  # arriving past the window: quantized as the ring would hold them
                     j = (sink + p[~from_ring] - L0).to(cache.device)
                     src[:, (~from_ring).to(cache.device)] = fmt.as_quantized(x_new[b][:, j], ring.dtype).double()
-                codes, sp, zp = quantize_tensor(src, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op,
-                                                quantizer, clip, tensor)
+                codes, sp, zp = quantize_for(fmt, src, tensor, quantizer, clip, cache.tensor_scale(tensor),
+                                             f"{tensor}_new")
                 writes += _quantized_range_writes(cache, tensor, b, a, codes, sp, zp)
             i = torch.arange(L0, L1)
             in_sink = i < sink
@@ -87,7 +87,8 @@ def check_append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, 
     if k_new.shape[0] != B or k_new.shape[1] != H or k_new.shape[3] != D:
         raise InvalidArgumentError("k_new", f"shape ({B}, {H}, T, {D}) for this cache", tuple(k_new.shape))
     check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_new.dtype,), device=cache.device)
-    check_quantizer(quantizer)
+    check_quantizer(quantizer, FP4_QUANTIZERS if fmt.is_fp4 else QUANTIZERS,
+                    f" (scheme={fmt.scheme!r})" if fmt.is_fp4 else "")
     T = k_new.shape[2]
     if T == 0:
         return None
@@ -129,7 +130,10 @@ def _quantized_range_writes(cache: QuantKVCache, tensor: str, b: int, start: int
     new_words = pack_codes(flat.reshape(codes.shape[0], -1, page, D).permute(1, 0, 2, 3), fmt.bits, tensor)
     out = [(cache._codes(tensor), ids, new_words)]
     params = cache._params(tensor)
-    par = torch.stack([sp, zp], dim=-1).to(torch.float32).to(cache.device)  # [H, rows, cols, 2]
+    if zp is None:  # an FP4 format: the block-scale bytes [H, rows, D/block]
+        par = sp.to(device=cache.device, dtype=torch.uint8)
+    else:
+        par = torch.stack([sp, zp], dim=-1).to(torch.float32).to(cache.device)  # [H, rows, cols, 2]
     if fmt.axis(tensor) == TOKEN:  # one row per token
         for r, t in enumerate(range(start, start + n)):
             out.append((params, (pages[t // page], slice(None), t % page), par[:, r]))

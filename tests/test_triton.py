@@ -51,7 +51,8 @@ def to_device(cache, device):
                                k_params=cache.k_params.to(device), v_params=cache.v_params.to(device),
                                seq_lens=cache.seq_lens.to(device), page_table=table, k_sink=cache.k_sink.to(device),
                                v_sink=cache.v_sink.to(device), k_recent=cache.k_recent.to(device),
-                               v_recent=cache.v_recent.to(device), contiguous=cache.contiguous)
+                               v_recent=cache.v_recent.to(device), contiguous=cache.contiguous,
+                               tensor_scales=cache.tensor_scales.to(device))
 
 
 def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False, tol=1e-5, **launch):

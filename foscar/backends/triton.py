@@ -18,6 +18,9 @@ class Triton(Backend):
             return BackendStatus(self.name, False, f"needs a CUDA GPU (device is {dev})")
         if importlib.util.find_spec("triton") is None:
             return BackendStatus(self.name, False, "triton is not installed")
+        if key.fmt is not None and key.fmt.is_fp4:
+            return BackendStatus(self.name, False, f"reads affine codes; the {key.fmt.scheme} kernels are not built "
+                                 "(the reference backend decodes it)")
         if key.fmt is not None and key.fmt.mapping != "bf16":
             return BackendStatus(self.name, False,
                                  f"builds BF16 operands: needs mapping 'bf16', not {key.fmt.mapping!r}")

@@ -206,7 +206,7 @@ def random_cache(fmt: KVFormat, block_table: torch.Tensor, seq_len: int, *, kv_h
                         k_recent=window(fmt.recent_capacity), v_recent=window(fmt.recent_capacity))
 
 
-_FIELDS = ("k_codes", "k_params", "v_codes", "v_params", "k_sink", "v_sink", "k_recent", "v_recent")
+_FIELDS = ("k_codes", "k_params", "v_codes", "v_params", "tensor_scales", "k_sink", "v_sink", "k_recent", "v_recent")
 
 
 def cache_to(cache: QuantKVCache, device) -> QuantKVCache:
@@ -226,7 +226,8 @@ def one_head_cache(cache: QuantKVCache, b: int, h: int) -> QuantKVCache:
     pooled = {n: getattr(cache, n)[pages, h: h + 1].contiguous() for n in ("k_codes", "k_params", "v_codes", "v_params")}
     windows = {n: getattr(cache, n)[b: b + 1, h: h + 1].contiguous() for n in ("k_sink", "v_sink", "k_recent", "v_recent")}
     table = PageTable.from_block_table(torch.arange(pages.numel(), dtype=torch.int32, device=cache.device)[None])
-    return QuantKVCache(cache.fmt, **pooled, **windows, seq_lens=cache.seq_lens[b: b + 1].clone(), page_table=table)
+    return QuantKVCache(cache.fmt, **pooled, **windows, seq_lens=cache.seq_lens[b: b + 1].clone(), page_table=table,
+                        tensor_scales=cache.tensor_scales.clone())
 
 
 def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:

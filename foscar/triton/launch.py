@@ -157,6 +157,9 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     _check_device(q)
     fmt = cache.fmt
+    if fmt.is_fp4:
+        raise UnsupportedError(f"scheme={fmt.scheme!r}", "the Triton kernels read affine codes; the FP4 block "
+                               "formats' kernels are not built (the reference backend decodes them)")
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
     if kernel not in KERNELS:
@@ -314,6 +317,9 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
     :meth:`QuantKVCache.append` checks (capacity, pages, finite values: device reads)."""
     fmt = cache.fmt
     check_quantizer(quantizer, RANGE_QUANTIZERS, " (the Triton append; QuantKVCache.append takes every quantizer)")
+    if fmt.is_fp4:
+        raise UnsupportedError(f"scheme={fmt.scheme!r}", "the Triton append writes affine codes; "
+                               "QuantKVCache.append writes the FP4 block formats")
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")

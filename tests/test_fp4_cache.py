@@ -1,0 +1,179 @@
+"""NVFP4 and MXFP4 caches (``KVFormat.scheme``): what the format takes, the stored blocks against the codec
+(:mod:`foscar.fp4`), export and from_quantized, the write path against quantize_kv, the folded spec against
+the float64 oracle, the reference backend against BF16 attention, and the refusals."""
+import pytest
+import torch
+from _helpers import bf16_attention, rel
+
+import foscar
+from foscar import fp4
+from foscar.errors import InvalidArgumentError, UnsupportedError
+
+SCHEMES = ("nvfp4", "mxfp4")
+
+
+def _values(B, H, L, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, L, D, generator=gen) * torch.rand(1, H, 1, D, generator=gen) * 4  # channel outliers
+    v = torch.randn(B, H, L, D, generator=gen) + 0.5
+    return k, v
+
+
+@pytest.mark.parametrize("scheme,block,bpt", [("nvfp4", 16, 144), ("mxfp4", 32, 136)])
+def test_the_fp4_formats_say_what_they_are(scheme, block, bpt):
+    fmt = foscar.KVFormat.fp4(scheme, 128)
+    assert (fmt.bits, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.is_fp4) == (4, block, "token", "token", True)
+    assert fmt.bytes_per_token() == bpt  # codes and block-scale bytes, K and V
+    assert fmt == foscar.KVFormat(4, 128, block, scheme=scheme) and hash(fmt) == hash(foscar.KVFormat.fp4(scheme, 128))
+    for kw, name in (({"bits": 2}, "bits"), ({"group_size": 64}, "group_size"), ({"k_axis": "channel"}, "k_axis"),
+                     ({"v_axis": "channel"}, "v_axis"), ({"mapping": "f16"}, "mapping")):
+        args = {"bits": 4, "head_dim": 128, "group_size": block, "scheme": scheme, **kw}
+        with pytest.raises(UnsupportedError, match=rf"^{name}=.* with scheme='{scheme}'"):
+            foscar.KVFormat(**args)
+    with pytest.raises(InvalidArgumentError, match=r"^scheme: expected one of"):
+        foscar.KVFormat(4, 128, 16, scheme="fp4")
+    assert not foscar.KVFormat(4, 128, 128).is_fp4 and foscar.KVFormat(4, 128, 128).fp4_spec is None
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("quantizer,page_size,windows", [("minmax", 64, {}), ("mse", None, {}),
+                                                         ("mse", 32, {"sink": 4, "recent": 16})])
+def test_a_cache_holds_the_blocks_the_codec_makes(scheme, quantizer, page_size, windows):
+    fmt = foscar.KVFormat.fp4(scheme, 64, **windows)
+    spec = fmt.fp4_spec
+    k, v = _values(2, 2, 150, 64, seed=len(scheme) + (page_size or 0))
+    lens = torch.tensor([150, 37], dtype=torch.int32)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=page_size, quantizer=quantizer)
+    K, V = cache.dequantize()
+    n_sink, n_quant, _ = cache.split()
+    for t, (x, dense) in enumerate(((k, K), (v, V))):
+        scale = float(cache.tensor_scales[t])
+        if spec.tensor_scale:  # the FP32 at or above the largest quantized magnitude over 448 * 6
+            parts = torch.cat([x[b, :, int(n_sink[b]): int(n_sink[b] + n_quant[b])].bfloat16().double().reshape(-1)
+                               if windows else x[b, :, : int(n_quant[b])].double().reshape(-1) for b in range(2)])
+            assert scale * 448 * 6 >= float(parts.abs().max()) and scale == float(torch.tensor(scale).float())
+        else:
+            assert scale == 1.0
+        for b in range(2):
+            ns, nq, L = int(n_sink[b]), int(n_quant[b]), int(lens[b])
+            src = x[b, :, ns: ns + nq]
+            src = src.bfloat16().double() if windows else src.double()  # the recent ring's dtype first
+            want = fp4.dequantize_blocks(fp4.quantize_blocks(src, spec, scale if spec.tensor_scale else None,
+                                                             search=quantizer == "mse"))
+            assert torch.equal(dense[b, :, ns: ns + nq], want)
+            keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, L)])
+            assert torch.equal(dense[b, :, keep], x[b, :, keep].bfloat16().double())
+            assert bool((dense[b, :, L:] == 0).all())
+    assert cache.k_params.dtype == torch.uint8 and cache.k_params.shape[-1] == 64 // spec.block
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_export_and_from_quantized_round_trip(scheme):
+    fmt = foscar.KVFormat.fp4(scheme, 128, sink=2)
+    k, v = _values(2, 1, 90, 128, seed=3)
+    lens = torch.tensor([90, 66], dtype=torch.int32)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=16)
+    e = cache.export()
+    assert e["k_codes"].dtype == torch.uint8 and int(e["k_codes"].max()) < 16 and e["k_scale"].dtype == torch.uint8
+    scales = e["tensor_scales"] if scheme == "nvfp4" else None
+    for k_scale in (e["k_scale"], e["k_scale"].view(torch.float8_e4m3fn)) if scheme == "nvfp4" else (e["k_scale"],):
+        again = foscar.QuantKVCache.from_quantized(fmt, k_codes=e["k_codes"], k_scale=k_scale, v_codes=e["v_codes"],
+                                                   v_scale=e["v_scale"], seq_lens=lens, k_sink=e["k_sink"],
+                                                   v_sink=e["v_sink"], page_size=None, tensor_scales=scales)
+        for a, b in zip(again.dequantize(), cache.dequantize()):
+            assert torch.equal(a, b)
+        e2 = again.export()
+        for name in ("k_codes", "k_scale", "v_codes", "v_scale", "tensor_scales"):
+            assert torch.equal(e2[name], e[name])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_appends_write_what_quantize_kv_writes(scheme):
+    fmt = foscar.KVFormat.fp4(scheme, 64, recent=8)
+    k, v = _values(2, 2, 70, 64, seed=5)
+    scales = (0.02, 0.01) if scheme == "nvfp4" else None
+    cache = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=80, page_size=16, tensor_scales=scales)
+    cache.append(k[:, :, :50], v[:, :, :50])
+    for t in range(50, 70):  # decode steps: each token leaves the recent ring in turn
+        foscar.append(cache, k[:, :, t: t + 1], v[:, :, t: t + 1])
+    whole = foscar.quantize_kv(k, v, fmt, page_size=16, tensor_scales=scales)
+    for a, b in zip(cache.dequantize(), whole.dequantize()):
+        assert torch.equal(a, b)
+    a, b = cache.export(), whole.export()
+    for name in ("k_codes", "k_scale", "v_codes", "v_scale", "tensor_scales", "k_recent", "v_recent"):
+        assert torch.equal(a[name], b[name])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_folded_spec_is_the_oracle_and_the_reference_backend_is_within_bf16_attention(scheme, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    D, G = (64, 128)[seed % 2], (1, 4, 8)[seed]
+    fmt = foscar.KVFormat.fp4(scheme, D, **({"sink": 3, "recent": 5} if seed == 2 else {}))
+    lens = torch.randint(1, 300, (3,), generator=gen).to(torch.int32)
+    k, v = _values(3, 2, 300, D, seed)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=32, quantizer="mse",
+                               key_mean="prefill" if seed == 1 else None)
+    q = torch.randn(3, 2 * G, D, generator=gen)
+    exact, lse = foscar.decode_exact(q, cache, return_lse=True)
+    for tile, splits in ((64, 1), (32, 5)):
+        got, got_lse = foscar.decode_folded(q, cache, tile_tokens=tile, num_splits=splits, return_lse=True)
+        assert float((got - exact).abs().max()) < 1e-12 and float((got_lse - lse).abs().max()) < 1e-12
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    foscar.decode(q.bfloat16(), cache, out=out, backend="reference")
+    assert bool(torch.isfinite(out).all())
+    assert rel(out, exact) <= 1.05 * rel(bf16_attention(q.bfloat16().float(), cache), exact) + 1e-4
+
+
+def test_fp4_refusals_name_the_argument_and_leave_the_cache_as_it_was():
+    nv, mx = foscar.KVFormat.fp4("nvfp4", 64), foscar.KVFormat.fp4("mxfp4", 64)
+    k, v = _values(1, 1, 20, 64, seed=9)
+    cache = foscar.QuantKVCache.empty(nv, 1, 1, max_len=32, page_size=16, tensor_scales=(1e-4, 1e-4))
+    before = (cache.k_codes.clone(), cache.k_params.clone(), cache.seq_lens.clone())
+    with pytest.raises(InvalidArgumentError, match=r"^k_new: expected values of magnitude <= 0.2688"):
+        cache.append(k, v)  # 6 x 448 x 1e-4: the E4M3 block scales cannot hold these values
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.k_codes, cache.k_params, cache.seq_lens)))
+    with pytest.raises(InvalidArgumentError, match=r"^k: expected values of magnitude"):
+        foscar.quantize_kv(k, v, nv, tensor_scales=(1e-4, 1.0))
+    with pytest.raises(InvalidArgumentError, match=r"^quantizer: expected one of \('minmax', 'mse'\)"):
+        foscar.quantize_kv(k, v, nv, quantizer="quantile")
+    with pytest.raises(InvalidArgumentError, match=r"^tensor_scales: expected None \(scheme='mxfp4'"):
+        foscar.quantize_kv(k, v, mx, tensor_scales=(1.0, 1.0))
+    with pytest.raises(InvalidArgumentError, match=r"^tensor_scales: expected \(k_scale, v_scale\)"):
+        foscar.QuantKVCache.empty(nv, 1, 1, max_len=32, tensor_scales=(0.0, 1.0))
+    e = foscar.quantize_kv(k, v, nv).export()
+    kw = {"k_codes": e["k_codes"], "v_codes": e["v_codes"], "v_scale": e["v_scale"], "seq_lens": e["seq_lens"]}
+    with pytest.raises(InvalidArgumentError, match=r"^k_offset: expected None \(nvfp4 blocks have no offset\)"):
+        foscar.QuantKVCache.from_quantized(nv, k_scale=e["k_scale"], k_offset=e["k_scale"].float(), **kw)
+    for byte in (0x7F, 0x80 | 0x30):  # E4M3 NaN; a negative scale
+        bad = e["k_scale"].clone()
+        bad[0, 0, 3, 1] = byte
+        with pytest.raises(InvalidArgumentError, match=r"^k_scale: expected E4M3 block-scale bytes"):
+            foscar.QuantKVCache.from_quantized(nv, k_scale=bad, **kw)
+    e = foscar.quantize_kv(k, v, mx).export()
+    bad = e["v_scale"].clone()
+    bad[0, 0, 0, 0] = 255
+    with pytest.raises(InvalidArgumentError, match=r"^v_scale: expected E8M0 block-scale bytes"):
+        foscar.QuantKVCache.from_quantized(mx, k_codes=e["k_codes"], k_scale=e["k_scale"], v_codes=e["v_codes"],
+                                           v_scale=bad, seq_lens=e["seq_lens"])
+
+
+def test_the_gpu_kernels_refuse_fp4_by_name():
+    from foscar.backends.base import ProblemKey
+    from foscar.backends.triton import Triton
+    fmt = foscar.KVFormat.fp4("nvfp4", 128)
+    if importlib_has("triton"):
+        status = Triton().status(ProblemKey(torch.device("cuda"), fmt, 4, 64))
+        assert not status.usable and "nvfp4" in status.why
+    if importlib_has("cutlass"):
+        from foscar.cute.config import config_for
+        with pytest.raises(UnsupportedError, match=r"^scheme='nvfp4'"):
+            config_for(fmt, 4, 64)
+    cache = foscar.quantize_kv(*_values(1, 1, 64, 128, seed=1), fmt)
+    with pytest.raises(UnsupportedError, match=r"operand_dtype"):
+        foscar.decode_folded(torch.randn(1, 4, 128), cache, operand_dtype=torch.float8_e4m3fn, operand_terms=2)
+
+
+def importlib_has(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
