@@ -2,7 +2,7 @@
 from ._version import __version__
 from .api import DecodePlan, append, backend_status, decode, plan, select_backend
 from .cache import PageTable, QuantKVCache
-from .cache_io import quantize_kv
+from .cache_io import from_flashinfer_nvfp4, quantize_kv
 from .errors import FoscarError, InvalidArgumentError, UnsupportedError
 from .fold import combine_partials, decode_folded
 from .format import (
@@ -44,6 +44,7 @@ __all__ = [
                      "decode",
                      "decode_exact",
                      "decode_folded",
+                     "from_flashinfer_nvfp4",
                      "pack_codes",
                      "plan",
                      "quantize_kv",

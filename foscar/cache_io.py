@@ -276,3 +276,71 @@ def _nvfp4_scale(fmt: KVFormat, x: torch.Tensor, n_sink, n_quant, window_dtype) 
     if float(t32) < t:
         t32 = torch.nextafter(t32, torch.tensor(float("inf")))
     return float(t32)
+
+
+def from_flashinfer_nvfp4(kv_data, kv_cache_sf, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                          kv_last_page_len: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                          kv_layout: str = "NHD", page_size: int | None = None) -> QuantKVCache:
+    """A foscar NVFP4 cache of FlashInfer's paged NVFP4 KV cache, its codes and scales as they are (no
+    re-quantization): ``kv_data = (k, v)``, uint8 ``[pages, page, Hkv, D/2]`` (``kv_layout="NHD"``; ``"HND"``:
+    ``[pages, Hkv, page, D/2]``), two E2M1 codes a byte, channel ``2i`` in the low nibble; ``kv_cache_sf =
+    (k_sf, v_sf)``, the E4M3 block scales ``[pages, page, Hkv, D/16]`` (or HND), linear as FlashInfer's fa2
+    decode reads them (``torch.float8_e4m3fn`` or their uint8 bytes); the sequences by CSR
+    (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, FlashInfer's ``plan`` arguments); ``k_scale``,
+    ``v_scale``: the per-tensor scales FlashInfer's ``run`` takes. ``page_size``: foscar's pages (default
+    FlashInfer's where it is a multiple of 16, else 64)."""
+    from ._checks import check_int
+    if kv_layout not in ("NHD", "HND"):
+        raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    tensors = {}
+    for name, pair in (("kv_data", kv_data), ("kv_cache_sf", kv_cache_sf)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgumentError(name, "a (k, v) pair of tensors", type(pair).__name__)
+        for t, x in zip("kv", pair):
+            check_tensor(f"{name}[{'kv'.index(t)}]", x, ndim=4,
+                         dtypes=(torch.uint8,) if name == "kv_data" else (torch.uint8, torch.float8_e4m3fn))
+            x = x.view(torch.uint8)
+            tensors[(name, t)] = x.permute(0, 2, 1, 3) if kv_layout == "HND" else x  # as NHD
+    P, page, H, half = tensors[("kv_data", "k")].shape
+    D = 2 * half
+    fmt = KVFormat.fp4("nvfp4", D)
+    dev = tensors[("kv_data", "k")].device
+    for (name, t), x in tensors.items():
+        want = (P, page, H, half if name == "kv_data" else D // 16)
+        if tuple(x.shape) != want or x.device != dev:
+            raise InvalidArgumentError(f"{name}[{'kv'.index(t)}]", f"shape {want} on {dev} ({kv_layout})",
+                                       f"{tuple(x.shape)} on {x.device}")
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX_DTYPES)
+    B = kv_indptr.shape[0] - 1
+    check_tensor("kv_last_page_len", kv_last_page_len, shape=(B,), dtypes=INDEX_DTYPES)
+    check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES)
+    indptr, indices, last = (x.long().cpu() for x in (kv_indptr, kv_indices, kv_last_page_len))
+    n_pages = indptr[1:] - indptr[:-1]
+    if B < 0 or bool((n_pages < 0).any()) or int(indptr[-1]) > indices.numel():
+        raise InvalidArgumentError("kv_indptr", f"a CSR over the {indices.numel()} kv_indices", indptr.tolist())
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= P):
+        raise InvalidArgumentError("kv_indices", f"pages in [0, {P})", f"[{int(indices.min())}, {int(indices.max())}]")
+    if bool(((last < 1) | (last > page))[n_pages > 0].any()):
+        raise InvalidArgumentError("kv_last_page_len", f"last-page lengths in [1, {page}]", last.tolist())
+    lens = torch.where(n_pages > 0, (n_pages - 1) * page + last, torch.zeros_like(n_pages))
+    L = int(lens.max()) if B else 0
+    dense = {key: torch.zeros(B, H, L, D if key[0] == "kv_data" else D // 16, dtype=torch.uint8, device=dev)
+             for key in tensors}
+    for b in range(B):
+        pages = indices[int(indptr[b]): int(indptr[b + 1])].to(dev)
+        n = int(lens[b])
+        for key, x in tensors.items():
+            rows = x[pages].reshape(-1, H, x.shape[-1])[:n].permute(1, 0, 2)  # [H, n, .]
+            if key[0] == "kv_data":  # two codes a byte: channel 2i low, 2i + 1 high
+                rows = torch.stack([rows & 0xF, rows >> 4], dim=-1).reshape(H, n, D)
+            dense[key][b, :, :n] = rows
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < float(s) < float("inf"):
+            raise InvalidArgumentError(name, "a finite positive per-tensor scale", s)
+    if page_size is None:
+        page_size = page if page % 16 == 0 else 64
+    check_int("page_size", page_size, minimum=1)
+    return from_quantized(fmt, k_codes=dense[("kv_data", "k")], v_codes=dense[("kv_data", "v")],
+                          k_scale=dense[("kv_cache_sf", "k")], v_scale=dense[("kv_cache_sf", "v")],
+                          seq_lens=lens.to(device=dev, dtype=torch.int32), page_size=page_size,
+                          tensor_scales=(float(k_scale), float(v_scale)))

@@ -177,3 +177,94 @@ def test_the_gpu_kernels_refuse_fp4_by_name():
 def importlib_has(name: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(name) is not None
+
+
+def _flashinfer_layout(cache, page: int, layout: str = "NHD"):
+    """The cache's NVFP4 codes and scales in FlashInfer's paged layout (two codes a byte, channel 2i low),
+    pages of ``page`` tokens dealt out in reverse order; with the CSR that lists them."""
+    e = cache.export()
+    B, H, Q, D = e["k_codes"].shape
+    lens = cache.seq_lens.long()
+    need = [-(-int(n) // page) for n in lens]
+    P = sum(need) + 1
+    order = list(reversed(range(P)))
+    data = {t: torch.zeros(P, page, H, D // 2, dtype=torch.uint8) for t in "kv"}
+    sf = {t: torch.zeros(P, page, H, D // 16, dtype=torch.uint8) for t in "kv"}
+    indices, indptr = [], [0]
+    for b in range(B):
+        pages = [order.pop() for _ in range(need[b])]
+        indices += pages
+        indptr.append(len(indices))
+        for t in "kv":
+            codes = e[f"{t}_codes"][b, :, : int(lens[b])].permute(1, 0, 2)  # [n, H, D]
+            packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+            scales = e[f"{t}_scale"][b, :, : int(lens[b])].permute(1, 0, 2)
+            for j, p in enumerate(pages):
+                rows = slice(j * page, min((j + 1) * page, int(lens[b])))
+                data[t][p, : rows.stop - rows.start] = packed[rows]
+                sf[t][p, : rows.stop - rows.start] = scales[rows]
+    last = [int(n) - (k - 1) * page if k else 0 for n, k in zip(lens, need)]
+    kv = tuple(data[t] if layout == "NHD" else data[t].permute(0, 2, 1, 3) for t in "kv")
+    sfs = tuple((sf[t] if layout == "NHD" else sf[t].permute(0, 2, 1, 3)).view(torch.float8_e4m3fn) for t in "kv")
+    csr = (torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
+           torch.tensor(last, dtype=torch.int32))
+    return kv, sfs, csr
+
+
+@pytest.mark.parametrize("layout", ("NHD", "HND"))
+def test_a_flashinfer_nvfp4_cache_is_taken_as_it_is(layout):
+    fmt = foscar.KVFormat.fp4("nvfp4", 128)
+    k, v = _values(3, 2, 100, 128, seed=11)
+    lens = torch.tensor([100, 16, 33], dtype=torch.int32)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=16)
+    kv, sfs, (indptr, indices, last) = _flashinfer_layout(cache, 16, layout)
+    ks, vs = cache.tensor_scales.tolist()
+    got = foscar.from_flashinfer_nvfp4(kv, sfs, indptr, indices, last, k_scale=ks, v_scale=vs, kv_layout=layout)
+    for a, b in zip(got.dequantize(), cache.dequantize()):
+        assert torch.equal(a, b)
+    with pytest.raises(InvalidArgumentError, match=r"^kv_indices: expected pages in"):
+        foscar.from_flashinfer_nvfp4(kv, sfs, indptr, indices + 100, last, kv_layout=layout)
+    with pytest.raises(InvalidArgumentError, match=r"^k_scale: expected a finite positive"):
+        foscar.from_flashinfer_nvfp4(kv, sfs, indptr, indices, last, k_scale=float("nan"), kv_layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and FlashInfer (none on this machine)")
+def test_foscar_decodes_a_flashinfer_nvfp4_cache_as_flashinfer_does_gpu():
+    """FlashInfer's own dequantization (``nvfp4_kv_dequantize``) and NVFP4 decode (fa2) of its paged cache
+    against foscar's reading of the same bytes (its values; its reference decode within BF16 attention's
+    error of the float64 oracle). FlashInfer's NVFP4 KV quantizer needs SM100+: on Hopper the bytes are
+    foscar's quantizer's, in FlashInfer's layout."""
+    fi = pytest.importorskip("flashinfer")
+    dev = torch.device("cuda")
+    fmt = foscar.KVFormat.fp4("nvfp4", 128)
+    k, v = _values(2, 4, 300, 128, seed=12)
+    lens = torch.tensor([300, 129], dtype=torch.int32)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=16)
+    kv, sfs, (indptr, indices, last) = _flashinfer_layout(cache, 16)
+    kv, sfs = tuple(x.to(dev) for x in kv), tuple(x.to(dev) for x in sfs)
+    ks, vs = cache.tensor_scales.tolist()
+    q = torch.randn(2, 16, 128, dtype=torch.bfloat16, device=dev)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="fa2")
+    wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), 16, 4, 128, 16, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.uint8)
+    fi_out = wrapper.run(q, kv, k_scale=ks, v_scale=vs, kv_cache_sf=sfs).float()
+    ours = foscar.from_flashinfer_nvfp4(kv, sfs, indptr.to(dev), indices.to(dev), last.to(dev), k_scale=ks,
+                                        v_scale=vs)
+    for t, scale in ((0, ks), (1, vs)):  # FlashInfer's own dequantization of its pages (SM80+)
+        fi_values = fi.nvfp4_kv_dequantize(kv[t].reshape(-1, 64), sfs[t].view(torch.uint8).reshape(-1, 8),
+                                           torch.tensor([scale], dtype=torch.float32, device=dev),
+                                           torch.bfloat16).reshape(*kv[t].shape[:3], 128)
+        dense = ours.dequantize()[t]
+        for b in range(2):
+            pages = indices[int(indptr[b]): int(indptr[b + 1])].to(dev).long()
+            n = int(lens[b])
+            want = fi_values[pages].reshape(-1, 4, 128)[:n].permute(1, 0, 2).double()
+            assert torch.allclose(dense[b, :, :n].bfloat16().double(), want, rtol=2 ** -8, atol=0)
+    exact = foscar.decode_exact(q, ours)
+    got = foscar.decode(q, ours, backend="reference").float()
+    base = rel(bf16_attention(q.float(), ours), exact)
+    print(f"\nFlashInfer NVFP4 {rel(fi_out, exact):.3e}, foscar {rel(got, exact):.3e}, BF16 attention {base:.3e}")
+    assert rel(got, exact) <= 1.05 * base + 1e-4
+    assert rel(fi_out, got) <= 2 * base + 1e-3  # the same bytes read the same way
