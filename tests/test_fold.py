@@ -19,7 +19,8 @@ AXES = ("token", "channel")
 
 
 @st.composite
-def decode_case(draw):
+def decode_case(draw, fp4: bool = False):
+    """A decode problem: an affine format of every option, or (``fp4``) an NVFP4 / MXFP4 block format."""
     bits = draw(st.sampled_from((2, 4)))
     D = draw(st.sampled_from((64, 128, 256)))
     k_axis, v_axis = draw(st.sampled_from(AXES)), draw(st.sampled_from(AXES))
@@ -30,8 +31,12 @@ def decode_case(draw):
     recent = draw(st.sampled_from((0, 0, 3, 16)))
     rotation = draw(st.sampled_from((None, None, "hadamard")))
     seed = draw(st.sampled_from((None, 0, 7))) if rotation else None
-    fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, mapping=mapping,
-                          sink=sink, recent=recent, rotation=rotation, rotation_seed=seed)
+    if fp4:
+        fmt = foscar.KVFormat.fp4(draw(st.sampled_from(("nvfp4", "mxfp4"))), D, sink=sink, recent=recent,
+                                  rotation=rotation, rotation_seed=seed)
+    else:
+        fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=g, k_axis=k_axis, v_axis=v_axis, mapping=mapping,
+                              sink=sink, recent=recent, rotation=rotation, rotation_seed=seed)
     Hkv = draw(st.integers(1, 3))
     G = draw(st.sampled_from((1, 2, 3, 4, 7, 8, 16, 32)))
     B = draw(st.integers(1, 3))
@@ -109,6 +114,24 @@ def test_folded_equals_exact_float64(case):
     assert torch.isfinite(folded).all()
     assert rel(folded, exact) <= 1e-10
     assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_case(fp4=True))
+@example({**PAPER, "fmt": foscar.KVFormat.fp4("nvfp4", 128)})
+@example({**PAPER, "fmt": foscar.KVFormat.fp4("mxfp4", 64, sink=4, recent=16), "page": 16, "k_mag": 1e3,
+          "offset": 3.0, "splits": 5})
+def test_fp4_folded_equals_exact(case):
+    """The FP4 block formats' folds (:mod:`foscar.fold_fp4`: K's block scales on block-local partials, V's in
+    the operand) are the oracle: float64 within 1e-10, float32 accumulation within 1e-5."""
+    q, cache = build(case)
+    exact, lse_e = foscar.decode_exact(q, cache, return_lse=True)
+    folded, lse_f = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"],
+                                         return_lse=True)
+    assert torch.isfinite(folded).all() and rel(folded, exact) <= 1e-10
+    assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
+    f32 = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"], dtype=torch.float32)
+    assert rel(f32, exact) <= 1e-5
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
