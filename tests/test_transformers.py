@@ -56,6 +56,21 @@ def test_quantized_cache_stays_close_to_bf16():
     assert abs(int4 / base - 1) < 0.05, (int4, base)
 
 
+@pytest.mark.parametrize("scheme,scales", [("nvfp4", (0.002, 0.002)), ("mxfp4", None)])
+def test_an_fp4_cache_stays_close_to_bf16(scheme, scales):
+    """NVFP4 and MXFP4 layers (the reference backend decodes them): pages grown past the first allocation
+    keep the per-tensor scales."""
+    ref, ours = tiny_models()
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(3))
+    base = fit.perplexity(ref, ids, DynamicCache())
+    cache = fit.FoscarCache(scheme=scheme, quantizer="mse", tensor_scales=scales)
+    got = fit.perplexity(ours, ids, cache)
+    assert abs(got / base - 1) < 0.05, (got, base)
+    layer = cache.layers[0].cache
+    assert layer.fmt.scheme == scheme and layer.tensor_scales.tolist() == [float(torch.tensor(x).float())
+                                                                           for x in (scales or (1.0, 1.0))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_on_the_gpu_decode_runs_the_triton_kernels(monkeypatch):

@@ -29,7 +29,7 @@ import foscar
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import KVFormat
-from ..quantize import check_quantizer
+from ..quantize import FP4_QUANTIZERS, QUANTIZERS, check_quantizer
 
 ATTN_IMPL = "foscar"
 PAGE = 64
@@ -49,9 +49,11 @@ class FoscarLayer(CacheLayerMixin):
         without BF16 windows."""
         return not self.is_initialized or not (self.cache.fmt.sink or self.cache.fmt.recent_capacity)
 
-    def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None):
+    def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None,
+                 tensor_scales=None):
         super().__init__()
         self.fmt_kwargs, self.quantizer, self.backend, self.key_mean = fmt_kwargs, quantizer, backend, key_mean
+        self.tensor_scales = tensor_scales
         self.cache: QuantKVCache | None = None
         self.length = 0
 
@@ -60,7 +62,8 @@ class FoscarLayer(CacheLayerMixin):
         fmt = KVFormat(head_dim=D, **self.fmt_kwargs)
         self.cache = QuantKVCache.empty(fmt, B, H, max_len=max(T, 1) + PAGE, page_size=PAGE,
                                         window_dtype=torch.bfloat16 if key_states.dtype != torch.float16
-                                        else torch.float16, device=key_states.device, key_mean=self.key_mean)
+                                        else torch.float16, device=key_states.device, key_mean=self.key_mean,
+                                        tensor_scales=self.tensor_scales)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -79,6 +82,7 @@ class FoscarLayer(CacheLayerMixin):
         new_ids = grown.page_table.block_table[:, :per].long().reshape(-1)
         for name in ("k_codes", "v_codes", "k_params", "v_params"):
             getattr(grown, name)[new_ids] = getattr(cache, name)[old_ids]
+        grown.tensor_scales.copy_(cache.tensor_scales)
         for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
             getattr(grown, name).copy_(getattr(cache, name))
         grown.seq_lens.copy_(cache.seq_lens)
@@ -146,26 +150,35 @@ class FoscarLayer(CacheLayerMixin):
 
 class FoscarCache(Cache):
     """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
-    ``sink``, ``recent``, ``rotation`` and ``rotation_seed`` as in :class:`foscar.KVFormat`; ``key_mean="prefill"``
-    centres each layer's keys by its prompt's mean (:mod:`foscar.centring`); ``quantizer`` as in :func:`foscar.quantize_kv`;
-    ``backend`` as in :func:`foscar.decode`."""
+    ``sink``, ``recent``, ``rotation``, ``rotation_seed`` and ``scheme`` as in :class:`foscar.KVFormat` (``group_size``:
+    64, or an FP4 scheme's block); ``key_mean="prefill"`` centres each layer's keys by its prompt's mean
+    (:mod:`foscar.centring`); ``quantizer`` as in :func:`foscar.quantize_kv`; ``tensor_scales``: NVFP4's per-tensor
+    scales of every layer's K and V (default 1); ``backend`` as in :func:`foscar.decode`."""
 
-    def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int = 64,
+    def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int | None = None,
                  sink: int = 0, recent: int = 0, rotation: str | None = None, rotation_seed: int | None = None,
-                 key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto"):
-        KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
-                 sink=sink, recent=recent, rotation=rotation,
-                 rotation_seed=rotation_seed)  # fail now, not at the first layer, on a bad format
+                 key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto",
+                 scheme: str = "affine", tensor_scales=None):
+        if group_size is None:
+            group_size = 64 if scheme == "affine" else {"nvfp4": 16, "mxfp4": 32}.get(scheme, 64)
+        fmt = KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
+                       sink=sink, recent=recent, rotation=rotation, rotation_seed=rotation_seed,
+                       scheme=scheme)  # fail now, not at the first layer, on a bad format
+        if tensor_scales is not None:
+            from ..fp4 import check_tensor_scales
+            tensor_scales = check_tensor_scales(fmt, tensor_scales, "cpu").tolist()
+        self.tensor_scales = tensor_scales
         self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent,
-                               rotation=rotation, rotation_seed=rotation_seed)
+                               rotation=rotation, rotation_seed=rotation_seed, scheme=scheme)
         if key_mean not in (None, "prefill"):
             raise InvalidArgumentError("key_mean", "None or 'prefill' (each layer's prompt keys' mean)", repr(key_mean))
-        check_quantizer(quantizer)
+        check_quantizer(quantizer, FP4_QUANTIZERS if fmt.is_fp4 else QUANTIZERS,
+                        f" (scheme={scheme!r})" if fmt.is_fp4 else "")
         self.quantizer, self.backend, self.key_mean = quantizer, backend, key_mean
         super().__init__(layers=None, layer_class_to_replicate=self._layer)
 
     def _layer(self) -> FoscarLayer:
-        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean)
+        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean, self.tensor_scales)
 
 
 def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
