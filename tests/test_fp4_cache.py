@@ -268,3 +268,20 @@ def test_foscar_decodes_a_flashinfer_nvfp4_cache_as_flashinfer_does_gpu():
     print(f"\nFlashInfer NVFP4 {rel(fi_out, exact):.3e}, foscar {rel(got, exact):.3e}, BF16 attention {base:.3e}")
     assert rel(got, exact) <= 1.05 * base + 1e-4
     assert rel(fi_out, got) <= 2 * base + 1e-3  # the same bytes read the same way
+
+
+def test_the_accuracy_study_takes_the_fp4_formats():
+    """``foscar bench accuracy --fp4``: the study's FP4 rows (the reference backend on the stress input), their
+    arithmetic error below BF16 attention's on the same dequantized cache."""
+    from foscar.bench import accuracy as acc
+    from foscar.synthetic import stress_inputs
+    assert [c.fmt(128, 128).scheme for c in acc.FP4_CONFIGS] == ["nvfp4"] * 3 + ["mxfp4"] * 2
+    q, k, v = stress_inputs(1, 8, 2, 300, 128, seed=0, dtype=torch.bfloat16, device=torch.device("cpu"))
+    formats = [(c.name, c.fmt(128, 128), c.quantizer) for c in acc.FP4_CONFIGS[1:4:2]]
+
+    def decode(q, cache):
+        return foscar.decode(q, cache, out=torch.empty(q.shape, dtype=torch.float32), backend="reference")
+    rows = acc.error_rows(q, k, v, formats, decode, "reference")[1:]
+    assert [r["format"] for r in rows] == ["nvfp4", "mxfp4"]
+    for r in rows:
+        assert r["err_vs_dequantized"] < r["bf16_err_vs_dequantized"] and r["err_vs_unquantized"] < 0.5

@@ -23,13 +23,20 @@ from .common import rel_l2
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """One quantized configuration of the study: a name, the bit width, the quantizer and the rotation
-    (:attr:`foscar.KVFormat.rotation`)."""
+    """One quantized configuration of the study: a name, the bit width, the quantizer, the rotation
+    (:attr:`foscar.KVFormat.rotation`) and the scheme (:attr:`foscar.KVFormat.scheme`: an FP4 block format
+    takes its own block, not the study's group size)."""
 
     name: str
     bits: int
     quantizer: str
     rotation: str | None = None
+    scheme: str = "affine"
+
+    def fmt(self, head_dim: int, group_size: int) -> KVFormat:
+        if self.scheme != "affine":
+            return KVFormat.fp4(self.scheme, head_dim, rotation=self.rotation)
+        return KVFormat(self.bits, head_dim, group_size, rotation=self.rotation)
 
 
 #: The paper's Fig. 11 configurations and its reported error ranges against exact attention.
@@ -42,6 +49,13 @@ PAPER_RANGES = {"BF16": (2e-3, 2.3e-3), "INT4 min-max": (0.16, 0.22), "INT2 mse-
 STUDY_CONFIGS = PAPER_CONFIGS + (QuantConfig("INT2 min-max + Hadamard", 2, "minmax", "hadamard"),
                                  QuantConfig("INT2 mse-clipped + Hadamard", 2, "mse", "hadamard"),
                                  QuantConfig("INT2 OSCAR clip + Hadamard", 2, "oscar", "hadamard"))
+#: The FP4 block formats (``foscar bench accuracy --fp4``): NVFP4 with the block scale from the maximum and
+#: with BitDecoding-FP4's two-candidate search, with and without the rotation; MXFP4 likewise searched.
+FP4_CONFIGS = (QuantConfig("NVFP4 max", 4, "minmax", scheme="nvfp4"),
+               QuantConfig("NVFP4 search", 4, "mse", scheme="nvfp4"),
+               QuantConfig("NVFP4 search + Hadamard", 4, "mse", "hadamard", scheme="nvfp4"),
+               QuantConfig("MXFP4 search", 4, "mse", scheme="mxfp4"),
+               QuantConfig("MXFP4 search + Hadamard", 4, "mse", "hadamard", scheme="mxfp4"))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
@@ -92,7 +106,7 @@ def error_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: list[
         oracle = decode_exact(q, cache)
         kd, vd = cache.dequantize(torch.float64)
         held = held_bytes_per_token(cache)
-        rows.append({"format": f"int{fmt.bits}", "name": name, "bits": fmt.bits, "backend": backend,
+        rows.append({"format": fmt.scheme if fmt.is_fp4 else f"int{fmt.bits}", "name": name, "bits": fmt.bits, "backend": backend,
                      "bytes_per_token": held, "bf16_bytes_per_token": float(bf16_bytes),
                      "compression": bf16_bytes / held,
                      "err_vs_unquantized": rel_l2(out, exact), "err_vs_dequantized": rel_l2(out, oracle),
@@ -110,8 +124,7 @@ def study(lengths: list[int], seeds: list[int], *, decode: Callable, backend: st
         for seed in seeds:
             q, k, v = stress_inputs(batch, q_heads, kv_heads, n, head_dim, seed=seed, dtype=torch.bfloat16,
                                     device=device)
-            formats = [(c.name, KVFormat(c.bits, head_dim, group_size, rotation=c.rotation), c.quantizer)
-                       for c in configs]
+            formats = [(c.name, c.fmt(head_dim, group_size), c.quantizer) for c in configs]
             for row in error_rows(q, k, v, formats, decode, backend):
                 records.append({"seq_len": n, "seed": seed, **row})
             progress(f"L={n} seed={seed} done")

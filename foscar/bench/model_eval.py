@@ -48,6 +48,13 @@ for _bits in (4, 2):
 #: groups of 64 or more)
 CACHES["INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"] = dict(
     CACHES["INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64"], group_size=32)
+#: The FP4 block formats (blocks of 16 / 32 channels; NVFP4's per-tensor scales 1), alone and with
+#: BitDecoding-FP4's recipe: the keys centred, K and V rotated, the block scales searched.
+for _scheme in ("nvfp4", "mxfp4"):
+    CACHES[_scheme.upper()] = dict(scheme=_scheme)
+    CACHES[f"{_scheme.upper()} + Hadamard + centred + search"] = dict(scheme=_scheme, rotation="hadamard",
+                                                                     rotation_seed=0, key_mean="prefill",
+                                                                     quantizer="mse")
 
 
 #: ``exact``: the tensor a diagnostic run keeps unquantized (None: both quantized, the cache as it is).
