@@ -20,7 +20,10 @@ def test_the_text_is_fixed_and_long():
 
 def test_the_table_has_every_cache_after_bf16():
     names = list(model_eval.CACHES)
-    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 26
+    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 30
+    assert model_eval.CACHES["NVFP4"] == {"scheme": "nvfp4"}
+    assert model_eval.CACHES["MXFP4 + Hadamard + centred + search"] == {
+        "scheme": "mxfp4", "rotation": "hadamard", "rotation_seed": 0, "key_mean": "prefill", "quantizer": "mse"}
     assert model_eval.CACHES["INT2 token-K + Hadamard + centred + sink 4, recent 64"]["key_mean"] == "prefill"
     clipped = model_eval.CACHES["INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64"]
     assert clipped["quantizer"] == "oscar" and clipped["key_mean"] == "prefill" and clipped["recent"] == 64
