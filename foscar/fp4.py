@@ -165,12 +165,12 @@ def check_tensor_scales(fmt, tensor_scales, device) -> torch.Tensor:
 
 
 def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | None = None,
-                    search: bool = True) -> Fp4Blocks:
+                    search: bool = True, name: str = "x") -> Fp4Blocks:
     """``x [..., D]`` (finite, ``D`` a multiple of the block) as FP4 blocks along its last dim: per block the
     candidate scale (:func:`_candidates`) whose dequantized block is nearer ``x`` in squared error (ties:
     the first; ``search=False``: the first, the scale from the block's maximum), the codes rounded to nearest
     (:func:`e2m1_round`). ``tensor_scale`` (NVFP4): given, or :func:`nvfp4_tensor_scale` of ``x``. A value
-    past :func:`block_limit` is refused by name (it would be clipped)."""
+    past :func:`block_limit` is refused by ``name`` (it would be clipped)."""
     spec = spec_for(spec) if isinstance(spec, str) else spec
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise InvalidArgumentError("x", "a floating-point tensor", type(x).__name__)
@@ -191,7 +191,7 @@ def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | 
     amax = xb.abs().amax(-1)
     limit = block_limit(spec, tensor_scale)
     if amax.numel() and float(amax.max()) > limit:
-        raise InvalidArgumentError("x", f"values of magnitude <= {limit:.6g} ({spec.name} blocks with tensor scale "
+        raise InvalidArgumentError(name, f"values of magnitude <= {limit:.6g} ({spec.name} blocks with tensor scale "
                                    f"{tensor_scale:.6g}: 6 x the largest block scale)", f"{float(amax.max()):.6g}")
     best = None
     for sb in _candidates(amax, spec, tensor_scale)[: 2 if search else 1]:

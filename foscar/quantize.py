@@ -143,13 +143,9 @@ def quantize_for(fmt, x: torch.Tensor, tensor: str, quantizer: str = "minmax", c
     refused by ``name`` (default ``tensor``). Every write path quantizes through here."""
     if not fmt.is_fp4:
         return quantize_tensor(x, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
-    from .fp4 import block_limit, quantize_blocks
+    from .fp4 import quantize_blocks
     check_quantizer(quantizer, FP4_QUANTIZERS, f" (scheme={fmt.scheme!r})")
     spec = fmt.fp4_spec
-    limit = block_limit(spec, tensor_scale)
-    if x.numel() and float(x.abs().max()) > limit:
-        raise InvalidArgumentError(name or tensor, f"values of magnitude <= {limit:.6g} ({spec.name} blocks, "
-                                   f"per-tensor scale {tensor_scale:.6g}: 6 x the largest block scale)",
-                                   f"{float(x.abs().max()):.6g}")
-    q = quantize_blocks(x, spec, tensor_scale if spec.tensor_scale else None, search=quantizer == "mse")
+    q = quantize_blocks(x, spec, tensor_scale if spec.tensor_scale else None, search=quantizer == "mse",
+                        name=name or tensor)
     return q.codes, q.scales, None

@@ -160,7 +160,8 @@ class FoscarCache(Cache):
                  key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto",
                  scheme: str = "affine", tensor_scales=None):
         if group_size is None:
-            group_size = 64 if scheme == "affine" else {"nvfp4": 16, "mxfp4": 32}.get(scheme, 64)
+            from ..fp4 import SPECS
+            group_size = SPECS[scheme].block if scheme in SPECS else 64
         fmt = KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
                        sink=sink, recent=recent, rotation=rotation, rotation_seed=rotation_seed,
                        scheme=scheme)  # fail now, not at the first layer, on a bad format
