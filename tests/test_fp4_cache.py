@@ -158,13 +158,12 @@ def test_fp4_refusals_name_the_argument_and_leave_the_cache_as_it_was():
                                            v_scale=bad, seq_lens=e["seq_lens"])
 
 
-def test_the_gpu_kernels_refuse_fp4_by_name():
+def test_the_triton_kernels_take_fp4_and_the_cute_ones_refuse_it_by_name():
     from foscar.backends.base import ProblemKey
     from foscar.backends.triton import Triton
     fmt = foscar.KVFormat.fp4("nvfp4", 128)
-    if importlib_has("triton"):
-        status = Triton().status(ProblemKey(torch.device("cuda"), fmt, 4, 64))
-        assert not status.usable and "nvfp4" in status.why
+    if importlib_has("triton") and torch.cuda.is_available():  # the status names the GPU
+        assert Triton().status(ProblemKey(torch.device("cuda"), fmt, 4, 64)).usable
     if importlib_has("cutlass"):
         from foscar.cute.config import config_for
         with pytest.raises(UnsupportedError, match=r"^scheme='nvfp4'"):

@@ -1,5 +1,5 @@
 """The Triton backend: the Triton kernels of :mod:`foscar.triton`, on any CUDA GPU, for the ``bf16`` mapping
-(they build BF16 operands), every other format option."""
+(they build BF16 operands) and the FP4 block formats, every other format option."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,17 +18,15 @@ class Triton(Backend):
             return BackendStatus(self.name, False, f"needs a CUDA GPU (device is {dev})")
         if importlib.util.find_spec("triton") is None:
             return BackendStatus(self.name, False, "triton is not installed")
-        if key.fmt is not None and key.fmt.is_fp4:
-            return BackendStatus(self.name, False, f"reads affine codes; the {key.fmt.scheme} kernels are not built "
-                                 "(the reference backend decodes it)")
         if key.fmt is not None and key.fmt.mapping != "bf16":
             return BackendStatus(self.name, False,
                                  f"builds BF16 operands: needs mapping 'bf16', not {key.fmt.mapping!r}")
         return BackendStatus(self.name, True, f"Triton kernels on {torch.cuda.get_device_name(dev)}")
 
     def rotates(self, fmt) -> bool:
-        """Stage 1 rotates the query as it loads it, the split merge (fused or its own kernel) the output."""
-        return True
+        """Stage 1 rotates the query as it loads it, the split merge (fused or its own kernel) the output; the
+        FP4 kernel takes them in the cache's space."""
+        return not fmt.is_fp4
 
     def steps(self, fmt) -> bool:
         """A step's tokens are rows of each program (causal among them) where the cache has no BF16 windows."""

@@ -167,14 +167,19 @@ def make_block_table(batch: int, pages: int, order: str = "shuffled", seed: int 
 
 def _random_params(fmt: KVFormat, tensor: str, block_table: torch.Tensor, page: int, kv_heads: int,
                    gen: torch.Generator) -> torch.Tensor:
-    """FP32 ``(s', z')`` pool ``[pages, Hkv, rows, cols, 2]`` of min-max groups of values in about [-2, 2].
+    """FP32 ``(s', z')`` pool ``[pages, Hkv, rows, cols, 2]`` of min-max groups of values in about [-2, 2] (an FP4
+    block format: its block-scale bytes).
     Channel-wise groups longer than a page are stored in each of their pages: drawn per group, repeated
     over its pages in token order, then scattered by the table."""
     B, pages = block_table.shape
+    dev = block_table.device
+    if fmt.is_fp4:  # block-scale bytes [pages, Hkv, page, D / block]: scales in about [0.5, 2]
+        lo, hi = (0x30, 0x41) if fmt.fp4_spec.scale == "e4m3" else (126, 129)
+        return torch.randint(lo, hi, (B * pages, kv_heads, page, fmt.head_dim // fmt.group_size), generator=gen,
+                             device=dev).to(torch.uint8)
     rows, cols = fmt.param_shape(tensor, page)
     per_group = fmt.group_size // page if fmt.axis(tensor) == CHANNEL and page < fmt.group_size else 1
     shape = (B, pages // per_group, kv_heads, rows, cols)
-    dev = block_table.device
     lo = -1.5 - 0.5 * torch.rand(shape, generator=gen, device=dev)
     hi = 1.5 + 0.5 * torch.rand(shape, generator=gen, device=dev)
     sp, zp = fmt.op.fold((hi - lo) / ((1 << fmt.bits) - 1), lo)

@@ -347,15 +347,26 @@ def fold_decode_stage1(
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
     out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
-    cg = tl.arange(0, VC_)
-    jj = tl.arange(0, VGC)
-    o_ptr = OP + op_off[None, None, :] + split * stride_ops + (cg[:, None, None] * VGC + jj[None, :, None])
-    tl.store(o_ptr, out, mask=hmask[None, None, :])
+    finish_split(tl.reshape(out, (D, BLOCK_H)), lse, OP, LP, O, LSE, SEM, op_off, lp_off, split, b, kvh, hmask, dd,
+                 stride_ops, stride_opb, stride_lpb, stride_oph, stride_lph, stride_ob, stride_lb, stride_oh, stride_lh,
+                 G=G, D=D, STEP=STEP, FUSED_COMBINE=FUSED_COMBINE, WINDOWS=WINDOWS, MERGE_H=MERGE_H, CHUNK=CHUNK,
+                 WRITE_LSE=WRITE_LSE, ROTATE=ROTATE, ROT=ROT)
+
+
+@triton.jit
+def finish_split(out, lse, OP, LP, O, LSE, SEM, op_off, lp_off, split, b, kvh, hmask, dd,
+                 stride_ops, stride_opb, stride_lpb, stride_oph, stride_lph, stride_ob, stride_lb, stride_oh, stride_lh,
+                 G: tl.constexpr, D: tl.constexpr, STEP: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+                 WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
+                 ROTATE: tl.constexpr, ROT):
+    """A split's end, in every stage-1 kernel: its partial output ``out`` (``O^T [D, BLOCK_H]``) and ``lse``
+    stored, and with ``FUSED_COMBINE`` the merge in the epilogue: the last of this KV head's splits to finish
+    merges its query heads' partials (and the BF16 windows', written by kernels launched before this one).
+    The counter resets itself, so the next launch (a CUDA-graph replay too) finds it at zero."""
+    o_ptr = OP + op_off[None, :] + split * stride_ops + dd[:, None]
+    tl.store(o_ptr, out, mask=hmask[None, :])
     tl.store(LP + lp_off + split, lse, mask=hmask)
     if FUSED_COMBINE:
-        # Stage 2 in the epilogue: the last of this KV head's splits to finish merges its query heads'
-        # partials (and the BF16 windows', written by kernels launched before this one). The counter
-        # resets itself, so the next launch (a CUDA-graph replay too) finds it at zero.
         tl.debug_barrier()  # every thread's partial stored before the release below
         sem = SEM + b * tl.num_programs(1) + kvh
         done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")

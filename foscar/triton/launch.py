@@ -136,8 +136,10 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     else:
         problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                       num_splits=num_splits)
-    run(problem, kernel=kernel, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_fp16=pv_fp16,
+    solved = problem.in_cache_space() if cache.fmt.is_fp4 else problem  # the FP4 kernel: the cache's space
+    run(solved, kernel=kernel, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_fp16=pv_fp16,
         prefetch=prefetch, fused_combine=fused_combine, workspace=workspace)
+    problem.finish(solved, lse_wanted=False)
     result = (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
     if problem.q_len == 1:
         return result
@@ -157,15 +159,14 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     _check_device(q)
     fmt = cache.fmt
-    if fmt.is_fp4:
-        raise UnsupportedError(f"scheme={fmt.scheme!r}", "the Triton kernels read affine codes; the FP4 block "
-                               "formats' kernels are not built (the reference backend decodes them)")
-    if fmt.mapping != "bf16":
-        raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
     if kernel not in KERNELS:
         raise InvalidArgumentError("kernel", f"one of {KERNELS}", repr(kernel))
+    if fmt.mapping != "bf16":
+        raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
     if q.stride(-1) != 1:
         raise InvalidArgumentError("q", "unit stride in the last dim", tuple(q.stride()))
+    if fmt.is_fp4 and kernel != "folded":
+        raise UnsupportedError(f"kernel={kernel!r}", f"the {fmt.scheme} kernel is the folded one")
     q_len = problem.q_len
     rows, Hq, D = q.shape
     B = rows // q_len
@@ -191,15 +192,21 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     if fused_combine:  # the windows' partials first: stage 1's last split merges them
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
     lse_buf = lse if lse is not None else l_part
-    fold_decode_stage1[(B, Hkv, num_splits)](
-        q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, out, lse_buf, sem, rot, qk_scale,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
-        bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
-        **stage1_constexprs(fmt, G, block_n=bn, page=cache.page_size, pv_fp16=pv_fp16, fold=kernel == "folded",
-                            interpret=interp, prefetch=prefetch, fused_combine=fused_combine,
-                            write_lse=lse is not None, step=q_len),
-        num_warps=num_warps, num_stages=num_stages, **regs)
+    if fmt.is_fp4:
+        from .launch_fp4 import launch_stage1_fp4
+        launch_stage1_fp4(q, cache, o_part, l_part, out, lse_buf, sem, qk_scale, G, block_n=bn,
+                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interp,
+                          fused_combine=fused_combine, write_lse=lse is not None, step=q_len)
+    else:
+        fold_decode_stage1[(B, Hkv, num_splits)](
+            q, kc, cache.v_codes, kp, vp, bt, cache.seq_lens, o_part, l_part, out, lse_buf, sem, rot, qk_scale,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+            bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+            out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
+            **stage1_constexprs(fmt, G, block_n=bn, page=cache.page_size, pv_fp16=pv_fp16, fold=kernel == "folded",
+                                interpret=interp, prefetch=prefetch, fused_combine=fused_combine,
+                                write_lse=lse is not None, step=q_len),
+            num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
         combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None)

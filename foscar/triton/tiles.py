@@ -95,6 +95,22 @@ def v_codes(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl
 
 
 @triton.jit
+def v_codes_t(w, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr):
+    """Codes of ``BLOCK_N`` V tokens from their words ``w`` (:func:`v_words`), transposed: int32
+    ``[D, BLOCK_N]`` (channels of group ``c`` in rows ``c D/C ...``), with no permute of the registers: the
+    shifts' axes are ordered as the true channel and token digits."""
+    NIB: tl.constexpr = 4 // BITS
+    f = tl.arange(0, 2 * NIB)  # (ib, jc)
+    h = tl.arange(0, 2)
+    jr = tl.arange(0, 2)
+    sh = (BITS * (4 * (f[None, :, None] // 2) + 2 * (f[None, :, None] % 2) + jr[:, None, None])
+          + 16 * h[None, None, :])  # (JR, F, H)
+    # axes (C, MG, JR, L4, NB, F, LC, H): channels (C, MG, JR, L4), tokens (NB, F, LC, H)
+    codes = (w[:, :, None, :, :, None, :, None] >> sh[None, None, :, None, None, :, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (D, BLOCK_N))
+
+
+@triton.jit
 def inject(codes, PATTERN: tl.constexpr, SHL: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
     """Mantissa injection (:func:`foscar.format.injection`): ``PATTERN | (q << SHL)`` read as BF16
     (or FP16 when ``F16``) is ``q + beta``; float32 under the interpreter."""

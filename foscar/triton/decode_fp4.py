@@ -1,0 +1,190 @@
+"""Triton split-KV decode of the FP4 block formats (NVFP4, MXFP4): stage 1, the folds of
+:func:`foscar.fold_fp4.folded_fp4` in the tile step.
+
+The tiling is the affine kernel's (:mod:`foscar.triton.decode`): both products transposed, ``S^T = K Q^T``
+and ``O^T = V^T P^T``, a KV tile's ``BLOCK_N`` tokens along M, the ``G`` query heads (times a step's
+tokens) along N, the operands built in registers from the packed words (the E2M1 codes sit in the INT4
+words, ``docs/layout.md``). A stored value is ``x = T v s`` (``v`` the E2M1 value, ``s`` its block's
+scale, ``T`` the tensor's scale). Per tile:
+
+- **K, acc-fold over block-local partials.** The codes become FP16 operands by bit placement (the code's
+  ``e1 e0 m`` under the FP16 exponent, its sign at bit 15: ``v 2^-14``, exact, the codes of magnitude 0
+  and 0.5 FP16 subnormals), the query an FP16 operand scaled per row by a power of two (``|Q| <= 2^8``:
+  FP16 has BF16's exponent range nowhere near, and more mantissa); one product per block of 16 or 32
+  channels, ``Q_b . v_b``, each scaled by its token's block scale (with ``2^14``, ``T_K`` and the softmax
+  scale: one multiply per partial) before the blocks are summed. Nothing multiplies a scale per value.
+- **V, the scale in the A operand** (``docs/fp4-plan.md``, candidate 1: the block scale varies with the
+  token and the channel block, so neither P nor the accumulator can carry it). The operand is
+  ``fp16(v s 2^13 / 2^E_b)``, ``2^E_b`` the power of two at or above the tile's largest scale of channel
+  block ``b``: exact wherever the tile's scales of a block lie within ``2^26`` of each other (every NVFP4
+  tile: E4M3 scales span ``2^18``; an MXFP4 tile beyond that rounds the far smaller tokens' products in
+  FP16's subnormal range, below ``2^-37`` of the block's largest value). The product's rows of block
+  ``b`` are multiplied by ``2^(E_b - 13)`` as they join the accumulator (``T_V`` on the output).
+- P is an FP16 operand (at most 1, under the running maximum); the softmax sums take the unrounded P.
+
+No offsets: no offset correction. Under the interpreter the operands stay in float32 (the same
+placement, read back exactly), so the kernel is held to the float32 bound of the fold. The partials,
+the fused merge and the step rows (``STEP``, causal among a step's tokens) are the affine kernel's.
+"""
+import triton
+import triton.language as tl
+
+from .common import dot, partial_result, split_of, split_range
+from .decode import _dot_batched, finish_split
+from .tiles import k_codes, k_words, v_codes_t, v_words
+
+
+@triton.jit
+def _placed_f16(codes, INTERPRET: tl.constexpr):
+    """E2M1 codes (int32) as FP16 by bit placement: the value times ``2^-14``, exact (float32 under the
+    interpreter, read back from the FP16 bits)."""
+    bits = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.int16)
+    y = bits.to(tl.float16, bitcast=True)
+    if INTERPRET:
+        y = y.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _scales(byte, E8M0: tl.constexpr):
+    """Block-scale bytes (int32) as float32: E4M3 (the byte ``0x7F``/``0xFF`` NaN) or E8M0 (``2^(b - 127)``,
+    255 NaN), as :func:`foscar.fp4.decode_scale` reads them."""
+    if E8M0:
+        v = tl.where(byte == 0, 5.877471754111438e-39, (byte << 23).to(tl.float32, bitcast=True))
+        v = tl.where(byte == 255, float("nan"), v)
+    else:
+        e = (byte >> 3) & 15
+        m = byte & 7
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+        v = tl.where((byte & 0x7F) == 0x7F, float("nan"), tl.where((byte & 0x80) != 0, -v, v))
+    return v
+
+
+@triton.jit
+def _pow2_at_least(x):
+    """A power of two at or above ``x > 0`` (1 where ``x`` is 0), NaN where ``x`` is."""
+    return tl.exp2(tl.ceil(tl.log2(tl.where(x > 0, x, 1.0))))
+
+
+@triton.jit
+def _load_tile(KC, VC, KS, VS, page, kvh, tile, t_hi, n_quant, tt, cc,
+               stride_cp, stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph,
+               D: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Issue the loads of KV tile ``tile`` (on ``page``): the K and V words and the block-scale bytes
+    ``[NB, BLOCK_N]`` (0 for tokens past the sequence: their operands are 0, never NaN)."""
+    ok = tile < t_hi
+    t0 = tile * BLOCK_N
+    off = t0 % PAGE
+    WPT: tl.constexpr = D * 4 // 32  # words per token
+    kw = k_words(KC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, NB)
+    vw = v_words(VC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, NB)
+    valid = (t0 + tt < n_quant) & ok
+    o = (off + tt)[None, :] * NB + cc[:, None]
+    kb = tl.load(KS + page * stride_kpp + kvh * stride_kph + o, mask=valid[None, :], other=0)
+    vb = tl.load(VS + page * stride_vpp + kvh * stride_vph + o, mask=valid[None, :], other=0)
+    return kw, vw, kb, vb
+
+
+@triton.jit
+def fp4_decode_stage1(
+    Q, KC, VC, KS, VS, BT, SEQ, TS, OP, LP, O, LSE, SEM,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh,
+    stride_cp, stride_ch,  # codes pool [pages, Hkv, W]
+    stride_kpp, stride_kph,  # block-scale bytes [pages, Hkv, page, NB] (the last two contiguous)
+    stride_vpp, stride_vph,
+    stride_btb,
+    stride_opb, stride_oph, stride_ops,  # partial outputs [B, Hq, S, D]
+    stride_lpb, stride_lph,  # partial LSE [B, Hq, S]
+    stride_ob, stride_oh, stride_lb, stride_lh,  # output [B, Hq, D] and LSE [B, Hq] (FUSED_COMBINE)
+    D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK: tl.constexpr, E8M0: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr,
+    INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr,
+    CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr, STEP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    NB: tl.constexpr = D // BLOCK  # blocks per token
+
+    _, n_quant, _ = split_of(tl.load(SEQ + b), SINK, RECENT, FLUSH)
+    t_lo, t_hi = split_range(n_quant, BLOCK_N)
+
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, D)
+    tt = tl.arange(0, BLOCK_N)
+    cc = tl.arange(0, NB)
+    hmask = hh < G * STEP
+    step_row = hh // G if STEP > 1 else 0  # row hh: head kvh G + hh % G of the step's token hh // G
+    head = kvh * G + (hh % G if STEP > 1 else hh)
+    row_off = (b * STEP + step_row) * stride_qb + head * stride_qh
+    op_off = (b * STEP + step_row) * stride_opb + head * stride_oph
+    lp_off = (b * STEP + step_row) * stride_lpb + head * stride_lph
+
+    # Q as an FP16 operand, each row scaled by a power of two to |Q| <= 2^8 (undone with the block scales)
+    qf = tl.load(Q + row_off[:, None] + dd[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    q_mul = tl.exp2(8.0 - tl.log2(_pow2_at_least(tl.max(tl.abs(qf), axis=1))))  # [BLOCK_H]
+    q16 = qf * q_mul[:, None]
+    if not INTERPRET:
+        q16 = q16.to(tl.float16)
+    q3 = tl.permute(tl.reshape(q16, (BLOCK_H, NB, BLOCK)), (1, 2, 0))  # [NB, BLOCK, BLOCK_H]
+    k_fac = tl.load(TS) * qk_scale * 16384.0  # T_K, the softmax scale and the placement's 2^14
+    row_fac = 1.0 / q_mul
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # the softmax denominator, reduced after the loop
+    acc = tl.zeros((D, BLOCK_H), tl.float32)  # O^T
+
+    # the affine kernel's software pipeline (one tile in flight, the page two tiles ahead)
+    bt_row = BT + b * stride_btb
+    page = tl.load(bt_row + (t_lo * BLOCK_N) // PAGE, mask=t_lo < t_hi, other=0).to(tl.int64)
+    kw, vw, kb, vb = _load_tile(KC, VC, KS, VS, page, kvh, t_lo, t_hi, n_quant, tt, cc, stride_cp, stride_ch,
+                                stride_kpp, stride_kph, stride_vpp, stride_vph, D, NB, BLOCK_N, PAGE)
+    page = tl.load(bt_row + ((t_lo + 1) * BLOCK_N) // PAGE, mask=t_lo + 1 < t_hi, other=0).to(tl.int64)
+    for tile in range(t_lo, t_hi):
+        t0 = tile * BLOCK_N
+        valid = t0 + tt < n_quant
+        kw_n, vw_n, kb_n, vb_n = _load_tile(KC, VC, KS, VS, page, kvh, tile + 1, t_hi, n_quant, tt, cc, stride_cp,
+                                            stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph, D, NB,
+                                            BLOCK_N, PAGE)
+        page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
+        # ---- S^T = K Q^T: block-local partials, each scaled by its token's block scale ----------------
+        yk = _placed_f16(k_codes(kw, BLOCK_N, D, 4, NB), INTERPRET)  # [NB, BLOCK_N, BLOCK]
+        part = _dot_batched(yk, q3, INTERPRET)  # [NB, BLOCK_N, BLOCK_H]
+        ks = _scales(kb.to(tl.int32), E8M0) * k_fac  # [NB, BLOCK_N]
+        st = tl.sum(part * ks[:, :, None], axis=0) * row_fac[None, :]
+        if STEP == 1:
+            st = tl.where(valid[:, None], st, float("-inf"))
+        else:  # causal among the step's tokens: token j sees the first n - STEP + 1 + j
+            st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
+                          float("-inf"))
+        # ---- online softmax (base 2) over the token axis ------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        m_use = m_new
+        if STEP > 1:  # a row may see no token of a tile, or of the split: its P and rescale stay 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(st - m_use[None, :])  # P^T [BLOCK_N, BLOCK_H]
+        m_i = m_new
+        l_el = l_el * alpha[None, :] + p
+        # ---- O^T += V^T P^T: the scale in the A operand, a power of two per block on the product -------
+        vs = _scales(vb.to(tl.int32), E8M0)  # [NB, BLOCK_N]
+        top = _pow2_at_least(tl.max(vs, axis=1))  # [NB]
+        f = tl.reshape(tl.broadcast_to((vs * (134217728.0 / top)[:, None])[:, None, :], (NB, BLOCK, BLOCK_N)),
+                       (D, BLOCK_N))  # s 2^27 / 2^E_b per channel row
+        a = _placed_f16(v_codes_t(vw, BLOCK_N, D, 4, NB), INTERPRET).to(tl.float32) * f  # v s 2^13 / 2^E_b
+        pb = p
+        if not INTERPRET:
+            a = a.to(tl.float16)
+            pb = p.to(tl.float16)
+        row_pow = tl.reshape(tl.broadcast_to((top * 0.0001220703125)[:, None], (NB, BLOCK)), (D,))  # 2^(E_b - 13)
+        acc = acc * alpha[None, :] + dot(a, pb, INTERPRET) * row_pow[:, None]
+        kw, vw, kb, vb = kw_n, vw_n, kb_n, vb_n
+
+    # ---- partial output and LSE of this split ---------------------------------------------------------
+    den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
+    out = acc * (tl.load(TS + 1) / den)[None, :]  # T_V
+    finish_split(out, lse, OP, LP, O, LSE, SEM, op_off, lp_off, split, b, kvh, hmask, dd, stride_ops, stride_opb,
+                 stride_lpb, stride_oph, stride_lph, stride_ob, stride_lb, stride_oh, stride_lh,
+                 G=G, D=D, STEP=STEP, FUSED_COMBINE=FUSED_COMBINE, WINDOWS=WINDOWS, MERGE_H=MERGE_H, CHUNK=CHUNK,
+                 WRITE_LSE=WRITE_LSE, ROTATE=False, ROT=LP)
