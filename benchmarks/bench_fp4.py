@@ -84,9 +84,8 @@ def main():
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     check(dev, a.backend)
     ceiling = measure_read_ceiling(8.0, iters=10, warmup=3, flush=flush, device=dev)
-    peak = max(v for k, v in ceiling.items() if k.endswith("bytes_per_s") or k == "best") if isinstance(
-        ceiling, dict) else float(ceiling)
-    print(f"\nGPU {torch.cuda.get_device_name(dev)}; read ceiling {peak / 1e12:.2f} TB/s (8 GiB streaming read); "
+    peak = ceiling["tbps"] * 1e12
+    print(f"\nGPU {torch.cuda.get_device_name(dev)}; read ceiling {peak / 1e12:.2f} TB/s ({ceiling['source']}); "
           f"CUDA-graph replays, L2 flushed, median of {a.iters}; backend {a.backend}\n")
     print("| B | L | FI BF16 µs | FI NVFP4 µs | foscar NVFP4 µs (ceiling) | vs FI NVFP4 | vs FI BF16 | "
           "foscar MXFP4 µs (ceiling) | vs FI BF16 | foscar INT4 µs |\n|---|---|---|---|---|---|---|---|---|---|")
