@@ -96,6 +96,7 @@ def main():
         args = SimpleNamespace(num_splits=None)
         t = {}
         for name, build in (("fi_bf16", build_flashinfer(True)), ("fi_nvfp4", build_flashinfer_nvfp4)):
+            run = None
             try:
                 run = build(inp, args)
                 t[name] = graph_or_eager(run.fn, flush, a.iters, name)
@@ -111,7 +112,7 @@ def main():
             out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
             t[name] = graph_or_eager(lambda c=cache: foscar.decode(q, c, out=out, backend=a.backend), flush, a.iters,
                                      name)
-            t[name + "_share"] = B * L * HKV * fmt.bytes_per_token / (t[name] * 1e-6) / peak
+            t[name + "_share"] = B * L * HKV * fmt.bytes_per_token() / (t[name] * 1e-6) / peak
             del cache
             torch.cuda.empty_cache()
         rows.append({"B": B, "L": L, **t})
