@@ -40,6 +40,25 @@ def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+FP4_POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KS": "*u8", "VS": "*u8", "BT": "*i32", "SEQ": "*i32",
+                "TS": "*fp32", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEM": "*i32"}
+
+
+def compile_stage1_fp4(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fused_combine=True,
+                       q_len=1):
+    """The FP4 block formats' stage 1 (:func:`foscar.triton.decode_fp4.fp4_decode_stage1`), compiled as the
+    launcher compiles it."""
+    from foscar.triton.decode_fp4 import fp4_decode_stage1
+    from foscar.triton.launch_fp4 import stage1_constexprs_fp4
+    constexprs = dict(stage1_constexprs_fp4(fmt, G, block_n=block_n, page=page, fused_combine=fused_combine,
+                                            step=q_len))
+    signature = dict(FP4_POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES},
+                     **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=fp4_decode_stage1, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+
+
 def _cuobjdump(kernel, flag: str) -> str:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -81,6 +100,8 @@ def main():
     p.add_argument("--separate-combine", action="store_true", help="without the split merge in the epilogue")
     p.add_argument("--rotation", action="store_true", help="a rotated cache (the query rotated as it is loaded)")
     p.add_argument("--q-len", type=int, default=1, help="tokens of a decode step, rows of each program")
+    p.add_argument("--scheme", choices=("affine", "nvfp4", "mxfp4"), default="affine",
+                   help="an FP4 block format: its kernel (the format's other options are its own)")
     p.add_argument("--launcher-cap", action="store_true",
                    help="the register cap the launcher would set (foscar.triton.launch.max_registers)")
     a = p.parse_args()
@@ -90,8 +111,13 @@ def main():
     if a.launcher_cap:
         from foscar.triton.launch import max_registers
         cap = max_registers(fmt, a.prefetch, a.gqa * a.q_len)
-    k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
-                       max_registers=cap, prefetch=a.prefetch, fused_combine=not a.separate_combine, q_len=a.q_len)
+    if a.scheme != "affine":
+        k = compile_stage1_fp4(KVFormat.fp4(a.scheme, a.head_dim), block_n=a.block_n, G=a.gqa, num_warps=a.num_warps,
+                               fused_combine=not a.separate_combine, q_len=a.q_len)
+    else:
+        k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
+                           max_registers=cap, prefetch=a.prefetch, fused_combine=not a.separate_combine,
+                           q_len=a.q_len)
     total, mix = loop_mix(k)
     res = resources(k)
     print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "

@@ -53,7 +53,7 @@ def check(q, cache, *, num_splits=None, fused=True, tol=1e-5):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("D,G,page", [(64, 4, 32), (128, 1, 64), (128, 8, 16)])
+@pytest.mark.parametrize("D,G,page", [(64, 4, 32), (128, 1, 64), (128, 8, 16), (64, 16, 32), (256, 2, 64)])
 def test_every_block_format_head_dim_gqa_and_page(scheme, D, G, page):
     """Lengths 1, mid-tile and mid-page, shuffled pages, more splits than some sequences have tiles."""
     q, cache = make(foscar.KVFormat.fp4(scheme, D), [1, 70, 157], 2, G, page=page, seed=D + G)
@@ -89,6 +89,23 @@ def test_a_tile_whose_block_scales_span_the_e4m3_range():
     k[:, :, 0::2] = q[0, 0] * 0.5  # the small tokens hold the attention
     cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, tensor_scales=(1.0, 1.0))
     check(q.bfloat16().to(DEV), cache, num_splits=1)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_zero_tokens_and_blocks(scheme):
+    """Tokens and channel blocks of zeros (their block scales the format's smallest, MXFP4's E8M0 2^-127 among
+    them): the powers of two the kernel divides by stay finite, the zeros stay zeros."""
+    fmt = foscar.KVFormat.fp4(scheme, 64)
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 2, 130, 64, generator=gen)
+    v = torch.randn(2, 2, 130, 64, generator=gen)
+    k[:, :, 60:70] = 0.0
+    v[:, :, :64] = 0.0  # a whole tile of zero V
+    v[:, :, 64:, :32] = 0.0  # and zero channel blocks beside non-zero ones
+    cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, seq_lens=torch.tensor([130, 70], dtype=torch.int32,
+                                                                                 device=DEV))
+    q = torch.randn(2, 8, 64, generator=gen).bfloat16().to(DEV)
+    check(q, cache, num_splits=2)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -30,19 +30,9 @@ import triton
 import triton.language as tl
 
 from .common import dot, partial_result, split_of, split_range
-from .decode import _dot_batched, finish_split
-from .tiles import k_codes, k_words, v_codes_t, v_words
-
-
-@triton.jit
-def _placed_f16(codes, INTERPRET: tl.constexpr):
-    """E2M1 codes (int32) as FP16 by bit placement: the value times ``2^-14``, exact (float32 under the
-    interpreter, read back from the FP16 bits)."""
-    bits = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.int16)
-    y = bits.to(tl.float16, bitcast=True)
-    if INTERPRET:
-        y = y.to(tl.float32)
-    return y
+from .decode import finish_split
+from .tiles import k_words, v_words
+from .tiles_fp4 import k_operand_fp4, v_operand_t_fp4
 
 
 @triton.jit
@@ -61,9 +51,22 @@ def _scales(byte, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _pow2_at_least(x):
-    """A power of two at or above ``x > 0`` (1 where ``x`` is 0), NaN where ``x`` is."""
-    return tl.exp2(tl.ceil(tl.log2(tl.where(x > 0, x, 1.0))))
+def _pow2_bits(x):
+    """The float32 bits of the power of two at or above ``x >= 0``, at least ``2^-100`` (so ``2^13`` over it stays
+    finite; a NaN ``x`` gives ``2^-100``: its NaN reaches the operand through the scale itself). Integer ops only."""
+    return tl.maximum((x.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000, 27 << 23)
+
+
+@triton.jit
+def _pow2(bits, SHIFT: tl.constexpr):
+    """``2^SHIFT`` times the power of two whose float32 bits are ``bits`` (exact, integer ops)."""
+    return (bits + (SHIFT << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_over(bits, SHIFT: tl.constexpr):
+    """``2^SHIFT`` over the power of two whose float32 bits are ``bits`` (exact, integer ops)."""
+    return (((127 + SHIFT) << 23) - (bits - (127 << 23))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -76,11 +79,12 @@ def _load_tile(KC, VC, KS, VS, page, kvh, tile, t_hi, n_quant, tt, cc,
     t0 = tile * BLOCK_N
     off = t0 % PAGE
     WPT: tl.constexpr = D * 4 // 32  # words per token
-    kw = k_words(KC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, NB)
-    vw = v_words(VC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, NB)
+    kw = k_words(KC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, 1)
+    vw = v_words(VC + page * stride_cp + kvh * stride_ch + off * WPT, ok, BLOCK_N, D, 4, 1)
     valid = (t0 + tt < n_quant) & ok
     o = (off + tt)[None, :] * NB + cc[:, None]
-    kb = tl.load(KS + page * stride_kpp + kvh * stride_kph + o, mask=valid[None, :], other=0)
+    kb = tl.load(KS + page * stride_kpp + kvh * stride_kph + (off + tt)[:, None] * NB + cc[None, :],
+                 mask=valid[:, None], other=0)  # [BLOCK_N, NB]
     vb = tl.load(VS + page * stride_vpp + kvh * stride_vph + o, mask=valid[None, :], other=0)
     return kw, vw, kb, vb
 
@@ -123,13 +127,14 @@ def fp4_decode_stage1(
 
     # Q as an FP16 operand, each row scaled by a power of two to |Q| <= 2^8 (undone with the block scales)
     qf = tl.load(Q + row_off[:, None] + dd[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    q_mul = tl.exp2(8.0 - tl.log2(_pow2_at_least(tl.max(tl.abs(qf), axis=1))))  # [BLOCK_H]
+    q_top = _pow2_bits(tl.max(tl.abs(qf), axis=1))  # [BLOCK_H]
+    q_mul = _pow2_over(q_top, 8)
     q16 = qf * q_mul[:, None]
     if not INTERPRET:
         q16 = q16.to(tl.float16)
-    q3 = tl.permute(tl.reshape(q16, (BLOCK_H, NB, BLOCK)), (1, 2, 0))  # [NB, BLOCK, BLOCK_H]
-    k_fac = tl.load(TS) * qk_scale * 16384.0  # T_K, the softmax scale and the placement's 2^14
-    row_fac = 1.0 / q_mul
+    q2t = tl.trans(q16)  # [D, BLOCK_H]
+    k_fac = tl.load(TS) * qk_scale  # T_K and the softmax scale
+    row_fac = _pow2(q_top, -8)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # the softmax denominator, reduced after the loop
@@ -149,10 +154,10 @@ def fp4_decode_stage1(
                                             BLOCK_N, PAGE)
         page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
         # ---- S^T = K Q^T: block-local partials, each scaled by its token's block scale ----------------
-        yk = _placed_f16(k_codes(kw, BLOCK_N, D, 4, NB), INTERPRET)  # [NB, BLOCK_N, BLOCK]
-        part = _dot_batched(yk, q3, INTERPRET)  # [NB, BLOCK_N, BLOCK_H]
-        ks = _scales(kb.to(tl.int32), E8M0) * k_fac  # [NB, BLOCK_N]
-        st = tl.sum(part * ks[:, :, None], axis=0) * row_fac[None, :]
+        ks = _scales(kb.to(tl.int32), E8M0)  # [BLOCK_N, NB]
+        k_top = _pow2_bits(tl.max(ks, axis=1))  # [BLOCK_N]: 2^E_t at or above the token's block scales
+        yk = k_operand_fp4(kw, ks * _pow2_over(k_top, 15)[:, None], BLOCK_N, D, BLOCK, INTERPRET)  # 2 v s / 2^E_t
+        st = dot(yk, q2t, INTERPRET) * (_pow2(k_top, -1) * k_fac)[:, None] * row_fac[None, :]
         if STEP == 1:
             st = tl.where(valid[:, None], st, float("-inf"))
         else:  # causal among the step's tokens: token j sees the first n - STEP + 1 + j
@@ -169,15 +174,12 @@ def fp4_decode_stage1(
         l_el = l_el * alpha[None, :] + p
         # ---- O^T += V^T P^T: the scale in the A operand, a power of two per block on the product -------
         vs = _scales(vb.to(tl.int32), E8M0)  # [NB, BLOCK_N]
-        top = _pow2_at_least(tl.max(vs, axis=1))  # [NB]
-        f = tl.reshape(tl.broadcast_to((vs * (134217728.0 / top)[:, None])[:, None, :], (NB, BLOCK, BLOCK_N)),
-                       (D, BLOCK_N))  # s 2^27 / 2^E_b per channel row
-        a = _placed_f16(v_codes_t(vw, BLOCK_N, D, 4, NB), INTERPRET).to(tl.float32) * f  # v s 2^13 / 2^E_b
+        top = _pow2_bits(tl.max(vs, axis=1))  # [NB]: 2^E_b at or above the tile's scales of block b
+        a = v_operand_t_fp4(vw, vs * _pow2_over(top, 15)[:, None], BLOCK_N, D, BLOCK, INTERPRET)  # 2 v s / 2^E_b
         pb = p
         if not INTERPRET:
-            a = a.to(tl.float16)
             pb = p.to(tl.float16)
-        row_pow = tl.reshape(tl.broadcast_to((top * 0.0001220703125)[:, None], (NB, BLOCK)), (D,))  # 2^(E_b - 13)
+        row_pow = tl.reshape(tl.broadcast_to(_pow2(top, -1)[:, None], (NB, BLOCK)), (D,))  # 2^(E_b - 1)
         acc = acc * alpha[None, :] + dot(a, pb, INTERPRET) * row_pow[:, None]
         kw, vw, kb, vb = kw_n, vw_n, kb_n, vb_n
 
