@@ -1,5 +1,4 @@
-"""Triton split-KV decode of the FP4 block formats (NVFP4, MXFP4): stage 1, the folds of
-:func:`foscar.fold_fp4.folded_fp4` in the tile step.
+"""Triton split-KV decode of the FP4 block formats (NVFP4, MXFP4): stage 1.
 
 The tiling is the affine kernel's (:mod:`foscar.triton.decode`): both products transposed, ``S^T = K Q^T``
 and ``O^T = V^T P^T``, a KV tile's ``BLOCK_N`` tokens along M, the ``G`` query heads (times a step's
@@ -7,20 +6,19 @@ tokens) along N, the operands built in registers from the packed words (the E2M1
 words, ``docs/layout.md``). A stored value is ``x = T v s`` (``v`` the E2M1 value, ``s`` its block's
 scale, ``T`` the tensor's scale). Per tile:
 
-- **K, acc-fold over block-local partials.** The codes become FP16 operands by bit placement (the code's
-  ``e1 e0 m`` under the FP16 exponent, its sign at bit 15: ``v 2^-14``, exact, the codes of magnitude 0
-  and 0.5 FP16 subnormals), the query an FP16 operand scaled per row by a power of two (``|Q| <= 2^8``:
-  FP16 has BF16's exponent range nowhere near, and more mantissa); one product per block of 16 or 32
-  channels, ``Q_b . v_b``, each scaled by its token's block scale (with ``2^14``, ``T_K`` and the softmax
-  scale: one multiply per partial) before the blocks are summed. Nothing multiplies a scale per value.
-- **V, the scale in the A operand** (``docs/fp4-plan.md``, candidate 1: the block scale varies with the
-  token and the channel block, so neither P nor the accumulator can carry it). The operand is
-  ``fp16(v s 2^13 / 2^E_b)``, ``2^E_b`` the power of two at or above the tile's largest scale of channel
-  block ``b``: exact wherever the tile's scales of a block lie within ``2^26`` of each other (every NVFP4
-  tile: E4M3 scales span ``2^18``; an MXFP4 tile beyond that rounds the far smaller tokens' products in
-  FP16's subnormal range, below ``2^-37`` of the block's largest value). The product's rows of block
-  ``b`` are multiplied by ``2^(E_b - 13)`` as they join the accumulator (``T_V`` on the output).
-- P is an FP16 operand (at most 1, under the running maximum); the softmax sums take the unrounded P.
+- **The block scales in the operands** (:mod:`foscar.triton.tiles_fp4`): each E2M1 code placed under the FP16
+  exponent and multiplied by its block's scale as an FP16 pair, one ``mul.f16x2`` a register. K: the scales
+  over ``2^E_t``, a power of two at or above the token's block scales, which the token's scores take back
+  (with ``T_K`` and the softmax scale: one multiply a score); V: over ``2^E_b``, at or above the tile's scales
+  of channel block ``b``, which the product's rows of that block take back as they join the accumulator
+  (``T_V`` on the output). An operand is ``2 v s / 2^E``, at most 12, exact down to ``s / 2^E = 2^-14``
+  (below, rounded at FP16's subnormal spacing: ``2^-27`` of the largest operand of that token or block).
+  K's acc-fold over block-local partials (:func:`foscar.fold_fp4.folded_fp4`, the CuTe plan's) costs more in
+  Triton as first built (codes placed one by one, eight ``k16`` products a tile as a batched dot and their
+  reduction): 1,325 SASS instructions a tile against 886 here (``benchmarks/sass_stats.py --scheme nvfp4``,
+  ``docs/fp4-plan.md``).
+- The query is an FP16 operand scaled per row by a power of two (``|Q| <= 2^8``), undone on the scores; P an
+  FP16 operand (at most 1, under the running maximum); the softmax sums take the unrounded P.
 
 No offsets: no offset correction. Under the interpreter the operands stay in float32 (the same
 placement, read back exactly), so the kernel is held to the float32 bound of the fold. The partials,
