@@ -145,6 +145,15 @@ def block_limit(spec: Fp4Spec, tensor_scale: float) -> float:
     return E2M1_MAX * (E4M3_MAX * tensor_scale if spec.scale == "e4m3" else 2.0 ** 127)
 
 
+def check_block_limit(x: torch.Tensor, spec: Fp4Spec, tensor_scale: float, name: str) -> None:
+    """Refuse ``x`` by ``name`` where a magnitude is past :func:`block_limit` (it would be clipped)."""
+    limit = block_limit(spec, tensor_scale)
+    top = float(x.abs().max()) if x.numel() else 0.0
+    if top > limit:
+        raise InvalidArgumentError(name, f"values of magnitude <= {limit:.6g} ({spec.name} blocks with tensor scale "
+                                   f"{tensor_scale:.6g}: 6 x the largest block scale)", f"{top:.6g}")
+
+
 def check_tensor_scales(fmt, tensor_scales, device) -> torch.Tensor:
     """NVFP4's per-tensor scales ``(k, v)`` (two finite positive numbers) as FP32 ``[2]`` on ``device``;
     refused by name for any other format."""
@@ -189,10 +198,7 @@ def quantize_blocks(x: torch.Tensor, spec: Fp4Spec | str, tensor_scale: float | 
         tensor_scale = 1.0
     xb = x.to(torch.float64).reshape(*x.shape[:-1], -1, spec.block)
     amax = xb.abs().amax(-1)
-    limit = block_limit(spec, tensor_scale)
-    if amax.numel() and float(amax.max()) > limit:
-        raise InvalidArgumentError(name, f"values of magnitude <= {limit:.6g} ({spec.name} blocks with tensor scale "
-                                   f"{tensor_scale:.6g}: 6 x the largest block scale)", f"{float(amax.max()):.6g}")
+    check_block_limit(amax, spec, tensor_scale, name)
     best = None
     for sb in _candidates(amax, spec, tensor_scale)[: 2 if search else 1]:
         s = decode_scale(sb, spec) * tensor_scale

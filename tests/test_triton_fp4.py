@@ -192,3 +192,99 @@ def test_paper_shape_gpu(scheme, G):
     foscar.decode(q, cache, out=out)
     assert rel(out, foscar.decode_exact(q, cache)) <= 1.05 * rel(bf16_attention(q, cache), foscar.decode_exact(
         q, cache)) + 1e-4
+
+
+def _snapshot(cache):
+    names = ("k_codes", "v_codes", "k_params", "v_params", "k_sink", "v_sink", "k_recent", "v_recent", "seq_lens")
+    return {n: getattr(cache, n).clone() for n in names}
+
+
+def _fp4_values(B, H, n, D, seed):
+    """BF16-exact values (the ring round trip is lossless) with blocks that hit the E2M1 midpoints exactly:
+    each token's first block is 6 (its scale 1 at NVFP4's tensor scale 1, MXFP4's) and the seven midpoints."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, H, n, D, generator=gen) * 3).bfloat16().float()
+    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0])
+    x[..., :16] = ties
+    x[:, :, ::5] = 0.0  # zero tokens: the smallest block scales
+    return x
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("quantizer", ("minmax", "mse"))
+@pytest.mark.parametrize("windows", ({}, {"sink": 3, "recent": 5}))
+def test_the_triton_append_writes_what_the_reference_writes_bit_for_bit(scheme, quantizer, windows):
+    """``foscar.triton.append`` and ``append_step`` (under the interpreter on a CPU) over an FP4 cache: the
+    codes, block-scale bytes and windows QuantKVCache.append writes, bit for bit, both block-scale choices and
+    the E2M1 ties; a prompt, chunks across pages and the window, single steps."""
+    fmt = foscar.KVFormat.fp4(scheme, 64, **windows)
+    B, H, D, n = 2, 1, 64, 64
+    k, v = (_fp4_values(B, H, n, D, seed=s).to(DEV) for s in (1, 2))
+    kw = {"tensor_scales": (1.0, 0.5)} if scheme == "nvfp4" else {}
+    ref = foscar.QuantKVCache.empty(fmt, B, H, max_len=n, page_size=32, device=DEV, **kw)
+    ker = foscar.QuantKVCache.empty(fmt, B, H, max_len=n, page_size=32, device=DEV, **kw)
+    t = 0
+    for c in (20, 1, 5, 1, 30, 1, 6):
+        ref.append(k[:, :, t: t + c], v[:, :, t: t + c], quantizer=quantizer)
+        if c == 1:
+            ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), quantizer=quantizer)
+        else:
+            ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], quantizer=quantizer, check=c != 30)
+        t += c
+        for name, a in _snapshot(ref).items():
+            assert torch.equal(a, getattr(ker, name)), (name, t)
+    assert t == n
+
+
+def test_the_triton_fp4_append_refuses_by_name_and_leaves_the_cache():
+    fmt = foscar.KVFormat.fp4("nvfp4", 64)
+    cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64, page_size=32, device=DEV, tensor_scales=(1e-4, 1.0))
+    before = _snapshot(cache)
+    x = torch.ones(1, 1, 4, 64, device=DEV)
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^quantizer: expected one of \('minmax', 'mse'\)"):
+        ft.append(cache, x, x, quantizer="oscar")
+    with pytest.raises(foscar.InvalidArgumentError, match=r"^k_new: expected values of magnitude <= 0.2688"):
+        ft.append(cache, x, x)  # 6 x 448 x 1e-4: past the E4M3 block scales
+    for name, a in before.items():
+        assert torch.equal(a, getattr(cache, name)), name
+    ft.append(cache, x, x, check=False)  # no host check (a CUDA graph): the blocks' scales are NaN, never clipped
+    assert int(cache.seq_lens[0]) == 4 and bool((cache.k_params[cache.page_table.block_table[0, 0], 0, :4] == 0x7F)
+                                                .all())
+    assert bool(torch.isnan(ft.decode(torch.ones(1, 4, 64, device=DEV), cache)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_append_then_decode_as_one_cuda_graph_gpu(scheme):
+    """A decode step as one graph: ``foscar.append(check=False)`` of the step's token (the Triton writer) and
+    ``plan.run`` of the decode; replays equal eager calls on a copy, and the decode equals the oracle's."""
+    fmt = foscar.KVFormat.fp4(scheme, 128, recent=4)
+    B, H, G = 2, 4, 4
+    k, v = (_fp4_values(B, H, 40, 128, seed=s).to(DEV) for s in (3, 4))
+    kw = {"tensor_scales": (1.0, 1.0)} if scheme == "nvfp4" else {}
+    graphed, eager = (foscar.QuantKVCache.empty(fmt, B, H, max_len=64, page_size=16, device=DEV, **kw) for _ in "ab")
+    for c in (graphed, eager):
+        foscar.append(c, k[:, :, :30], v[:, :, :30])
+    q = torch.randn(B, H * G, 128, device=DEV).bfloat16()
+    plan = foscar.plan(q, graphed)
+    kn, vn = k[:, :, 30:31].clone(), v[:, :, 30:31].clone()
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+    foscar.append(graphed, kn, vn)  # a warm-up step (compiles), eager
+    plan.run(q, graphed, out=out)
+    foscar.append(eager, kn, vn, backend="reference")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        foscar.append(graphed, kn, vn, check=False)
+        plan.run(q, graphed, out=out)
+    for t in range(31, 40):
+        kn.copy_(k[:, :, t: t + 1])
+        vn.copy_(v[:, :, t: t + 1])
+        graph.replay()
+        foscar.append(eager, k[:, :, t: t + 1], v[:, :, t: t + 1], backend="reference")
+        want = foscar.decode(q, eager, backend="triton")
+        torch.cuda.synchronize()
+        assert rel(out, want) < 1e-2 and bool(torch.isfinite(out).all()), t
+        exact = foscar.decode_exact(q, eager)
+        assert rel(out, exact) <= 1.05 * rel(bf16_attention(q, eager), exact) + 1e-4
+    for name, a in _snapshot(eager).items():
+        assert torch.equal(a, getattr(graphed, name)), name

@@ -16,7 +16,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
 from ..rotation import rotation_factors
 from ..problem import DecodeProblem
-from ..quantize import RANGE_QUANTIZERS, check_quantizer, clip_ratio
+from ..quantize import FP4_QUANTIZERS, RANGE_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
 from .decode import LOG2E, fold_decode_stage1
 
@@ -277,7 +277,7 @@ def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *
     _check_append_inputs(cache, k_new, v_new, (B, H, D), check, quantizer)
     for tensor, x, codes, params, sink, ring, c in _append_tensors(cache, k_new, v_new, quantizer):
         append_token_kernel[(B, H)](
-            x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring,
+            x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring, cache.tensor_scales,
             x.stride(0), x.stride(1), c["bt"].stride(0), codes.stride(0), codes.stride(1), params.stride(0),
             params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
             ring.stride(2), **c["constexprs"], num_warps=4, enable_fp_fusion=False)
@@ -306,7 +306,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, che
     tensors = list(_append_tensors(cache, k_new, v_new, quantizer))
     for tensor, x, codes, params, sink, ring, c in tensors:
         append_quantize_kernel[(B, H, units)](
-            x, cache.seq_lens, c["bt"], c["np"], codes, params, ring, T,
+            x, cache.seq_lens, c["bt"], c["np"], codes, params, ring, cache.tensor_scales, T,
             x.stride(0), x.stride(1), x.stride(2), c["bt"].stride(0), codes.stride(0), codes.stride(1),
             params.stride(0), params.stride(1), ring.stride(0), ring.stride(1), ring.stride(2),
             **c["constexprs"], num_warps=4, enable_fp_fusion=False)
@@ -323,10 +323,10 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
     """What both Triton appends check on the host (no device read), then, with ``check``, everything
     :meth:`QuantKVCache.append` checks (capacity, pages, finite values: device reads)."""
     fmt = cache.fmt
-    check_quantizer(quantizer, RANGE_QUANTIZERS, " (the Triton append; QuantKVCache.append takes every quantizer)")
     if fmt.is_fp4:
-        raise UnsupportedError(f"scheme={fmt.scheme!r}", "the Triton append writes affine codes; "
-                               "QuantKVCache.append writes the FP4 block formats")
+        check_quantizer(quantizer, FP4_QUANTIZERS, f" (scheme={fmt.scheme!r})")
+    else:
+        check_quantizer(quantizer, RANGE_QUANTIZERS, " (the Triton append; QuantKVCache.append takes every quantizer)")
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")
@@ -340,6 +340,11 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
             cache._check_append(k_new[:, :, None], v_new[:, :, None], quantizer)
         else:
             cache._check_append(k_new, v_new, quantizer)
+        if fmt.is_fp4:  # QuantKVCache.append refuses these as it quantizes; the kernels write NaN scales there
+            from ..fp4 import check_block_limit
+            for name, t, x in (("k_new", "k", k_new), ("v_new", "v", v_new)):
+                check_block_limit(x.to(cache.window_dtype) if fmt.passes_window else x, fmt.fp4_spec,
+                                  cache.tensor_scale(t), name)
 
 
 def _append_tensors(cache: QuantKVCache, k_new, v_new, quantizer: str):
@@ -354,5 +359,6 @@ def _append_tensors(cache: QuantKVCache, k_new, v_new, quantizer: str):
                           RECENT=fmt.recent, CAP=max(fmt.recent_capacity, 1), FLUSH=fmt.flush,
                           CHANNEL=fmt.axis(tensor) == "channel", BETA=float(fmt.op.beta), TENSOR_V=tensor == "v",
                           BLOCK_TOKENS=16 if tensor == "k" else 64 // fmt.bits, PASS_WINDOW=fmt.passes_window,
-                          RATIO=clip_ratio(quantizer, tensor) or 1.0)
+                          RATIO=(clip_ratio(quantizer, tensor) or 1.0) if not fmt.is_fp4 else 1.0, FP4=fmt.is_fp4,
+                          E8M0=fmt.is_fp4 and fmt.fp4_spec.scale == "e8m0", SEARCH=quantizer == "mse")
         yield tensor, x, codes, params, sink, ring, {"bt": pt.block_table, "np": pt.num_pages, "constexprs": constexprs}

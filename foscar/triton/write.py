@@ -15,6 +15,8 @@ CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it m
 import triton
 import triton.language as tl
 
+from .write_fp4 import quantize_blocks_fp4
+
 
 @triton.jit
 def _field(t, c, TENSOR_V: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
@@ -48,17 +50,65 @@ def _field(t, c, TENSOR_V: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
+def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
                    BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                    FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr):
+                   BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr, FP4: tl.constexpr, E8M0: tl.constexpr,
+                   SEARCH: tl.constexpr):
     """Quantize one flush unit, ``src [FLUSH, D]`` (float64) of post-sink tokens ``t [FLUSH]`` of sequence
     ``b``, head ``h``, min-max (``RATIO`` 1) or with the min-max range shrunk about its midpoint by
     ``RATIO`` (a clip preset), as :func:`foscar.quantize.quantize_groups` does, and write its codes into
     the packed words of its pages (an atomic AND clears the bit fields, an atomic OR sets them: a word
-    mixes tokens) and its ``(s', z')`` into the pages' parameter rows."""
+    mixes tokens) and its ``(s', z')`` into the pages' parameter rows. ``FP4``: an FP4 block format's unit,
+    its blocks of ``GROUP`` channels (``SEARCH``: the two candidate scales; ``E8M0``: MXFP4's bytes; ``TS``:
+    the cache's per-tensor scales) as :func:`foscar.fp4.quantize_blocks` makes them, the scale bytes into the
+    pages' rows."""
+    if FP4:  # E2M1 codes and block-scale bytes (foscar.triton.write_fp4), token-wise: FLUSH is 1
+        q, sbytes = quantize_blocks_fp4(src, tl.load(TS + TENSOR_V).to(tl.float64), FLUSH, D, GROUP, E8M0, SEARCH)
+        _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS, D, PAGE, TENSOR_V,
+                     BLOCK_TOKENS)
+        ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
+        cb = tl.arange(0, D // GROUP)
+        tl.store(PARAMS + page[:, None] * stride_pp + h * stride_ph + off[:, None] * (D // GROUP) + cb[None, :],
+                 sbytes.to(tl.uint8), mask=ok[:, None] & (cb >= 0)[None, :])
+    else:
+        _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
+                         BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
+
+
+@triton.jit
+def _page_of(t, b, BT, NP, stride_btb, PAGE: tl.constexpr):
+    """``(ok, page, off)`` of post-sink tokens ``t``: written only where their page is the sequence's (checked
+    on the host), the page's pool index and the token's row in it."""
+    page_i = t // PAGE
+    ok = page_i < tl.load(NP + b)
+    page = tl.load(BT + b * stride_btb + page_i, mask=ok, other=0).to(tl.int64)
+    return ok, page, t % PAGE
+
+
+@triton.jit
+def _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS: tl.constexpr, D: tl.constexpr,
+                 PAGE: tl.constexpr, TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    """Codes ``q [FLUSH, D]`` of tokens ``t`` into the packed words of their pages: an atomic AND clears the
+    bit fields, an atomic OR sets them (a word mixes tokens)."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     WPB: tl.constexpr = BLOCK_TOKENS * D * BITS // 32
+    dd = tl.arange(0, D)
+    ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
+    word, shift = _field((off % BLOCK_TOKENS)[:, None], dd[None, :], TENSOR_V, BITS, D)
+    wptr = (CODES + page[:, None] * stride_cp + h * stride_ch + (off // BLOCK_TOKENS)[:, None] * WPB + word)
+    ok2 = ok[:, None] & (dd >= 0)[None, :]  # full shape: atomics do not broadcast their mask
+    tl.atomic_and(wptr, ~(QMAX << shift), mask=ok2)
+    tl.atomic_or(wptr, q << shift, mask=ok2)
+
+
+@triton.jit
+def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
+                     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                     FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr,
+                     BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr):
+    """The affine formats' part of :func:`_quantize_unit`: min-max (or clipped) groups, codes and ``(s', z')``."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
     dd = tl.arange(0, D)
     if CHANNEL:  # one group along the tokens per channel: (s', z') [D]
         lo = tl.min(src, axis=0)[None, :]
@@ -82,15 +132,9 @@ def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, s
     q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
     q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
     q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)  # [FLUSH, D]
-    page_i = t // PAGE
-    off = t % PAGE
-    ok = page_i < tl.load(NP + b)  # past the sequence's pages nothing is written (checked on the host)
-    page = tl.load(BT + b * stride_btb + page_i, mask=ok, other=0).to(tl.int64)
-    word, shift = _field((off % BLOCK_TOKENS)[:, None], dd[None, :], TENSOR_V, BITS, D)
-    wptr = (CODES + page[:, None] * stride_cp + h * stride_ch + (off // BLOCK_TOKENS)[:, None] * WPB + word)
-    ok2 = ok[:, None] & (dd >= 0)[None, :]  # full shape: atomics do not broadcast their mask
-    tl.atomic_and(wptr, ~(QMAX << shift), mask=ok2)
-    tl.atomic_or(wptr, q << shift, mask=ok2)
+    _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS, D, PAGE, TENSOR_V, BLOCK_TOKENS)
+    ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
+    ok2 = ok[:, None] & (dd >= 0)[None, :]
     pbase = PARAMS + page[:, None] * stride_pp + h * stride_ph
     if CHANNEL:  # the group's row: (off // GROUP) in a page of >= GROUP tokens, else row 0 of every page
         row = (off // GROUP if PAGE >= GROUP else 0 * off)[:, None]
@@ -103,7 +147,7 @@ def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, s
 
 @triton.jit
 def append_token_kernel(
-    X, SEQ, BT, NP, CODES, PARAMS, SINKW, RING,
+    X, SEQ, BT, NP, CODES, PARAMS, SINKW, RING, TS,
     stride_xb, stride_xh,
     stride_btb,
     stride_cp, stride_ch,  # codes [pages, Hkv, W]
@@ -113,6 +157,7 @@ def append_token_kernel(
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
     TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
+    FP4: tl.constexpr, E8M0: tl.constexpr, SEARCH: tl.constexpr,
 ):
     """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
     the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
@@ -138,8 +183,9 @@ def append_token_kernel(
             src = tl.load(ring + (t % CAP)[:, None] * stride_rt + dd[None, :], mask=from_ring[:, None], other=0.0)
             xq = x.to(RING.dtype.element_ty) if PASS_WINDOW else x  # as the ring would hold it
             src = tl.where(from_ring[:, None], src.to(tl.float64), xq.to(tl.float64)[None, :])  # [FLUSH, D]
-            _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
-                           stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
+            _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_cp, stride_ch, stride_pp,
+                           stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO,
+                           FP4, E8M0, SEARCH)
         if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
             tl.debug_barrier()
             tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))
@@ -154,12 +200,13 @@ def _post_sink_counts(L, SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.con
 
 @triton.jit
 def append_quantize_kernel(
-    X, SEQ, BT, NP, CODES, PARAMS, RING, T,
+    X, SEQ, BT, NP, CODES, PARAMS, RING, TS, T,
     stride_xb, stride_xh, stride_xt,
     stride_btb, stride_cp, stride_ch, stride_pp, stride_ph, stride_rb, stride_rh, stride_rt,
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
     TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
+    FP4: tl.constexpr, E8M0: tl.constexpr, SEARCH: tl.constexpr,
 ):
     """Appending ``T`` tokens, part 1 of 2: program (sequence ``b``, head ``h``, unit ``u``) quantizes the
     ``u``-th flush unit of the post-sink tokens that leave the recent window in this append, taken from
@@ -184,8 +231,9 @@ def append_quantize_kernel(
         if PASS_WINDOW:  # arriving past the window: quantized as the ring would hold them
             new = new.to(RING.dtype.element_ty)
         src = tl.where(from_ring[:, None], old.to(tl.float64), new.to(tl.float64))
-        _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp,
-                       stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
+        _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_cp, stride_ch, stride_pp,
+                       stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO,
+                       FP4, E8M0, SEARCH)
 
 
 @triton.jit
