@@ -45,7 +45,7 @@ FP4_POINTERS = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "KS": "*u8", "VS": "*u
 
 
 def compile_stage1_fp4(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fused_combine=True,
-                       q_len=1):
+                       q_len=1, max_registers=None):
     """The FP4 block formats' stage 1 (:func:`foscar.triton.decode_fp4.fp4_decode_stage1`), compiled as the
     launcher compiles it."""
     from foscar.triton.decode_fp4 import fp4_decode_stage1
@@ -55,8 +55,10 @@ def compile_stage1_fp4(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, 
     signature = dict(FP4_POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES},
                      **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fp4_decode_stage1, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _cuobjdump(kernel, flag: str) -> str:
@@ -113,7 +115,7 @@ def main():
         cap = max_registers(fmt, a.prefetch, a.gqa * a.q_len)
     if a.scheme != "affine":
         k = compile_stage1_fp4(KVFormat.fp4(a.scheme, a.head_dim), block_n=a.block_n, G=a.gqa, num_warps=a.num_warps,
-                               fused_combine=not a.separate_combine, q_len=a.q_len)
+                               fused_combine=not a.separate_combine, q_len=a.q_len, max_registers=cap)
     else:
         k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
                            max_registers=cap, prefetch=a.prefetch, fused_combine=not a.separate_combine,

@@ -26,7 +26,14 @@ def launch_stage1_fp4(q, cache, o_part, l_part, out, lse_buf, sem, qk_scale: flo
         l_part.stride(1), out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
         **stage1_constexprs_fp4(cache.fmt, G, block_n=block_n, page=cache.page_size, interpret=interpret,
                                 fused_combine=fused_combine, write_lse=write_lse, step=step),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **register_cap(G * step, num_warps, interpret))
+
+
+def register_cap(rows: int, num_warps: int, interpret: bool) -> dict:
+    """``maxnreg=128`` (four 4-warp programs per SM instead of three) where ptxas fits the FP4 stage 1 in it
+    without spilling: up to 8 query rows per KV head (``python benchmarks/sass_stats.py --scheme nvfp4 --gqa G
+    --max-registers 128``, Triton 3.8: 135 and 129 registers uncapped at 4 and 8 rows, 56 bytes spilled at 16)."""
+    return {"maxnreg": 128} if rows <= 8 and num_warps == 4 and not interpret else {}
 
 
 @functools.lru_cache(maxsize=256)
