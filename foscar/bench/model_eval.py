@@ -55,6 +55,8 @@ for _scheme in ("nvfp4", "mxfp4"):
     CACHES[f"{_scheme.upper()} + Hadamard + centred + search"] = dict(scheme=_scheme, rotation="hadamard",
                                                                      rotation_seed=0, key_mean="prefill",
                                                                      quantizer="mse")
+    CACHES[f"{_scheme.upper()} + Hadamard + centred + search + sink 4, recent 64"] = dict(
+        CACHES[f"{_scheme.upper()} + Hadamard + centred + search"], **WINDOWS)
 
 
 #: ``exact``: the tensor a diagnostic run keeps unquantized (None: both quantized, the cache as it is).
