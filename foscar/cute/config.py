@@ -322,7 +322,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     from .fragment import v_token_half_shls
     if fmt.is_fp4:
         raise UnsupportedError(f"scheme={fmt.scheme!r}", "the CuTe kernels read affine codes; the FP4 block "
-                               "formats' kernels are not built (the reference backend decodes them)")
+                               "formats' CuTe kernel is not built (the Triton and reference backends decode them)")
     if k_operand not in K_OPERANDS:
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     if tiles_per_pass not in TILES_PER_PASS:
