@@ -38,6 +38,27 @@ def online_softmax(m_i, l_i, s):
 
 
 @triton.jit
+def causal_softmax_step(st, valid, t0, tt, hh, n_quant, m_i, l_el, G: tl.constexpr, STEP: tl.constexpr):
+    """One KV tile of the stage-1 kernels' base-2 online softmax over scores ``S^T [BLOCK_N, BLOCK_H]``:
+    tokens past the sequence (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask among
+    them (row ``hh`` is step token ``hh // G``, which sees the first ``n_quant - STEP + 1 + hh // G``). A row
+    may see no token of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p,
+    l_el)``: the running maxima, the rescale of what came before, ``P^T``, the per-element sums."""
+    if STEP == 1:
+        st = tl.where(valid[:, None], st, float("-inf"))
+    else:
+        st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
+                      float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    m_use = m_new
+    if STEP > 1:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(st - m_use[None, :])
+    return m_new, alpha, p, l_el * alpha[None, :] + p
+
+
+@triton.jit
 def partial_result(m_i, l_i):
     """``(denominator, lse)`` of a split: ``lse = m + log2(l)``, ``-inf`` (and denominator 1) when empty.
     A NaN sum (a NaN or infinite score) is not empty: the LSE is NaN, and so is every merge it joins."""

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from .combine import merge_parts
-from .common import dot, dot_acc, partial_result, round_operand, split_of, split_range, walsh_hadamard
+from .common import (causal_softmax_step, dot, dot_acc, partial_result, round_operand, split_of, split_range,
+                     walsh_hadamard)
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -267,20 +268,8 @@ def fold_decode_stage1(
                 st = dot(x, tl.trans(q), INTERPRET)
         if not (K_TOKEN and FOLD):
             st = st * qk_scale
-        if STEP == 1:
-            st = tl.where(valid[:, None], st, float("-inf"))
-        else:  # causal among the step's tokens: token j sees the first n - STEP + 1 + j
-            st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
-                          float("-inf"))
-        # ---- online softmax (base 2) over the token axis ----------------------------------------
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_use = m_new
-        if STEP > 1:  # a row may see no token of a tile, or of the whole split: its P and rescale stay 0
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(st - m_use[None, :])  # P^T [BLOCK_N, BLOCK_H]
-        m_i = m_new
-        l_el = l_el * alpha[None, :] + p
+        # ---- online softmax (base 2) over the token axis, masked (causal among a step's tokens) -------
+        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, hh, n_quant, m_i, l_el, G, STEP)  # p: P^T
         # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
         vs = v_s
         vmid = _middle(v_s, v_z, V_MID, INTERPRET)

@@ -27,25 +27,10 @@ the fused merge and the step rows (``STEP``, causal among a step's tokens) are t
 import triton
 import triton.language as tl
 
-from .common import dot, partial_result, split_of, split_range
+from .common import causal_softmax_step, dot, partial_result, split_of, split_range
 from .decode import finish_split
 from .tiles import k_words, v_words
-from .tiles_fp4 import k_operand_fp4, v_operand_t_fp4
-
-
-@triton.jit
-def _scales(byte, E8M0: tl.constexpr):
-    """Block-scale bytes (int32) as float32: E4M3 (the byte ``0x7F``/``0xFF`` NaN) or E8M0 (``2^(b - 127)``,
-    255 NaN), as :func:`foscar.fp4.decode_scale` reads them."""
-    if E8M0:
-        v = tl.where(byte == 0, 5.877471754111438e-39, (byte << 23).to(tl.float32, bitcast=True))
-        v = tl.where(byte == 255, float("nan"), v)
-    else:
-        e = (byte >> 3) & 15
-        m = byte & 7
-        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
-        v = tl.where((byte & 0x7F) == 0x7F, float("nan"), tl.where((byte & 0x80) != 0, -v, v))
-    return v
+from .tiles_fp4 import block_scales, k_operand_fp4, v_operand_t_fp4
 
 
 @triton.jit
@@ -151,27 +136,15 @@ def fp4_decode_stage1(
                                             stride_ch, stride_kpp, stride_kph, stride_vpp, stride_vph, D, NB,
                                             BLOCK_N, PAGE)
         page = tl.load(bt_row + ((tile + 2) * BLOCK_N) // PAGE, mask=tile + 2 < t_hi, other=0).to(tl.int64)
-        # ---- S^T = K Q^T: block-local partials, each scaled by its token's block scale ----------------
-        ks = _scales(kb.to(tl.int32), E8M0)  # [BLOCK_N, NB]
+        # ---- S^T = K Q^T: the block scales in K's operand, the token's power of two on its scores -------
+        ks = block_scales(kb.to(tl.int32), E8M0)  # [BLOCK_N, NB]
         k_top = _pow2_bits(tl.max(ks, axis=1))  # [BLOCK_N]: 2^E_t at or above the token's block scales
         yk = k_operand_fp4(kw, ks * _pow2_over(k_top, 15)[:, None], BLOCK_N, D, BLOCK, INTERPRET)  # 2 v s / 2^E_t
         st = dot(yk, q2t, INTERPRET) * (_pow2(k_top, -1) * k_fac)[:, None] * row_fac[None, :]
-        if STEP == 1:
-            st = tl.where(valid[:, None], st, float("-inf"))
-        else:  # causal among the step's tokens: token j sees the first n - STEP + 1 + j
-            st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
-                          float("-inf"))
-        # ---- online softmax (base 2) over the token axis ------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_use = m_new
-        if STEP > 1:  # a row may see no token of a tile, or of the split: its P and rescale stay 0
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(st - m_use[None, :])  # P^T [BLOCK_N, BLOCK_H]
-        m_i = m_new
-        l_el = l_el * alpha[None, :] + p
+        # ---- online softmax (base 2) over the token axis, masked (causal among a step's tokens) -------
+        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, hh, n_quant, m_i, l_el, G, STEP)  # p: P^T
         # ---- O^T += V^T P^T: the scale in the A operand, a power of two per block on the product -------
-        vs = _scales(vb.to(tl.int32), E8M0)  # [NB, BLOCK_N]
+        vs = block_scales(vb.to(tl.int32), E8M0)  # [NB, BLOCK_N]
         top = _pow2_bits(tl.max(vs, axis=1))  # [NB]: 2^E_b at or above the tile's scales of block b
         a = v_operand_t_fp4(vw, vs * _pow2_over(top, 15)[:, None], BLOCK_N, D, BLOCK, INTERPRET)  # 2 v s / 2^E_b
         pb = p

@@ -14,7 +14,8 @@ tokens of a channel). A product of an E2M1 value (2 significant bits) and a scal
 wherever it is normal. The callers pass ``c = 2^15 s / 2^E`` (``2^E`` a power of two at or above the scales of a
 token, or of a tile's channel block: ``c <= 2^15``), so the operand ``2 v s / 2^E`` is at most 12 and exact
 down to ``s / 2^E >= 2^-14``; a smaller scale's products round at FP16's subnormal spacing, ``2^-24``: at most
-``2^-27`` of the largest operand of that token or block.
+``2^-27`` of the largest operand of that token or block. :func:`block_scales` reads the scale bytes (the decode
+kernel's, and the write kernels' candidates).
 """
 import triton
 import triton.language as tl
@@ -96,3 +97,18 @@ def v_operand_t_fp4(w, scale, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK: tl.
         # axes (1, MG, JR, L4, NB, F, LC, H): channels (MG, JR, L4), tokens (NB, F, LC, H)
         y = tl.reshape(_placed_pairs(w7, rot7, s7), (D, BLOCK_N))
     return y
+
+
+@triton.jit
+def block_scales(byte, E8M0: tl.constexpr):
+    """Block-scale bytes (int32) as float32: E4M3 (the byte ``0x7F``/``0xFF`` NaN) or E8M0 (``2^(b - 127)``,
+    255 NaN), as :func:`foscar.fp4.decode_scale` reads them."""
+    if E8M0:
+        v = tl.where(byte == 0, 5.877471754111438e-39, (byte << 23).to(tl.float32, bitcast=True))
+        v = tl.where(byte == 255, float("nan"), v)
+    else:
+        e = (byte >> 3) & 15
+        m = byte & 7
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+        v = tl.where((byte & 0x7F) == 0x7F, float("nan"), tl.where((byte & 0x80) != 0, -v, v))
+    return v

@@ -65,9 +65,8 @@ def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_c
     pages' rows."""
     if FP4:  # E2M1 codes and block-scale bytes (foscar.triton.write_fp4), token-wise: FLUSH is 1
         q, sbytes = quantize_blocks_fp4(src, tl.load(TS + TENSOR_V).to(tl.float64), FLUSH, D, GROUP, E8M0, SEARCH)
-        _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS, D, PAGE, TENSOR_V,
-                     BLOCK_TOKENS)
         ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
+        _write_codes(q, ok, page, off, h, CODES, stride_cp, stride_ch, BITS, D, TENSOR_V, BLOCK_TOKENS)
         cb = tl.arange(0, D // GROUP)
         tl.store(PARAMS + page[:, None] * stride_pp + h * stride_ph + off[:, None] * (D // GROUP) + cb[None, :],
                  sbytes.to(tl.uint8), mask=ok[:, None] & (cb >= 0)[None, :])
@@ -87,14 +86,14 @@ def _page_of(t, b, BT, NP, stride_btb, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS: tl.constexpr, D: tl.constexpr,
-                 PAGE: tl.constexpr, TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
-    """Codes ``q [FLUSH, D]`` of tokens ``t`` into the packed words of their pages: an atomic AND clears the
-    bit fields, an atomic OR sets them (a word mixes tokens)."""
+def _write_codes(q, ok, page, off, h, CODES, stride_cp, stride_ch, BITS: tl.constexpr, D: tl.constexpr,
+                 TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    """Codes ``q [FLUSH, D]`` of tokens at rows ``off`` of pool pages ``page`` (:func:`_page_of`; written where
+    ``ok``) into the packed words: an atomic AND clears the bit fields, an atomic OR sets them (a word mixes
+    tokens)."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     WPB: tl.constexpr = BLOCK_TOKENS * D * BITS // 32
     dd = tl.arange(0, D)
-    ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
     word, shift = _field((off % BLOCK_TOKENS)[:, None], dd[None, :], TENSOR_V, BITS, D)
     wptr = (CODES + page[:, None] * stride_cp + h * stride_ch + (off // BLOCK_TOKENS)[:, None] * WPB + word)
     ok2 = ok[:, None] & (dd >= 0)[None, :]  # full shape: atomics do not broadcast their mask
@@ -132,8 +131,8 @@ def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp,
     q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
     q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
     q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)  # [FLUSH, D]
-    _write_codes(q, t, b, h, BT, NP, CODES, stride_btb, stride_cp, stride_ch, BITS, D, PAGE, TENSOR_V, BLOCK_TOKENS)
     ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
+    _write_codes(q, ok, page, off, h, CODES, stride_cp, stride_ch, BITS, D, TENSOR_V, BLOCK_TOKENS)
     ok2 = ok[:, None] & (dd >= 0)[None, :]
     pbase = PARAMS + page[:, None] * stride_pp + h * stride_ph
     if CHANNEL:  # the group's row: (off // GROUP) in a page of >= GROUP tokens, else row 0 of every page

@@ -5,6 +5,8 @@ scales, their bytes, the E2M1 rounding with ties to the even mantissa, the squar
 import triton
 import triton.language as tl
 
+from .tiles_fp4 import block_scales
+
 @triton.jit
 def _e2m1_round(y):
     """The E2M1 codes (int32) nearest ``y`` (float64), ties to the even mantissa, saturated at 6; a zero has
@@ -35,15 +37,6 @@ def _e4m3_byte(s):
     normal = ((e + 7) << 3) + ((m + 0x7FFFF + ((m >> 20) & 1)) >> 20)  # a mantissa carry bumps the exponent
     sub = ((f * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # below 2^-6: multiples of 2^-9, ties to even
     return tl.where(e < -6, sub, normal)
-
-
-@triton.jit
-def _e4m3_value(byte):
-    """The float64 value of an E4M3 byte (positive scales only are written)."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
-    return v.to(tl.float64)
 
 
 @triton.jit
@@ -93,8 +86,8 @@ def quantize_blocks_fp4(src, tensor_scale, R: tl.constexpr, D: tl.constexpr, BLO
     else:
         b1 = _e4m3_byte(amax / (6.0 * tensor_scale))
         b2 = _e4m3_byte(amax / (4.0 * tensor_scale))
-        s1 = _e4m3_value(b1) * tensor_scale
-        s2 = _e4m3_value(b2) * tensor_scale
+        s1 = block_scales(b1, False).to(tl.float64) * tensor_scale  # exact: E4M3 values are FP32 values
+        s2 = block_scales(b2, False).to(tl.float64) * tensor_scale
     # past the blocks' limit (or not finite): the NaN scale byte, never a clipped block (with check=False no
     # host check runs; with it, the host refuses such values first)
     limit = 6.0 * (1.7014118346046923e38 if E8M0 else 448.0 * tensor_scale)
