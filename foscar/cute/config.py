@@ -21,7 +21,7 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
-CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
+CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.

@@ -236,7 +236,7 @@ def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
     sigma = [grow_sigma(out.sigma[0], tv)]
     if cutlass.const_expr(cfg.vc == 2):
         sRed = wg.smem.sRed
-        buf = tile % 2
+        buf = tile & 1  # tile >= 0
         tv2 = sRed[buf, 0, cfg.cols + 1]
         for wi in cutlass.range_constexpr(1, 4):
             tv2 = cute.arch.fmax(tv2, sRed[buf, wi, cfg.cols + 1])

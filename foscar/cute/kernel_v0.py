@@ -17,6 +17,7 @@ from .config import HEADS, THREADS, TILE, V0_LIMITS
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
+from .softmax import reduction_layout
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -97,7 +98,7 @@ class FoldDecodeSm90(TileKernel):
         sP2 = sP  # token-wise V with two channel groups: the second group's P' (its own buffer then)
         if cfg.vc == 2:
             sP2 = alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
-        sRed = alloc.allocate_tensor(Float32, cute.make_layout((2, 4, cfg.red_slots)), byte_alignment=16)
+        sRed = alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16)
         sSum = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
         sQk = None  # channel-wise K's Q s' (BF16 K operands)

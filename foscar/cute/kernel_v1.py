@@ -23,6 +23,7 @@ from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
 from .pair import pair_step, second_tile_start
+from .softmax import reduction_layout
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -35,8 +36,23 @@ from .warpgroup import (
 )
 
 
+assert STAGES & (STAGES - 1) == 0 and CONSUMERS == 2  # the ring's indices below are shifts and masks
+STAGE_SHIFT = STAGES.bit_length() - 1
+
+
+def ring_slot(c, k):
+    """The slot of consumer ``c``'s ``k``-th tile (``k >= 0``): ``c * STAGES + k % STAGES`` as a mask (a signed
+    ``%`` costs the loop a sign fix of a dozen uniform instructions)."""
+    return c * STAGES + (k & (STAGES - 1))
+
+
+def ring_phase(k):
+    """The mbarrier phase of a consumer's ``k``-th tile (``k >= 0``): ``(k // STAGES) % 2``."""
+    return (k >> STAGE_SHIFT) & 1
+
+
 class StageRing:
-    """The shared-memory stages of both consumers (slot ``c * STAGES + k % STAGES`` holds consumer ``c``'s
+    """The shared-memory stages of both consumers (slot :func:`ring_slot` ``(c, k)`` holds consumer ``c``'s
     ``k``-th tile): packed K and V words (``sK``, ``sV``), their ``(s', z')`` (``sKP``, ``sVP``), and the
     full and empty mbarriers of each slot."""
 
@@ -168,7 +184,7 @@ class FoldDecodeSm90WS(TileKernel):
 
         sP = each(p_buffer)
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
-        sRed = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, 4, cfg.red_slots)), byte_alignment=16))
+        sRed = each(lambda: alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16))
         sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
         sQk = [None] * CONSUMERS  # channel-wise K's Q s' (BF16 K operands)
         if cutlass.const_expr(not cfg.k_e4m3):
@@ -206,9 +222,9 @@ class FoldDecodeSm90WS(TileKernel):
         if tidx == 0:
             for tile in cutlass.range(t_lo, t_hi, unroll=1):
                 i = tile - t_lo
-                k = i // CONSUMERS
-                slot = (i % CONSUMERS) * STAGES + k % STAGES
-                cute.arch.mbarrier_wait(empty + slot, ((k // STAGES) % 2) ^ 1)  # a fresh stage passes
+                k = i >> 1  # i // CONSUMERS
+                slot = ring_slot(i & 1, k)
+                cute.arch.mbarrier_wait(empty + slot, ring_phase(k) ^ 1)  # a fresh stage passes
                 cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
                                                         (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
                 t0 = tile * TILE
@@ -241,15 +257,15 @@ class FoldDecodeSm90WS(TileKernel):
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
             for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
-                k = (tile - t_lo) // CONSUMERS
-                slot = c * STAGES + k % STAGES
+                k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS, even
+                slot = ring_slot(c, k)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
                 has_b = tile + CONSUMERS < t_hi
                 if has_b:
-                    slot_b = c * STAGES + (k + 1) % STAGES
-                cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
+                    slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
+                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k))
                 if has_b:
-                    cute.arch.mbarrier_wait(ring.full + slot_b, ((k + 1) // STAGES) % 2)
+                    cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
                 slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
@@ -260,12 +276,12 @@ class FoldDecodeSm90WS(TileKernel):
                 if has_b:
                     cute.arch.mbarrier_arrive(ring.empty + slot_b)
                 t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
-                state = pair_step(self, wg, regs, regs_b, state, k // 2, tile * TILE, t0_b)
+                state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
         else:
             for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
-                k = (tile - t_lo) // CONSUMERS
-                slot = c * STAGES + k % STAGES
-                cute.arch.mbarrier_wait(ring.full + slot, (k // STAGES) % 2)
+                k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS
+                slot = ring_slot(c, k)
+                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k))
                 self._read_words(ring, slot, regs, thr)
                 self._read_params(ring, slot, regs, thr_c, thr)
                 cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it

@@ -92,7 +92,7 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
     kern._pv(wg, out, cute.size(frags.tOrV, mode=[2]))
     passes = CORRECTION_TILES // 2
-    if step % passes == passes - 1:
+    if step & (passes - 1) == passes - 1:  # step % passes (passes a power of two, step >= 0)
         fold_corrections(cfg, out, wg.smem.sSum, thr)
     return RunningState(softmax, out, kgroup)
 

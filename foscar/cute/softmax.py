@@ -67,6 +67,12 @@ def nonempty_max(m: Float32) -> Float32:
     return u
 
 
+def reduction_layout(cfg) -> cute.Layout:
+    """The layout of a warpgroup's reduction slots ``sRed[buf, warp, slot]``: the four warps' values of a slot
+    side by side (16 bytes), so that a thread reads a slot's four with one vector load."""
+    return cute.make_layout((2, 4, cfg.red_slots), stride=(4, 1, 8))
+
+
 @cute.jit
 def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     """One shared-memory round for a tile's column maxima (of the scores ``s``) and its largest bound
@@ -94,7 +100,7 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     warp = thr.warp
     lane = thr.lane
     quad = thr.quad
-    buf = tile % 2
+    buf = tile & 1  # tile >= 0
     cols = cfg.cols
     if lane < 4:
         for k in cutlass.range_constexpr(slots):

@@ -289,13 +289,13 @@ class TileKernel:
         p = softmax.probabilities(s, al)
         # ---- O^T = V^T P'^T ---------------------------------------------------------------------------
         if cutlass.const_expr(cfg.v_channel):
-            v_acc_fold(cfg, wg, out, regs, p, al, tile % 2)
+            v_acc_fold(cfg, wg, out, regs, p, al, tile & 1)
         else:
             v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
             out.rescale(al, sigma)  # the accumulator in units of the new sigma
             build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
             self._pv(wg, out)
-            if (tile - t_lo) % CORRECTION_TILES == CORRECTION_TILES - 1:
+            if (tile - t_lo) & (CORRECTION_TILES - 1) == CORRECTION_TILES - 1:  # a power of two, tile >= t_lo
                 fold_corrections(cfg, out, wg.smem.sSum, wg.thr)
         return RunningState(softmax, out, kgroup)
 
