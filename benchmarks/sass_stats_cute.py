@@ -68,6 +68,19 @@ def tile_loop(sass: str) -> list[str]:
     return min(spans, key=len)
 
 
+def rescale_branch(sass: str, loop_len: int) -> int:
+    """Instructions of the tile loop's rare branch: the span a lazy rescale's branch skips right after its
+    ``BAR.RED`` vote (:func:`foscar.cute.pair.lazy_softmax`), 0 where the loop has none."""
+    ins = [(int(a, 16), line) for a, line in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass)]
+    for i, (a, line) in enumerate(ins):
+        if "BAR.RED" in line:
+            for b, nxt in ins[i + 1:i + 8]:
+                m = re.search(r"BRA (0x[0-9a-f]+)", nxt)
+                if m:
+                    return sum(1 for c, _ in ins if b < c < int(m.group(1), 16))
+    return 0
+
+
 def main() -> int:
     import foscar
     from foscar.cute.compile import compile_stage1
@@ -97,11 +110,16 @@ def main() -> int:
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
+    rare = rescale_branch(sass, len(loop))
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, INT{a.bits} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
           f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
           f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "
-          f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel\n")
+          f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel")
+    if rare:
+        print(f"of which {rare / per:g} per tile are the lazy rescale's branch, rarely taken: "
+              f"{(len(loop) - rare) / per:g} per tile when it is not")
+    print()
     print("| class | per thread per tile | share |\n|---|---|---|")
     for name, n in by_class.most_common():
         print(f"| {name} | {n / per:g} | {100 * n / len(loop):.0f}% |")

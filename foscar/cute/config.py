@@ -22,6 +22,10 @@ V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
 CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
+#: log2 headroom of the lazy rescale (two tiles a pass, :mod:`foscar.cute.pair`): a pass keeps the running
+#: maxima and the P' units while no score passes its column's maximum by more than this (so ``P <= 2^8``) and
+#: no token row asks for larger units; only then do the warps exchange maxima and rescale
+RESCALE_HEADROOM = 8.0
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.

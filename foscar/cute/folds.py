@@ -61,11 +61,16 @@ class OutputAccumulator:
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
+        self.scale_to(al, sigma)
+        self.sigma = sigma
+
+    def scale_to(self, al: list, sigma: list):
+        """The accumulator's elements rescaled (``al``, by column slot) into units ``sigma``, leaving
+        :attr:`sigma` as it is (inside a run-time branch, which cannot hand a new attribute out)."""
         ratio = [self.sigma[g] * power_of_two_reciprocal(sigma[g]) for g in range(len(sigma))]
         nb = self.nb
         for e in range(cute.size(self.acc)):
             self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
-        self.sigma = sigma
 
 
 @cute.jit
@@ -254,29 +259,48 @@ def store_p(sP: cute.Tensor, thr, q: list):
         sP[slot_column(s_slot(e), col), row0 + 8 * row_half(e)] = q[e]
 
 
-def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):
-    """Token-wise V: ``P'_g = P s'_V[g] / sigma_g`` (FP16) per channel group ``g`` into its B operand, and the
-    offset correction per element (``P mid - c_h sigma P'``, ``c_h`` the pivot of the element's token half,
-    the corrections in units of ``sigma``) gathered into ``out.corr[g]`` (rescaled by ``al``); then the fence
-    and barrier the wgmma reads need. ``v[g]`` holds the group's ``(s', z')`` of this thread's two rows,
-    ``sigma`` the new units."""
+def p_operands(cfg, v: list, p: list, sigma: list) -> list:
+    """Token-wise V: ``P'_g = fp16(P s'_V[g] / sigma_g)`` of this thread's elements ``p``, per channel group
+    ``g`` (``v[g]``: the group's ``(s', z')`` of this thread's two rows)."""
     groups = len(sigma)
-    n_el = len(p)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
-    q = [[Float16(p[e] * r[g][row_half(e)]) for e in range(n_el)] for g in range(groups)]
+    return [[Float16(p[e] * r[g][row_half(e)]) for e in range(len(p))] for g in range(groups)]
+
+
+def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: list, sigma: list, al=None):
+    """Token-wise V: the offset correction of each element (``P mid - c_h sigma P'``, ``c_h`` the pivot of the
+    element's token half, ``q`` the consumed ``P'``; in units of ``sigma``) gathered into ``out.corr[g]``,
+    rescaled first by ``al`` (by column slot) unless None."""
+    groups = len(sigma)
     mid = [(v[g][1] + cfg.v_mid * v[g][0], v[g][3] + cfg.v_mid * v[g][2]) for g in range(groups)]
     # the pivot of element e's token half (fragment.v_token_half: rows prow0 and prow0 + 8 are halves 0, 1)
     cs = [[cfg.v_pivots[h] * sigma[g] for h in range(2)] if cfg.v_pivots[0] != cfg.v_pivots[1]
           else [cfg.v_pivots[0] * sigma[g]] * 2 for g in range(groups)]
     for g in range(groups):
         c = out.corr[g]
-        for e in range(n_el):
+        for e in range(len(p)):
             h = row_half(e)
-            c[e] = c[e] * al[s_slot(e)] + (p[e] * mid[g][h] - cs[g][h] * Float32(q[g][e]))
-    for g in range(groups):
+            prev = c[e] if al is None else c[e] * al[s_slot(e)]
+            c[e] = prev + (p[e] * mid[g][h] - cs[g][h] * Float32(q[g][e]))
+
+
+def store_p_operands(wg, q: list):
+    """Each channel group's ``P'`` elements of this thread into its B operand, then the proxy fence the
+    wgmma reads need (the caller's barrier follows)."""
+    for g in range(len(q)):
         store_p(wg.smem.sP[g], wg.thr, q[g])
     cute.arch.fence_view_async_shared()
+
+
+def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple, sigma: list):
+    """Token-wise V: ``P'_g = P s'_V[g] / sigma_g`` (FP16) per channel group ``g`` into its B operand
+    (:func:`p_operands`), the offset corrections gathered into ``out.corr`` (rescaled by ``al``,
+    :func:`gather_offset_corrections`); then the fence and barrier the wgmma reads need. ``v[g]`` holds the
+    group's ``(s', z')`` of this thread's two rows, ``sigma`` the new units."""
+    q = p_operands(cfg, v, p, sigma)
+    gather_offset_corrections(cfg, out, v, p, q, sigma, al)
+    store_p_operands(wg, q)
     cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
 
 

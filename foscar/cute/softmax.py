@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .config import HEADS, THREADS, s_slot
 
@@ -56,6 +58,20 @@ class OnlineSoftmax:
         for e in range(len(s)):
             self.sums[e] = self.sums[e] * al[s_slot(e)] + p[e]
         return p
+
+
+@dsl_user_op
+def barrier_any(pred: Int32, barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> Int32:
+    """Named barrier ``barrier_id`` of ``number_of_threads`` (``bar.red.or.pred``) that also returns, to every
+    thread, whether ``pred`` is nonzero in any of them: 1 or 0, the same in all. Orders shared memory as
+    ``bar.sync`` does. (NVVM's barrier op takes a reduction on barrier 0 only: inline PTX.)"""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
+        f"bar.red.or.pred q, {int(barrier_id)}, {int(number_of_threads)}, p;\n\t"
+        "selp.u32 $0, 1, 0, q;\n\t}",
+        "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
 
 
 @cute.jit
