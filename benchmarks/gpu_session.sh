@@ -19,6 +19,11 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh heads WHEELS     # the GQA sweep (paper Fig. 15), FlashInfer baseline
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh rows WHEELS      # 16/32 columns, head dim 256, E4M3 term blocks: GPU
 #                                                                #   tests, then timings beside FlashInfer BF16
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh lazy WHEELS      # the lazy rescale in one-tile passes: GPU tests with
+#                                                                #   the flag set, then GQA 8-32 and steps timed with and
+#                                                                #   without it, FlashInfer BF16 beside
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh terms WHEELS     # Q as three E4M3 terms: GPU tests, the stress study
+#                                                                #   through two and three terms, their speed
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
 #
@@ -35,7 +40,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|rows WHEELS|fa4 WHEELS}"
+step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|rows WHEELS|lazy WHEELS|terms WHEELS|fa4 WHEELS}"
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_nonfinite.py tests/test_fuzz_api.py \
@@ -126,6 +131,27 @@ case "$step" in
         --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1; echo "$h rc=$?"
     done
     python3 -m foscar.bench.cli plot "$OUT"/heads/*/bench_decode.json --out "$OUT/heads" --name heads ;;
+  lazy)  # after the cute step: foscar.cute.config.LAZY_ONE_TILE's GPU tests (a fixture sets it), then its timings
+    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k "lazy_one_tile" > "$OUT/lazy-one-tile-tests.log" 2>&1
+    echo "lazy one-tile tests: $(tail -1 "$OUT/lazy-one-tile-tests.log")"
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?lazy needs the FlashInfer wheels folder}"/*.whl
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    python3 benchmarks/sweep_rows.py --shapes 8:128K --heads 32:4 32:2 32:1 --bits 2 4 --splits 1 --ctas 1 2 \
+      --k-operands bf16 e4m3 --lazy-one-tile off on --flashinfer > "$OUT/lazy-one-tile-heads.md" 2>&1; echo "heads rc=$?"
+    python3 benchmarks/sweep_rows.py --shapes 8:128K,64:32K --heads 32:8 --q-len 2 4 8 --bits 2 4 --splits 1 \
+      --ctas 2 --k-operands e4m3 --lazy-one-tile off on > "$OUT/lazy-one-tile-steps.md" 2>&1; echo "steps rc=$?" ;;
+  terms)  # after the cute step: k_operand e4m3x3 (three Q terms) against the oracle, the stress study through the
+           # two- and three-term variants, then their speed on the paper grid beside foscar.decode and FlashInfer
+    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k "three_q_terms" > "$OUT/terms-tests.log" 2>&1
+    echo "three-term tests: $(tail -1 "$OUT/terms-tests.log")"
+    for k in e4m3 e4m3x3; do
+      python3 -m foscar.bench.cli accuracy --backend cute --k-operand $k --out "$OUT/accuracy-cute-$k" \
+        > "$OUT/accuracy-cute-$k.log" 2>&1; echo "accuracy $k rc=$?"
+    done
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?terms needs the FlashInfer wheels folder}"/*.whl
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_cute_e4m3 foscar_cute_e4m3x3 foscar_auto \
+      flashinfer_tc --out "$OUT/terms-paper" > "$OUT/terms-paper.log" 2>&1; echo "terms paper rc=$?" ;;
   rows)  # after the cute step: the GPU tests of 16/32 columns, head dim 256 and E4M3 term blocks; then timings
           # with FlashInfer BF16 beside (its wheels folder as $2): head dim 256, and E4M3 against BF16 K beyond 4 rows
     python3 -m pytest -q -s -m gpu tests/test_cute_decode.py tests/test_multitoken.py \

@@ -66,6 +66,8 @@ PARSE_ERRORS = [
     ("bench accuracy --group-size 0", "foscar bench accuracy", ["--group-size"]),
     ("bench accuracy --head-dim 100", "foscar bench accuracy", ["--head-dim"]),
     ("bench accuracy --backend cuda", "foscar bench accuracy", ["--backend", "'cuda'"]),
+    ("bench accuracy --k-operand e4m3x3", "foscar bench accuracy", ["--k-operand", "--backend cute"]),
+    ("bench accuracy --k-operand e5m2", "foscar bench accuracy", ["--k-operand", "'e5m2'"]),
     ("bench accuracy --out {plain}/x", "foscar bench accuracy", ["--out", "not a folder"]),
     ("bench ops --out {plain}", "foscar bench ops", ["--out", "expected a folder"]),
     ("bench ops --out {plain}/x", "foscar bench ops", ["--out", "not a folder"]),

@@ -467,16 +467,126 @@ def test_two_tiles_per_pass_against_the_oracle_gpu(bits, lens, G, num_splits, fm
 def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
     """The magnitude cases of the one-tile kernels (V scales far from 1, constant groups before tiny ones)
     with two tiles a pass: finite, within the kernels' bound of the float64 oracle."""
+    _magnitude_case(magnitude, warp_specialized=True, tiles_per_pass=2)
+
+
+def _magnitude_case(magnitude, **launch):
+    """A magnitude case (:func:`_helpers.magnitude_cache`, INT2, D 64) decoded by the CuTe kernel with ``launch``
+    into a NaN-poisoned output: finite, within the kernels' bound of the float64 oracle."""
     from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
     q, cache = magnitude_cache(fmt, magnitude, "cuda")
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, warp_specialized=True, tiles_per_pass=2)
+    decode(q, cache, out=out, **launch)
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+
+
+# ---- Q as three E4M3 terms (k_operand="e4m3x3") ------------------------------------------------------------
+@pytest.mark.parametrize("bits,gqa,cols", [(2, 1, 8), (4, 4, 8), (2, 8, 8), (4, 16, 16)])
+def test_three_q_terms_compile_for_sm90a(bits, gqa, cols):
+    """Three E4M3 terms of Q take three column blocks of the QK product (``m64n{3 cols}k32``), one tile a pass;
+    two tiles a pass are refused by name."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, gqa, 64, "e4m3x3")
+    assert cfg.k_e4m3 and cfg.q_terms == 3 and cfg.term_blocks and cfg.qk_cols == 3 * cols
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{3 * cols}k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 4
+    with pytest.raises(UnsupportedError, match="e4m3x3"):
+        config_for(fmt, gqa, 64, "e4m3x3", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([5000, 129, 1], 8, None, {}),
+    ([3000, 64], 16, 3, {}), ([700, 9], 2, None, {"group_size": 64}), ([4100, 260], 4, None, {"v_axis": "channel"}),
+    ([2000, 33], 4, 2, {"rotation": "hadamard"})])
+def test_three_q_terms_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
+    """Q as three E4M3 terms: every element against the float64 oracle within the kernels' bound (BF16
+    attention's error on the same cache), LSE within 1e-2."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"E4M3 K, three Q terms, GQA {G}: error", num_splits=num_splits,
+                               warp_specialized=True, k_operand="e4m3x3", tiles_per_pass=1)
+
+
+# ---- the lazy rescale (foscar.cute.lazy) ------------------------------------------------------------------
+@pytest.fixture
+def lazy_one_tile(monkeypatch):
+    """One-tile passes with the lazy rescale (``foscar.cute.config.LAZY_ONE_TILE``, off by default until it has
+    run on a GPU): the flag set and ``config_for``'s cache cleared around the test."""
+    import foscar.cute.config as cfg_mod
+    monkeypatch.setattr(cfg_mod, "LAZY_ONE_TILE", True)
+    cfg_mod.config_for.cache_clear()
+    yield
+    cfg_mod.config_for.cache_clear()
+
+
+def test_the_lazy_rescale_takes_token_wise_v():
+    """Two tiles a pass always take the lazy rescale; channel-wise V (the acc-fold) never does; one-tile passes
+    where ``LAZY_ONE_TILE``."""
+    import foscar.cute.config as cfg_mod
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    assert config_for(fmt, 4, 64, "e4m3", 2).lazy_rescale
+    assert config_for(fmt, 8, 64, "e4m3", 1).lazy_rescale == cfg_mod.LAZY_ONE_TILE
+    assert not config_for(dataclasses.replace(fmt, v_axis="channel"), 4, 64).lazy_rescale
+
+
+@pytest.mark.parametrize("bits,gqa,k_operand,fmt_kw,ws,ctas,q_len", [
+    (2, 8, "e4m3", {}, True, 2, 1), (4, 16, "e4m3", {}, True, 2, 1), (2, 32, "bf16", {}, True, 1, 1),
+    (4, 4, "e4m3", {}, True, 2, 2), (4, 8, "bf16", {"head_dim": 256, "group_size": 256}, True, 1, 1),
+    (2, 4, "bf16", {}, False, 1, 1), (4, 4, "bf16", {"k_axis": "channel"}, True, 2, 1),
+    (2, 4, "bf16", {"group_size": 64, "sink": 4, "recent": 16}, True, 2, 1)])
+def test_lazy_one_tile_compiles_for_sm90a(lazy_one_tile, bits, gqa, k_operand, fmt_kw, ws, ctas, q_len):
+    """The lazy rescale in one-tile passes: one ``bar.red.or`` vote a tile (the P' stores' barrier), the same
+    wgmma as without it."""
+    import foscar.cute.config as cfg_mod
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    cfg = config_for(fmt, gqa, 64, k_operand, 1, q_len)
+    assert cfg.lazy_rescale
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
+    cfg_mod.LAZY_ONE_TILE = False
+    config_for.cache_clear()
+    plain_cfg = config_for(fmt, gqa, 64, k_operand, 1, q_len)
+    assert not plain_cfg.lazy_rescale and dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
+    plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == (2 if ws else 1)  # one loop per consumer
+    wgmma = re.compile(r"wgmma\.mma_async")
+    assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,launch", [
+    ([8192, 4001, 129, 1], 4, None, {}, {"warp_specialized": False}),
+    ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"warp_specialized": True, "tiles_per_pass": 1}),
+    ([5000, 700, 130], 8, None, {"k_axis": "channel"}, {"warp_specialized": True}),
+    ([6000, 333, 1], 4, None, {"group_size": 64}, {"warp_specialized": True, "tiles_per_pass": 1}),
+    ([5000, 129, 1], 8, None, {}, {"warp_specialized": True, "k_operand": "e4m3"}),
+    ([3000, 64], 16, 3, {}, {"warp_specialized": True, "k_operand": "e4m3"}),
+    ([2000, 33], 32, 2, {}, {"warp_specialized": True, "ctas_per_sm": 1}),
+    ([3000, 900], 8, 2, {"head_dim": 256, "group_size": 256}, {"warp_specialized": True, "ctas_per_sm": 1})])
+def test_lazy_one_tile_against_the_oracle_gpu(lazy_one_tile, bits, lens, G, num_splits, fmt_kw, launch):
+    """One-tile passes with the lazy rescale (v0; v1 with BF16 windows, channel-wise K, two V channel groups,
+    E4M3 K term blocks, 32 columns, head dim 256): every element against the float64 oracle within the
+    kernels' bound, LSE within 1e-2."""
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "lazy rescale, one tile a pass: error", num_splits=num_splits, **launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
+def test_lazy_one_tile_values_of_any_magnitude_gpu(lazy_one_tile, magnitude, ws):
+    """The magnitude cases (V scales far from 1, constant groups before tiny ones) through one-tile passes
+    with the lazy rescale: finite, within the kernels' bound of the float64 oracle."""
+    _magnitude_case(magnitude, warp_specialized=ws, tiles_per_pass=1)
 
 
 # ---- a rotated cache (foscar.cute.rotation) ------------------------------------------------------------

@@ -83,6 +83,9 @@ def _accuracy(argv: list[str], prog: str) -> int:
     p.add_argument("--group-size", type=int_in(1), default=128,
                    help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
                         "the head dim (default: 128)")
+    p.add_argument("--k-operand", choices=("bf16", "e4m3", "e4m3x3"), default=None,
+                   help="--backend cute: the CuTe kernel's K operands (foscar.cute.config.K_OPERANDS; e4m3x3: the "
+                        "query as three E4M3 terms, one tile a pass; default: what foscar.decode plans)")
     p.add_argument("--fp4", action="store_true",
                    help="also the FP4 block formats, NVFP4 and MXFP4 (accuracy.FP4_CONFIGS; decoded by the Triton "
                         "and reference backends, not the CuTe kernels)")
@@ -113,11 +116,17 @@ def _accuracy(argv: list[str], prog: str) -> int:
         status = next(s for s in backend_status(device, fmt, hq // hkv) if s.name == a.backend)
         if not status.usable:
             p.error(f"argument --backend: {a.backend} cannot run here: {status.why}")
+    if a.k_operand is not None and a.backend != "cute":
+        p.error("argument --k-operand: takes --backend cute")
     import foscar
 
     def decode(q, cache):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        foscar.decode(q, cache, out=out, backend=a.backend)
+        if a.k_operand is None:
+            foscar.decode(q, cache, out=out, backend=a.backend)
+        else:  # the variant asked for, one tile a pass (what every K operand takes)
+            from ..cute.launch import decode as cute_decode
+            cute_decode(q, cache, out=out, warp_specialized=True, k_operand=a.k_operand, tiles_per_pass=1)
         return out
     bar = Progress(len(a.lengths) * len(a.seeds))
     configs = acc.STUDY_CONFIGS + (acc.FP4_CONFIGS if a.fp4 else ())

@@ -26,7 +26,12 @@ CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset correcti
 #: maxima and the P' units while no score passes its column's maximum by more than this (so ``P <= 2^8``) and
 #: no token row asks for larger units; only then do the warps exchange maxima and rescale
 RESCALE_HEADROOM = 8.0
-STAGES = 4  #: v1: shared-memory stages per consumer warpgroup
+#: Whether one-tile passes (``tiles_per_pass == 1``: more than 4 query rows, steps, head dim 256) take the lazy
+#: rescale too (:attr:`Sm90Config.lazy_rescale`): built and compiled, not yet run on a GPU, so off
+LAZY_ONE_TILE = False
+STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
+DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
+DEEP_STAGE_BYTES = 4096
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
 #: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
@@ -83,7 +88,10 @@ class Sm90Config:
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
     group_size: int = 0  #: values sharing one (s', z'): channels of a token-wise axis, tokens of a channel-wise one
     v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
-    k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as two E4M3 terms (foscar.cute.operands_e4m3)
+    k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as E4M3 terms (foscar.cute.operands_e4m3)
+    #: E4M3 K operands: Q's residual terms (``hi``, ``lo``; three: ``hi``, ``mid``, ``lo``, each step x16,
+    #: ``k_operand="e4m3x3"``, the accuracy option: always in separate column blocks, :attr:`term_blocks`)
+    q_terms: int = 2
     #: the K operand's scale per token half: s' k_factor multiplies the MMA's sum (E4M3: 2^9; INT2 placed
     #: with two registers a rotation, :func:`foscar.cute.operands_e4m3.k_placement_e4m3`: 2^7 for half 1)
     k_factors: tuple[float, float] = (1.0, 1.0)
@@ -97,6 +105,13 @@ class Sm90Config:
     step: int = 1
     #: the wgmma N: ``gqa * step`` query rows padded to 8, 16 or 32 (:func:`columns_for`)
     cols: int = HEADS
+    #: v1: shared-memory stages per consumer (a power of two): :data:`DEEP_STAGES` where a tile's codes are
+    #: small (INT2 at head dim 128: a tile streams half INT4's bytes in as many instructions, so twice the
+    #: stages keep as many bytes in flight), else :data:`STAGES`
+    stages: int = STAGES
+    #: token-wise V: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always,
+    #: one tile a pass where :data:`LAZY_ONE_TILE`
+    lazy_rescale: bool = False
 
     @property
     def rows(self) -> int:
@@ -110,16 +125,17 @@ class Sm90Config:
 
     @property
     def term_blocks(self) -> bool:
-        """E4M3 K operands with Q's two terms in separate column blocks (more than 4 query rows): ``hi`` of row
-        ``c`` in column ``c``, ``lo`` in column ``cols + c`` of a QK product :attr:`qk_cols` wide, so that a
-        row's terms sit in one thread (:func:`foscar.cute.operands_e4m3.sum_term_blocks`); up to 4 rows they
+        """E4M3 K operands with Q's terms in separate column blocks (more than 4 query rows, or three terms):
+        term ``k`` of row ``c`` in column ``k cols + c`` of a QK product :attr:`qk_cols` wide, so that a row's
+        terms sit in one thread (:func:`foscar.cute.operands_e4m3.sum_term_blocks`); up to 4 rows two terms
         share the 8 columns (:func:`foscar.cute.operands_e4m3.term_columns`)."""
-        return self.k_e4m3 and self.rows > HEADS // 2
+        return self.k_e4m3 and (self.rows > HEADS // 2 or self.q_terms > 2)
 
     @property
     def qk_cols(self) -> int:
-        """The N of the QK product: twice the columns with :attr:`term_blocks`, else the columns."""
-        return 2 * self.cols if self.term_blocks else self.cols
+        """The N of the QK product: :attr:`q_terms` times the columns with :attr:`term_blocks`, else the
+        columns."""
+        return self.q_terms * self.cols if self.term_blocks else self.cols
 
     @property
     def red_slots(self) -> int:
@@ -296,7 +312,10 @@ def combine_chunk(parts: int) -> int:
 
 
 #: The K operands a kernel builds: BF16 by mantissa injection, or E4M3 by bit placement.
-K_OPERANDS = ("bf16", "e4m3")
+#: The K operands a kernel takes: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, or
+#: as three (``e4m3x3``: Q's residual to about 2^-12 of its row's largest value, in QK products 3 column blocks
+#: wide)
+K_OPERANDS = ("bf16", "e4m3", "e4m3x3")
 #: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
 TILES_PER_PASS = (1, 2)
 
@@ -352,13 +371,17 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     if step > 1 and num_window_parts(fmt):
         raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
                                "the CuTe kernels take steps of several tokens over caches without BF16 windows")
-    e4m3 = k_operand == "e4m3"
+    e4m3 = k_operand in ("e4m3", "e4m3x3")
+    q_terms = 3 if k_operand == "e4m3x3" else 2
     rows = gqa * step
     if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2) or fmt.sink
                  or fmt.recent):
-        raise UnsupportedError(f"k_operand='e4m3' with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, sink={fmt.sink}, "
-                               f"recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa * q_len <= 16 (a step: "
-                               "more than 4 rows) and no windows")
+        raise UnsupportedError(f"k_operand={k_operand!r} with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, "
+                               f"sink={fmt.sink}, recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa * q_len "
+                               "<= 16 (a step: more than 4 rows) and no windows")
+    if q_terms == 3 and tiles_per_pass == 2:
+        raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
+                               "pass (the second tile's scores sit in the columns two terms leave free)")
     if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
                                f"q_len={step}", "two tiles per softmax pass take token-wise K and V, gqa <= 4 and "
@@ -375,11 +398,13 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in v_token_half_shls(fmt.bits, fmt.head_dim))
     v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
     assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
+    stages = DEEP_STAGES if 2 * tile_words(fmt.bits, fmt.head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
-                      k_e4m3=e4m3, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
+                      k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
                       v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
-                      rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step))
+                      rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
+                      lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE))

@@ -76,12 +76,12 @@ class OutputAccumulator:
 @cute.jit
 def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     """``sum(Q)`` of the BF16 operand per head and channel group of a token-wise K (``sQsum[h, c]``): the
-    acc-fold's offset term. E4M3 K operands: of the operand the MMA consumes, ``(hi + lo / 16) 2^-e`` from
-    the two terms (``sQinv``: each head's ``2^-e``), 0 past the heads."""
+    acc-fold's offset term. E4M3 K operands: of the operand the MMA consumes, ``(t_0 + t_1 / 16 + ...) 2^-e``
+    from the terms (``sQinv``: each head's ``2^-e``), 0 past the heads."""
     D = cfg.head_dim
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import term_columns
-        gp = cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)  # row h's lo term: column gp + h
+        gp = cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)  # row h's term k: column k gp + h
         width = D // cfg.kc
         if tidx < cfg.cols * cfg.kc:
             h = tidx % cfg.cols
@@ -89,7 +89,10 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
             acc_q = Float32(0.0)
             if h < cfg.rows:
                 for p in cutlass.range(width, unroll=8):
-                    acc_q += sQ[h, c * width + p].to(Float32) + sQ[gp + h, c * width + p].to(Float32) * 0.0625
+                    x = sQ[(cfg.q_terms - 1) * gp + h, c * width + p].to(Float32)
+                    for k in cutlass.range_constexpr(cfg.q_terms - 2, -1, -1):
+                        x = sQ[k * gp + h, c * width + p].to(Float32) + x * 0.0625
+                    acc_q += x
                 acc_q = acc_q * sQinv[h]
             if cutlass.const_expr(cfg.kc == 1):
                 sQsum[h] = acc_q

@@ -2,7 +2,7 @@
 
 Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
 copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
-``STAGES``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
+``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
 (exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles: each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
@@ -18,7 +18,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, STAGES, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
+from .config import CONSUMERS, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, stage_q
@@ -36,19 +36,20 @@ from .warpgroup import (
 )
 
 
-assert STAGES & (STAGES - 1) == 0 and CONSUMERS == 2  # the ring's indices below are shifts and masks
-STAGE_SHIFT = STAGES.bit_length() - 1
+assert CONSUMERS == 2  # the ring's indices below are shifts and masks
 
 
-def ring_slot(c, k):
-    """The slot of consumer ``c``'s ``k``-th tile (``k >= 0``): ``c * STAGES + k % STAGES`` as a mask (a signed
-    ``%`` costs the loop a sign fix of a dozen uniform instructions)."""
-    return c * STAGES + (k & (STAGES - 1))
+def ring_slot(c, k, stages: int):
+    """The slot of consumer ``c``'s ``k``-th tile (``k >= 0``) in a ring of ``stages`` (a power of two) per
+    consumer: ``c * stages + k % stages`` as a mask (a signed ``%`` costs the loop a sign fix of a dozen
+    uniform instructions)."""
+    assert stages & (stages - 1) == 0
+    return c * stages + (k & (stages - 1))
 
 
-def ring_phase(k):
-    """The mbarrier phase of a consumer's ``k``-th tile (``k >= 0``): ``(k // STAGES) % 2``."""
-    return (k >> STAGE_SHIFT) & 1
+def ring_phase(k, stages: int):
+    """The mbarrier phase of a consumer's ``k``-th tile (``k >= 0``): ``(k // stages) % 2``."""
+    return (k >> (stages.bit_length() - 1)) & 1
 
 
 class StageRing:
@@ -112,7 +113,7 @@ class FoldDecodeSm90WS(TileKernel):
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
                   mLP: cute.Tensor, mRot: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
-        slots = STAGES * CONSUMERS
+        slots = cfg.stages * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
         kvh, b, split = cute.arch.block_idx()
         n_kvh, _, n_splits = cute.arch.grid_dim()
@@ -131,11 +132,13 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_init(full + i, 1)
                 cute.arch.mbarrier_init(empty + i, THREADS)
         cute.arch.mbarrier_init_fence()
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
+        tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
         # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
         if role == 0:
             # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
             # the barriers below (the fence after them orders these writes before the ring's)
-            assert cfg.cols * cfg.head_dim <= STAGES * CONSUMERS * cfg.tile_words  # the rotated Q fits the K stages
+            assert cfg.cols * cfg.head_dim <= cfg.stages * CONSUMERS * cfg.tile_words  # the rotated Q fits the K stages
             sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
                                      cute.make_layout((1, cfg.cols, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
             stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
@@ -144,11 +147,12 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
-        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
-            self._produce(((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp)), ring, mBT, b,
-                          kvh, t_lo, t_hi, tidx)
+            if tidx == 0:
+                views = self._tma_views(tma, ring)
+                for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                    self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
                 cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
@@ -161,7 +165,7 @@ class FoldDecodeSm90WS(TileKernel):
         cfg = self.cfg
         chunk = cfg.tile_words
         ci, co = cfg.tma_box
-        slots = STAGES * CONSUMERS
+        slots = cfg.stages * CONSUMERS
         alloc = SmemAllocator()
         sK = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
                                    byte_alignment=128)
@@ -199,17 +203,12 @@ class FoldDecodeSm90WS(TileKernel):
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c], sQinv,
                                     sQred) for c in range(CONSUMERS)]
 
-    @cute.jit
-    def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, t_hi, tidx):
-        """The producer: thread 0 issues each tile's four TMA copies (``tma``: the (atom, tensor) pairs of K
-        words, V words, K and V ``(s', z')``) into consumer ``(tile - t_lo) % CONSUMERS``'s next stage, once
-        the stage is empty, with the stage's exact transaction bytes on its full barrier."""
+    def _tma_views(self, tma: tuple, ring: StageRing):
+        """The TMA partitions of the pools and of the ring's stages: ``(tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs,
+        tVPg)``, from ``tma``, the (atom, tensor) pairs of K words, V words, K and V ``(s', z')``."""
         cfg = self.cfg
-        chunk = cfg.tile_words
         ci, co = cfg.tma_box
         (atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp) = tma
-        full = ring.full
-        empty = ring.empty
         gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
         gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
         gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
@@ -219,24 +218,37 @@ class FoldDecodeSm90WS(TileKernel):
         tVs, tVg = cpasync.tma_partition(atom_vc, 0, one, ring.sV, cute.group_modes(gVC, 0, 2))
         tKPs, tKPg = cpasync.tma_partition(atom_kp, 0, one, ring.sKP, cute.group_modes(gKP, 0, 1))
         tVPs, tVPg = cpasync.tma_partition(atom_vp, 0, one, ring.sVP, cute.group_modes(gVP, 0, 1))
-        if tidx == 0:
-            for tile in cutlass.range(t_lo, t_hi, unroll=1):
-                i = tile - t_lo
-                k = i >> 1  # i // CONSUMERS
-                slot = ring_slot(i & 1, k)
-                cute.arch.mbarrier_wait(empty + slot, ring_phase(k) ^ 1)  # a fresh stage passes
-                cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
-                                                        (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
-                t0 = tile * TILE
-                page = mBT[b, t0 // cfg.page]
-                tip = (t0 % cfg.page) // TILE
-                grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
-                krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
-                vrow = grow if cfg.v_channel else tip
-                cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
-                cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
-                cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
-                cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
+        return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
+
+    @cute.jit
+    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile,
+                    page=None):
+        """The producer's work for one KV tile (its ``page`` read from the page table ``mBT`` unless given):
+        once the stage of consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies
+        (K words, V words, K and V ``(s', z')``) with the stage's exact transaction bytes on its full
+        barrier. One thread calls it (a TMA copy is issued by one elected lane of the active ones)."""
+        cfg = self.cfg
+        chunk = cfg.tile_words
+        (atom_kc, _), (atom_vc, _), (atom_kp, _), (atom_vp, _) = tma
+        tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg = views
+        full = ring.full
+        empty = ring.empty
+        i = tile - t_lo
+        k = i >> 1  # i // CONSUMERS
+        slot = ring_slot(i & 1, k, cfg.stages)
+        cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
+        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
+        t0 = tile * TILE
+        if cutlass.const_expr(page is None):
+            page = mBT[b, t0 // cfg.page]
+        tip = (t0 % cfg.page) // TILE
+        grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
+        krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
+        vrow = grow if cfg.v_channel else tip
+        cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
+        cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
+        cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
+        cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
 
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
@@ -258,14 +270,14 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
             for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
                 k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS, even
-                slot = ring_slot(c, k)
+                slot = ring_slot(c, k, cfg.stages)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
                 has_b = tile + CONSUMERS < t_hi
                 if has_b:
                     slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
-                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k))
+                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
                 if has_b:
-                    cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k))
+                    cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
                 slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
@@ -280,8 +292,8 @@ class FoldDecodeSm90WS(TileKernel):
         else:
             for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
                 k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS
-                slot = ring_slot(c, k)
-                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k))
+                slot = ring_slot(c, k, cfg.stages)
+                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
                 self._read_words(ring, slot, regs, thr)
                 self._read_params(ring, slot, regs, thr_c, thr)
                 cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it

@@ -290,10 +290,19 @@ def store_q_terms(sQ: cute.Tensor, col_hi, col_lo, p, q: Float32, scale: Float32
     """One channel of Q as two E4M3 terms at contraction index ``p`` of columns ``col_hi``
     (``hi = e4m3(q 2^e)``) and ``col_lo`` (``lo = e4m3((q 2^e - hi) 16)``) of ``sQ``, as
     :func:`foscar.e4m3.split_terms` forms them (``cvt.rn.satfinite``; the remainder is exact in FP32)."""
+    store_q_term_list(sQ, [col_hi, col_lo], p, q, scale)
+
+
+def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32):
+    """One channel of Q as ``len(cols)`` E4M3 terms at contraction index ``p`` of columns ``cols``: ``r_0 = q
+    2^e``, term ``k`` is ``t_k = e4m3(r_k)``, ``r_{k+1} = (r_k - t_k) 16`` (each remainder exact in FP32), as
+    :func:`foscar.e4m3.split_terms` forms them."""
     r = q * scale
-    hi = r.to(Float8E4M3FN)
-    sQ[col_hi, p] = hi
-    sQ[col_lo, p] = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
+    for k in range(len(cols)):
+        t = r.to(Float8E4M3FN)
+        sQ[cols[k], p] = t
+        if k + 1 < len(cols):
+            r = (r - t.to(Float32)) * 16.0
 
 
 @cute.jit
@@ -384,9 +393,9 @@ def sum_q_terms(acc: cute.Tensor, gqa: cutlass.Constexpr, quad, inv0: Float32, i
 @cute.jit
 def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQinv: cute.Tensor, sQred: cute.Tensor,
                        tidx, bar_id: cutlass.Constexpr):
-    """Q^T of the ``cfg.rows`` query rows (column ``c``: row ``query_row(c)`` of ``mQ[b]``) into ``sQ`` as E4M3
-    terms in separate column blocks (``Sm90Config.term_blocks``): ``hi`` in column ``c``, ``lo`` in column
-    ``cols + c``, channels at their contraction index, the padded columns zero; ``sQinv[c]`` the ``2^-e`` of
+    """Q^T of the ``cfg.rows`` query rows (column ``c``: row ``query_row(c)`` of ``mQ[b]``) into ``sQ`` as
+    ``cfg.q_terms`` E4M3 terms in separate column blocks (``Sm90Config.term_blocks``): term ``k`` in column
+    ``k cols + c``, channels at their contraction index, the padded columns zero; ``sQinv[c]`` the ``2^-e`` of
     row ``c`` (1 past the rows). By one warpgroup (named barrier ``bar_id``); ``sQred`` ``[4, cols]`` floats of
     scratch. Each row's scale ``2^e`` is from its largest ``|q|`` (:func:`scale_exponent`)."""
     D = cfg.head_dim
@@ -399,19 +408,24 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
             d = contraction_position(cfg.bits, p)
             for h in cutlass.range_constexpr(C):
                 if cutlass.const_expr(h < R):
-                    store_q_terms(sQ, h, C + h, p, Float32(mQ[b, query_row(h), d]), sQred[0, h])
+                    store_q_term_list(sQ, [k * C + h for k in range(cfg.q_terms)], p,
+                                      Float32(mQ[b, query_row(h), d]), sQred[0, h])
                 else:
-                    sQ[h, p] = Float32(0.0).to(Float8E4M3FN)
-                    sQ[C + h, p] = Float32(0.0).to(Float8E4M3FN)
+                    for k in cutlass.range_constexpr(cfg.q_terms):
+                        sQ[k * C + h, p] = Float32(0.0).to(Float8E4M3FN)
 
 
 @cute.jit
-def sum_term_blocks(acc: cute.Tensor, nb: cutlass.Constexpr, qinv: list):
-    """The scores of a QK accumulator with Q's terms in separate column blocks (``Sm90Config.term_blocks``):
-    element ``e`` of the first ``4 nb`` (the rows' columns) becomes ``(hi + lo / 16) 2^-e``, its ``lo`` element
-    ``e + 4 nb`` of the same thread (``qinv``: the ``2^-e`` by column slot)."""
+def sum_term_blocks(acc: cute.Tensor, nb: cutlass.Constexpr, qinv: list, terms: cutlass.Constexpr = 2):
+    """The scores of a QK accumulator with Q's ``terms`` in separate column blocks (``Sm90Config.term_blocks``):
+    element ``e`` of the first ``4 nb`` (the rows' columns) becomes ``(t_0 + (t_1 + t_2 / 16) / 16) 2^-e``,
+    term ``k`` its element ``e + 4 k nb`` of the same thread (``qinv``: the ``2^-e`` by column slot), the
+    smallest terms added first."""
     for e in cutlass.range_constexpr(4 * nb):
-        acc[e] = (acc[e] + acc[e + 4 * nb] * 0.0625) * qinv[2 * (e // 4) + e % 2]
+        x = acc[e + 4 * (terms - 1) * nb]
+        for k in cutlass.range_constexpr(terms - 2, -1, -1):
+            x = acc[e + 4 * k * nb] + x * 0.0625
+        acc[e] = x * qinv[2 * (e // 4) + e % 2]
 
 
 class QkTermsProbeE4m3(_TileProbe):

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32
+from cutlass import Float32
 
-from .config import CORRECTION_TILES, RESCALE_HEADROOM, THREADS, TILE, s_slot
-from .folds import fold_corrections, gather_offset_corrections, p_operands, p_scales, store_p_operands
+from .config import CORRECTION_TILES, TILE
+from .folds import fold_corrections
+from .lazy import lazy_softmax
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, term_columns
-from .softmax import barrier_any, tile_maxima
 from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
 
 
@@ -68,7 +68,7 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     sequence's length or more when the warpgroup has no second tile: its rows are masked). ``regs.par``
     holds the ``(s', z')`` of this thread's rows in its own tile (``half``). ``step``: the pass's index in
     the warpgroup's sequence. The same folds as :meth:`~foscar.cute.warpgroup.TileKernel._tile_step`, with
-    the online softmax's rescale made lazy (:func:`lazy_softmax`)."""
+    the online softmax's rescale made lazy (:func:`~foscar.cute.lazy.lazy_softmax`)."""
     cfg = kern.cfg
     thr = wg.thr
     frags = wg.frags
@@ -89,86 +89,6 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     if step & (passes - 1) == passes - 1:  # step % passes (passes a power of two, step >= 0)
         fold_corrections(cfg, out, wg.smem.sSum, thr)
     return RunningState(softmax, out, kgroup)
-
-
-@cute.jit
-def lazy_softmax(cfg, wg: Warpgroup, state: RunningState, sc, s: list, step):
-    """The online softmax of a pass's scores ``s`` with a lazy rescale (token-wise V), through the P' stores:
-    returns the new ``(softmax, out)``.
-
-    Each thread forms ``P = exp2(s - m)`` under the running maxima ``m`` it has and ``P'`` in the units
-    ``sigma`` it has, and stores ``P'``; one barrier (:func:`~foscar.cute.softmax.barrier_any`) publishes the
-    stores and tells every thread whether any score passed its column's maximum by more than
-    :data:`~foscar.cute.config.RESCALE_HEADROOM` or any token row asks for larger units
-    (:func:`~foscar.cute.folds.p_units_bound`). Almost always none did, and the pass needs no exchange of
-    maxima, no rescale and no second barrier (``P <= 2^8``: FP16 ``P'`` and the FP32 sums hold it, and the
-    maxima are only a shift that ``m + log2(sum)`` undoes). Else the warps exchange the pass's maxima
-    (:func:`~foscar.cute.softmax.tile_maxima`), rescale the state and store ``P'`` again, as every pass did
-    before. A NaN score passes no comparison and stays NaN in ``P``."""
-    thr = wg.thr
-    softmax = state.softmax
-    out = state.out
-    m_old = softmax.m
-    sigma_old = out.sigma
-    n_el = len(s)
-    slots = len(m_old)
-    groups = len(sigma_old)
-    vb = sc.v_scales()
-    need = Int32(0)
-    for e in cutlass.range_constexpr(n_el):
-        if s[e] > m_old[s_slot(e)] + RESCALE_HEADROOM:
-            need = Int32(1)
-    for g in cutlass.range_constexpr(groups):
-        if cute.arch.fmax(vb[g][0], vb[g][1]) > sigma_old[g]:
-            need = Int32(1)
-    pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
-    qt = [cute.make_rmem_tensor(cute.make_layout(n_el), Float16) for _ in range(groups)]
-    mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    st = cute.make_rmem_tensor(cute.make_layout(groups), Float32)
-    p = [cute.math.exp2(s[e] - m_old[s_slot(e)], fastmath=True) for e in range(n_el)]
-    q = p_operands(cfg, sc.v, p, sigma_old)
-    store_p_operands(wg, q)
-    for e in cutlass.range_constexpr(n_el):
-        pt[e] = p[e]
-        for g in cutlass.range_constexpr(groups):
-            qt[g][e] = q[g][e]
-    for k in cutlass.range_constexpr(slots):
-        mt[k] = m_old[k]
-    for g in cutlass.range_constexpr(groups):
-        st[g] = sigma_old[g]
-    if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
-        tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, vb)
-        sigma = p_scales(cfg, wg, out, step, tv)
-        mn = [cute.arch.fmax(m_old[k], tm[k]) for k in range(slots)]
-        al = [cute.math.exp2(m_old[k] - mn[k], fastmath=True) for k in range(slots)]
-        out.scale_to(al, sigma)
-        for e in cutlass.range_constexpr(n_el):
-            softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
-            for g in cutlass.range_constexpr(groups):
-                out.corr[g][e] = out.corr[g][e] * al[s_slot(e)]
-        p2 = [cute.math.exp2(s[e] - mn[s_slot(e)], fastmath=True) for e in range(n_el)]
-        q2 = p_operands(cfg, sc.v, p2, sigma)
-        store_p_operands(wg, q2)
-        cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-        for e in cutlass.range_constexpr(n_el):
-            pt[e] = p2[e]
-            for g in cutlass.range_constexpr(groups):
-                qt[g][e] = q2[g][e]
-        for k in cutlass.range_constexpr(slots):
-            mt[k] = mn[k]
-        for g in cutlass.range_constexpr(groups):
-            st[g] = sigma[g]
-    m_new = [mt[k] for k in range(slots)]
-    sigma_new = [st[g] for g in range(groups)]
-    p_new = [pt[e] for e in range(n_el)]
-    for e in cutlass.range_constexpr(n_el):
-        softmax.sums[e] = softmax.sums[e] + p_new[e]
-    gather_offset_corrections(cfg, out, sc.v, p_new, [[qt[g][e] for e in range(n_el)] for g in range(groups)],
-                              sigma_new)
-    softmax.m = m_new
-    softmax.m_use = m_new
-    out.sigma = sigma_new
-    return softmax, out
 
 
 @cute.jit

@@ -36,6 +36,7 @@ from .folds import (
 )
 from .operands import build_k_registers, build_vt_registers
 from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms, sum_term_blocks
+from .lazy import lazy_softmax
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -280,19 +281,23 @@ class TileKernel:
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS, kgroup = self._qk(wg, regs, sc, t0, state.kgroup)
         s = self._scores(wg, regs, sc, accS, t0)
-        # ---- online softmax; the tile's largest |s'_V| rides in the same reduction -----------------------
-        tm, tv = tile_maxima(cfg, wg.thr, wg.smem.sRed, tile, s, sc.v_scales())
         softmax = state.softmax
         out = state.out
-        al = softmax.advance(tm)
-        sigma = p_scales(cfg, wg, out, tile, tv)
-        p = softmax.probabilities(s, al)
-        # ---- O^T = V^T P'^T ---------------------------------------------------------------------------
-        if cutlass.const_expr(cfg.v_channel):
-            v_acc_fold(cfg, wg, out, regs, p, al, tile & 1)
+        if cutlass.const_expr(cfg.lazy_rescale):  # token-wise V: P' stored under the maxima it has
+            softmax, out = lazy_softmax(cfg, wg, state, sc, s, tile)
         else:
-            v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
-            out.rescale(al, sigma)  # the accumulator in units of the new sigma
+            # ---- online softmax; the tile's largest |s'_V| rides in the same reduction -------------------
+            tm, tv = tile_maxima(cfg, wg.thr, wg.smem.sRed, tile, s, sc.v_scales())
+            al = softmax.advance(tm)
+            sigma = p_scales(cfg, wg, out, tile, tv)
+            p = softmax.probabilities(s, al)
+            # ---- O^T = V^T P'^T -----------------------------------------------------------------------
+            if cutlass.const_expr(cfg.v_channel):
+                v_acc_fold(cfg, wg, out, regs, p, al, tile & 1)
+            else:
+                v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
+                out.rescale(al, sigma)  # the accumulator in units of the new sigma
+        if cutlass.const_expr(not cfg.v_channel):
             build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
             self._pv(wg, out)
             if (tile - t_lo) & (CORRECTION_TILES - 1) == CORRECTION_TILES - 1:  # a power of two, tile >= t_lo
@@ -339,7 +344,7 @@ class TileKernel:
         warpgroup.wait_group(0)
         if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
-                sum_term_blocks(part, cfg.nb, wg.qinv)
+                sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
         elif cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])

@@ -1,0 +1,111 @@
+"""The online softmax with a lazy rescale, through token-wise V's operand-fold (``Sm90Config.lazy_rescale``).
+
+A pass keeps the running maxima ``m`` and the P' units ``sigma`` it has while no score passes its column's
+maximum by more than :data:`~foscar.cute.config.RESCALE_HEADROOM` and no token row asks for larger units;
+then it needs neither the warps' exchange of maxima nor a rescale, and one barrier serves both the vote and
+the P' stores (:func:`lazy_softmax`). The maxima are a shift that ``m + log2(sum)`` undoes, so any ``m``
+within the headroom gives the same attention; ``P <= 2^8`` stays within FP16 P' and the FP32 sums.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float16, Float32, Int32
+
+from .config import RESCALE_HEADROOM, THREADS, s_slot
+from .folds import gather_offset_corrections, p_operands, p_scales, store_p_operands
+from .softmax import barrier_any, nonempty_max, tile_maxima
+
+
+@cute.jit
+def lazy_softmax(cfg, wg, state, sc, s: list, step):
+    """The online softmax of a pass's scores ``s`` with a lazy rescale (token-wise V), through the P' stores:
+    returns the new ``(softmax, out)``. ``step``: the pass's index (the reduction buffer it takes).
+
+    Each thread forms ``P = exp2(s - m)`` under the running maxima ``m`` it has and ``P'`` in the units
+    ``sigma`` it has, and stores ``P'``; one barrier (:func:`~foscar.cute.softmax.barrier_any`) publishes the
+    stores and tells every thread whether any score passed its column's maximum by more than
+    :data:`~foscar.cute.config.RESCALE_HEADROOM` or any token row asks for larger units
+    (:func:`~foscar.cute.folds.p_units_bound`). Almost always none did, and the pass needs no exchange of
+    maxima, no rescale and no second barrier (``P <= 2^8``: FP16 ``P'`` and the FP32 sums hold it, and the
+    maxima are only a shift that ``m + log2(sum)`` undoes). Else the warps exchange the pass's maxima
+    (:func:`~foscar.cute.softmax.tile_maxima`), rescale the state and store ``P'`` again, as every pass did
+    before. A NaN score passes no comparison and stays NaN in ``P``; a column that has seen no token (a step's
+    causal limit, ``softmax.guard``) subtracts 0 in place of its ``-inf`` maximum, as
+    :meth:`~foscar.cute.softmax.OnlineSoftmax.advance` does. ``wg``: the
+    :class:`~foscar.cute.warpgroup.Warpgroup`, ``state`` its :class:`~foscar.cute.warpgroup.RunningState`,
+    ``sc`` the pass's :class:`~foscar.cute.warpgroup.TileScales` of this thread's rows."""
+    thr = wg.thr
+    softmax = state.softmax
+    out = state.out
+    guard = softmax.guard
+    m_old = softmax.m
+    m_use = m_old
+    if cutlass.const_expr(guard):
+        m_use = [nonempty_max(x) for x in m_old]
+    sigma_old = out.sigma
+    n_el = len(s)
+    slots = len(m_old)
+    groups = len(sigma_old)
+    vb = sc.v_scales()
+    need = Int32(0)
+    for e in cutlass.range_constexpr(n_el):
+        if s[e] > m_old[s_slot(e)] + RESCALE_HEADROOM:
+            need = Int32(1)
+    for g in cutlass.range_constexpr(groups):
+        if cute.arch.fmax(vb[g][0], vb[g][1]) > sigma_old[g]:
+            need = Int32(1)
+    pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
+    qt = [cute.make_rmem_tensor(cute.make_layout(n_el), Float16) for _ in range(groups)]
+    mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)  # the running maxima, and those to subtract
+    mu = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    st = cute.make_rmem_tensor(cute.make_layout(groups), Float32)
+    p = [cute.math.exp2(s[e] - m_use[s_slot(e)], fastmath=True) for e in range(n_el)]
+    q = p_operands(cfg, sc.v, p, sigma_old)
+    store_p_operands(wg, q)
+    kept = (pt, qt, mt, mu, st)
+    _keep(kept, p, q, m_old, m_use, sigma_old)
+    if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
+        tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, vb)
+        sigma = p_scales(cfg, wg, out, step, tv)
+        mn = [cute.arch.fmax(m_old[k], tm[k]) for k in range(slots)]
+        mn_use = mn
+        if cutlass.const_expr(guard):
+            mn_use = [nonempty_max(x) for x in mn]
+        al = [cute.math.exp2(m_old[k] - mn_use[k], fastmath=True) for k in range(slots)]
+        out.scale_to(al, sigma)
+        for e in cutlass.range_constexpr(n_el):
+            softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
+            for g in cutlass.range_constexpr(groups):
+                out.corr[g][e] = out.corr[g][e] * al[s_slot(e)]
+        p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
+        q2 = p_operands(cfg, sc.v, p2, sigma)
+        store_p_operands(wg, q2)
+        cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
+        _keep(kept, p2, q2, mn, mn_use, sigma)
+    m_new = [mt[k] for k in range(slots)]
+    sigma_new = [st[g] for g in range(groups)]
+    p_new = [pt[e] for e in range(n_el)]
+    for e in cutlass.range_constexpr(n_el):
+        softmax.sums[e] = softmax.sums[e] + p_new[e]
+    gather_offset_corrections(cfg, out, sc.v, p_new, [[qt[g][e] for e in range(n_el)] for g in range(groups)],
+                              sigma_new)
+    softmax.m = m_new
+    softmax.m_use = [mu[k] for k in range(slots)]
+    out.sigma = sigma_new
+    return softmax, out
+
+
+def _keep(kept: tuple, p: list, q: list, m: list, m_use: list, sigma: list):
+    """The pass's ``P``, ``P'`` (per group), maxima, maxima to subtract and units into the register tensors
+    ``kept`` that carry them out of the run-time branch of :func:`lazy_softmax`."""
+    pt, qt, mt, mu, st = kept
+    for e in range(len(p)):
+        pt[e] = p[e]
+        for g in range(len(q)):
+            qt[g][e] = q[g][e]
+    for k in range(len(m)):
+        mt[k] = m[k]
+        mu[k] = m_use[k]
+    for g in range(len(sigma)):
+        st[g] = sigma[g]
