@@ -90,7 +90,7 @@ case "$step" in
     done; done ;;
   sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for kind in ${2:-triton cute cute_ws}; do for tool in memcheck racecheck synccheck; do
+    for kind in ${2:-triton cute cute_ws cute_pair}; do for tool in memcheck racecheck synccheck; do
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
