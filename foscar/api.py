@@ -33,7 +33,7 @@ from ._checks import check_tensor
 from .backends import AUTO_ORDER, BACKENDS, BackendStatus, LaunchPlan, ProblemKey
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
-from .quantize import FP4_QUANTIZERS, RANGE_QUANTIZERS
+from .quantize import FP4_QUANTIZERS, WRITE_KERNEL_QUANTIZERS
 from .format import KVFormat
 from .problem import DecodeProblem
 
@@ -344,8 +344,9 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     decode step with ``T = 1``).
 
     ``backend``: ``"triton"`` (the fused kernels of :mod:`foscar.triton.write`: a CUDA device, the
-    ``bf16`` mapping, min-max or a clip preset, and the FP4 block formats with ``"minmax"`` or ``"mse"``;
-    graph-safe with ``check=False``), ``"reference"``
+    ``bf16`` mapping, the quantizers of :data:`foscar.quantize.WRITE_KERNEL_QUANTIZERS` (min-max, a clip
+    preset, the ``"mse"`` search), and the FP4 block formats with ``"minmax"`` or ``"mse"``; graph-safe with
+    ``check=False``), ``"reference"``
     (:meth:`QuantKVCache.append`, PyTorch, every mapping and quantizer, any device), or ``"auto"``
     (default): Triton where it can write this cache, else the reference. Both write the same cache bit
     for bit. An explicit choice that cannot run raises :class:`UnsupportedError` saying why.
@@ -357,7 +358,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     check_tensor("k_new", k_new, ndim=4)  # the rest (shape, dtype, device, values) as each writer checks it
     status = backends.get("triton").status(ProblemKey(cache.device, cache.fmt))
     why_not = None if status.usable else status.why
-    takes = FP4_QUANTIZERS if cache.fmt.is_fp4 else RANGE_QUANTIZERS
+    takes = FP4_QUANTIZERS if cache.fmt.is_fp4 else WRITE_KERNEL_QUANTIZERS
     if why_not is None and quantizer not in takes:
         why_not = f"quantizes with {takes} only (quantizer={quantizer!r})"
     if backend == "triton" and why_not:

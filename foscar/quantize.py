@@ -28,8 +28,13 @@ CLIP_PRESETS = {"oscar": (0.96, 0.92)}
 QUANTIZERS = ("minmax", "mse", "quantile", *CLIP_PRESETS)
 #: The quantizers whose range is the group's min-max range or a fixed shrink of it: no search, no sort.
 RANGE_QUANTIZERS = ("minmax", *CLIP_PRESETS)
-#: Shrink ratios tried by the ``"mse"`` quantizer (1.0 = min-max).
-MSE_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))
+#: Shrink ratios tried by the ``"mse"`` quantizer (1.0 = min-max): ``1 - MSE_STEP i`` for ``i < MSE_STEPS``, the
+#: doubles the GPU write kernels form the same way.
+MSE_STEP = 0.05
+MSE_STEPS = 10
+MSE_RATIOS = tuple(1.0 - MSE_STEP * i for i in range(MSE_STEPS))
+#: The quantizers the Triton write kernels repeat bit for bit (no sort: ``"quantile"`` is the reference's).
+WRITE_KERNEL_QUANTIZERS = (*RANGE_QUANTIZERS, "mse")
 DEFAULT_QUANTILE = 0.01
 
 

@@ -124,6 +124,11 @@ def test_empty_caches_need_a_capacity():
 def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page, quantizer):
     """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes, min-max
     and with OSCAR's clip ratios."""
+    _steps_match(fmt_kw, page, quantizer)
+
+
+def _steps_match(fmt_kw, page, quantizer):
+    """A prompt, then 70 decode steps through the single-token kernel: the reference's cache, bit for bit."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, D = 2, 2, fmt.head_dim
@@ -151,6 +156,23 @@ def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, pag
     """Several tokens per call (a prompt, then chunks that cross groups, pages and the window, and single
     steps in between) through the parallel kernels: the cache QuantKVCache.append writes, bit for bit, min-max
     and with OSCAR's clip ratios."""
+    _prefill_matches(fmt_kw, page, quantizer)
+
+
+@pytest.mark.parametrize("fmt_kw,page,steps", [
+    (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64, True),
+    (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel"), 32, True),
+    (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 32, False),
+])
+def test_the_triton_append_with_the_mse_search_matches_the_reference_bit_for_bit(fmt_kw, page, steps):
+    """The ``"mse"`` quantizer in the write kernels (each group's clip ratio of the least squared error, token-
+    and channel-wise groups): the reference's cache, bit for bit, through decode steps or chunks."""
+    (_steps_match if steps else _prefill_matches)(fmt_kw, page, "mse")
+
+
+def _prefill_matches(fmt_kw, page, quantizer):
+    """A prompt, chunks and single steps through the parallel and single-token kernels: the reference's cache,
+    bit for bit, after every call."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(**fmt_kw)
     B, H, D, n = 2, 2, fmt.head_dim, 230
@@ -205,8 +227,9 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
         ft.append_step(cache, torch.ones(1, 64, device=DEV), torch.ones(1, 1, 64, device=DEV))
     with pytest.raises(InvalidArgumentError, match="^v_new: expected shape"):
         ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 4, 64, device=DEV))
-    with pytest.raises(InvalidArgumentError, match="^quantizer: expected one of \\('minmax', 'oscar'\\)"):
-        ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 5, 64, device=DEV), quantizer="mse")
+    with pytest.raises(InvalidArgumentError, match="^quantizer: expected one of \\('minmax', 'oscar', 'mse'\\)"):
+        ft.append(cache, torch.ones(1, 1, 5, 64, device=DEV), torch.ones(1, 1, 5, 64, device=DEV),
+                  quantizer="quantile")
     before = snapshot(cache)
     with pytest.raises(InvalidArgumentError, match="capacity|room|pages"):
         ft.append(cache, torch.ones(1, 1, 65, 64, device=DEV), torch.ones(1, 1, 65, 64, device=DEV))
@@ -271,5 +294,5 @@ def test_foscar_append_picks_a_writer_and_says_why_not():
         with pytest.raises(foscar.UnsupportedError, match="needs a CUDA GPU"):
             foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton")
     else:
-        with pytest.raises(foscar.UnsupportedError, match="only \\(quantizer='mse'\\)"):
-            foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton", quantizer="mse")
+        with pytest.raises(foscar.UnsupportedError, match="only \\(quantizer='quantile'\\)"):
+            foscar.append(a, k[:, :, :1], v[:, :, :1], backend="triton", quantizer="quantile")

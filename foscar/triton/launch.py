@@ -16,7 +16,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
 from ..rotation import rotation_factors
 from ..problem import DecodeProblem
-from ..quantize import FP4_QUANTIZERS, RANGE_QUANTIZERS, check_quantizer, clip_ratio
+from ..quantize import FP4_QUANTIZERS, WRITE_KERNEL_QUANTIZERS, check_quantizer, clip_ratio
 from ..splitkv import bf16_stage1, combine, num_window_parts, sm_count, window_partials, workspace_for
 from .decode import LOG2E, fold_decode_stage1
 
@@ -269,7 +269,7 @@ def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *
                 quantizer: str = "minmax") -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
     (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, a quantizer of
-    :data:`foscar.quantize.RANGE_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
+    :data:`foscar.quantize.WRITE_KERNEL_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
     first runs every check of :meth:`QuantKVCache.append` (capacity and finite values read the device
     back); pass ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
     from .write import append_token_kernel
@@ -326,7 +326,8 @@ def _check_append_inputs(cache: QuantKVCache, k_new, v_new, shape: tuple, check:
     if fmt.is_fp4:
         check_quantizer(quantizer, FP4_QUANTIZERS, f" (scheme={fmt.scheme!r})")
     else:
-        check_quantizer(quantizer, RANGE_QUANTIZERS, " (the Triton append; QuantKVCache.append takes every quantizer)")
+        check_quantizer(quantizer, WRITE_KERNEL_QUANTIZERS,
+                        " (the Triton append; QuantKVCache.append takes every quantizer)")
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton append writes the bf16 mapping's (s', z'); "
                                "QuantKVCache.append covers the others")

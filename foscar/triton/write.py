@@ -6,7 +6,7 @@ tensor); several tokens (a prefill, a speculative step): :func:`append_quantize_
 The single-token kernel: one program per (sequence, KV head, tensor). The new token goes to the BF16 sink while the sink is
 filling, else to the recent ring; the ring tokens that leave the recent window (one with token-wise
 groups on both tensors, a whole group of ``g`` otherwise; with ``recent = 0`` the last is the new token
-itself) are quantized min-max (or with a clip preset's ratio), group by group, in float64 exactly as
+itself) are quantized min-max (or with a clip preset's ratio, or the ``"mse"`` search), group by group, in float64 exactly as
 :func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
 (an atomic AND clears its bit fields, an atomic OR sets them: a word mixes tokens) and its ``(s', z')``
 into the page's parameter rows. Lengths are read on the device: no host sync, no allocation, so a
@@ -15,7 +15,12 @@ CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it m
 import triton
 import triton.language as tl
 
+from ..quantize import MSE_STEP as _MSE_STEP
+from ..quantize import MSE_STEPS as _MSE_STEPS
 from .write_fp4 import quantize_blocks_fp4
+
+MSE_STEP = tl.constexpr(_MSE_STEP)  #: the ``"mse"`` quantizer's ratios (foscar.quantize.MSE_RATIOS)
+MSE_STEPS = tl.constexpr(_MSE_STEPS)
 
 
 @triton.jit
@@ -72,7 +77,7 @@ def _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_c
                  sbytes.to(tl.uint8), mask=ok[:, None] & (cb >= 0)[None, :])
     else:
         _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
-                         BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO)
+                         BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO, SEARCH)
 
 
 @triton.jit
@@ -102,11 +107,40 @@ def _write_codes(q, ok, page, off, h, CODES, stride_cp, stride_ch, BITS: tl.cons
 
 
 @triton.jit
+def _affine_codes(src, lo, hi, QMAX: tl.constexpr, BETA: tl.constexpr):
+    """Codes of ``src`` for the range ``[lo, hi]`` (float64, spread over ``src``'s shape) against the stored
+    constants, as :func:`foscar.quantize._codes_for` forms them: ``(q, s', z', s_eff, z_eff)``, ``q`` float64."""
+    sp = ((hi - lo) / QMAX).to(tl.float32)  # s' = s (alpha = 1 for the BF16 mapping)
+    # z' = z - beta s' from z rounded to FP32 (OperandMapping.fold; min-max's z already is), then one rounding
+    zp = (lo.to(tl.float32).to(tl.float64) - BETA * sp.to(tl.float64)).to(tl.float32)
+    s_eff = sp.to(tl.float64)
+    z_eff = zp.to(tl.float64) + BETA * s_eff
+    safe = tl.where(s_eff > 0, s_eff, 1.0)
+    q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
+    q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+    return q, sp, zp, s_eff, z_eff
+
+
+@triton.jit
+def _group_sum(e, FLUSH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr):
+    """Each group's sum of ``e [FLUSH, D]`` (float64), spread back over the group's elements: along the tokens
+    per channel (``CHANNEL``, ``[1, D]``) or along ``GROUP`` channels per token (``[FLUSH, D]``)."""
+    if CHANNEL:
+        return tl.sum(e, axis=0)[None, :]
+    e3 = tl.reshape(e, (FLUSH, D // GROUP, GROUP))
+    return tl.reshape(tl.broadcast_to(tl.sum(e3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+
+
+@triton.jit
 def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp, stride_ch, stride_pp, stride_ph,
                      BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                      FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr, TENSOR_V: tl.constexpr,
-                     BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr):
-    """The affine formats' part of :func:`_quantize_unit`: min-max (or clipped) groups, codes and ``(s', z')``."""
+                     BLOCK_TOKENS: tl.constexpr, RATIO: tl.constexpr, SEARCH: tl.constexpr):
+    """The affine formats' part of :func:`_quantize_unit`: min-max (or clipped) groups, codes and ``(s', z')``;
+    ``SEARCH`` (the ``"mse"`` quantizer): of the min-max range shrunk about its midpoint by each of
+    :data:`foscar.quantize.MSE_RATIOS`, the one with the least squared reconstruction error a group (ties:
+    the first), as :func:`foscar.quantize.quantize_groups` chooses."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     dd = tl.arange(0, D)
     if CHANNEL:  # one group along the tokens per channel: (s', z') [D]
@@ -122,15 +156,32 @@ def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp,
         ratio = tl.full((), RATIO, tl.float64)  # the double: a bare float constant would be float32
         lo = mid - ratio * half
         hi = mid + ratio * half
-    sp = ((hi - lo) / QMAX).to(tl.float32)  # s' = s (alpha = 1 for the BF16 mapping)
-    # z' = z - beta s' from z rounded to FP32 (OperandMapping.fold; min-max's z already is), then one rounding
-    zp = (lo.to(tl.float32).to(tl.float64) - BETA * sp.to(tl.float64)).to(tl.float32)
-    s_eff = sp.to(tl.float64)
-    z_eff = zp.to(tl.float64) + BETA * s_eff
-    safe = tl.where(s_eff > 0, s_eff, 1.0)
-    q = tl.where(s_eff > 0, (src - z_eff) / safe, 0.0)
-    q = (q + 4503599627370496.0) - 4503599627370496.0  # round half to even (torch.round): 2^52 trick
-    q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)  # [FLUSH, D]
+    if SEARCH:
+        mid = (lo + hi) / 2
+        half = (hi - lo) / 2
+        q = src * 0.0
+        sp = (mid * 0.0).to(tl.float32)
+        zp = sp
+        best = mid * 0.0
+        for i in tl.static_range(MSE_STEPS):
+            ratio = tl.full((), 1.0 - MSE_STEP * i, tl.float64)  # the doubles of MSE_RATIOS
+            q_r, sp_r, zp_r, s_r, z_r = _affine_codes(src, mid - ratio * half, mid + ratio * half, QMAX, BETA)
+            d = s_r * q_r + z_r - src
+            err = _group_sum(d * d, FLUSH, D, GROUP, CHANNEL)
+            if i == 0:  # the first ratio (1.0, min-max) stands until a later one errs strictly less
+                best = err
+                q = q_r
+                sp = sp_r
+                zp = zp_r
+            else:
+                keep = err < best
+                best = tl.where(keep, err, best)
+                q = tl.where(keep, q_r, q)
+                sp = tl.where(keep, sp_r, sp)
+                zp = tl.where(keep, zp_r, zp)
+    else:
+        q, sp, zp, _, _ = _affine_codes(src, lo, hi, QMAX, BETA)
+    q = q.to(tl.int32)  # [FLUSH, D]
     ok, page, off = _page_of(t, b, BT, NP, stride_btb, PAGE)
     _write_codes(q, ok, page, off, h, CODES, stride_cp, stride_ch, BITS, D, TENSOR_V, BLOCK_TOKENS)
     ok2 = ok[:, None] & (dd >= 0)[None, :]
