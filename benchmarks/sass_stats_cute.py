@@ -68,9 +68,9 @@ def tile_loop(sass: str) -> list[str]:
     return min(spans, key=len)
 
 
-def rescale_branch(sass: str, loop_len: int) -> int:
+def rescale_branch(sass: str) -> int:
     """Instructions of the tile loop's rare branch: the span a lazy rescale's branch skips right after its
-    ``BAR.RED`` vote (:func:`foscar.cute.pair.lazy_softmax`), 0 where the loop has none."""
+    ``BAR.RED`` vote (:func:`foscar.cute.lazy.lazy_softmax`), 0 where the kernel has none."""
     ins = [(int(a, 16), line) for a, line in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass)]
     for i, (a, line) in enumerate(ins):
         if "BAR.RED" in line:
@@ -111,7 +111,7 @@ def main() -> int:
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
-    rare = rescale_branch(sass, len(loop))
+    rare = rescale_branch(sass)
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, INT{a.bits} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
           f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "

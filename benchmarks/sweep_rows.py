@@ -26,22 +26,19 @@ from fixed_cost import FLUSH_BYTES, timed
 
 import foscar
 from foscar.bench import make_block_table, random_cache
+from foscar.cute import config as cute_config
 from foscar.cute import launch
 from foscar.multitoken import step_problem
 
 
-DEFAULT_LAZY_ONE_TILE = None
+SHIPPED_LAZY_ONE_TILE = cute_config.LAZY_ONE_TILE
 
 
 def set_lazy_one_tile(choice: str) -> None:
     """``foscar.cute.config.LAZY_ONE_TILE`` for the next candidates: as shipped (``default``), ``off`` or ``on``
     (the configs are cached: the cache is cleared; the compile cache keys on the config, which holds the flag)."""
-    from foscar.cute import config
-    global DEFAULT_LAZY_ONE_TILE
-    if DEFAULT_LAZY_ONE_TILE is None:
-        DEFAULT_LAZY_ONE_TILE = config.LAZY_ONE_TILE
-    config.LAZY_ONE_TILE = {"default": DEFAULT_LAZY_ONE_TILE, "off": False, "on": True}[choice]
-    config.config_for.cache_clear()
+    cute_config.LAZY_ONE_TILE = {"default": SHIPPED_LAZY_ONE_TILE, "off": False, "on": True}[choice]
+    cute_config.config_for.cache_clear()
 
 
 def main():
@@ -63,8 +60,8 @@ def main():
     a = p.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    print("| B | L | Hq:Hkv | q_len | bits | CTAs/SM | K operands | lazy one tile | splits (base of the multiples) | µs |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | L | Hq:Hkv | q_len | bits | CTAs/SM | K operands | lazy one tile | splits (base of the multiples) "
+          "| µs |\n|---|---|---|---|---|---|---|---|---|---|")
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
         for heads in a.heads:
@@ -102,7 +99,8 @@ def main():
                                       flush, a.iters)
                             print(f"{label} {t:.1f} |", flush=True)
                     t = timed(lambda: foscar.decode(q, cache, out=out, backend="triton"), flush, a.iters)
-                    print(f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | Triton | - | - | - | {t:.1f} |", flush=True)
+                    print(f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | Triton | - | - | - | {t:.1f} |",
+                          flush=True)
                     torch.cuda.empty_cache()
 
 

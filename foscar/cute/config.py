@@ -21,10 +21,11 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
-CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
-#: log2 headroom of the lazy rescale (two tiles a pass, :mod:`foscar.cute.pair`): a pass keeps the running
-#: maxima and the P' units while no score passes its column's maximum by more than this (so ``P <= 2^8``) and
-#: no token row asks for larger units; only then do the warps exchange maxima and rescale
+#: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
+CORRECTION_TILES = 8
+#: log2 headroom of the lazy rescale (:mod:`foscar.cute.lazy`, :attr:`Sm90Config.lazy_rescale`): a pass keeps
+#: the running maxima and the P' units while no score passes its column's maximum by more than this (so
+#: ``P <= 2^8``) and no token row asks for larger units; only then do the warps exchange maxima and rescale
 RESCALE_HEADROOM = 8.0
 #: Whether one-tile passes (``tiles_per_pass == 1``: more than 4 query rows, steps, head dim 256) take the lazy
 #: rescale too (:attr:`Sm90Config.lazy_rescale`): built and compiled, not yet run on a GPU, so off
@@ -377,8 +378,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2) or fmt.sink
                  or fmt.recent):
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, "
-                               f"sink={fmt.sink}, recent={fmt.recent}", "E4M3 K operands take token-wise K, gqa * q_len "
-                               "<= 16 (a step: more than 4 rows) and no windows")
+                               f"sink={fmt.sink}, recent={fmt.recent}", "E4M3 K operands take token-wise K, "
+                               "gqa * q_len <= 16 (a step: more than 4 rows) and no windows")
     if q_terms == 3 and tiles_per_pass == 2:
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")

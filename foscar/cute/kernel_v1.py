@@ -221,12 +221,11 @@ class FoldDecodeSm90WS(TileKernel):
         return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
 
     @cute.jit
-    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile,
-                    page=None):
-        """The producer's work for one KV tile (its ``page`` read from the page table ``mBT`` unless given):
-        once the stage of consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies
-        (K words, V words, K and V ``(s', z')``) with the stage's exact transaction bytes on its full
-        barrier. One thread calls it (a TMA copy is issued by one elected lane of the active ones)."""
+    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):
+        """The producer's work for one KV tile (its page read from the page table ``mBT``): once the stage of
+        consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies (K words, V words,
+        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it
+        (a TMA copy is issued by one elected lane of the active ones)."""
         cfg = self.cfg
         chunk = cfg.tile_words
         (atom_kc, _), (atom_vc, _), (atom_kp, _), (atom_vp, _) = tma
@@ -239,8 +238,7 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
         t0 = tile * TILE
-        if cutlass.const_expr(page is None):
-            page = mBT[b, t0 // cfg.page]
+        page = mBT[b, t0 // cfg.page]
         tip = (t0 % cfg.page) // TILE
         grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
         krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's

@@ -269,7 +269,8 @@ def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *
                 quantizer: str = "minmax") -> None:
     """Append one token per sequence, ``k_new, v_new [B, Hkv, D]``, with the Triton kernel
     (:mod:`foscar.triton.write`): every axis combination, the ``bf16`` mapping, a quantizer of
-    :data:`foscar.quantize.WRITE_KERNEL_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for bit. ``check=True``
+    :data:`foscar.quantize.WRITE_KERNEL_QUANTIZERS`; the same cache :meth:`QuantKVCache.append` writes, bit for
+    bit. ``check=True``
     first runs every check of :meth:`QuantKVCache.append` (capacity and finite values read the device
     back); pass ``check=False`` inside a CUDA graph, where nothing may wait for the host."""
     from .write import append_token_kernel

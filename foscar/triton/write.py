@@ -6,8 +6,8 @@ tensor); several tokens (a prefill, a speculative step): :func:`append_quantize_
 The single-token kernel: one program per (sequence, KV head, tensor). The new token goes to the BF16 sink while the sink is
 filling, else to the recent ring; the ring tokens that leave the recent window (one with token-wise
 groups on both tensors, a whole group of ``g`` otherwise; with ``recent = 0`` the last is the new token
-itself) are quantized min-max (or with a clip preset's ratio, or the ``"mse"`` search), group by group, in float64 exactly as
-:func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
+itself) are quantized min-max (or with a clip preset's ratio, or the ``"mse"`` search), group by group,
+in float64 exactly as :func:`foscar.quantize.quantize_groups` does, its codes written into the packed words of its page
 (an atomic AND clears its bit fields, an atomic OR sets them: a word mixes tokens) and its ``(s', z')``
 into the page's parameter rows. Lengths are read on the device: no host sync, no allocation, so a
 CUDA graph captures it. :meth:`foscar.QuantKVCache.append` is the reference it matches bit for bit.
@@ -123,13 +123,18 @@ def _affine_codes(src, lo, hi, QMAX: tl.constexpr, BETA: tl.constexpr):
 
 
 @triton.jit
+def _spread(r, FLUSH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
+    """A value per token-wise group, ``r [FLUSH, D / GROUP]``, over its ``GROUP`` channels: ``[FLUSH, D]``."""
+    return tl.reshape(tl.broadcast_to(r[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+
+
+@triton.jit
 def _group_sum(e, FLUSH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr):
     """Each group's sum of ``e [FLUSH, D]`` (float64), spread back over the group's elements: along the tokens
     per channel (``CHANNEL``, ``[1, D]``) or along ``GROUP`` channels per token (``[FLUSH, D]``)."""
     if CHANNEL:
         return tl.sum(e, axis=0)[None, :]
-    e3 = tl.reshape(e, (FLUSH, D // GROUP, GROUP))
-    return tl.reshape(tl.broadcast_to(tl.sum(e3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+    return _spread(tl.sum(tl.reshape(e, (FLUSH, D // GROUP, GROUP)), axis=2), FLUSH, D, GROUP)
 
 
 @triton.jit
@@ -148,8 +153,8 @@ def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp,
         hi = tl.max(src, axis=0)[None, :]
     else:  # groups of GROUP channels per token: (s', z') [FLUSH, D / GROUP], spread back to [FLUSH, D]
         src3 = tl.reshape(src, (FLUSH, D // GROUP, GROUP))
-        lo = tl.reshape(tl.broadcast_to(tl.min(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
-        hi = tl.reshape(tl.broadcast_to(tl.max(src3, axis=2)[:, :, None], (FLUSH, D // GROUP, GROUP)), (FLUSH, D))
+        lo = _spread(tl.min(src3, axis=2), FLUSH, D, GROUP)
+        hi = _spread(tl.max(src3, axis=2), FLUSH, D, GROUP)
     if RATIO != 1.0:  # in float64, in quantize_groups' order (the launch turns FMA contraction off)
         mid = (lo + hi) / 2
         half = (hi - lo) / 2
