@@ -78,12 +78,14 @@ case "$step" in
     head -12 "$OUT/host-overhead.log" ;;
   first-call)  # the first CuTe decode of a fresh process, cold and warm disk compile cache (after the cute step)
     python3 benchmarks/first_call.py --shapes 1:8192 8:32768 > "$OUT/first-call.md" 2>&1; cat "$OUT/first-call.md" ;;
-  profile)  # ncu (clocks left alone) on the second CuTe decode kernel of a process: throughput, stalls, issue
-            # slots, instruction mix and the top stall sites, per B:L (default 64:131072) and bits
+  profile)  # ncu (clocks left alone) on the second v1 stage-1 kernel of a process (ws_kernel: the combine is a CuTe
+            # kernel too): throughput, stall reasons per issued instruction, issue slots, instruction mix and the
+            # top stall sites, per B:L (default 64:131072) and bits
     for shape in ${2:-64:131072}; do for bits in 2 4; do
-      ncu --clock-control none -k regex:kernel_cutlass --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      ncu --clock-control none -k regex:ws_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section Occupancy --section SourceCounters \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
         python3 benchmarks/profile_one_call.py ${shape%%:*} ${shape##*:} $bits backend=cute \
         > "$OUT/profile-${shape/:/-}-int$bits.txt" 2>&1
       echo "profile $shape INT$bits rc=$? $(grep -E "^ +Duration" "$OUT/profile-${shape/:/-}-int$bits.txt" | head -1)"
