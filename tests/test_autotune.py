@@ -282,22 +282,22 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     at.clear_lookup_cache()
     assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
     assert launch.launch_config(q, cache, 4)[1:3] == (5, 8)
-    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3, "bf16", 1)
-    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7, "bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4) == (True, 2, 3, "bf16", 1, None)
+    assert cute_launch.launch_config(q, cache, 4, num_splits=7, warp_specialized=False) == (False, 2, 7, "bf16", 1, None)
     # another variant than the tuned one: the heuristic split count, not the one tuned for v1 at 2 CTAs
     heuristic = cute_launch.default_num_splits(8, 8, 1, q.device, cute_launch.V0_RESIDENT)
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic, "bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=False) == (False, 2, heuristic, "bf16", 1, None)
     assert cute_launch.launch_config(q, cache, 4, ctas_per_sm=1)[1:3] == (
         1, cute_launch.default_num_splits(8, 8, 1, q.device, 1))
-    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3, "bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, warp_specialized=True, ctas_per_sm=2) == (True, 2, 3, "bf16", 1, None)
     # E4M3 K operands or two tiles per pass asked for: the entry tuned for BF16 ones, one tile a pass, does not
     # apply; the untuned v1 default is E4M3 K with two tiles a pass where the format takes them
-    assert cute_launch.launch_config(q, cache, 4, k_operand="e4m3")[2:] == (
+    assert cute_launch.launch_config(q, cache, 4, k_operand="e4m3")[2:5] == (
         cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
-    assert cute_launch.launch_config(q, cache, 4, tiles_per_pass=2)[2:] == (
+    assert cute_launch.launch_config(q, cache, 4, tiles_per_pass=2)[2:5] == (
         cute_launch.default_num_splits(8, 8, 1, q.device, 2), "e4m3", 2)
-    assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:] == ("bf16", 1)
-    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2)
+    assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:5] == ("bf16", 1)
+    assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2, None)
     assert cute_launch.default_variant(cache.fmt, 8, cache.page_size) == ("e4m3", 1)  # gqa 8: term blocks, one tile
     assert cute_launch.default_variant(cache.fmt, 32, cache.page_size) == ("bf16", 1)  # gqa 32: neither
     assert cute_launch.default_variant(cache.fmt, 4, cache.page_size, "bf16") == ("bf16", 2)
@@ -310,6 +310,8 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
         cute_launch.launch_config(q, cache, 4, tiles_per_pass=3)
     with pytest.raises(InvalidArgumentError, match="^tiles_per_pass: expected 1 with warp_specialized=False"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=False, tiles_per_pass=2)
+    with pytest.raises(InvalidArgumentError, match="^stages: expected None with warp_specialized=False"):
+        cute_launch.launch_config(q, cache, 4, warp_specialized=False, stages=8)
     at.clear_lookup_cache()
 
 def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):
@@ -328,11 +330,13 @@ def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):
                                           {"warp_specialized": True, "ctas_per_sm": 2, "num_splits": 3,
                                            "k_operand": "e4m3", "tiles_per_pass": 2}, {})])
     at.clear_lookup_cache()
-    assert cute_launch.launch_config(q, cache, 4)[3:] == ("e4m3", 2)
+    assert cute_launch.launch_config(q, cache, 4)[3:] == ("e4m3", 2, None)
     cands = backends.get("cute").candidates(case, torch.device("cpu"))
     assert {(c["k_operand"], c["tiles_per_pass"]) for c in cands} == {("bf16", 1), ("e4m3", 1), ("bf16", 2),
                                                                       ("e4m3", 2)}
+    # v1 at the format's stages (INT2, head dim 128: 8), and at 16 where the ring fits its CTAs (one an SM)
+    assert {(c["ctas_per_sm"], c["stages"]) for c in cands if c["warp_specialized"]} == {(1, 8), (1, 16), (2, 8)}
     for c in cands:
         got = cute_launch.launch_config(q, cache, 4, **c)
-        assert (got.k_operand, got.tiles_per_pass, got.num_splits) == (c["k_operand"], c["tiles_per_pass"],
-                                                                       c["num_splits"])
+        assert (got.k_operand, got.tiles_per_pass, got.num_splits, got.stages) == (
+            c["k_operand"], c["tiles_per_pass"], c["num_splits"], c.get("stages"))

@@ -72,8 +72,10 @@ class CuteSm90(Backend):
         """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
         heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
-        with E4M3 K and two tiles a pass also at a quarter and four times its heuristic."""
-        from ..cute.config import TILE
+        with E4M3 K and two tiles a pass also at a quarter and four times its heuristic. Every v1 candidate at
+        the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
+        an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream)."""
+        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_stages, fits_shared_memory
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
@@ -102,6 +104,11 @@ class CuteSm90(Backend):
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, 2)
             tried = {c["num_splits"] for c in out if c == best(c["num_splits"])}
             out += [best(s) for s in sorted({max(1, min(tiles, round(base * m))) for m in (0.25, 4)} - tried)]
+        stages = default_stages(fmt.bits, fmt.head_dim)
+        out = [{**c, "stages": stages} if c["warp_specialized"] else c for c in out]
+        if 2 * stages in STAGE_CHOICES:
+            out += [{**c, "stages": 2 * stages} for c in out if c["warp_specialized"] and fits_shared_memory(
+                config_for(fmt, gqa, page, c["k_operand"], c["tiles_per_pass"], stages=2 * stages), c["ctas_per_sm"])]
         return out
 
     def launch(self, q, cache, config: dict):

@@ -33,6 +33,16 @@ LAZY_ONE_TILE = False
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
+#: v1's stages a launch may ask for (a tuned entry's ``stages``): powers of two whose ring fits the shared memory
+#: of the CTAs resident on an SM (:func:`fits_shared_memory`)
+STAGE_CHOICES = (4, 8, 16)
+#: v1's producer warps (:attr:`Sm90Config.producer_warps`): 1, or one per consumer (each issues the copies of its
+#: consumer's tiles, so that one warp's waits and page-table reads do not hold up the other ring)
+PRODUCER_WARPS = 1
+#: v1 without a rotated cache: the first consumer stages Q while the producer issues its first copies
+#: (:attr:`Sm90Config.early_producer`), so that a CTA's first tiles are in flight during its prologue
+EARLY_PRODUCER = False
+SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
 #: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
@@ -106,13 +116,19 @@ class Sm90Config:
     step: int = 1
     #: the wgmma N: ``gqa * step`` query rows padded to 8, 16 or 32 (:func:`columns_for`)
     cols: int = HEADS
-    #: v1: shared-memory stages per consumer (a power of two): :data:`DEEP_STAGES` where a tile's codes are
-    #: small (INT2 at head dim 128: a tile streams half INT4's bytes in as many instructions, so twice the
-    #: stages keep as many bytes in flight), else :data:`STAGES`
+    #: v1: shared-memory stages per consumer (a power of two, :data:`STAGE_CHOICES`); by default
+    #: :func:`default_stages`: :data:`DEEP_STAGES` where a tile's codes are small (INT2 at head dim 128: a tile
+    #: streams half INT4's bytes in as many instructions, so twice the stages keep as many bytes in flight),
+    #: else :data:`STAGES`; a tuned entry may ask for more where its CTAs per SM leave the shared memory
     stages: int = STAGES
     #: token-wise V: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always,
     #: one tile a pass where :data:`LAZY_ONE_TILE`
     lazy_rescale: bool = False
+    #: v1: warps of the producer warpgroup that issue copies, 1 or :data:`CONSUMERS` (:data:`PRODUCER_WARPS`)
+    producer_warps: int = 1
+    #: v1: Q staged by the first consumer after one CTA barrier, the producer copying meanwhile
+    #: (:data:`EARLY_PRODUCER`; not with a rotation, whose Q is staged through the ring's first stage)
+    early_producer: bool = False
 
     @property
     def rows(self) -> int:
@@ -312,7 +328,6 @@ def combine_chunk(parts: int) -> int:
     return chunk
 
 
-#: The K operands a kernel builds: BF16 by mantissa injection, or E4M3 by bit placement.
 #: The K operands a kernel takes: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, or
 #: as three (``e4m3x3``: Q's residual to about 2^-12 of its row's largest value, in QK products 3 column blocks
 #: wide)
@@ -327,18 +342,42 @@ def max_rows(fmt) -> int:
     return HEADS if fmt.head_dim == 256 else MAX_COLS
 
 
+def default_stages(bits: int, head_dim: int) -> int:
+    """v1's stages per consumer unless a launch asks: :data:`DEEP_STAGES` where a tile's K and V codes take at
+    most :data:`DEEP_STAGE_BYTES` (two CTAs an SM still fit), else :data:`STAGES`."""
+    return DEEP_STAGES if 2 * tile_words(bits, head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
+
+
+def shared_bytes(cfg: Sm90Config) -> int:
+    """An upper estimate of one v1 CTA's shared memory: the stage ring (both tensors' codes and ``(s', z')``
+    and two mbarriers a slot), Q and each consumer's BF16 Q s' (BF16 K operands), P' (two with a second V
+    channel group), and 8 KB for the reductions, sums and alignment."""
+    slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
+    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 if cfg.k_e4m3 else 1 + CONSUMERS)
+    p_bytes = CONSUMERS * cfg.vc * TILE * cfg.cols * 2
+    return cfg.stages * CONSUMERS * slot + q_bytes + p_bytes + 8 * 1024
+
+
+def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
+    """Whether ``ctas_per_sm`` v1 CTAs of ``cfg`` fit one SM's shared memory (:func:`shared_bytes`)."""
+    return ctas_per_sm * shared_bytes(cfg) <= SM90_SHARED_BYTES
+
+
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
-               step: int = 1) -> Sm90Config:
+               step: int = 1, stages: int | None = None) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
     page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query
     tokens per sequence (``step``); the injection constants are the Triton kernels'
     (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
     ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
     operands take token-wise K, at most 16 query rows per KV head (up to 4 the two Q terms share the 8
-    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`) and no BF16 windows; two tiles per pass take token-wise K and V, one token and at most 4 query
-    heads per KV head (the second tile's scores in the other four columns); a step of several tokens takes a
-    cache without BF16 windows (its causal limits are the quantized tokens')."""
+    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`) and no BF16 windows; two
+    tiles per pass take token-wise K and V, one token and at most 4 query heads per KV head (the second tile's
+    scores in the other four columns); a step of several tokens takes a cache without BF16 windows (its causal
+    limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
+    :func:`default_stages`); whether they fit the CTAs of an SM is the launch's check
+    (:func:`fits_shared_memory`)."""
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
@@ -399,7 +438,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in v_token_half_shls(fmt.bits, fmt.head_dim))
     v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
     assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
-    stages = DEEP_STAGES if 2 * tile_words(fmt.bits, fmt.head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
+    if stages is None:
+        stages = default_stages(fmt.bits, fmt.head_dim)
+    elif stages not in STAGE_CHOICES:
+        raise InvalidArgumentError("stages", f"one of {STAGE_CHOICES}", stages)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
@@ -408,4 +450,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
-                      lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE))
+                      lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
+                      producer_warps=PRODUCER_WARPS, early_producer=EARLY_PRODUCER and fmt.rotation is None)

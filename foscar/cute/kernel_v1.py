@@ -1,13 +1,15 @@
 """v1 of the Hopper decode stage 1: warp-specialized.
 
-Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
-copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
+Warpgroup 0 is the producer: one thread (or one lane per consumer, ``cfg.producer_warps``) walks the split's
+KV tiles through the page table and issues TMA copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
 (exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles: each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
+Q is staged by the producer before any copy, or (``cfg.early_producer``) by the first consumer while the
+producer issues its first copies.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from .warpgroup import (
 
 
 assert CONSUMERS == 2  # the ring's indices below are shifts and masks
+#: the named barrier of both consumer warpgroups (0: the CTA's; 1, 2: each consumer's; 3: Q's staging warpgroup)
+CONSUMERS_BARRIER = 4
 
 
 def ring_slot(c, k, stages: int):
@@ -134,28 +138,33 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.mbarrier_init_fence()
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
-        # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup -------------------------
-        if role == 0:
-            # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
-            # the barriers below (the fence after them orders these writes before the ring's)
-            assert cfg.cols * cfg.head_dim <= cfg.stages * CONSUMERS * cfg.tile_words  # the rotated Q fits the K stages
-            sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
-                                     cute.make_layout((1, cfg.cols, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
-            stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
-        cute.arch.sync_threads()
-        q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(cfg.early_producer):
+            cute.arch.sync_threads()  # the ring's barriers are initialised for every thread; Q: the first consumer
+        else:  # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup ---------------------
+            if role == 0:
+                # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
+                # the barriers below (the fence after them orders these writes before the ring's)
+                assert cfg.cols * cfg.head_dim <= cfg.stages * CONSUMERS * cfg.tile_words  # the rotated Q fits
+                sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
+                                         cute.make_layout((1, cfg.cols, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
+                stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
+            cute.arch.sync_threads()
+            q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
 
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
-            if tidx == 0:
+            warp = cute.arch.make_warp_uniform(tidx // 32)
+            if tidx % 32 == 0 and warp < cfg.producer_warps:  # warp w: the tiles t_lo + w, t_lo + w + warps, ...
                 views = self._tma_views(tma, ring)
-                for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                for tile in cutlass.range(t_lo + warp, t_hi, cfg.producer_warps, unroll=1):
                     self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
                 cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
+                if cutlass.const_expr(cfg.early_producer):
+                    self._stage_q_early(c, mQ, smems[0], b, kvh, n_kvh, mRot)
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
                               n_kvh)
 
@@ -203,6 +212,22 @@ class FoldDecodeSm90WS(TileKernel):
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c], sQinv,
                                     sQred) for c in range(CONSUMERS)]
 
+    @cute.jit
+    def _stage_q_early(self, c: cutlass.Constexpr, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
+                       mRot: cute.Tensor):
+        """Q^T and sum(Q) by the first consumer while the producer copies (``cfg.early_producer``), between two
+        barriers of both consumers (:data:`CONSUMERS_BARRIER`): Q staged, then its sums and the fence that
+        orders the writes before the MMAs read them."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        ctid = tidx - THREADS  # the first consumer's threads 0..127 (the second's past the sums' threads)
+        if cutlass.const_expr(c == 0):
+            stage_q(cfg, mQ, smem, b, kvh, ctid, mRot, None, lambda col: self.query_row(col, kvh, n_kvh))
+        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=CONSUMERS * THREADS)
+        q_sums(cfg, smem.sQ, smem.sQsum, ctid, smem.sQinv)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=CONSUMERS * THREADS)
+
     def _tma_views(self, tma: tuple, ring: StageRing):
         """The TMA partitions of the pools and of the ring's stages: ``(tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs,
         tVPg)``, from ``tma``, the (atom, tensor) pairs of K words, V words, K and V ``(s', z')``."""
@@ -235,10 +260,10 @@ class FoldDecodeSm90WS(TileKernel):
         i = tile - t_lo
         k = i >> 1  # i // CONSUMERS
         slot = ring_slot(i & 1, k, cfg.stages)
+        t0 = tile * TILE
+        page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
-        t0 = tile * TILE
-        page = mBT[b, t0 // cfg.page]
         tip = (t0 % cfg.page) // TILE
         grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
         krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's

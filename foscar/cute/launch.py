@@ -76,25 +76,28 @@ DEFAULT_WARP_SPECIALIZED = True
 
 class LaunchConfig(NamedTuple):
     """What one CuTe decode launches: the variant (v1 or v0) and CTAs per SM, the split count, the K
-    operands and the KV tiles per softmax pass."""
+    operands, the KV tiles per softmax pass and v1's stages per consumer (``None``: the format's default,
+    :func:`foscar.cute.config.default_stages`)."""
 
     warp_specialized: bool
     ctas_per_sm: int
     num_splits: int
     k_operand: str
     tiles_per_pass: int
+    stages: int | None = None
 
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
                   k_operand: str | None = None, tiles_per_pass: int | None = None,
-                  use_tuned: bool = True, step: int = 1) -> LaunchConfig:
+                  stages: int | None = None, use_tuned: bool = True, step: int = 1) -> LaunchConfig:
     """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows): the
     given values, else the autotune cache's (backend ``"cute"``, one-token decodes; only where its entry is
     the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
     :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
-    takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. Host facts only:
-    no device read."""
+    takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. ``stages`` (v1's
+    pipeline depth): the given value, else the tuned entry's, else the format's default. Host facts only: no
+    device read."""
     from .. import autotune
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
@@ -124,7 +127,11 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         num_splits = default_num_splits(cache.batch_size, cache.num_kv_heads, max_tiles_of(cache), q.device,
                                         ctas_per_sm if warp_specialized else V0_RESIDENT, default_waves(G * step))
     check_int("num_splits", num_splits, minimum=1)
-    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass)
+    if stages is None:
+        stages = tuned.get("stages")
+    if stages is not None and not warp_specialized:
+        raise InvalidArgumentError("stages", "None with warp_specialized=False (the stage ring is v1's)", stages)
+    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass, stages)
 
 
 def default_ctas_per_sm(rows: int, head_dim: int = 128) -> int:
@@ -215,7 +222,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
            workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None,
-           tiles_per_pass: int | None = None):
+           tiles_per_pass: int | None = None, stages: int | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
@@ -224,22 +231,24 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
     operands, ``"bf16"`` or ``"e4m3"`` (:func:`foscar.cute.config.config_for` says what each takes), and
     ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
-    autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0)."""
+    autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0). ``stages``:
+    v1's shared-memory stages per consumer (:data:`foscar.cute.config.STAGE_CHOICES`, fitting ``ctas_per_sm``
+    CTAs an SM); unset, the autotune cache's, else :func:`foscar.cute.config.default_stages`."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
-        k_operand=k_operand, tiles_per_pass=tiles_per_pass)
+        k_operand=k_operand, tiles_per_pass=tiles_per_pass, stages=stages)
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str | None = None, tiles_per_pass: int | None = None) -> None:
+        k_operand: str | None = None, tiles_per_pass: int | None = None, stages: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import config_for, max_rows
+    from .config import config_for, fits_shared_memory, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -252,11 +261,14 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         cache = problem.cache
     fmt = cache.fmt
     B = cache.batch_size  # a step's rows: B * T rows of q, its tokens the kernel's N columns
-    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass = launch_config(
+    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass, stages = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
-        tiles_per_pass=tiles_per_pass, step=T)
-    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T)
+        tiles_per_pass=tiles_per_pass, stages=stages, step=T)
+    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
+    if stages is not None and not fits_shared_memory(cfg, ctas):
+        raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
+                               "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
     if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)

@@ -1,0 +1,97 @@
+"""v1's producer variants timed through ``foscar.decode`` (the tuned configs) on the paper grid:
+
+    python benchmarks/sweep_producer.py --variants 1:off 2:off 1:on 2:on [--shapes 1:8K,8:32K] [--bits 2 4]
+
+A variant ``W:E`` sets ``foscar.cute.config.PRODUCER_WARPS = W`` (copies issued by one warp, or one per consumer)
+and ``EARLY_PRODUCER`` (``on``: the first consumer stages Q while the producer issues its first copies). Per
+shape and bits (random codes, Hq 32, Hkv 8, D 128, g 128, token-wise K and V, page 64, shuffled pages): each
+variant's output is first held to the Triton kernel's (a wrong one is printed and not timed), then timed as a
+CUDA-graph replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``), all in one process. The
+last columns: each variant's time over the first's. With ``--kernels`` the stage-1 kernel's and the combine's
+own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each time. Last, each variant's geomean over
+the first's; ``--choose FILE`` writes the fastest variant (geomean, every case correct) as ``run_with.py`` words.
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import parse_shapes
+from fixed_cost import FLUSH_BYTES, kernel_rows, timed
+
+import foscar
+from foscar.bench import make_block_table, random_cache
+from foscar.cute import config as cute_config
+
+PAPER = "1:8K,1:32K,1:128K,1:512K,8:8K,8:32K,8:128K,8:512K,64:8K,64:16K,64:32K,64:64K,64:128K"
+
+
+def set_variant(variant: str) -> None:
+    """The producer variant ``W:E`` for the next calls (the configs are cached: the cache is cleared; the
+    compile cache keys on the config, which holds both fields)."""
+    warps, early = variant.split(":")
+    cute_config.PRODUCER_WARPS = int(warps)
+    cute_config.EARLY_PRODUCER = {"on": True, "off": False}[early]
+    cute_config.config_for.cache_clear()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--variants", nargs="+", default=["1:off", "2:off", "1:on", "2:on"], help="WARPS:on|off")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
+    p.add_argument("--choose", help="write the fastest variant here as run_with.py words")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    cols = " | ".join(a.variants)
+    print(f"| B | L | bits | {cols} µs | {' | '.join(v + ' / ' + a.variants[0] for v in a.variants[1:])} |")
+    print("|" + "---|" * (3 + 2 * len(a.variants) - 1))
+    logs = {v: [] for v in a.variants}
+    for (B, L) in a.shapes:
+        bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
+        for bits in a.bits:
+            cache = random_cache(foscar.KVFormat(bits, 128, 128), bt, L, kv_heads=8, page=64)
+            q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
+            want = foscar.decode(q, cache, backend="triton").double()
+            out = torch.empty_like(q)
+            times, notes = [], []
+            for v in a.variants:
+                set_variant(v)
+                out.fill_(float("nan"))
+                foscar.decode(q, cache, out=out)
+                err = float((out.double() - want).norm() / want.norm())
+                if not err < 2e-2:
+                    times.append(float("nan"))
+                    notes.append(f"{v} wrong: {err:.2e}")
+                    continue
+                times.append(timed(lambda: foscar.decode(q, cache, out=out), flush, a.iters))
+                if a.kernels:
+                    rows = kernel_rows(lambda: foscar.decode(q, cache, out=out), flush, a.iters)
+                    notes.append(f"{v}: " + ", ".join(f"{name[:24]} {us:.1f} (gap {gap:.1f})" for name, us, gap in rows))
+            for v, t in zip(a.variants, times):
+                logs[v].append(math.log(t / times[0]))
+            ratios = " | ".join(f"{t / times[0]:.3f}" for t in times[1:])
+            print(f"| {B} | {L // 1024}K | INT{bits} | {' | '.join(f'{t:.1f}' for t in times)} | {ratios} |", flush=True)
+            for n in notes:
+                print(f"    {n}", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    set_variant(a.variants[0])
+    geo = {v: math.exp(sum(x) / len(x)) for v, x in logs.items()}  # NaN where a case was wrong
+    print("\ngeomean over the first: " + ", ".join(f"{v} {g:.3f}" for v, g in geo.items()))
+    if a.choose:
+        best = min((v for v in a.variants if geo[v] == geo[v]), key=geo.get)
+        warps, early = best.split(":")
+        with open(a.choose, "w") as f:
+            f.write(f"PRODUCER_WARPS={warps} EARLY_PRODUCER={int(early == 'on')}\n")
+        print(f"chosen: {best}")
+
+
+if __name__ == "__main__":
+    main()

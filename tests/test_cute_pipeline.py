@@ -1,0 +1,134 @@
+"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, one producer warp per consumer,
+and Q staged by a consumer while the producer copies. CPU: the choices, the shared-memory check, each variant
+compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
+the CTAs of an SM refused by name."""
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from foscar.cute.config import (DEEP_STAGES, STAGES, config_for, default_stages,  # noqa: E402
+                                fits_shared_memory, shared_bytes)
+from foscar.errors import InvalidArgumentError  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_stages_are_a_power_of_two_of_the_choices():
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    assert config_for(fmt, 4, 64).stages == default_stages(4, 128) == STAGES
+    assert config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64).stages == DEEP_STAGES
+    assert config_for(fmt, 4, 64, stages=8).stages == 8
+    for bad in (2, 6, 32, "8"):
+        with pytest.raises(InvalidArgumentError, match="^stages: expected one of"):
+            config_for(fmt, 4, 64, stages=bad)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("head_dim,gqa,k_operand,tiles", [(64, 4, "e4m3", 2), (128, 4, "e4m3", 2),
+                                                          (128, 8, "e4m3", 1), (128, 16, "bf16", 1)])
+def test_the_default_ring_fits_two_ctas_and_a_deeper_one_fits_one(bits, head_dim, gqa, k_operand, tiles):
+    """The defaults keep two CTAs an SM (the shipped variant); twice the stages fit one CTA an SM (the tuner's
+    deeper candidate), and the estimate grows with the stages."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim)
+    cfg = config_for(fmt, gqa, 64, k_operand, tiles)
+    deep = config_for(fmt, gqa, 64, k_operand, tiles, stages=2 * cfg.stages)
+    assert fits_shared_memory(cfg, 2) and fits_shared_memory(deep, 1)
+    assert shared_bytes(deep) > shared_bytes(cfg)
+    assert not fits_shared_memory(config_for(fmt, gqa, 64, k_operand, tiles, stages=16), 2) or bits == 2
+
+
+@pytest.mark.parametrize("bits,stages", [(4, 8), (2, 16)])
+def test_a_deeper_ring_compiles_for_sm90a(bits, stages):
+    """A ring of ``stages`` slots per consumer (one CTA an SM): as many full and empty barriers, no spills."""
+    from foscar.cute.compile import compile_stage1
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), 4, 64, "e4m3", 2, stages=stages)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
+    assert "mbarrier.try_wait" in ptx or "mbarrier.wait" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits,stages,k_operand,tiles", [(4, 8, "e4m3", 2), (2, 16, "e4m3", 2), (4, 8, "bf16", 1),
+                                                         (2, 16, "bf16", 2)])
+@pytest.mark.parametrize("lens,num_splits", [([8192, 4001, 129, 1], None), ([3000, 5, 200], 3), ([2500, 70], 1)])
+def test_deeper_rings_against_the_oracle_gpu(bits, stages, k_operand, tiles, lens, num_splits):
+    """One CTA an SM with a ring twice the default's (the ring wraps many times, splits shorter than it):
+    every element against the float64 oracle within the kernels' bound, LSE within 1e-2."""
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    _decode_against_the_oracle(fmt, lens, 4, f"{stages} stages: error", num_splits=num_splits,
+                               warp_specialized=True, ctas_per_sm=1, k_operand=k_operand, tiles_per_pass=tiles,
+                               stages=stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    from foscar.errors import UnsupportedError
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    q, cache = make(fmt, [700], Hkv=2, G=4, page=64, seed=1)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    with pytest.raises(UnsupportedError, match="stages=8 with ctas_per_sm=2"):
+        decode(q, cache, out=out, warp_specialized=True, ctas_per_sm=2, stages=8)
+    assert torch.isnan(out).all()  # refused before any launch
+
+
+@pytest.fixture(params=[(2, False), (1, True), (2, True)], ids=("warps2", "early", "warps2-early"))
+def producer(request, monkeypatch):
+    """``foscar.cute.config.PRODUCER_WARPS`` and ``EARLY_PRODUCER`` set (``config_for``'s cache cleared around
+    the test)."""
+    import foscar.cute.config as cfg_mod
+    warps, early = request.param
+    monkeypatch.setattr(cfg_mod, "PRODUCER_WARPS", warps)
+    monkeypatch.setattr(cfg_mod, "EARLY_PRODUCER", early)
+    cfg_mod.config_for.cache_clear()
+    yield warps, early
+    cfg_mod.config_for.cache_clear()
+
+
+@pytest.mark.parametrize("bits,gqa,k_operand,tiles,ctas", [(2, 4, "e4m3", 2, 2), (4, 8, "bf16", 1, 1),
+                                                           (2, 16, "e4m3", 1, 2)])
+def test_producer_variants_compile_for_sm90a(producer, bits, gqa, k_operand, tiles, ctas):
+    """The producer variants compile without spills; the early producer's consumers meet at their own named
+    barrier (both warpgroups: 256 threads), and a rotated cache keeps Q staged before the copies."""
+    from foscar.cute.compile import compile_stage1
+    warps, early = producer
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, gqa, 64, k_operand, tiles)
+    assert (cfg.producer_warps, cfg.early_producer) == (warps, early)
+    assert not config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, rotation="hadamard"), gqa, 64,
+                          k_operand, tiles).early_producer
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+    assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == early
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,launch", [
+    ([8192, 4001, 129, 1], 4, None, {}, {"k_operand": "e4m3", "tiles_per_pass": 2}),
+    ([3000, 5, 200], 3, 3, {}, {"k_operand": "e4m3", "tiles_per_pass": 2, "ctas_per_sm": 1}),
+    ([2500, 70], 8, 1, {}, {"k_operand": "bf16", "tiles_per_pass": 1}),
+    ([3000, 64], 16, 3, {}, {"k_operand": "e4m3"}),
+    ([5000, 700, 130], 8, None, {"k_axis": "channel"}, {}),
+    ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"tiles_per_pass": 1}),
+    ([2000, 33], 4, 2, {"rotation": "hadamard"}, {})])
+def test_producer_variants_against_the_oracle_gpu(producer, bits, lens, G, num_splits, fmt_kw, launch):
+    """Each producer variant (two warps, the early producer, both): every element against the float64 oracle
+    within the kernels' bound, LSE within 1e-2 (one-tile splits, splits past the sequence, windows, a rotated
+    cache, channel-wise K)."""
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"producer {producer}: error", num_splits=num_splits,
+                               warp_specialized=True, **launch)
