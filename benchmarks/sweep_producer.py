@@ -1,9 +1,9 @@
 """v1's producer variants timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
-    python benchmarks/sweep_producer.py --variants 1:off 2:off 1:on 2:on [--shapes 1:8K,8:32K] [--bits 2 4]
+    python benchmarks/sweep_producer.py --variants none 2 2,4 [--shapes 1:8K,8:32K] [--bits 2 4]
 
-A variant ``W:E`` sets ``foscar.cute.config.PRODUCER_WARPS = W`` (copies issued by one warp, or one per consumer)
-and ``EARLY_PRODUCER`` (``on``: the first consumer stages Q while the producer issues its first copies). Per
+A variant sets ``foscar.cute.config.EARLY_PRODUCER_BITS``: the bit widths whose first consumer stages Q while the
+producer issues its first copies (``none``: the producer stages Q before any copy). Per
 shape and bits (random codes, Hq 32, Hkv 8, D 128, g 128, token-wise K and V, page 64, shuffled pages): each
 variant's output is first held to the Triton kernel's (a wrong one is printed and not timed), then timed as a
 CUDA-graph replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``), all in one process. The
@@ -30,11 +30,9 @@ PAPER = "1:8K,1:32K,1:128K,1:512K,8:8K,8:32K,8:128K,8:512K,64:8K,64:16K,64:32K,6
 
 
 def set_variant(variant: str) -> None:
-    """The producer variant ``W:E`` for the next calls (the configs are cached: the cache is cleared; the
-    compile cache keys on the config, which holds both fields)."""
-    warps, early = variant.split(":")
-    cute_config.PRODUCER_WARPS = int(warps)
-    cute_config.EARLY_PRODUCER = {"on": True, "off": False}[early]
+    """The producer variant (bit widths, comma-separated, or ``none``) for the next calls (the configs are cached:
+    the cache is cleared; the compile cache keys on the config, which holds the choice)."""
+    cute_config.EARLY_PRODUCER_BITS = () if variant == "none" else tuple(int(b) for b in variant.split(","))
     cute_config.config_for.cache_clear()
 
 
@@ -42,7 +40,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--variants", nargs="+", default=["1:off", "2:off", "1:on", "2:on"], help="WARPS:on|off")
+    p.add_argument("--variants", nargs="+", default=["none", "2", "2,4"], help="EARLY_PRODUCER_BITS choices")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
     p.add_argument("--choose", help="write the fastest variant here as run_with.py words")
@@ -87,9 +85,8 @@ def main():
     print("\ngeomean over the first: " + ", ".join(f"{v} {g:.3f}" for v, g in geo.items()))
     if a.choose:
         best = min((v for v in a.variants if geo[v] == geo[v]), key=geo.get)
-        warps, early = best.split(":")
         with open(a.choose, "w") as f:
-            f.write(f"PRODUCER_WARPS={warps} EARLY_PRODUCER={int(early == 'on')}\n")
+            f.write(f"EARLY_PRODUCER_BITS={best}\n")
         print(f"chosen: {best}")
 
 

@@ -517,8 +517,8 @@ def test_three_q_terms_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw)
 # ---- the lazy rescale (foscar.cute.lazy) ------------------------------------------------------------------
 @pytest.fixture
 def lazy_one_tile(monkeypatch):
-    """One-tile passes with the lazy rescale (``foscar.cute.config.LAZY_ONE_TILE``, off by default until it has
-    run on a GPU): the flag set and ``config_for``'s cache cleared around the test."""
+    """One-tile passes with the lazy rescale (``foscar.cute.config.LAZY_ONE_TILE``, the default): the flag set
+    whatever the default, and ``config_for``'s cache cleared around the test."""
     import foscar.cute.config as cfg_mod
     monkeypatch.setattr(cfg_mod, "LAZY_ONE_TILE", True)
     cfg_mod.config_for.cache_clear()

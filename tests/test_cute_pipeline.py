@@ -1,5 +1,5 @@
-"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, one producer warp per consumer,
-and Q staged by a consumer while the producer copies. CPU: the choices, the shared-memory check, each variant
+"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, and Q staged by a consumer while
+the producer copies. CPU: the choices, the shared-memory check, each variant
 compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
 import os
@@ -83,34 +83,36 @@ def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
     assert torch.isnan(out).all()  # refused before any launch
 
 
-@pytest.fixture(params=[(2, False), (1, True), (2, True)], ids=("warps2", "early", "warps2-early"))
-def producer(request, monkeypatch):
-    """``foscar.cute.config.PRODUCER_WARPS`` and ``EARLY_PRODUCER`` set (``config_for``'s cache cleared around
-    the test)."""
+@pytest.fixture(params=[(), (2, 4)], ids=("staged-first", "early"))
+def early_bits(request, monkeypatch):
+    """``foscar.cute.config.EARLY_PRODUCER_BITS`` set (``config_for``'s cache cleared around the test): Q staged
+    by the producer before its copies at every bit width, or by the first consumer at every one."""
     import foscar.cute.config as cfg_mod
-    warps, early = request.param
-    monkeypatch.setattr(cfg_mod, "PRODUCER_WARPS", warps)
-    monkeypatch.setattr(cfg_mod, "EARLY_PRODUCER", early)
+    monkeypatch.setattr(cfg_mod, "EARLY_PRODUCER_BITS", request.param)
     cfg_mod.config_for.cache_clear()
-    yield warps, early
+    yield request.param
     cfg_mod.config_for.cache_clear()
+
+
+def test_the_early_producer_is_int2s_without_a_rotation():
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    assert config_for(fmt, 4, 64, "e4m3", 2).early_producer
+    assert not config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 64, "e4m3", 2).early_producer
+    assert not config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, rotation="hadamard"), 4, 64,
+                          "e4m3", 2).early_producer
 
 
 @pytest.mark.parametrize("bits,gqa,k_operand,tiles,ctas", [(2, 4, "e4m3", 2, 2), (4, 8, "bf16", 1, 1),
                                                            (2, 16, "e4m3", 1, 2)])
-def test_producer_variants_compile_for_sm90a(producer, bits, gqa, k_operand, tiles, ctas):
-    """The producer variants compile without spills; the early producer's consumers meet at their own named
-    barrier (both warpgroups: 256 threads), and a rotated cache keeps Q staged before the copies."""
+def test_producer_variants_compile_for_sm90a(early_bits, bits, gqa, k_operand, tiles, ctas):
+    """Both places of Q's staging compile without spills; the early producer's consumers meet at their own named
+    barrier (both warpgroups: 256 threads)."""
     from foscar.cute.compile import compile_stage1
-    warps, early = producer
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
-    cfg = config_for(fmt, gqa, 64, k_operand, tiles)
-    assert (cfg.producer_warps, cfg.early_producer) == (warps, early)
-    assert not config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, rotation="hadamard"), gqa, 64,
-                          k_operand, tiles).early_producer
+    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), gqa, 64, k_operand, tiles)
+    assert cfg.early_producer == (bits in early_bits)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
-    assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == early
+    assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == cfg.early_producer
 
 
 @pytest.mark.gpu
@@ -124,11 +126,11 @@ def test_producer_variants_compile_for_sm90a(producer, bits, gqa, k_operand, til
     ([5000, 700, 130], 8, None, {"k_axis": "channel"}, {}),
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"tiles_per_pass": 1}),
     ([2000, 33], 4, 2, {"rotation": "hadamard"}, {})])
-def test_producer_variants_against_the_oracle_gpu(producer, bits, lens, G, num_splits, fmt_kw, launch):
-    """Each producer variant (two warps, the early producer, both): every element against the float64 oracle
+def test_producer_variants_against_the_oracle_gpu(early_bits, bits, lens, G, num_splits, fmt_kw, launch):
+    """Q staged before the copies or by the first consumer meanwhile: every element against the float64 oracle
     within the kernels' bound, LSE within 1e-2 (one-tile splits, splits past the sequence, windows, a rotated
     cache, channel-wise K)."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"producer {producer}: error", num_splits=num_splits,
+    _decode_against_the_oracle(fmt, lens, G, f"early producer for {early_bits}: error", num_splits=num_splits,
                                warp_specialized=True, **launch)

@@ -28,20 +28,20 @@ CORRECTION_TILES = 8
 #: ``P <= 2^8``) and no token row asks for larger units; only then do the warps exchange maxima and rescale
 RESCALE_HEADROOM = 8.0
 #: Whether one-tile passes (``tiles_per_pass == 1``: more than 4 query rows, steps, head dim 256) take the lazy
-#: rescale too (:attr:`Sm90Config.lazy_rescale`): built and compiled, not yet run on a GPU, so off
-LAZY_ONE_TILE = False
+#: rescale too (:attr:`Sm90Config.lazy_rescale`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8, L 128K,
+#: Hq 32, ``docs/bench/h200/lazy-one-tile-heads.md``): 0.80-0.91x the time at GQA 8, 16 and 32
+LAZY_ONE_TILE = True
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
 #: v1's stages a launch may ask for (a tuned entry's ``stages``): powers of two whose ring fits the shared memory
 #: of the CTAs resident on an SM (:func:`fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
-#: v1's producer warps (:attr:`Sm90Config.producer_warps`): 1, or one per consumer (each issues the copies of its
-#: consumer's tiles, so that one warp's waits and page-table reads do not hold up the other ring)
-PRODUCER_WARPS = 1
-#: v1 without a rotated cache: the first consumer stages Q while the producer issues its first copies
-#: (:attr:`Sm90Config.early_producer`), so that a CTA's first tiles are in flight during its prologue
-EARLY_PRODUCER = False
+#: The bit widths whose v1 (without a rotated cache) has the first consumer stage Q while the producer issues its
+#: first copies (:attr:`Sm90Config.early_producer`), so that a CTA's first tiles are in flight during its
+#: prologue. Measured on the H200 (``benchmarks/sweep_producer.py``, paper grid, tuned configs): INT2 0.88-0.98x
+#: the time (B 1, L 8K 15.0 -> 13.2 us), INT4 1.0-1.14x, so INT2 only
+EARLY_PRODUCER_BITS = (2,)
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -124,10 +124,8 @@ class Sm90Config:
     #: token-wise V: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always,
     #: one tile a pass where :data:`LAZY_ONE_TILE`
     lazy_rescale: bool = False
-    #: v1: warps of the producer warpgroup that issue copies, 1 or :data:`CONSUMERS` (:data:`PRODUCER_WARPS`)
-    producer_warps: int = 1
     #: v1: Q staged by the first consumer after one CTA barrier, the producer copying meanwhile
-    #: (:data:`EARLY_PRODUCER`; not with a rotation, whose Q is staged through the ring's first stage)
+    #: (:data:`EARLY_PRODUCER_BITS`; not with a rotation, whose Q is staged through the ring's first stage)
     early_producer: bool = False
 
     @property
@@ -451,4 +449,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      producer_warps=PRODUCER_WARPS, early_producer=EARLY_PRODUCER and fmt.rotation is None)
+                      early_producer=fmt.bits in EARLY_PRODUCER_BITS and fmt.rotation is None)

@@ -1,7 +1,7 @@
 """v1 of the Hopper decode stage 1: warp-specialized.
 
-Warpgroup 0 is the producer: one thread (or one lane per consumer, ``cfg.producer_warps``) walks the split's
-KV tiles through the page table and issues TMA copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
+Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
+copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
 (exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles: each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
@@ -155,10 +155,9 @@ class FoldDecodeSm90WS(TileKernel):
 
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
-            warp = cute.arch.make_warp_uniform(tidx // 32)
-            if tidx % 32 == 0 and warp < cfg.producer_warps:  # warp w: the tiles t_lo + w, t_lo + w + warps, ...
+            if tidx == 0:
                 views = self._tma_views(tma, ring)
-                for tile in cutlass.range(t_lo + warp, t_hi, cfg.producer_warps, unroll=1):
+                for tile in cutlass.range(t_lo, t_hi, unroll=1):
                     self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
