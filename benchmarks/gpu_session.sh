@@ -25,13 +25,13 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh terms WHEELS     # Q as three E4M3 terms: GPU tests, the stress study
 #                                                                #   through two and three terms, their speed
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh install-cute BUNDLE_DIR  # install cutlass-dsl only (after tvm)
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline-tests   # v1's stages and producer variants, the lazy
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline-tests   # v1's stages and prologues, the lazy
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline WHEELS  # the producer variants timed on the paper grid;
-#                                                                #   the fastest written to .gpu-state/variant
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline WHEELS  # the prologues timed on the paper grid; the
+#                                                                #   fastest per bit width written to /tmp/foscar-variant
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh retune           # foscar tune --backend cute (stages among the
 #                                                                #   candidates), then the paper grid beside FlashInfer,
-#                                                                #   both with .gpu-state/variant's switches
+#                                                                #   both with /tmp/foscar-variant's switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
 #
@@ -181,18 +181,17 @@ case "$step" in
     echo "install rc=$? $(tail -1 "$OUT/cute-install.log")"
     site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     python3 -m compileall -q -j 8 "$site/nvidia_cutlass_dsl" "$site/tvm_ffi" > /dev/null 2>&1 ;;
-  pipeline-tests)
+  pipeline-tests)  # pipeline-tests [PYTEST -k]: the default takes the lazy rescale and three Q terms too
     timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_decode.py \
-      -k "pipeline or lazy_one_tile or three_q_terms" > "$OUT/pipeline-tests.log" 2>&1
+      -k "${2:-pipeline or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pipeline-tests.log" | tail -12 ;;
   pipeline)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?pipeline needs the FlashInfer wheels folder}"/*.whl
-    mkdir -p .gpu-state
-    timeout 500 python3 benchmarks/sweep_producer.py --choose .gpu-state/variant > "$OUT/sweep-producer.md" 2>&1
+    timeout 500 python3 benchmarks/sweep_producer.py --choose /tmp/foscar-variant > "$OUT/sweep-producer.md" 2>&1
     echo "sweep rc=$?"; tail -4 "$OUT/sweep-producer.md" ;;
   retune)
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
-    v="$(cat .gpu-state/variant 2>/dev/null)"; echo "switches: ${v:-shipped}"
+    v="$(cat /tmp/foscar-variant 2>/dev/null)"; echo "switches: ${v:-shipped}"
     timeout 300 python3 benchmarks/run_with.py $v -- foscar.tune --backend cute --preset paper --bits 2 4 \
       --out foscar/tuning > "$OUT/tune-cute.md" 2> "$OUT/tune-cute.log"; echo "tune rc=$?"
     cp foscar/tuning/*.json "$OUT/" 2>/dev/null

@@ -1,17 +1,18 @@
 """Run a module of foscar with v1's kernel switches of ``foscar.cute.config`` set, to measure a switch before it
 becomes a default:
 
-    python benchmarks/run_with.py EARLY_PRODUCER_BITS=2,4 LAZY_ONE_TILE=0 -- foscar.tune --backend cute ...
+    python benchmarks/run_with.py PROLOGUE_BY_BITS=2:consumer_q,4:copies_first LAZY_ONE_TILE=0 -- foscar.tune ...
     python benchmarks/run_with.py @/tmp/variant -- foscar.bench.decode --grid paper ...
+    python benchmarks/run_with.py PROLOGUE_BY_BITS=4:consumer_q -- benchmarks/sass_stats_cute.py --bits 4 ...
 
-Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, comma-separated ints (``none``: empty)
-for a tuple; ``@FILE`` reads such words from a file (a choice written by ``sweep_producer.py --choose FILE``). Every switch is part of the kernels' static
+Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, comma-separated ``KEY:VALUE`` pairs (an int
+key) for a dict, which updates the shipped one; ``@FILE`` reads such words from a file (a choice written by ``sweep_producer.py --choose FILE``). Every switch is part of the kernels' static
 config (``Sm90Config``), so compiled kernels and the disk compile cache keep the variants apart.
 """
 import runpy
 import sys
 
-SWITCHES = {"EARLY_PRODUCER_BITS": tuple, "LAZY_ONE_TILE": bool}
+SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool}
 
 
 def settings(words: list[str]) -> dict:
@@ -21,11 +22,11 @@ def settings(words: list[str]) -> dict:
             out.update(settings(open(w[1:]).read().split()))
             continue
         name, _, value = w.partition("=")
-        items = [] if value == "none" else value.split(",")
-        if name not in SWITCHES or not all(x.isdigit() for x in items) or (SWITCHES.get(name) is bool and
-                                                                            value not in ("0", "1")):
+        pairs = [x.partition(":") for x in value.split(",")]
+        if name not in SWITCHES or (SWITCHES[name] is bool and value not in ("0", "1")) or (
+                SWITCHES[name] is dict and not all(k.isdigit() and sep for k, sep, _ in pairs)):
             raise SystemExit(f"run_with: expected NAME=VALUE with NAME one of {tuple(SWITCHES)}, got {w!r}")
-        out[name] = tuple(int(x) for x in items) if SWITCHES[name] is tuple else value == "1"
+        out[name] = {int(k): v for k, _, v in pairs} if SWITCHES[name] is dict else value == "1"
     return out
 
 
@@ -37,11 +38,14 @@ def main() -> None:
     module, *args = sys.argv[cut + 1:]
     from foscar.cute import config
     for name, value in chosen.items():
-        setattr(config, name, value)
+        setattr(config, name, {**getattr(config, name), **value} if isinstance(value, dict) else value)
     config.config_for.cache_clear()
     print(f"run_with: {chosen or 'shipped switches'}", file=sys.stderr)
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if module.endswith(".py"):  # a script's path
+        runpy.run_path(module, run_name="__main__")
+    else:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """v1's producer variants timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
-    python benchmarks/sweep_producer.py --variants none 2 2,4 [--shapes 1:8K,8:32K] [--bits 2 4]
+    python benchmarks/sweep_producer.py --variants q_first consumer_q copies_first [--shapes 1:8K,8:32K] [--bits 2 4]
 
-A variant sets ``foscar.cute.config.EARLY_PRODUCER_BITS``: the bit widths whose first consumer stages Q while the
-producer issues its first copies (``none``: the producer stages Q before any copy). Per
+A variant sets ``foscar.cute.config.PROLOGUE_BY_BITS`` to that prologue for every bit width: ``q_first`` (the
+producer stages Q, then copies), ``consumer_q`` (the first consumer stages Q while the producer copies),
+``copies_first`` (the producer issues its first ring of copies, then stages Q). Per
 shape and bits (random codes, Hq 32, Hkv 8, D 128, g 128, token-wise K and V, page 64, shuffled pages): each
 variant's output is first held to the Triton kernel's (a wrong one is printed and not timed), then timed as a
 CUDA-graph replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``), all in one process. The
 last columns: each variant's time over the first's. With ``--kernels`` the stage-1 kernel's and the combine's
 own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each time. Last, each variant's geomean over
-the first's; ``--choose FILE`` writes the fastest variant (geomean, every case correct) as ``run_with.py`` words.
+the first's; ``--choose FILE`` writes the fastest variant of each bit width (geomean, every case correct) as
+``run_with.py`` words.
 """
 import argparse
 import math
@@ -30,9 +32,9 @@ PAPER = "1:8K,1:32K,1:128K,1:512K,8:8K,8:32K,8:128K,8:512K,64:8K,64:16K,64:32K,6
 
 
 def set_variant(variant: str) -> None:
-    """The producer variant (bit widths, comma-separated, or ``none``) for the next calls (the configs are cached:
-    the cache is cleared; the compile cache keys on the config, which holds the choice)."""
-    cute_config.EARLY_PRODUCER_BITS = () if variant == "none" else tuple(int(b) for b in variant.split(","))
+    """The prologue of every bit width for the next calls (the configs are cached: the cache is cleared; the compile
+    cache keys on the config, which holds the choice)."""
+    cute_config.PROLOGUE_BY_BITS = {2: variant, 4: variant}
     cute_config.config_for.cache_clear()
 
 
@@ -40,7 +42,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--variants", nargs="+", default=["none", "2", "2,4"], help="EARLY_PRODUCER_BITS choices")
+    p.add_argument("--variants", nargs="+", default=list(cute_config.PROLOGUES), choices=cute_config.PROLOGUES)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
     p.add_argument("--choose", help="write the fastest variant here as run_with.py words")
@@ -50,7 +52,7 @@ def main():
     cols = " | ".join(a.variants)
     print(f"| B | L | bits | {cols} µs | {' | '.join(v + ' / ' + a.variants[0] for v in a.variants[1:])} |")
     print("|" + "---|" * (3 + 2 * len(a.variants) - 1))
-    logs = {v: [] for v in a.variants}
+    logs = {(v, bits): [] for v in a.variants for bits in a.bits}
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
         for bits in a.bits:
@@ -73,7 +75,7 @@ def main():
                     rows = kernel_rows(lambda: foscar.decode(q, cache, out=out), flush, a.iters)
                     notes.append(f"{v}: " + ", ".join(f"{name[:24]} {us:.1f} (gap {gap:.1f})" for name, us, gap in rows))
             for v, t in zip(a.variants, times):
-                logs[v].append(math.log(t / times[0]))
+                logs[v, bits].append(math.log(t / times[0]))
             ratios = " | ".join(f"{t / times[0]:.3f}" for t in times[1:])
             print(f"| {B} | {L // 1024}K | INT{bits} | {' | '.join(f'{t:.1f}' for t in times)} | {ratios} |", flush=True)
             for n in notes:
@@ -81,12 +83,12 @@ def main():
             del cache
             torch.cuda.empty_cache()
     set_variant(a.variants[0])
-    geo = {v: math.exp(sum(x) / len(x)) for v, x in logs.items()}  # NaN where a case was wrong
-    print("\ngeomean over the first: " + ", ".join(f"{v} {g:.3f}" for v, g in geo.items()))
+    geo = {k: math.exp(sum(x) / len(x)) for k, x in logs.items()}  # NaN where a case was wrong
+    print("\ngeomean over the first: " + ", ".join(f"{v} INT{b} {g:.3f}" for (v, b), g in geo.items()))
     if a.choose:
-        best = min((v for v in a.variants if geo[v] == geo[v]), key=geo.get)
+        best = {b: min((v for v in a.variants if geo[v, b] == geo[v, b]), key=lambda v: geo[v, b]) for b in a.bits}
         with open(a.choose, "w") as f:
-            f.write(f"EARLY_PRODUCER_BITS={best}\n")
+            f.write("PROLOGUE_BY_BITS=" + ",".join(f"{b}:{v}" for b, v in best.items()) + "\n")
         print(f"chosen: {best}")
 
 

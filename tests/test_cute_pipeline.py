@@ -1,5 +1,5 @@
-"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, and Q staged by a consumer while
-the producer copies. CPU: the choices, the shared-memory check, each variant
+"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, and the prologues that put a
+CTA's first copies in flight while Q is staged. CPU: the choices, the shared-memory check, each variant
 compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
 import os
@@ -83,36 +83,39 @@ def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
     assert torch.isnan(out).all()  # refused before any launch
 
 
-@pytest.fixture(params=[(), (2, 4)], ids=("staged-first", "early"))
-def early_bits(request, monkeypatch):
-    """``foscar.cute.config.EARLY_PRODUCER_BITS`` set (``config_for``'s cache cleared around the test): Q staged
-    by the producer before its copies at every bit width, or by the first consumer at every one."""
+@pytest.fixture(params=["q_first", "consumer_q", "copies_first"])
+def prologue(request, monkeypatch):
+    """``foscar.cute.config.PROLOGUE_BY_BITS`` set to one prologue for both bit widths (``config_for``'s cache
+    cleared around the test)."""
     import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "EARLY_PRODUCER_BITS", request.param)
+    monkeypatch.setattr(cfg_mod, "PROLOGUE_BY_BITS", {2: request.param, 4: request.param})
     cfg_mod.config_for.cache_clear()
     yield request.param
     cfg_mod.config_for.cache_clear()
 
 
-def test_the_early_producer_is_int2s_without_a_rotation():
-    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
-    assert config_for(fmt, 4, 64, "e4m3", 2).early_producer
-    assert not config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 64, "e4m3", 2).early_producer
-    assert not config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, rotation="hadamard"), 4, 64,
-                          "e4m3", 2).early_producer
+def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
+    from foscar.cute.config import PROLOGUE_BY_BITS, PROLOGUES
+    for bits in (2, 4):
+        assert config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), 4, 64, "e4m3", 2).prologue == \
+            PROLOGUE_BY_BITS[bits] in PROLOGUES
+        assert config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, rotation="hadamard"), 4, 64,
+                          "e4m3", 2).prologue == "q_first"
 
 
 @pytest.mark.parametrize("bits,gqa,k_operand,tiles,ctas", [(2, 4, "e4m3", 2, 2), (4, 8, "bf16", 1, 1),
                                                            (2, 16, "e4m3", 1, 2)])
-def test_producer_variants_compile_for_sm90a(early_bits, bits, gqa, k_operand, tiles, ctas):
-    """Both places of Q's staging compile without spills; the early producer's consumers meet at their own named
-    barrier (both warpgroups: 256 threads)."""
+def test_prologues_compile_for_sm90a(prologue, bits, gqa, k_operand, tiles, ctas):
+    """Each prologue compiles without spills; ``consumer_q``'s consumers meet at their own named barrier (both
+    warpgroups: 256 threads); ``copies_first`` issues copies in two loops (the first ring, then the rest)."""
     from foscar.cute.compile import compile_stage1
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), gqa, 64, k_operand, tiles)
-    assert cfg.early_producer == (bits in early_bits)
+    assert cfg.prologue == prologue
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
-    assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == cfg.early_producer
+    assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == (prologue == "consumer_q")
+    copies = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    assert copies == (8 if prologue == "copies_first" else 4)
 
 
 @pytest.mark.gpu
@@ -126,11 +129,10 @@ def test_producer_variants_compile_for_sm90a(early_bits, bits, gqa, k_operand, t
     ([5000, 700, 130], 8, None, {"k_axis": "channel"}, {}),
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"tiles_per_pass": 1}),
     ([2000, 33], 4, 2, {"rotation": "hadamard"}, {})])
-def test_producer_variants_against_the_oracle_gpu(early_bits, bits, lens, G, num_splits, fmt_kw, launch):
-    """Q staged before the copies or by the first consumer meanwhile: every element against the float64 oracle
-    within the kernels' bound, LSE within 1e-2 (one-tile splits, splits past the sequence, windows, a rotated
-    cache, channel-wise K)."""
+def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, fmt_kw, launch):
+    """Each prologue: every element against the float64 oracle within the kernels' bound, LSE within 1e-2 (one-tile
+    splits, splits past the sequence, splits shorter than a ring, windows, a rotated cache, channel-wise K)."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"early producer for {early_bits}: error", num_splits=num_splits,
+    _decode_against_the_oracle(fmt, lens, G, f"prologue {prologue}: error", num_splits=num_splits,
                                warp_specialized=True, **launch)

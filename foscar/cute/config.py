@@ -37,11 +37,15 @@ DEEP_STAGE_BYTES = 4096
 #: v1's stages a launch may ask for (a tuned entry's ``stages``): powers of two whose ring fits the shared memory
 #: of the CTAs resident on an SM (:func:`fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
-#: The bit widths whose v1 (without a rotated cache) has the first consumer stage Q while the producer issues its
-#: first copies (:attr:`Sm90Config.early_producer`), so that a CTA's first tiles are in flight during its
-#: prologue. Measured on the H200 (``benchmarks/sweep_producer.py``, paper grid, tuned configs): INT2 0.88-0.98x
-#: the time (B 1, L 8K 15.0 -> 13.2 us), INT4 1.0-1.14x, so INT2 only
-EARLY_PRODUCER_BITS = (2,)
+#: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
+#: ``consumer_q``, the first consumer stages Q while the producer copies; ``copies_first``, the producer issues its
+#: first ring of copies, then stages Q. The last two put a CTA's first tiles in flight during its prologue.
+PROLOGUES = ("q_first", "consumer_q", "copies_first")
+#: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage).
+#: Measured on the H200 (``benchmarks/sweep_producer.py``, paper grid, tuned configs): ``consumer_q`` takes INT2
+#: 0.88-0.98x the time of ``q_first`` (B 1, L 8K 15.0 -> 13.2 us) and INT4 1.0-1.14x (Q's staging in the
+#: consumer's code costs INT4's consumers spills)
+PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -124,9 +128,8 @@ class Sm90Config:
     #: token-wise V: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always,
     #: one tile a pass where :data:`LAZY_ONE_TILE`
     lazy_rescale: bool = False
-    #: v1: Q staged by the first consumer after one CTA barrier, the producer copying meanwhile
-    #: (:data:`EARLY_PRODUCER_BITS`; not with a rotation, whose Q is staged through the ring's first stage)
-    early_producer: bool = False
+    #: v1: how a CTA begins, one of :data:`PROLOGUES` (:data:`PROLOGUE_BY_BITS`)
+    prologue: str = "q_first"
 
     @property
     def rows(self) -> int:
@@ -449,4 +452,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      early_producer=fmt.bits in EARLY_PRODUCER_BITS and fmt.rotation is None)
+                      prologue="q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first"))
