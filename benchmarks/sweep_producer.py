@@ -1,10 +1,9 @@
 """v1's producer variants timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
-    python benchmarks/sweep_producer.py --variants q_first consumer_q copies_first [--shapes 1:8K,8:32K] [--bits 2 4]
+    python benchmarks/sweep_producer.py --variants q_first consumer_q [--shapes 1:8K,8:32K] [--bits 2 4]
 
 A variant sets ``foscar.cute.config.PROLOGUE_BY_BITS`` to that prologue for every bit width: ``q_first`` (the
-producer stages Q, then copies), ``consumer_q`` (the first consumer stages Q while the producer copies),
-``copies_first`` (the producer issues its first ring of copies, then stages Q). Per
+producer stages Q, then copies) or ``consumer_q`` (the first consumer stages Q while the producer copies). Per
 shape and bits (random codes, Hq 32, Hkv 8, D 128, g 128, token-wise K and V, page 64, shuffled pages): each
 variant's output is first held to the Triton kernel's (a wrong one is printed and not timed), then timed as a
 CUDA-graph replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``), all in one process. The

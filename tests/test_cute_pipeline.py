@@ -1,4 +1,4 @@
-"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, and the prologues that put a
+"""v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, and the prologue that puts a
 CTA's first copies in flight while Q is staged. CPU: the choices, the shared-memory check, each variant
 compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
@@ -83,7 +83,7 @@ def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
     assert torch.isnan(out).all()  # refused before any launch
 
 
-@pytest.fixture(params=["q_first", "consumer_q", "copies_first"])
+@pytest.fixture(params=["q_first", "consumer_q"])
 def prologue(request, monkeypatch):
     """``foscar.cute.config.PROLOGUE_BY_BITS`` set to one prologue for both bit widths (``config_for``'s cache
     cleared around the test)."""
@@ -107,15 +107,14 @@ def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
                                                            (2, 16, "e4m3", 1, 2)])
 def test_prologues_compile_for_sm90a(prologue, bits, gqa, k_operand, tiles, ctas):
     """Each prologue compiles without spills; ``consumer_q``'s consumers meet at their own named barrier (both
-    warpgroups: 256 threads); ``copies_first`` issues copies in two loops (the first ring, then the rest)."""
+    warpgroups: 256 threads)."""
     from foscar.cute.compile import compile_stage1
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), gqa, 64, k_operand, tiles)
     assert cfg.prologue == prologue
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
     assert bool(re.search(r"bar\.sync\s+4,\s*256", ptx)) == (prologue == "consumer_q")
-    copies = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-    assert copies == (8 if prologue == "copies_first" else 4)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4
 
 
 @pytest.mark.gpu
@@ -131,7 +130,7 @@ def test_prologues_compile_for_sm90a(prologue, bits, gqa, k_operand, tiles, ctas
     ([2000, 33], 4, 2, {"rotation": "hadamard"}, {})])
 def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, fmt_kw, launch):
     """Each prologue: every element against the float64 oracle within the kernels' bound, LSE within 1e-2 (one-tile
-    splits, splits past the sequence, splits shorter than a ring, windows, a rotated cache, channel-wise K)."""
+    splits, splits past the sequence, windows, a rotated cache, channel-wise K)."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"prologue {prologue}: error", num_splits=num_splits,

@@ -38,9 +38,10 @@ DEEP_STAGE_BYTES = 4096
 #: of the CTAs resident on an SM (:func:`fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
-#: ``consumer_q``, the first consumer stages Q while the producer copies; ``copies_first``, the producer issues its
-#: first ring of copies, then stages Q. The last two put a CTA's first tiles in flight during its prologue.
-PROLOGUES = ("q_first", "consumer_q", "copies_first")
+#: ``consumer_q``, the first consumer stages Q while the producer copies (a CTA's first tiles in flight during its
+#: prologue). The producer's first copies issued before it stages Q fail on the H200 with an illegal instruction
+#: (tried twice, ``docs/hopper-e4m3-plan.md``).
+PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage).
 #: Measured on the H200 (``benchmarks/sweep_producer.py``, paper grid, tuned configs): ``consumer_q`` takes INT2
 #: 0.88-0.98x the time of ``q_first`` (B 1, L 8K 15.0 -> 13.2 us) and INT4 1.0-1.14x (Q's staging in the

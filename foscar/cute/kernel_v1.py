@@ -8,8 +8,8 @@ stage, copies its words and parameters into registers, frees the stage and runs 
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
-Q is staged by the producer before any copy, by the first consumer while the producer copies, or by the
-producer after its first ring of copies (``cfg.prologue``).
+Q is staged by the producer before any copy, or by the first consumer while the producer copies
+(``cfg.prologue``).
 """
 from __future__ import annotations
 
@@ -138,19 +138,9 @@ class FoldDecodeSm90WS(TileKernel):
         cute.arch.mbarrier_init_fence()
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
-        # the tiles the producer copies before Q is staged (copies_first: the first ring; else none)
-        t_first = t_lo
-        if cutlass.const_expr(cfg.prologue == "copies_first"):
-            t_first = cutlass.min(t_hi, t_lo + CONSUMERS * cfg.stages)
-        if cutlass.const_expr(cfg.prologue != "q_first"):
-            cute.arch.sync_threads()  # the ring's barriers are initialised for every thread
-        if cutlass.const_expr(cfg.prologue == "copies_first"):
-            if tidx == 0:
-                views = self._tma_views(tma, ring)
-                for tile in cutlass.range(t_lo, t_first, unroll=1):  # fresh stages: no wait
-                    self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
-        if cutlass.const_expr(cfg.prologue != "consumer_q"):
-            # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup ---------------------
+        if cutlass.const_expr(cfg.prologue == "consumer_q"):
+            cute.arch.sync_threads()  # the ring's barriers are initialised for every thread; Q: the first consumer
+        else:  # ---- Q^T (heads padded with zeros) and sum(Q), by the producer warpgroup ---------------------
             if role == 0:
                 # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
                 # the barriers below (the fence after them orders these writes before the ring's)
@@ -167,7 +157,7 @@ class FoldDecodeSm90WS(TileKernel):
             cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
             if tidx == 0:
                 views = self._tma_views(tma, ring)
-                for tile in cutlass.range(t_first, t_hi, unroll=1):
+                for tile in cutlass.range(t_lo, t_hi, unroll=1):
                     self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
