@@ -27,8 +27,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh install-cute BUNDLE_DIR  # install cutlass-dsl only (after tvm)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline-tests   # v1's stages and prologues, the lazy
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline WHEELS  # the prologues timed on the paper grid; the
-#                                                                #   fastest per bit width written to /tmp/foscar-variant
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
+#                                                                #   words) against the shipped ones, paper grid;
+#                                                                #   the fastest written to /tmp/foscar-variant
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh retune           # foscar tune --backend cute (stages among the
 #                                                                #   candidates), then the paper grid beside FlashInfer,
 #                                                                #   both with /tmp/foscar-variant's switches
@@ -181,14 +182,16 @@ case "$step" in
     echo "install rc=$? $(tail -1 "$OUT/cute-install.log")"
     site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     python3 -m compileall -q -j 8 "$site/nvidia_cutlass_dsl" "$site/tvm_ffi" > /dev/null 2>&1 ;;
-  pipeline-tests)  # pipeline-tests [PYTEST -k]: the default takes the lazy rescale and three Q terms too
-    timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_decode.py \
-      -k "${2:-pipeline or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
+  pipeline-tests)  # pipeline-tests [PYTEST -k]: the default takes the lazy rescale, three Q terms and PDL too
+    timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_pdl.py tests/test_cute_decode.py \
+      -k "${2:-pipeline or pdl or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pipeline-tests.log" | tail -12 ;;
-  pipeline)
-    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?pipeline needs the FlashInfer wheels folder}"/*.whl
-    timeout 500 python3 benchmarks/sweep_producer.py --choose /tmp/foscar-variant > "$OUT/sweep-producer.md" 2>&1
-    echo "sweep rc=$?"; tail -4 "$OUT/sweep-producer.md" ;;
+  switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
+    python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
+    shift 2
+    timeout 500 python3 benchmarks/sweep_switches.py --variants shipped "${@:-COMBINE_PDL=1}" \
+      --choose /tmp/foscar-variant > "$OUT/sweep-switches.md" 2>&1
+    echo "sweep rc=$?"; tail -4 "$OUT/sweep-switches.md" ;;
   retune)
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
     v="$(cat /tmp/foscar-variant 2>/dev/null)"; echo "switches: ${v:-shipped}"

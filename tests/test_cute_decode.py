@@ -596,7 +596,8 @@ def test_rotated_caches_compile_for_sm90a(bits, head_dim, k_operand, tiles, ws):
     """Stage 1 of a rotated cache rotates Q as it stages it: a Walsh-Hadamard round (one barrier each) per
     power of two of the head dim more than the unrotated kernel, the tile loop the same, no local memory."""
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64)
-    plain_cfg = config_for(fmt, 4, 64, k_operand, tiles)
+    # the unrotated kernel with the prologue a rotated cache takes (Q staged before the copies)
+    plain_cfg = dataclasses.replace(config_for(fmt, 4, 64, k_operand, tiles), prologue="q_first")
     cfg = config_for(dataclasses.replace(fmt, rotation="hadamard", rotation_seed=1), 4, 64, k_operand, tiles)
     assert cfg.rotation and not plain_cfg.rotation and dataclasses.replace(cfg, rotation=False) == plain_cfg
     plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2).__ptx__

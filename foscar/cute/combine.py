@@ -7,7 +7,8 @@ of a chunk's partials (the config's ``chunk``: one round trip to memory for a de
 :data:`~foscar.cute.config.COMBINE_MAX_CHUNK`). A thread issues the loads of its channel's outputs
 (registers) and of its share of the chunk's LSEs (shared memory) together; every thread then takes the
 chunk's maximum from shared memory, so that all ranks share one running maximum, and the ranks' sums
-are added at the end. Partial LSEs are base 2; the written LSE is natural log. Empty partials
+are added at the end. Launched as a programmatic dependent of stage 1 (``cfg.pdl``), it waits for stage 1's
+grid before its first read. Partial LSEs are base 2; the written LSE is natural log. Empty partials
 (``lse = -inf``) weigh 0 whatever their output holds; all empty: ``out = 0``, ``lse = -inf``. A NaN or
 ``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and the LSE NaN, never a merge
 of the others.
@@ -44,7 +45,7 @@ class CombineSm90:
         batch = cute.size(mOP, mode=[0])
         heads = cute.size(mOP, mode=[1])
         self.kernel(mOP, mLP, mO, mLSE, mRot).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1),
-                                               stream=stream)
+                                               stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor):
@@ -65,6 +66,8 @@ class CombineSm90:
         if cutlass.const_expr(cfg.rotate):
             sRow = alloc.allocate_tensor(Float32, cute.make_layout((1, 1, D), stride=(0, 0, 1)), byte_alignment=16)
         parts = cute.size(mLP, mode=[2])
+        if cutlass.const_expr(cfg.pdl):  # a programmatic dependent: stage 1's partials are written and visible
+            cute.arch.griddepcontrol_wait()
         m = -Float32.inf
         total = Float32(0.0)
         acc = Float32(0.0)

@@ -43,10 +43,15 @@ STAGE_CHOICES = (4, 8, 16)
 #: (tried twice, ``docs/hopper-e4m3-plan.md``).
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage).
-#: Measured on the H200 (``benchmarks/sweep_producer.py``, paper grid, tuned configs): ``consumer_q`` takes INT2
+#: Measured on the H200 (``benchmarks/sweep_switches.py``, paper grid, tuned configs): ``consumer_q`` takes INT2
 #: 0.88-0.98x the time of ``q_first`` (B 1, L 8K 15.0 -> 13.2 us) and INT4 1.0-1.14x (Q's staging in the
 #: consumer's code costs INT4's consumers spills)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
+#: The split merge as a programmatic dependent launch (PDL): the CuTe combine launched with programmatic stream
+#: serialization waits for stage 1's grid (``griddepcontrol.wait``) after its own prologue, and v1's consumers
+#: signal it (``griddepcontrol.launch_dependents``) as they start their epilogue, so that the combine's launch
+#: and prologue overlap stage 1's last CTAs. Built and compiled, not yet run on a GPU, so off
+COMBINE_PDL = False
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -131,6 +136,8 @@ class Sm90Config:
     lazy_rescale: bool = False
     #: v1: how a CTA begins, one of :data:`PROLOGUES` (:data:`PROLOGUE_BY_BITS`)
     prologue: str = "q_first"
+    #: v1: the consumers signal the dependent combine as they start their epilogue (:data:`COMBINE_PDL`)
+    trigger_dependents: bool = False
 
     @property
     def rows(self) -> int:
@@ -308,6 +315,9 @@ class CombineConfig:
     write_lse: bool
     chunk: int
     rotate: bool = False  #: rotate the merged output back out of a rotated cache's space (:mod:`foscar.cute.rotation`)
+    #: launched as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`): it waits for stage 1's grid before
+    #: its first read of the partials
+    pdl: bool = False
 
     @property
     def thread_chunk(self) -> int:
@@ -453,4 +463,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      prologue="q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first"))
+                      prologue="q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first"),
+                      trigger_dependents=COMBINE_PDL)

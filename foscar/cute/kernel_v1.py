@@ -321,6 +321,8 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
                 t0 = tile * TILE
                 state = self._tile_step(wg, regs, state, k, t0, 0)
+        if cutlass.const_expr(cfg.trigger_dependents):
+            cute.arch.griddepcontrol_launch_dependents()  # the combine may launch once every CTA is here
         self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c, n_kvh)
 
     @cute.jit

@@ -297,8 +297,8 @@ def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: 
     ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream;
     ``rotation`` (:func:`foscar.rotation.rotation_factors`): the partials are in a rotated cache's space, the
     output is not."""
-    from .config import CombineConfig, combine_chunk
+    from .config import COMBINE_PDL, CombineConfig, combine_chunk
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),
-                        rotation is not None)
+                        rotation is not None, COMBINE_PDL)
     _compiled(cfg)(o_part, l_part, out, lse if lse is not None else l_part[:, :, 0],
                    rotation if rotation is not None else l_part[0, 0])

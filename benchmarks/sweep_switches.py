@@ -1,16 +1,16 @@
-"""v1's producer variants timed through ``foscar.decode`` (the tuned configs) on the paper grid:
+"""v1's kernel switches (``foscar.cute.config``) timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
-    python benchmarks/sweep_producer.py --variants q_first consumer_q [--shapes 1:8K,8:32K] [--bits 2 4]
+    python benchmarks/sweep_switches.py --variants shipped "PROLOGUE_BY_BITS=2:q_first" "COMBINE_PDL=1" \
+        [--shapes 1:8K,8:32K] [--bits 2 4] [--choose FILE]
 
-A variant sets ``foscar.cute.config.PROLOGUE_BY_BITS`` to that prologue for every bit width: ``q_first`` (the
-producer stages Q, then copies) or ``consumer_q`` (the first consumer stages Q while the producer copies). Per
-shape and bits (random codes, Hq 32, Hkv 8, D 128, g 128, token-wise K and V, page 64, shuffled pages): each
-variant's output is first held to the Triton kernel's (a wrong one is printed and not timed), then timed as a
-CUDA-graph replay with the L2 flushed (``fixed_cost.timed``, median of ``--iters``), all in one process. The
-last columns: each variant's time over the first's. With ``--kernels`` the stage-1 kernel's and the combine's
-own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each time. Last, each variant's geomean over
-the first's; ``--choose FILE`` writes the fastest variant of each bit width (geomean, every case correct) as
-``run_with.py`` words.
+Each variant is ``shipped`` (the switches as committed) or ``run_with.py`` words (``NAME=VALUE`` separated by
+spaces, one argument), set on top of the shipped switches. Per shape and bits (random codes, Hq 32, Hkv 8, D 128,
+g 128, token-wise K and V, page 64, shuffled pages): each variant's output is first held to the Triton kernel's
+(a wrong one is printed and not timed), then timed as a CUDA-graph replay with the L2 flushed
+(``fixed_cost.timed``, median of ``--iters``), all in one process. The last columns: each variant's time over the
+first's. With ``--kernels`` the kernels' own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each
+time. Last, each variant's geomean over the first's per bit width; ``--choose FILE`` writes the fastest
+variant's words (every case correct, over both bit widths).
 """
 import argparse
 import math
@@ -22,18 +22,23 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, kernel_rows, timed
+from run_with import SWITCHES, settings
 
 import foscar
 from foscar.bench import make_block_table, random_cache
 from foscar.cute import config as cute_config
 
 PAPER = "1:8K,1:32K,1:128K,1:512K,8:8K,8:32K,8:128K,8:512K,64:8K,64:16K,64:32K,64:64K,64:128K"
+SHIPPED = {name: getattr(cute_config, name) for name in SWITCHES}
 
 
 def set_variant(variant: str) -> None:
-    """The prologue of every bit width for the next calls (the configs are cached: the cache is cleared; the compile
-    cache keys on the config, which holds the choice)."""
-    cute_config.PROLOGUE_BY_BITS = {2: variant, 4: variant}
+    """The shipped switches, then the variant's (the configs are cached: the cache is cleared; the compile cache
+    keys on the config, which holds every switch)."""
+    chosen = {} if variant == "shipped" else settings(variant.split())
+    for name, value in SHIPPED.items():
+        new = chosen.get(name, value)
+        setattr(cute_config, name, {**value, **new} if isinstance(value, dict) else new)
     cute_config.config_for.cache_clear()
 
 
@@ -41,15 +46,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--variants", nargs="+", default=list(cute_config.PROLOGUES), choices=cute_config.PROLOGUES)
+    p.add_argument("--variants", nargs="+", default=["shipped"], help="'shipped' or run_with.py words")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
     p.add_argument("--choose", help="write the fastest variant here as run_with.py words")
     a = p.parse_args()
+    for v in a.variants:
+        set_variant(v)  # a bad variant fails here, before any timing
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    cols = " | ".join(a.variants)
-    print(f"| B | L | bits | {cols} µs | {' | '.join(v + ' / ' + a.variants[0] for v in a.variants[1:])} |")
+    print(f"| B | L | bits | {' | '.join(a.variants)} µs | {' | '.join(v + ' / first' for v in a.variants[1:])} |")
     print("|" + "---|" * (3 + 2 * len(a.variants) - 1))
     logs = {(v, bits): [] for v in a.variants for bits in a.bits}
     for (B, L) in a.shapes:
@@ -81,13 +87,15 @@ def main():
                 print(f"    {n}", flush=True)
             del cache
             torch.cuda.empty_cache()
-    set_variant(a.variants[0])
+    set_variant("shipped")
     geo = {k: math.exp(sum(x) / len(x)) for k, x in logs.items()}  # NaN where a case was wrong
     print("\ngeomean over the first: " + ", ".join(f"{v} INT{b} {g:.3f}" for (v, b), g in geo.items()))
     if a.choose:
-        best = {b: min((v for v in a.variants if geo[v, b] == geo[v, b]), key=lambda v: geo[v, b]) for b in a.bits}
+        both = {v: math.exp(sum(sum(logs[v, b]) for b in a.bits) / sum(len(logs[v, b]) for b in a.bits))
+                for v in a.variants}
+        best = min((v for v in a.variants if both[v] == both[v]), key=both.get)
         with open(a.choose, "w") as f:
-            f.write("PROLOGUE_BY_BITS=" + ",".join(f"{b}:{v}" for b, v in best.items()) + "\n")
+            f.write(("" if best == "shipped" else best) + "\n")
         print(f"chosen: {best}")
 
 

@@ -1,0 +1,78 @@
+"""The split merge as a programmatic dependent launch of stage 1 (``foscar.cute.config.COMBINE_PDL``). CPU: the
+combine waits for the grid before its first global read, v1's consumers signal before their epilogue. GPU
+(sm_90): decodes with it against the float64 oracle (windows between the launches, a rotated cache), and a
+CUDA graph's replay equal to the eager call."""
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from foscar.cute.compile import compile_combine, compile_stage1  # noqa: E402
+from foscar.cute.config import CombineConfig, config_for  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def pdl(monkeypatch):
+    """``COMBINE_PDL`` set, ``config_for``'s cache cleared around the test."""
+    import foscar.cute.config as cfg_mod
+    monkeypatch.setattr(cfg_mod, "COMBINE_PDL", True)
+    cfg_mod.config_for.cache_clear()
+    yield
+    cfg_mod.config_for.cache_clear()
+
+
+@pytest.mark.parametrize("rotate", (False, True))
+def test_the_dependent_combine_waits_before_its_first_read(rotate):
+    ptx = compile_combine(CombineConfig(128, "bf16", True, 16, rotate, True), keep_ptx=True).__ptx__
+    plain = compile_combine(CombineConfig(128, "bf16", True, 16, rotate), keep_ptx=True).__ptx__
+    assert "griddepcontrol.wait" not in plain
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+def test_v1_signals_its_dependents_before_each_epilogue(pdl):
+    cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "e4m3", 2)
+    assert cfg.trigger_dependents
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert len(re.findall(r"griddepcontrol\.launch_dependents", ptx)) == 2  # one per consumer
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
+    ([2000, 33], 4, 2, {"rotation": "hadamard"}), ([5000, 700], 8, None, {"k_axis": "channel"})])
+def test_the_dependent_combine_against_the_oracle_gpu(pdl, bits, lens, G, num_splits, fmt_kw):
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "dependent combine: error", num_splits=num_splits,
+                               warp_specialized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+def test_a_graph_of_the_dependent_combine_replays_the_eager_call_gpu(pdl):
+    from test_triton import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    q, cache = make(fmt, [5000, 700], Hkv=2, G=4, page=64, seed=3)
+    eager = decode(q, cache, warp_specialized=True)
+    out = torch.full_like(eager, float("nan"))
+    decode(q, cache, out=out, warp_specialized=True)  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(q, cache, out=out, warp_specialized=True)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
