@@ -30,16 +30,24 @@ def settings(words: list[str]) -> dict:
     return out
 
 
+def apply(chosen: dict, base: dict | None = None) -> None:
+    """Set ``chosen``'s switches in ``foscar.cute.config`` on top of ``base`` (name -> value; unset: the values
+    the module has now), a dict switch updating its base; then clear ``config_for``'s cache."""
+    from foscar.cute import config
+    base = {name: getattr(config, name) for name in SWITCHES} if base is None else base
+    for name, value in base.items():
+        new = chosen.get(name, value)
+        setattr(config, name, {**value, **new} if isinstance(value, dict) else new)
+    config.config_for.cache_clear()
+
+
 def main() -> None:
     if "--" not in sys.argv:
         raise SystemExit(__doc__)
     cut = sys.argv.index("--")
     chosen = settings(sys.argv[1:cut])
     module, *args = sys.argv[cut + 1:]
-    from foscar.cute import config
-    for name, value in chosen.items():
-        setattr(config, name, {**getattr(config, name), **value} if isinstance(value, dict) else value)
-    config.config_for.cache_clear()
+    apply(chosen)
     print(f"run_with: {chosen or 'shipped switches'}", file=sys.stderr)
     sys.argv = [module, *args]
     if module.endswith(".py"):  # a script's path

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, kernel_rows, timed
-from run_with import SWITCHES, settings
+from run_with import SWITCHES, apply, settings
 
 import foscar
 from foscar.bench import make_block_table, random_cache
@@ -35,11 +35,7 @@ SHIPPED = {name: getattr(cute_config, name) for name in SWITCHES}
 def set_variant(variant: str) -> None:
     """The shipped switches, then the variant's (the configs are cached: the cache is cleared; the compile cache
     keys on the config, which holds every switch)."""
-    chosen = {} if variant == "shipped" else settings(variant.split())
-    for name, value in SHIPPED.items():
-        new = chosen.get(name, value)
-        setattr(cute_config, name, {**value, **new} if isinstance(value, dict) else new)
-    cute_config.config_for.cache_clear()
+    apply({} if variant == "shipped" else settings(variant.split()), SHIPPED)
 
 
 def main():

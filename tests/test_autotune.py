@@ -312,6 +312,10 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
         cute_launch.launch_config(q, cache, 4, warp_specialized=False, tiles_per_pass=2)
     with pytest.raises(InvalidArgumentError, match="^stages: expected None with warp_specialized=False"):
         cute_launch.launch_config(q, cache, 4, warp_specialized=False, stages=8)
+    with pytest.raises(InvalidArgumentError, match="^stages: expected an int"):
+        cute_launch.launch_config(q, cache, 4, stages=8.0)
+    with pytest.raises(InvalidArgumentError, match=r"^stages: expected one of \(4, 8, 16\)"):
+        cute_launch.launch_config(q, cache, 4, stages=6)
     at.clear_lookup_cache()
 
 def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):

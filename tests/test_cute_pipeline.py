@@ -94,6 +94,17 @@ def prologue(request, monkeypatch):
     cfg_mod.config_for.cache_clear()
 
 
+def test_a_misspelt_prologue_is_refused_by_name(monkeypatch):
+    import foscar.cute.config as cfg_mod
+    monkeypatch.setattr(cfg_mod, "PROLOGUE_BY_BITS", {2: "consumer-q", 4: "q_first"})
+    cfg_mod.config_for.cache_clear()
+    try:
+        with pytest.raises(InvalidArgumentError, match="^foscar.cute.config.PROLOGUE_BY_BITS: expected values of"):
+            config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64)
+    finally:
+        cfg_mod.config_for.cache_clear()
+
+
 def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
     from foscar.cute.config import PROLOGUE_BY_BITS, PROLOGUES
     for bits in (2, 4):

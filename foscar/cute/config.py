@@ -454,6 +454,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         stages = default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
         raise InvalidArgumentError("stages", f"one of {STAGE_CHOICES}", stages)
+    prologue = "q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
+    if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
+        raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
@@ -463,5 +466,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      prologue="q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first"),
-                      trigger_dependents=COMBINE_PDL)
+                      prologue=prologue, trigger_dependents=COMBINE_PDL)

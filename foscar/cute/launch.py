@@ -129,8 +129,11 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     check_int("num_splits", num_splits, minimum=1)
     if stages is None:
         stages = tuned.get("stages")
-    if stages is not None and not warp_specialized:
-        raise InvalidArgumentError("stages", "None with warp_specialized=False (the stage ring is v1's)", stages)
+    if stages is not None:
+        from .config import STAGE_CHOICES
+        check_int("stages", stages, allowed=STAGE_CHOICES)  # an int: config_for's cache takes 8.0 for 8
+        if not warp_specialized:
+            raise InvalidArgumentError("stages", "None with warp_specialized=False (the stage ring is v1's)", stages)
     return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass, stages)
 
 
