@@ -1,5 +1,5 @@
 """The split merge as a programmatic dependent launch of stage 1 (``foscar.cute.config.COMBINE_PDL``). CPU: the
-combine waits for the grid before its first global read, v1's consumers signal before their epilogue. GPU
+combine waits for the grid before its first global read, every v1 CTA signals as it starts. GPU
 (sm_90): decodes with it against the float64 oracle (windows between the launches, a rotated cache), and a
 CUDA graph's replay equal to the eager call."""
 import os
@@ -37,11 +37,12 @@ def test_the_dependent_combine_waits_before_its_first_read(rotate):
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
-def test_v1_signals_its_dependents_before_each_epilogue(pdl):
+def test_v1_signals_its_dependents_as_it_starts(pdl):
     cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "e4m3", 2)
     assert cfg.trigger_dependents
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    assert len(re.findall(r"griddepcontrol\.launch_dependents", ptx)) == 2  # one per consumer
+    assert len(re.findall(r"griddepcontrol\.launch_dependents", ptx)) == 1  # every thread, before any branch
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("mbarrier.init")
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
