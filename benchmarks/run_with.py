@@ -12,7 +12,7 @@ config (``Sm90Config``), so compiled kernels and the disk compile cache keep the
 import runpy
 import sys
 
-SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "PAGE_CHUNK": int}
+SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "PAGE_CHUNK": int, "QK_PROMOTE": bool}
 
 
 def settings(words: list[str]) -> dict:

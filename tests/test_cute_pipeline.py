@@ -183,3 +183,41 @@ def test_page_chunks_against_the_oracle_gpu(page_chunk, bits, lens, num_splits, 
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, 4, f"page chunk {page_chunk}: error", page=page, num_splits=num_splits,
                                warp_specialized=True)
+
+
+@pytest.fixture
+def qk_promote(monkeypatch):
+    """``foscar.cute.config.QK_PROMOTE`` set (``config_for``'s cache cleared around the test)."""
+    import foscar.cute.config as cfg_mod
+    monkeypatch.setattr(cfg_mod, "QK_PROMOTE", True)
+    cfg_mod.config_for.cache_clear()
+    yield
+    cfg_mod.config_for.cache_clear()
+
+
+@pytest.mark.parametrize("bits,k_operand,tiles", [(2, "e4m3", 2), (4, "e4m3x3", 1)])
+def test_promoted_qk_steps_compile_for_sm90a(qk_promote, bits, k_operand, tiles):
+    """Each FP8 k-step of S^T into its own accumulator: as many wgmma as one chain, no spills; BF16 K and
+    channel-wise K are left as they are."""
+    from foscar.cute.compile import compile_stage1
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, 4, 64, k_operand, tiles)
+    assert cfg.qk_promote
+    assert not config_for(fmt, 4, 64, "bf16", tiles).qk_promote
+    assert not config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64), 4, 64, k_operand, tiles).qk_promote
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,launch", [
+    ([8192, 4001, 129, 1], 4, None, {"k_operand": "e4m3", "tiles_per_pass": 2}),
+    ([3000, 5, 200], 3, 3, {"k_operand": "e4m3x3", "tiles_per_pass": 1}),
+    ([2500, 70], 8, 1, {"k_operand": "e4m3"}), ([3000, 64], 16, 3, {"k_operand": "e4m3"})])
+def test_promoted_qk_steps_against_the_oracle_gpu(qk_promote, bits, lens, G, num_splits, launch):
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    _decode_against_the_oracle(fmt, lens, G, "promoted QK steps: error", num_splits=num_splits,
+                               warp_specialized=True, **launch)

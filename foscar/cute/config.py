@@ -53,6 +53,10 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: overlap stage 1 (the combine's CTAs launch once every stage-1 CTA has started, and wait). Built and compiled,
 #: not yet run on a GPU, so off
 COMBINE_PDL = False
+#: E4M3 K operands: each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own accumulator, the steps summed in
+#: FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves the sum to the tensor core's
+#: FP8 accumulation (narrower than FP32: a bias that does not average out over long contexts)
+QK_PROMOTE = False
 #: v1's producer reads the page numbers of this many tiles together (:attr:`Sm90Config.page_chunk`): one memory
 #: latency a chunk where one a tile delays the first ring's copies of a short split; 1: a page read a tile
 PAGE_CHUNK = 1
@@ -144,6 +148,8 @@ class Sm90Config:
     trigger_dependents: bool = False
     #: v1: the producer reads the page numbers of this many tiles together (:data:`PAGE_CHUNK`)
     page_chunk: int = 1
+    #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE`)
+    qk_promote: bool = False
 
     @property
     def rows(self) -> int:
@@ -474,4 +480,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      prologue=prologue, trigger_dependents=COMBINE_PDL, page_chunk=PAGE_CHUNK)
+                      prologue=prologue, trigger_dependents=COMBINE_PDL, page_chunk=PAGE_CHUNK,
+                      qk_promote=QK_PROMOTE and e4m3 and fmt.k_axis == "token" and fmt.head_dim // fmt.group_size <= 1)

@@ -333,8 +333,15 @@ class TileKernel:
         tSrK = frags.tSrK
         warpgroup.fence()
         n_kb = cute.size(tSrK, mode=[2])
+        steps = []  # FP32 promotion: each FP8 k-step into its own accumulator, summed in FP32 after the MMAs
+        if cutlass.const_expr(cfg.qk_promote):
+            steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
+            for acc in steps[1:]:
+                acc.fill(0.0)
         for kb in cutlass.range_constexpr(n_kb):
-            if cutlass.const_expr(cfg.k_channel):
+            if cutlass.const_expr(cfg.qk_promote):
+                cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, kb], frags.tSrQ[None, None, kb], steps[kb])
+            elif cutlass.const_expr(cfg.k_channel):
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb], accS)
             elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
                 cute.gemm(wg.qk_mma, accS2, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS2)
@@ -342,6 +349,12 @@ class TileKernel:
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(cfg.qk_promote):
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                x = steps[0][i]
+                for acc in steps[1:]:
+                    x = x + acc[i]
+                accS[i] = x
         if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
