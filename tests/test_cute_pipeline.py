@@ -1,5 +1,5 @@
 """v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, the prologue that puts a
-CTA's first copies in flight while Q is staged, and the producer's page reads a chunk of tiles at a time. CPU: the choices, the shared-memory check, each variant
+CTA's first copies in flight while Q is staged, and E4M3 K's QK steps promoted to FP32. CPU: the choices, the shared-memory check, each variant
 compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
 import os
@@ -146,43 +146,6 @@ def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, f
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"prologue {prologue}: error", num_splits=num_splits,
                                warp_specialized=True, **launch)
-
-
-@pytest.fixture(params=[1, 8])
-def page_chunk(request, monkeypatch):
-    """``foscar.cute.config.PAGE_CHUNK`` set (``config_for``'s cache cleared around the test)."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "PAGE_CHUNK", request.param)
-    cfg_mod.config_for.cache_clear()
-    yield request.param
-    cfg_mod.config_for.cache_clear()
-
-
-@pytest.mark.parametrize("bits", (2, 4))
-def test_page_chunks_compile_for_sm90a(page_chunk, bits):
-    """A chunk's page numbers are read before its first copy: each of its tiles' four copies issued from
-    registers, without spills."""
-    from foscar.cute.compile import compile_stage1
-    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), 4, 64, "e4m3", 2)
-    assert cfg.page_chunk == page_chunk
-    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
-    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4 * page_chunk
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("lens,num_splits,page,fmt_kw", [
-    ([8192, 4001, 129, 1], None, 64, {}), ([3000, 5, 200], 3, 128, {}), ([2500, 70], 1, 256, {}),
-    ([5000, 700, 130], 2, 64, {"k_axis": "channel"}), ([3000, 5], 3, 64, {"sink": 4, "recent": 100})])
-def test_page_chunks_against_the_oracle_gpu(page_chunk, bits, lens, num_splits, page, fmt_kw):
-    """Chunks of 8 page reads: chunks cut by a split's end, pages of 1, 2 and 4 tiles, against the float64
-    oracle."""
-    from test_cute_decode import _decode_against_the_oracle
-    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, 4, f"page chunk {page_chunk}: error", page=page, num_splits=num_splits,
-                               warp_specialized=True)
 
 
 @pytest.fixture

@@ -50,16 +50,14 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: The split merge as a programmatic dependent launch (PDL): the CuTe combine launched with programmatic stream
 #: serialization waits for stage 1's grid (``griddepcontrol.wait``) after its own prologue, and every v1 CTA
 #: signals it (``griddepcontrol.launch_dependents``) as it starts, so that the combine's launch and prologue
-#: overlap stage 1 (the combine's CTAs launch once every stage-1 CTA has started, and wait). Built and compiled,
-#: not yet run on a GPU, so off
+#: overlap stage 1 (the combine's CTAs launch once every stage-1 CTA has started, and wait). Correct on the H200
+#: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
+#: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
 #: E4M3 K operands: each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own accumulator, the steps summed in
 #: FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves the sum to the tensor core's
 #: FP8 accumulation (narrower than FP32: a bias that does not average out over long contexts)
 QK_PROMOTE = False
-#: v1's producer reads the page numbers of this many tiles together (:attr:`Sm90Config.page_chunk`): one memory
-#: latency a chunk where one a tile delays the first ring's copies of a short split; 1: a page read a tile
-PAGE_CHUNK = 1
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -146,8 +144,6 @@ class Sm90Config:
     prologue: str = "q_first"
     #: v1: every CTA signals the dependent combine as it starts (:data:`COMBINE_PDL`)
     trigger_dependents: bool = False
-    #: v1: the producer reads the page numbers of this many tiles together (:data:`PAGE_CHUNK`)
-    page_chunk: int = 1
     #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE`)
     qk_promote: bool = False
 
@@ -469,8 +465,6 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     prologue = "q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
-    if not isinstance(PAGE_CHUNK, int) or not 1 <= PAGE_CHUNK <= 32:
-        raise InvalidArgumentError("foscar.cute.config.PAGE_CHUNK", "an int from 1 to 32", PAGE_CHUNK)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
@@ -480,5 +474,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
-                      prologue=prologue, trigger_dependents=COMBINE_PDL, page_chunk=PAGE_CHUNK,
+                      prologue=prologue, trigger_dependents=COMBINE_PDL,
                       qk_promote=QK_PROMOTE and e4m3 and fmt.k_axis == "token" and fmt.head_dim // fmt.group_size <= 1)

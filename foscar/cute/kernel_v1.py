@@ -159,15 +159,8 @@ class FoldDecodeSm90WS(TileKernel):
             cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
             if tidx == 0:
                 views = self._tma_views(tma, ring)
-                if cutlass.const_expr(cfg.page_chunk == 1):
-                    for tile in cutlass.range(t_lo, t_hi, unroll=1):
-                        self._issue_tile(tma, views, ring, b, kvh, t_lo, tile, self._page(mBT, b, tile))
-                else:  # the page numbers of a chunk of tiles read together: one memory latency a chunk
-                    for c0 in cutlass.range(t_lo, t_hi, cfg.page_chunk, unroll=1):
-                        pages = [self._page(mBT, b, cutlass.min(c0 + j, t_hi - 1)) for j in range(cfg.page_chunk)]
-                        for j in cutlass.range_constexpr(cfg.page_chunk):
-                            if c0 + j < t_hi:
-                                self._issue_tile(tma, views, ring, b, kvh, t_lo, c0 + j, pages[j])
+                for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                    self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
                 cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
@@ -254,17 +247,11 @@ class FoldDecodeSm90WS(TileKernel):
         return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
 
     @cute.jit
-    def _page(self, mBT: cute.Tensor, b, tile):
-        """The page of KV tile ``tile`` of sequence ``b``, from the page table ``mBT``."""
-        return mBT[b, tile * TILE // self.cfg.page]
-
-    @cute.jit
-    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, b, kvh, t_lo, tile, page):
-        """The producer's work for one KV tile in ``page`` (read before the call, so that its latency hides
-        behind the wait for a stage): once the stage of consumer ``(tile - t_lo) % CONSUMERS`` that it goes to
-        is empty, its four TMA copies (K words, V words, K and V ``(s', z')``) with the stage's exact
-        transaction bytes on its full barrier. One thread calls it (a TMA copy is issued by one elected lane of
-        the active ones)."""
+    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):
+        """The producer's work for one KV tile (its page read from the page table ``mBT``): once the stage of
+        consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies (K words, V words,
+        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it
+        (a TMA copy is issued by one elected lane of the active ones)."""
         cfg = self.cfg
         chunk = cfg.tile_words
         (atom_kc, _), (atom_vc, _), (atom_kp, _), (atom_vp, _) = tma
@@ -275,6 +262,7 @@ class FoldDecodeSm90WS(TileKernel):
         k = i >> 1  # i // CONSUMERS
         slot = ring_slot(i & 1, k, cfg.stages)
         t0 = tile * TILE
+        page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
         tip = (t0 % cfg.page) // TILE
