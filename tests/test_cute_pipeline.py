@@ -150,9 +150,9 @@ def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, f
 
 @pytest.fixture
 def qk_promote(monkeypatch):
-    """``foscar.cute.config.QK_PROMOTE`` set (``config_for``'s cache cleared around the test)."""
+    """``foscar.cute.config.QK_PROMOTE_BITS`` set for both widths (``config_for``'s cache cleared around the test)."""
     import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "QK_PROMOTE", True)
+    monkeypatch.setattr(cfg_mod, "QK_PROMOTE_BITS", (2, 4))
     cfg_mod.config_for.cache_clear()
     yield
     cfg_mod.config_for.cache_clear()
@@ -184,3 +184,11 @@ def test_promoted_qk_steps_against_the_oracle_gpu(qk_promote, bits, lens, G, num
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     _decode_against_the_oracle(fmt, lens, G, "promoted QK steps: error", num_splits=num_splits,
                                warp_specialized=True, **launch)
+
+
+def test_int4_promotes_its_qk_steps_and_int2_does_not():
+    from foscar.cute.config import QK_PROMOTE_BITS
+    assert QK_PROMOTE_BITS == (4,)
+    for bits in (2, 4):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+        assert config_for(fmt, 4, 64, "e4m3", 2).qk_promote == (bits == 4)

@@ -54,10 +54,12 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
-#: E4M3 K operands: each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own accumulator, the steps summed in
-#: FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves the sum to the tensor core's
-#: FP8 accumulation (narrower than FP32: a bias that does not average out over long contexts)
-QK_PROMOTE = False
+#: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
+#: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
+#: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
+#: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
+#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only
+QK_PROMOTE_BITS = (4,)
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -144,7 +146,7 @@ class Sm90Config:
     prologue: str = "q_first"
     #: v1: every CTA signals the dependent combine as it starts (:data:`COMBINE_PDL`)
     trigger_dependents: bool = False
-    #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE`)
+    #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE_BITS`)
     qk_promote: bool = False
 
     @property
@@ -475,4 +477,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
                       prologue=prologue, trigger_dependents=COMBINE_PDL,
-                      qk_promote=QK_PROMOTE and e4m3 and fmt.k_axis == "token" and fmt.head_dim // fmt.group_size <= 1)
+                      qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
+                      and fmt.head_dim // fmt.group_size <= 1)
