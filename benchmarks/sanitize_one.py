@@ -7,7 +7,8 @@
 
 Kinds: ``triton``, ``cute`` (``foscar.decode``'s pick), ``cute_ws`` / ``cute_ws2`` (v1 at one / two CTAs per
 SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale: a cache without windows, which E4M3 K
-operands refuse) and ``cute_lazy1`` (v1, one tile a pass, with ``foscar.cute.config.LAZY_ONE_TILE`` set).
+operands refuse; ``cute_pair1``: the same at one CTA per SM) and ``cute_lazy1`` (v1, one tile a pass, with
+``foscar.cute.config.LAZY_ONE_TILE`` set).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
 
@@ -23,7 +24,7 @@ from foscar.bench.common import rel_l2
 
 
 def main(backend: str) -> None:
-    windows = {} if backend in ("cute_pair", "cute_lazy1") else {"sink": 4, "recent": 32}
+    windows = {} if backend in ("cute_pair", "cute_pair1", "cute_lazy1") else {"sink": 4, "recent": 32}
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, **windows)
     gen = torch.Generator().manual_seed(0)
     lens = [1000, 77, 1]
@@ -34,14 +35,14 @@ def main(backend: str) -> None:
     if backend.startswith("cute_ws"):  # the warp-specialized CuTe kernel (v1; cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
-    elif backend in ("cute_pair", "cute_lazy1"):
+    elif backend in ("cute_pair", "cute_pair1", "cute_lazy1"):
         from foscar.cute import config
         from foscar.cute.launch import decode
         if backend == "cute_lazy1":
             config.LAZY_ONE_TILE = True
             config.config_for.cache_clear()
-        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3",
-                     tiles_per_pass=2 if backend == "cute_pair" else 1)
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1 if backend == "cute_pair1" else 2,
+                     k_operand="e4m3", tiles_per_pass=1 if backend == "cute_lazy1" else 2)
     else:
         out = foscar.decode(q, cache, backend=backend, num_splits=5)
     torch.cuda.synchronize()
