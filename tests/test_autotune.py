@@ -344,3 +344,19 @@ def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):
         got = cute_launch.launch_config(q, cache, 4, **c)
         assert (got.k_operand, got.tiles_per_pass, got.num_splits, got.stages) == (
             c["k_operand"], c["tiles_per_pass"], c["num_splits"], c.get("stages"))
+
+
+def test_cute_candidates_take_a_ring_their_ctas_hold():
+    """At 32 query rows a KV head two CTAs an SM do not hold INT2's default ring of 8: their candidates take 4,
+    and every candidate's ring fits its CTAs (none is refused before it is timed)."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from foscar import backends, tune
+    from foscar.cute.config import config_for, fits_shared_memory
+    argv = ["--backend", "cute", "--shapes", "8:128K", "--heads", "32:1", "--bits", "2"]
+    case = tune.cases(tune.build_parser().parse_args(argv))[0]
+    cands = [c for c in backends.get("cute").candidates(case, torch.device("cpu")) if c["warp_specialized"]]
+    assert {(c["ctas_per_sm"], c["stages"]) for c in cands} == {(1, 8), (1, 16), (2, 4)}
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    for c in cands:
+        assert fits_shared_memory(config_for(fmt, 32, 64, c["k_operand"], c["tiles_per_pass"], stages=c["stages"]),
+                                  c["ctas_per_sm"])

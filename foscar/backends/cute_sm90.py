@@ -75,7 +75,8 @@ class CuteSm90(Backend):
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
         with E4M3 K and two tiles a pass also at a quarter and four times its heuristic. Every v1 candidate at
         the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
-        an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream)."""
+        an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of an SM do
+        not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
         from ..cute.config import STAGE_CHOICES, TILE, config_for, default_stages, fits_shared_memory
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
@@ -106,10 +107,17 @@ class CuteSm90(Backend):
             tried = {c["num_splits"] for c in out if c == best(c["num_splits"])}
             out += [best(s) for s in sorted({max(1, min(tiles, round(base * m))) for m in (0.25, 4)} - tried)]
         stages = default_stages(fmt.bits, fmt.head_dim)
-        out = [{**c, "stages": stages} if c["warp_specialized"] else c for c in out]
+
+        def fits(c, n):
+            return fits_shared_memory(config_for(fmt, gqa, page, c["k_operand"], c["tiles_per_pass"], stages=n),
+                                      c["ctas_per_sm"])
+
+        def ring(c):  # the default stages, or the deepest choice below them that the CTAs of an SM hold
+            return max([n for n in STAGE_CHOICES if n <= stages and fits(c, n)], default=min(STAGE_CHOICES))
+        out = [{**c, "stages": ring(c)} if c["warp_specialized"] else c for c in out]
         if 2 * stages in STAGE_CHOICES:
-            out += [{**c, "stages": 2 * stages} for c in out if c["warp_specialized"] and fits_shared_memory(
-                config_for(fmt, gqa, page, c["k_operand"], c["tiles_per_pass"], stages=2 * stages), c["ctas_per_sm"])]
+            out += [{**c, "stages": 2 * stages} for c in out
+                    if c["warp_specialized"] and c["stages"] == stages and fits(c, 2 * stages)]
         return out
 
     def launch(self, q, cache, config: dict):
