@@ -5,14 +5,16 @@ becomes a default:
     python benchmarks/run_with.py @/tmp/variant -- foscar.bench.decode --grid paper ...
     python benchmarks/run_with.py PROLOGUE_BY_BITS=4:consumer_q -- benchmarks/sass_stats_cute.py --bits 4 ...
 
-Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, comma-separated ints (or nothing) for a tuple, comma-separated ``KEY:VALUE`` pairs (an int
-key) for a dict, which updates the shipped one; ``@FILE`` reads such words from a file (a choice written by ``sweep_switches.py --choose FILE``). Every switch is part of the kernels' static
-config (``Sm90Config``), so compiled kernels and the disk compile cache keep the variants apart.
+Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, comma-separated ints (or nothing) for a
+tuple, comma-separated ``KEY:VALUE`` pairs (an int key) for a dict, which updates the shipped one; ``@FILE`` reads
+such words from a file (a choice written by ``sweep_switches.py --choose FILE``). Every switch is part of the
+kernels' static config (``Sm90Config``), so compiled kernels and the disk compile cache keep the variants apart.
 """
 import runpy
 import sys
 
-SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple}
+SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
+            "PV_PROMOTE": bool}
 
 
 def settings(words: list[str]) -> dict:

@@ -192,3 +192,43 @@ def test_int4_promotes_its_qk_steps_and_int2_does_not():
     for bits in (2, 4):
         fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
         assert config_for(fmt, 4, 64, "e4m3", 2).qk_promote == (bits == 4)
+
+
+@pytest.fixture
+def pv_promote(monkeypatch):
+    """``foscar.cute.config.PV_PROMOTE`` set (``config_for``'s cache cleared around the test)."""
+    import foscar.cute.config as cfg_mod
+    monkeypatch.setattr(cfg_mod, "PV_PROMOTE", True)
+    cfg_mod.config_for.cache_clear()
+    yield
+    cfg_mod.config_for.cache_clear()
+
+
+@pytest.mark.parametrize("bits,group_size,k_operand,tiles,gqa", [(2, 128, "e4m3", 2, 4), (4, 64, "bf16", 1, 8),
+                                                                 (2, 128, "bf16", 1, 16)])
+def test_promoted_pv_products_compile_for_sm90a(pv_promote, bits, group_size, k_operand, tiles, gqa):
+    """The PV chain's sum moved into FP32 at each fold of the corrections: no spills in the PTX (two tiles a
+    pass, two channel groups of V, 16 columns); channel-wise V is left alone."""
+    from foscar.cute.compile import compile_stage1
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=group_size)
+    cfg = config_for(fmt, gqa, 64, k_operand, tiles)
+    assert cfg.pv_promote
+    assert not config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel"), 4, 64).pv_promote
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2 if gqa <= 8 else 1).__ptx__
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,launch", [
+    ([8192, 4001, 129, 1], 4, None, {}, {"k_operand": "e4m3", "tiles_per_pass": 2}),
+    ([16384, 3000], 4, 1, {}, {"k_operand": "bf16", "tiles_per_pass": 1}),
+    ([3000, 5, 200], 8, 3, {"group_size": 64}, {"k_operand": "bf16"}),
+    ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"tiles_per_pass": 1}),
+    ([2000, 33], 4, 2, {"rotation": "hadamard"}, {})])
+def test_promoted_pv_products_against_the_oracle_gpu(pv_promote, bits, lens, G, num_splits, fmt_kw, launch):
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "promoted PV products: error", num_splits=num_splits,
+                               warp_specialized=True, **launch)

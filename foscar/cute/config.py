@@ -60,6 +60,12 @@ COMBINE_PDL = False
 #: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
 #: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only
 QK_PROMOTE_BITS = (4,)
+#: Token-wise V: as the offset corrections fold (every :data:`CORRECTION_TILES` tiles) the MMA chain's sum of
+#: ``V^T P'^T`` moves into an FP32 accumulator and the chain restarts from 0 (:attr:`Sm90Config.pv_promote`),
+#: where one chain over a split's tiles sums every tile in the tensor core's accumulation (whose roundings of a
+#: long chain do not average out: the stress study's error grows with the length, FP16-operand V included,
+#: ``docs/results-h200.md``). Built, not yet run on a GPU
+PV_PROMOTE = False
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -148,6 +154,8 @@ class Sm90Config:
     trigger_dependents: bool = False
     #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE_BITS`)
     qk_promote: bool = False
+    #: token-wise V: the PV chain's sum moved to FP32 at each fold of the corrections (:data:`PV_PROMOTE`)
+    pv_promote: bool = False
 
     @property
     def rows(self) -> int:
@@ -478,4 +486,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
                       prologue=prologue, trigger_dependents=COMBINE_PDL,
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
-                      and fmt.head_dim // fmt.group_size <= 1)
+                      and fmt.head_dim // fmt.group_size <= 1,
+                      pv_promote=PV_PROMOTE and fmt.v_axis == "token")

@@ -40,14 +40,17 @@ class OutputAccumulator:
     units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
     Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
-    ``sigma``."""
+    ``sigma``. ``acc32`` (``Sm90Config.pv_promote``, else ``None``): where each fold of the corrections moves
+    the MMA chain's sum in FP32, so that the chain (and the FP16 operands' offset it carries until the
+    correction cancels it) spans the tiles between two folds, not every tile of the split."""
 
-    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2):
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, acc32=None):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
         self.nb = nb
         self.mh = mh
+        self.acc32 = acc32
 
     def group(self, e: int) -> int:
         """The channel group (its ``sigma`` and ``corr``) of accumulator element ``e``."""
@@ -57,7 +60,7 @@ class OutputAccumulator:
         return [s.ir_value() for s in self.sigma]
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
-        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh)
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.acc32)
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
@@ -71,6 +74,8 @@ class OutputAccumulator:
         nb = self.nb
         for e in range(cute.size(self.acc)):
             self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
+            if self.acc32 is not None:
+                self.acc32[e] = self.acc32[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
 
 
 @cute.jit
@@ -357,14 +362,18 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
 @cute.jit
 def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: cute.Tensor, thr):
     """The offset corrections of channel group ``g`` gathered per element join the accumulator elements of
-    the group's channels (in units of its ``sigma``)."""
+    the group's channels (in units of its ``sigma``); promoted (``out.acc32``), both move to ``acc32``."""
     cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
     nb = out.nb
     inv = power_of_two_reciprocal(out.sigma[g])
     for e in cutlass.range_constexpr(cute.size(accO)):
         if cutlass.const_expr(out.group(e) == g):
-            accO[e] = accO[e] + cs[o_slot(e, nb)] * inv
+            if cutlass.const_expr(out.acc32 is None):
+                accO[e] = accO[e] + cs[o_slot(e, nb)] * inv
+            else:  # the chain's sum and the corrections into FP32, the chain restarted from 0
+                out.acc32[e] = out.acc32[e] + (accO[e] + cs[o_slot(e, nb)] * inv)
+                accO[e] = Float32(0.0)
     out.corr[g].fill(0.0)
 
 
