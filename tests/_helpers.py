@@ -1,4 +1,6 @@
-"""Shared test helpers: random cache values, relative error and BF16 attention's error."""
+"""Shared test helpers: random cache values, relative error and BF16 attention's error, the CuTe kernels'
+switches set for a test."""
+import contextlib
 import math
 
 import torch
@@ -72,3 +74,17 @@ def magnitude_cache(fmt, magnitude, device, seed: int = 0):
     cache = foscar.quantize_kv(k.to(device), v.to(device), fmt,
                                seq_lens=torch.tensor([L, 333], dtype=torch.int32, device=device))
     return q.to(device), cache
+
+
+@contextlib.contextmanager
+def cute_switches(monkeypatch, **values):
+    """``foscar.cute.config``'s kernel switches (``NAME=value``) set through ``monkeypatch`` for the ``with``
+    block, ``config_for``'s cache cleared on entry and on exit (no config of other switches is served)."""
+    import foscar.cute.config as cfg_mod
+    for name, value in values.items():
+        monkeypatch.setattr(cfg_mod, name, value)
+    cfg_mod.config_for.cache_clear()
+    try:
+        yield
+    finally:
+        cfg_mod.config_for.cache_clear()

@@ -179,15 +179,15 @@ def test_sixteen_and_thirtytwo_heads_against_the_oracle_gpu(bits, lens, G, num_s
                                ctas_per_sm=ctas)
 
 
-def _decode_against_the_oracle(fmt, lens, G: int, label: str, page: int = 64, **launch) -> None:
-    """A paged cache of ``lens`` (2 KV heads, GQA ``G``, ``page`` tokens a page) decoded by the CuTe kernel with ``launch`` into
+def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
+    """A paged cache of ``lens`` (2 KV heads, GQA ``G``) decoded by the CuTe kernel with ``launch`` into
     NaN-poisoned outputs: every element finite, within the kernels' bound of the float64 oracle (BF16
     attention's error on the same dequantized cache), the LSE within 1e-2."""
     from _helpers import bf16_attention, kernel_error_bound, rel
     from test_triton import make
 
     from foscar.cute.launch import decode
-    q, cache = make(fmt, lens, Hkv=2, G=G, page=page, seed=fmt.bits)
+    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=fmt.bits)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
     decode(q, cache, out=out, lse=lse, **launch)
@@ -519,11 +519,9 @@ def test_three_q_terms_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw)
 def lazy_one_tile(monkeypatch):
     """One-tile passes with the lazy rescale (``foscar.cute.config.LAZY_ONE_TILE``, the default): the flag set
     whatever the default, and ``config_for``'s cache cleared around the test."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "LAZY_ONE_TILE", True)
-    cfg_mod.config_for.cache_clear()
-    yield
-    cfg_mod.config_for.cache_clear()
+    from _helpers import cute_switches
+    with cute_switches(monkeypatch, LAZY_ONE_TILE=True):
+        yield
 
 
 def test_the_lazy_rescale_takes_token_wise_v():

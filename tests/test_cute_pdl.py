@@ -12,6 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_combine, compile_stage1  # noqa: E402
 from foscar.cute.config import CombineConfig, config_for  # noqa: E402
 
@@ -21,11 +22,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 @pytest.fixture
 def pdl(monkeypatch):
     """``COMBINE_PDL`` set, ``config_for``'s cache cleared around the test."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "COMBINE_PDL", True)
-    cfg_mod.config_for.cache_clear()
-    yield
-    cfg_mod.config_for.cache_clear()
+    with cute_switches(monkeypatch, COMBINE_PDL=True):
+        yield
 
 
 @pytest.mark.parametrize("rotate", (False, True))

@@ -1,6 +1,6 @@
 """v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, the prologue that puts a
-CTA's first copies in flight while Q is staged, and E4M3 K's QK steps promoted to FP32. CPU: the choices, the shared-memory check, each variant
-compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
+CTA's first copies in flight while Q is staged, E4M3 K's QK steps and the PV chain's sum promoted to FP32. CPU:
+the choices, the shared-memory check, each variant compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
 import os
 import re
@@ -12,6 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _helpers import cute_switches  # noqa: E402
 from foscar.cute.config import (DEEP_STAGES, STAGES, config_for, default_stages,  # noqa: E402
                                 fits_shared_memory, shared_bytes)
 from foscar.errors import InvalidArgumentError  # noqa: E402
@@ -87,22 +88,14 @@ def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
 def prologue(request, monkeypatch):
     """``foscar.cute.config.PROLOGUE_BY_BITS`` set to one prologue for both bit widths (``config_for``'s cache
     cleared around the test)."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "PROLOGUE_BY_BITS", {2: request.param, 4: request.param})
-    cfg_mod.config_for.cache_clear()
-    yield request.param
-    cfg_mod.config_for.cache_clear()
+    with cute_switches(monkeypatch, PROLOGUE_BY_BITS={2: request.param, 4: request.param}):
+        yield request.param
 
 
 def test_a_misspelt_prologue_is_refused_by_name(monkeypatch):
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "PROLOGUE_BY_BITS", {2: "consumer-q", 4: "q_first"})
-    cfg_mod.config_for.cache_clear()
-    try:
+    with cute_switches(monkeypatch, PROLOGUE_BY_BITS={2: "consumer-q", 4: "q_first"}):
         with pytest.raises(InvalidArgumentError, match="^foscar.cute.config.PROLOGUE_BY_BITS: expected values of"):
             config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64)
-    finally:
-        cfg_mod.config_for.cache_clear()
 
 
 def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
@@ -151,11 +144,8 @@ def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, f
 @pytest.fixture
 def qk_promote(monkeypatch):
     """``foscar.cute.config.QK_PROMOTE_BITS`` set for both widths (``config_for``'s cache cleared around the test)."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "QK_PROMOTE_BITS", (2, 4))
-    cfg_mod.config_for.cache_clear()
-    yield
-    cfg_mod.config_for.cache_clear()
+    with cute_switches(monkeypatch, QK_PROMOTE_BITS=(2, 4)):
+        yield
 
 
 @pytest.mark.parametrize("bits,k_operand,tiles", [(2, "e4m3", 2), (4, "e4m3x3", 1)])
@@ -197,11 +187,8 @@ def test_int4_promotes_its_qk_steps_and_int2_does_not():
 @pytest.fixture
 def pv_promote(monkeypatch):
     """``foscar.cute.config.PV_PROMOTE`` set (``config_for``'s cache cleared around the test)."""
-    import foscar.cute.config as cfg_mod
-    monkeypatch.setattr(cfg_mod, "PV_PROMOTE", True)
-    cfg_mod.config_for.cache_clear()
-    yield
-    cfg_mod.config_for.cache_clear()
+    with cute_switches(monkeypatch, PV_PROMOTE=True):
+        yield
 
 
 @pytest.mark.parametrize("bits,group_size,k_operand,tiles,gqa", [(2, 128, "e4m3", 2, 4), (4, 64, "bf16", 1, 8),

@@ -73,9 +73,10 @@ class OutputAccumulator:
         ratio = [self.sigma[g] * power_of_two_reciprocal(sigma[g]) for g in range(len(sigma))]
         nb = self.nb
         for e in range(cute.size(self.acc)):
-            self.acc[e] = self.acc[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
+            f = al[o_slot(e, nb)] * ratio[self.group(e)]
+            self.acc[e] = self.acc[e] * f
             if self.acc32 is not None:
-                self.acc32[e] = self.acc32[e] * (al[o_slot(e, nb)] * ratio[self.group(e)])
+                self.acc32[e] = self.acc32[e] * f
 
 
 @cute.jit
