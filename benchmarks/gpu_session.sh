@@ -27,7 +27,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh install-cute BUNDLE_DIR  # install cutlass-dsl only (after tvm)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline-tests   # v1's stages and prologues, the lazy
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh promotion        # PV_PROMOTE: GPU tests, stress study at 1K/16K, time
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
+#                                                                #   against the split count, stress study, time
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -187,17 +188,19 @@ case "$step" in
     timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_pdl.py tests/test_cute_decode.py \
       -k "${2:-pipeline or pdl or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pipeline-tests.log" | tail -12 ;;
-  promotion)  # after install-cute: PV_PROMOTE's GPU tests, the stress study at 1K and 16K with it off and on (BF16
-              # and E4M3 K, one tile a pass), then its time against the shipped kernels
-    timeout 200 python3 -m pytest -q -s -m gpu tests/test_cute_pipeline.py -k promoted_pv > "$OUT/pv-tests.log" 2>&1
-    echo "PV_PROMOTE tests: $(tail -1 "$OUT/pv-tests.log")"
-    for k in bf16 e4m3; do for p in 0 1; do
-      timeout 120 python3 benchmarks/run_with.py PV_PROMOTE=$p -- foscar.bench.cli accuracy --backend cute --k-operand $k \
-        --lengths 1024 16384 --out "$OUT/acc-$k-pv$p" > "$OUT/acc-$k-pv$p.log" 2>&1
-      echo "$k PV_PROMOTE=$p rc=$?"; grep "^| INT" "$OUT/acc-$k-pv$p.log" | cut -d'|' -f2,3,7 | grep -v Hadamard
-    done; done
-    timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped PV_PROMOTE=1 \
-      > "$OUT/sweep-pv.md" 2>&1; tail -12 "$OUT/sweep-pv.md" ;;
+  placement)  # after install-cute: V^T by placement and by injection: their GPU tests, the error against the split
+              # count at L 16K (benchmarks/split_error.py), the stress study, then the time of injection
+    timeout 200 python3 -m pytest -q -s -m gpu tests/test_cute_pipeline.py -k "v_operands or placed_v" \
+      > "$OUT/placement-tests.log" 2>&1
+    echo "placement tests: $(tail -1 "$OUT/placement-tests.log")"
+    for p in 1 0; do
+      echo "V_PLACEMENT=$p"; timeout 100 python3 benchmarks/run_with.py V_PLACEMENT=$p -- benchmarks/split_error.py \
+        --splits 1 16 32 128 2>&1 | grep "^| INT"
+    done
+    timeout 120 python3 -m foscar.bench.cli accuracy --backend cute --lengths 1024 4096 16384 --out "$OUT/accuracy" \
+      > "$OUT/accuracy.log" 2>&1; grep "^| INT" "$OUT/accuracy.log" | cut -d'|' -f2,3,7,8
+    timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
+      > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2

@@ -14,7 +14,7 @@ import runpy
 import sys
 
 SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
-            "PV_PROMOTE": bool}
+            "V_PLACEMENT": bool}
 
 
 def settings(words: list[str]) -> dict:

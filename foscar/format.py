@@ -103,6 +103,9 @@ class OperandMapping:
         q = q.to(torch.int32)
         if self.operand in INJECTION_FORMATS:
             return self.inject_bits(q).view(INJECTION_FORMATS[self.operand][0]).double()
+        if self.operand == "f16-placed":
+            shl = int(self.name.split("<<")[1])
+            return (q << shl).to(torch.int16).view(torch.float16).double()
         if self.name == "e4m3":
             return q.to(torch.uint8).view(torch.float8_e4m3fn).double()
         if self.name == "e2m1":
@@ -130,6 +133,15 @@ def injection(operand: str, beta: int) -> OperandMapping:
     return OperandMapping(f"{operand}" if beta == {"bf16": 128, "f16": 1024}[operand] else f"{operand}+{beta}",
                           1.0, float(beta), operand, f"0x{pattern:04X} | q << {INJECTION_FORMATS[operand][1] - int(math.log2(beta))}"
                           f"  ->  q + {beta}")
+
+
+@functools.lru_cache(maxsize=16)
+def f16_placement(shl: int) -> OperandMapping:
+    """FP16 placement: a code at bit ``shl`` of an FP16 whose exponent field is 0 (``shl + bits <= 11``:
+    subnormal, or the first normal binade, where the bit pattern's value is linear), ``y = q 2^(shl - 24)``
+    with no offset (``beta = 0``), built by a mask alone. A product over such operands carries no
+    ``beta sum(P)`` for its accumulator to lose bits to."""
+    return OperandMapping(f"f16<<{shl}", 2.0 ** (shl - 24), 0.0, "f16-placed", f"q << {shl}  ->  q 2^{shl - 24}")
 
 
 #: The units ``sigma`` of the GPU kernels' operand-fold of token-wise V, ``P' = P s'_V / sigma`` (a power of

@@ -16,6 +16,8 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 from foscar.cute.fragment import TILE_TOKENS, rs_fragment_ownership, tile_register_source, tile_words  # noqa: E402
 from foscar.format import block_map, block_tokens, pack_codes, words_per_block  # noqa: E402
 
+from _helpers import cute_switches  # noqa: E402
+
 
 def decode(words, word, shift, bits):
     w = words.long() & 0xFFFFFFFF
@@ -114,16 +116,20 @@ def test_accumulator_ownership(m):
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("v_axis", ("token", "channel"))
-def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head_dim):
+@pytest.mark.parametrize("v_axis,placed", [("token", False), ("channel", False), ("token", True)])
+def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axis, placed, bits, head_dim):
     """V^T's FP16 registers as ``operands.build_vt_registers`` builds them (a word rotated by the config's
     placement of the register's token half, one ``lop3``) hold ``q + beta_h`` for CuTe's element, ``h`` the
-    token half of its k16 block, whose pivot ``v_operand_fold`` takes; fewer rotations than one placement."""
+    token half of its k16 block, whose pivot ``v_operand_fold`` takes; fewer rotations than one placement.
+    By placement (``V_PLACEMENT``) they hold ``q 2^(shl_h - 24)``: ``q`` times the half's P' factor over the
+    accumulator's unit, no offset (the pivot, in the accumulator's units, is the middle code's operand)."""
     import foscar
     from foscar.cute.config import config_for
     from foscar.cute.fragment import v_register_source, v_rotations, v_token_half
-    cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64 if head_dim < 256 else 128,
-                                     v_axis=v_axis), 4, 64)
+    with cute_switches(monkeypatch, V_PLACEMENT=placed):
+        cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64 if head_dim < 256 else 128,
+                                         v_axis=v_axis), 4, 64)
+    mid = ((1 << bits) - 1) / 2
     gen = torch.Generator().manual_seed(7 * bits + head_dim)
     codes = torch.randint(0, 1 << bits, (TILE_TOKENS, head_dim), generator=gen, dtype=torch.int32)
     words = pack_codes(codes, bits, "v").long() & 0xFFFFFFFF
@@ -138,8 +144,9 @@ def test_vt_registers_hold_code_plus_their_token_halfs_offset(v_axis, bits, head
         x = ((w >> rot) | (w << (32 - rot))) & 0xFFFFFFFF
         reg = (x & ((((1 << bits) - 1) << shl) * 0x00010001)) | (pattern * 0x00010001)
         halves = torch.stack([reg & 0xFFFF, reg >> 16], -1).to(torch.int32).to(torch.int16)
-        value = halves.view(torch.float16).double()
-        beta = cfg.v_pivots[h] - ((1 << bits) - 1) / 2
+        value = halves.view(torch.float16).double() * cfg.v_unit * cfg.v_factors[h]  # exact: powers of two
+        beta = cfg.v_pivots[h] * cfg.v_factors[h] - mid
+        assert beta == 0 or not placed
         assert torch.equal(value, codes[token[:, r], channel[:, r]].double() + beta)
     uniform = len(v_rotations(bits, head_dim, (10 - bits,) * 2) - {0})
     placed = len(v_rotations(bits, head_dim, cfg.v_shls) - {0})

@@ -85,6 +85,19 @@ def test_every_code_constructs_alpha_q_plus_beta_exactly(mapping):
         assert torch.equal(y, mapping.alpha * q.double() + mapping.beta), (mapping.name, b)
 
 
+@pytest.mark.parametrize("bits", (2, 4))
+def test_f16_placement_is_linear_through_the_first_normal_binade(bits):
+    """FP16 placement (exponent field 0): every code at every bit up to ``11 - bits`` is ``q 2^(shl - 24)``
+    exactly, subnormal or in the first normal binade; one bit higher the pattern's value is no longer linear."""
+    from foscar.format import f16_placement
+    q = torch.arange(1 << bits)
+    for shl in range(0, 12 - bits):
+        op = f16_placement(shl)
+        assert (op.alpha, op.beta) == (2.0 ** (shl - 24), 0.0)
+        assert torch.equal(op.construct(q), op.alpha * q.double()), shl
+    assert not torch.equal(f16_placement(12 - bits).construct(q), 2.0 ** (12 - bits - 24) * q.double())
+
+
 def test_bf16_bit_patterns_and_pair_construction():
     q = torch.arange(16, dtype=torch.int32)
     bits = (q | 0x4300).to(torch.int16)

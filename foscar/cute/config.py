@@ -60,12 +60,15 @@ COMBINE_PDL = False
 #: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
 #: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only
 QK_PROMOTE_BITS = (4,)
-#: Token-wise V: as the offset corrections fold (every :data:`CORRECTION_TILES` tiles) the MMA chain's sum of
-#: ``V^T P'^T`` moves into an FP32 accumulator and the chain restarts from 0 (:attr:`Sm90Config.pv_promote`),
-#: where one chain over a split's tiles sums every tile in the tensor core's accumulation (whose roundings of a
-#: long chain do not average out: the stress study's error grows with the length, FP16-operand V included,
-#: ``docs/results-h200.md``). Built, not yet run on a GPU
-PV_PROMOTE = False
+#: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no
+#: offset; :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection gives
+#: ``q + 2^(10 - shl)``: with injection the PV chain carries the offset times the sum of P' until the next fold
+#: of the corrections (every :data:`CORRECTION_TILES` tiles), and the tensor core's FP32 sum, truncating, loses
+#: bits to it at every step. Measured on the H200 (``benchmarks/split_error.py``, stress input, L 16K): with
+#: injection the error grows with a split's tiles up to 8 a consumer (INT4 2.2e-4 at 1, 8.3e-4 at 8 or more;
+#: INT2 2.5e-4 -> 1.7e-3), by placement it is 2.1-2.4e-4 at any split count, for the same time (the paper grid's
+#: geomean 0.999 INT2, 1.009 INT4; SASS a tile 290 -> 290.5 INT2, 328.5 -> 329 INT4)
+V_PLACEMENT = True
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -100,7 +103,8 @@ class Sm90Config:
 
     The injection constants build each product's operands from the codes: BF16 bits
     ``k_pattern | q << k_shl`` are ``q + beta_K``; V^T's FP16 bits ``v_patterns[h] | q << v_shls[h]`` are
-    ``q + beta_V[h]`` for the codes of token half ``h`` of each k16 block
+    ``q + beta_V[h]`` (injection), or ``q 2^(v_shls[h] - 24)`` with no pattern (placement, token-wise V:
+    :attr:`v_factors`, :attr:`v_unit`), for the codes of token half ``h`` of each k16 block
     (:func:`foscar.cute.fragment.v_token_half`: two placements take fewer shifts than one,
     :func:`foscar.cute.fragment.v_token_half_shls`; channel-wise V keeps one). ``*_pivot`` is the operand
     of the middle code, and a group's middle value is ``z' + *_mid * s'``.
@@ -118,6 +122,11 @@ class Sm90Config:
     v_shls: tuple[int, int]
     v_pivots: tuple[float, float]
     v_mid: float
+    #: token-wise V^T by placement (:data:`V_PLACEMENT`): the factor of each token half's P' (its operand's
+    #: scale relative to the lower half's, a power of two) and the accumulator's unit (the lower half's operand
+    #: factor ``2^(24 - shl)``: the accumulator holds the output in units of ``sigma v_unit``); 1 for injection
+    v_factors: tuple[float, float] = (1.0, 1.0)
+    v_unit: float = 1.0
     sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
@@ -154,8 +163,6 @@ class Sm90Config:
     trigger_dependents: bool = False
     #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE_BITS`)
     qk_promote: bool = False
-    #: token-wise V: the PV chain's sum moved to FP32 at each fold of the corrections (:data:`PV_PROMOTE`)
-    pv_promote: bool = False
 
     @property
     def rows(self) -> int:
@@ -411,7 +418,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
-    from ..format import E4M3_PLACEMENT, fold_constants, injection, injection_constants, operand_for
+    from ..format import E4M3_PLACEMENT, f16_placement, fold_constants, injection, injection_constants, operand_for
     from .fragment import v_token_half_shls
     if fmt.is_fp4:
         raise UnsupportedError(f"scheme={fmt.scheme!r}", "the CuTe kernels read affine codes; the FP4 block "
@@ -468,6 +475,14 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in v_token_half_shls(fmt.bits, fmt.head_dim))
     v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
     assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
+    v_factors, v_unit = (1.0, 1.0), 1.0
+    if V_PLACEMENT and fmt.v_axis == "token":  # the same bits, no offset: q 2^(shl - 24)
+        shls = (v0["V_SHL"], v1["V_SHL"])
+        folds = [fold_constants("V", f16_placement(shl), fmt) for shl in shls]
+        v_unit = folds[shls.index(min(shls))]["V_FACTOR"]
+        v_factors = tuple(f["V_FACTOR"] / v_unit for f in folds)
+        for v, f in zip((v0, v1), folds):
+            v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
     if stages is None:
         stages = default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
@@ -479,12 +494,11 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
-                      v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), sink=fmt.sink, recent=fmt.recent,
+                      v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
                       prologue=prologue, trigger_dependents=COMBINE_PDL,
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
-                      and fmt.head_dim // fmt.group_size <= 1,
-                      pv_promote=PV_PROMOTE and fmt.v_axis == "token")
+                      and fmt.head_dim // fmt.group_size <= 1)

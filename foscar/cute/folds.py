@@ -40,17 +40,15 @@ class OutputAccumulator:
     units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
     Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
-    ``sigma``. ``acc32`` (``Sm90Config.pv_promote``, else ``None``): where each fold of the corrections moves
-    the MMA chain's sum in FP32, so that the chain (and the FP16 operands' offset it carries until the
-    correction cancels it) spans the tiles between two folds, not every tile of the split."""
+    ``sigma``. V^T by placement (``Sm90Config.v_unit``): the elements are in units of ``sigma * unit``."""
 
-    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, acc32=None):
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, unit: float = 1.0):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
         self.nb = nb
         self.mh = mh
-        self.acc32 = acc32
+        self.unit = unit
 
     def group(self, e: int) -> int:
         """The channel group (its ``sigma`` and ``corr``) of accumulator element ``e``."""
@@ -60,7 +58,7 @@ class OutputAccumulator:
         return [s.ir_value() for s in self.sigma]
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
-        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.acc32)
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.unit)
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
@@ -75,8 +73,6 @@ class OutputAccumulator:
         for e in range(cute.size(self.acc)):
             f = al[o_slot(e, nb)] * ratio[self.group(e)]
             self.acc[e] = self.acc[e] * f
-            if self.acc32 is not None:
-                self.acc32[e] = self.acc32[e] * f
 
 
 @cute.jit
@@ -274,6 +270,10 @@ def p_operands(cfg, v: list, p: list, sigma: list) -> list:
     groups = len(sigma)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
+    f0, f1 = cfg.v_factors  # V^T by placement: each token half's operand scale (1 for injection), applied to
+    # s' / sigma <= 1 (never to 1 / sigma alone, which a factor could take below FP32's normal range)
+    if cutlass.const_expr(f0 != 1.0 or f1 != 1.0):
+        r = [(r[g][0] * f0, r[g][1] * f1) for g in range(groups)]
     return [[Float16(p[e] * r[g][row_half(e)]) for e in range(len(p))] for g in range(groups)]
 
 
@@ -363,18 +363,17 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
 @cute.jit
 def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: cute.Tensor, thr):
     """The offset corrections of channel group ``g`` gathered per element join the accumulator elements of
-    the group's channels (in units of its ``sigma``); promoted (``out.acc32``), both move to ``acc32``."""
+    the group's channels (in units of its ``sigma``)."""
     cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
     nb = out.nb
     inv = power_of_two_reciprocal(out.sigma[g])
+    cs = [c * inv for c in cs]  # in units of sigma
+    if cutlass.const_expr(out.unit != 1.0):  # the accumulator in units of sigma * unit (a power of two)
+        cs = [c * (1.0 / out.unit) for c in cs]
     for e in cutlass.range_constexpr(cute.size(accO)):
         if cutlass.const_expr(out.group(e) == g):
-            if cutlass.const_expr(out.acc32 is None):
-                accO[e] = accO[e] + cs[o_slot(e, nb)] * inv
-            else:  # the chain's sum and the corrections into FP32, the chain restarted from 0
-                out.acc32[e] = out.acc32[e] + (accO[e] + cs[o_slot(e, nb)] * inv)
-                accO[e] = Float32(0.0)
+            accO[e] = accO[e] + cs[o_slot(e, nb)]
     out.corr[g].fill(0.0)
 
 

@@ -84,11 +84,12 @@ def v_rotations(bits: int, head_dim: int, shls: tuple[int, int]) -> frozenset[in
 def v_token_half_shls(bits: int, head_dim: int, min_shl: int = 4) -> tuple[int, int]:
     """The bit ``(shl_0, shl_1)`` of a 16-bit half that token half 0 and 1's codes are placed at in V^T's FP16
     operands: the fewest rotations per word (:func:`v_rotations`), then the highest bits, at bits
-    ``min_shl`` to ``10 - bits`` (the mantissa). The operand is ``q + 2^(10 - shl)``: the accumulator carries
-    that offset times the sum of P' until the correction cancels it, and the tensor core's FP32 sum loses
-    its low bits to it (on the H200, offsets of 256 raised the kernels' error by up to a third; 64 is the
-    largest taken). INT2: (4, 8), 4 rotations a word where one bit for every register takes 7; INT4: (4, 6),
-    3 where one bit takes 4."""
+    ``min_shl`` to ``10 - bits`` (the mantissa). By mantissa injection the operand is ``q + 2^(10 - shl)``:
+    the accumulator carries that offset times the sum of P' until the correction cancels it, and the tensor
+    core's FP32 sum loses its low bits to it (on the H200, offsets of 256 raised the kernels' error by up to a
+    third; 64 is the largest taken); by placement (:data:`foscar.cute.config.V_PLACEMENT`) it is
+    ``q 2^(shl - 24)``, no offset. INT2: (4, 8), 4 rotations a word where one bit for every register takes 7;
+    INT4: (4, 6), 3 where one bit takes 4."""
     top = 10 - bits
     cands = [(s0, s1) for s0 in range(min_shl, top + 1, 2) for s1 in range(min_shl, top + 1, 2)]
     return min(cands, key=lambda s: (len(v_rotations(bits, head_dim, s) - {0}), -min(s), -sum(s)))

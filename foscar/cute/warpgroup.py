@@ -204,11 +204,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
     softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
-    acc32 = None  # the MMA chain's sum, moved here in FP32 as the corrections fold (cfg.pv_promote)
-    if cutlass.const_expr(cfg.pv_promote):
-        acc32 = cute.make_rmem_tensor(acc.layout, Float32)
-        acc32.fill(0.0)
-    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, acc32)
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
@@ -429,7 +425,7 @@ class TileKernel:
         thr = wg.thr
         out = state.out
         fold_corrections(cfg, out, wg.smem.sSum, thr)
-        accO = out.acc if out.acc32 is None else out.acc32  # promoted: every product and correction moved there
+        accO = out.acc
         sums = column_sums(state.softmax.sums, wg.smem.sSum, thr)
         slots = len(sums)
         # ---- the split's partial output and LSE (base 2), by query row (:meth:`query_row`) --------------------
@@ -446,10 +442,13 @@ class TileKernel:
             ch, h = thr_c[e]
             if h < cfg.rows:
                 row = self.query_row(h, kvh, n_kvh)
+                a = accO[e]
+                if cutlass.const_expr(cfg.v_unit != 1.0):  # V^T by placement: units of sigma * v_unit, the unit
+                    a = a * cfg.v_unit  # first (sigma * v_unit can pass FP32's range)
                 if cutlass.const_expr(cfg.vc == 2):
-                    mOP[b, row, split, ch] = accO[e] * out.sigma[out.group(e)] * inv[o_slot(e, nb)]
+                    mOP[b, row, split, ch] = a * out.sigma[out.group(e)] * inv[o_slot(e, nb)]
                 else:
-                    mOP[b, row, split, ch] = accO[e] * inv[o_slot(e, nb)]
+                    mOP[b, row, split, ch] = a * inv[o_slot(e, nb)]
         warp = thr.warp
         lane = thr.lane
         if warp == 0 and lane < 4:
