@@ -14,7 +14,7 @@ import runpy
 import sys
 
 SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
-            "V_PLACEMENT": bool}
+            "V_PLACEMENT": bool, "PRODUCER_Q_FOLD": bool}
 
 
 def settings(words: list[str]) -> dict:

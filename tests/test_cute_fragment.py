@@ -170,3 +170,50 @@ def test_column_slots_are_cutes_accumulator(m, n):
         row = 64 * (0 if m == 64 else o_block(e, nb)) + 16 * w + lane // 4 + 8 * row_half(e)
         assert torch.equal(own[:, e, 1], col), e
         assert torch.equal(own[:, e, 0], row), e
+
+
+@pytest.mark.parametrize("threads", (128, 96))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("cols", (8, 16, 32))
+def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
+    """Channel-wise K's ``Q'``: the chunks of :data:`FOLD_CHANNELS` channels that ``threads`` threads build
+    (``fold_chunk``: a consumer warpgroup, or the producer's three warps besides the TMA issuer) cover every
+    (row, channel) of the kernel's columns once, and a row's builders are consecutive lanes of one warp (its
+    correction is their butterfly sum)."""
+    from types import SimpleNamespace
+
+    from foscar.cute.config import FOLD_CHANNELS, fold_chunk, fold_chunks
+    cfg = SimpleNamespace(head_dim=head_dim, cols=cols)
+    seen = torch.zeros(cols, head_dim, dtype=torch.long)
+    lanes = {}
+    for t in range(threads):
+        for j in range(fold_chunks(cfg, threads)):
+            row, d0 = fold_chunk(head_dim, t, j, threads)
+            if row < cols:
+                seen[row, d0:d0 + FOLD_CHANNELS] += 1
+                lanes.setdefault((row, t // 32), []).append(t % 32)
+    assert bool((seen == 1).all())
+    for lane_list in lanes.values():  # one warp, consecutive, aligned to their count (a butterfly group)
+        n = len(lane_list)
+        assert n == head_dim // FOLD_CHANNELS and lane_list == list(range(lane_list[0], lane_list[0] + n))
+        assert lane_list[0] % n == 0
+
+
+@pytest.mark.parametrize("group_size", (64, 128, 256))
+@pytest.mark.parametrize("consumers", (1, 2))
+def test_a_warpgroups_token_groups_alternate_between_the_q_buffers(group_size, consumers):
+    """``k_fold_buffer``: over every split start, the token groups one warpgroup visits (every ``consumers``-th
+    tile) take alternating ``Q'`` buffers, so that a fold never writes the buffer the previous one filled."""
+    from types import SimpleNamespace
+
+    from foscar.cute.config import TILE, k_fold_buffer
+    cfg = SimpleNamespace(group_size=group_size)
+    for t_lo in range(9):
+        for c in range(consumers):
+            visited = []  # (group, buffer) at each group change
+            for tile in range(t_lo + c, t_lo + 40, consumers):
+                grp = tile * TILE // group_size
+                if not visited or visited[-1][0] != grp:
+                    visited.append((grp, k_fold_buffer(cfg, tile * TILE, consumers)))
+            bufs = [b for _, b in visited]
+            assert all(a != b for a, b in zip(bufs, bufs[1:])), (t_lo, c, visited)

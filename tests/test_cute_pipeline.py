@@ -1,5 +1,6 @@
 """v1's pipeline: its depth (stages per consumer) as a launch and tuning choice, the prologue that puts a
-CTA's first copies in flight while Q is staged, E4M3 K's QK steps and the PV chain's sum promoted to FP32. CPU:
+CTA's first copies in flight while Q is staged, E4M3 K's QK steps promoted to FP32, V^T's operands, channel-wise K's
+``Q'`` folded by the consumers or by the producer. CPU:
 the choices, the shared-memory check, each variant compiles for sm_90a without spills. GPU (sm_90): each against the float64 oracle, and a ring that cannot fit
 the CTAs of an SM refused by name."""
 import os
@@ -242,3 +243,52 @@ def test_placed_v_keeps_a_long_split_accurate_gpu(bits, quantizer):
     err = rel_l2(out, foscar.decode_exact(q, cache))
     print(f"\nINT{bits} L 16K, one split: error {err:.3e}")
     assert err < 4e-4
+
+
+@pytest.fixture(params=[False, True], ids=["consumer_fold", "producer_fold"])
+def producer_fold(monkeypatch, request):
+    """``foscar.cute.config.PRODUCER_Q_FOLD`` off (the default: each consumer folds ``Q'``) and on (the producer's
+    three other warps fold a ``Q'`` per stage), ``config_for``'s cache cleared around the test."""
+    with cute_switches(monkeypatch, PRODUCER_Q_FOLD=request.param):
+        yield request.param
+
+
+@pytest.mark.parametrize("bits,head_dim,gqa,v_axis,ctas", [(2, 128, 4, "token", 2), (4, 64, 8, "channel", 1),
+                                                           (4, 128, 16, "token", 1)])
+def test_q_folds_compile_for_sm90a(producer_fold, bits, head_dim, gqa, v_axis, ctas):
+    """Channel-wise K's ``Q'`` folded by the consumers or by the producer: the same four TMA copies a tile, the
+    producer's register budget (32 at two CTAs an SM when it folds), a ring of four stages and Q staged first
+    where the producer folds; no spills."""
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import ws_registers
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis="channel", v_axis=v_axis)
+    cfg = config_for(fmt, gqa, 64)
+    assert cfg.producer_fold == producer_fold
+    assert (cfg.stages == STAGES and cfg.prologue == "q_first") if producer_fold else True
+    assert fits_shared_memory(cfg, ctas)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
+    producer, _ = ws_registers(cfg, ctas)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer}\b", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,launch", [
+    ([5000, 700, 130], 4, None, {"k_axis": "channel"}, {}),
+    ([2000, 3], 8, 3, {"k_axis": "channel", "sink": 2, "recent": 7}, {"ctas_per_sm": 1}),
+    ([3000, 900], 1, 2, {"k_axis": "channel", "v_axis": "channel"}, {}),
+    ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64}, {}),
+    ([1500, 90], 8, 2, {"k_axis": "channel", "group_size": 64}, {}),
+    ([2000, 700], 16, 2, {"k_axis": "channel"}, {"ctas_per_sm": 1}),
+    ([2200, 65], 4, 3, {"k_axis": "channel", "v_axis": "channel", "group_size": 256}, {})])
+def test_q_folds_against_the_oracle_gpu(producer_fold, bits, lens, G, num_splits, fmt_kw, launch):
+    """Channel-wise K's ``Q'`` folded by the consumers and by the producer: every element against the float64
+    oracle within the kernels' bound (token groups of 64, 128 and 256 tokens, windows, channel-wise V, 16 rows,
+    one and two CTAs an SM)."""
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"Q' by the {'producer' if producer_fold else 'consumers'}: error",
+                               num_splits=num_splits, warp_specialized=True, **launch)

@@ -21,6 +21,9 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
+#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.k_operand_fold`):
+#: one 16-byte chunk of a swizzled BF16 row, so that a row's ``D / 8`` builders are lanes of one warp
+FOLD_CHANNELS = 8
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
 #: log2 headroom of the lazy rescale (:mod:`foscar.cute.lazy`, :attr:`Sm90Config.lazy_rescale`): a pass keeps
@@ -69,6 +72,12 @@ QK_PROMOTE_BITS = (4,)
 #: INT2 2.5e-4 -> 1.7e-3), by placement it is 2.1-2.4e-4 at any split count, for the same time (the paper grid's
 #: geomean 0.999 INT2, 1.009 INT4; SASS a tile 290 -> 290.5 INT2, 328.5 -> 329 INT4)
 V_PLACEMENT = True
+#: Channel-wise K's ``Q'`` built by v1's producer warpgroup (its three warps besides the TMA issuer) into a ``Q'``
+#: per stage, from the stage's ``(s', z')``, where each consumer builds it before each of its tiles
+#: (:attr:`Sm90Config.producer_fold`): the fold and its chain of latencies leave the consumers' tile step
+PRODUCER_Q_FOLD = False
+#: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
+FOLD_WARPS = 3
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
@@ -76,6 +85,14 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
 #: v0 runs): launched at 80 a thread (65,536 / 768, rounded down to 8), the producer gives 56 back and
 #: each consumer takes 24 (128 x 56 >= 256 x 24).
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
+#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
+#: back 48 (128 x 48 = 256 x 24), keeping 32 for the fold
+WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
+
+
+def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
+    """v1's (producer, consumer) registers a thread after ``setmaxnreg`` (:data:`WS_REGISTERS`)."""
+    return (WS_REGISTERS_FOLD if cfg.producer_fold else WS_REGISTERS)[ctas_per_sm]
 
 #: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank); the
 #: element types ``"bf16"``, ``"i32"``, ``"f32"`` (:mod:`foscar.cute.compile` maps them to cutlass types). Every
@@ -163,6 +180,8 @@ class Sm90Config:
     trigger_dependents: bool = False
     #: E4M3 K operands, token-wise K with one channel group: the QK steps promoted to FP32 (:data:`QK_PROMOTE_BITS`)
     qk_promote: bool = False
+    #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
+    producer_fold: bool = False
 
     @property
     def rows(self) -> int:
@@ -205,9 +224,15 @@ class Sm90Config:
         return 1 if self.v_channel else self.head_dim // self.group_size
 
     @property
+    def k_par_words(self) -> int:
+        """Per-thread K ``(s', z')`` registers of a tile: its two token rows' per channel group, or (channel-wise
+        K, v0) the token group's of the channels it folds into ``Q'`` (:data:`FOLD_CHANNELS`)."""
+        return 2 * FOLD_CHANNELS if self.k_channel else 4 * self.kc
+
+    @property
     def par_words(self) -> int:
-        """Per-thread ``(s', z')`` registers of a tile: K's, then V's (from ``4 * kc``)."""
-        return 4 * self.kc + 4 * self.vc
+        """Per-thread ``(s', z')`` registers of a tile: K's, then V's (from :attr:`k_par_words`)."""
+        return self.k_par_words + 4 * self.vc
 
     @property
     def flush(self) -> int:
@@ -268,6 +293,29 @@ class Sm90Config:
     def v_group(self, m: int) -> int:
         """The channel group of token-wise V that m64 block ``m`` of V^T (of O^T) belongs to."""
         return m * self.vc // self.mh
+
+
+def fold_chunk(head_dim: int, t, j: int, threads: int = THREADS):
+    """Channel-wise K's ``Q'`` (:func:`foscar.cute.folds.fold_q`) built by ``threads`` threads (whole warps):
+    ``(row, d0)``, the query row and first channel of thread ``t``'s ``j``-th chunk of :data:`FOLD_CHANNELS`
+    channels. A row's ``head_dim / 8`` chunks are consecutive threads (lanes of one warp), ``threads / (head_dim
+    / 8)`` rows are built at once; a row past the kernel's columns is no chunk."""
+    lanes = head_dim // FOLD_CHANNELS
+    return t // lanes + j * (threads // lanes), (t % lanes) * FOLD_CHANNELS
+
+
+def fold_chunks(cfg, threads: int = THREADS) -> int:
+    """The chunks of ``Q'`` each of ``threads`` threads builds (:func:`fold_chunk`, some past the columns)."""
+    sets = threads // (cfg.head_dim // FOLD_CHANNELS)
+    return (cfg.cols + sets - 1) // sets
+
+
+def k_fold_buffer(cfg, t0, consumers: int):
+    """Channel-wise K: which of the two ``Q'`` buffers the tile at token ``t0`` takes, for a warpgroup that
+    computes every ``consumers``-th tile (v0: 1, v1: :data:`CONSUMERS`): the token groups it visits alternate
+    between the buffers, so that a fold writes the buffer its MMAs read two folds before (behind the barrier
+    of the fold between), never the one the last fold filled."""
+    return (t0 // max(cfg.group_size, consumers * TILE)) & 1
 
 
 def columns_for(rows: int) -> int:
@@ -387,10 +435,12 @@ def default_stages(bits: int, head_dim: int) -> int:
 
 def shared_bytes(cfg: Sm90Config) -> int:
     """An upper estimate of one v1 CTA's shared memory: the stage ring (both tensors' codes and ``(s', z')``
-    and two mbarriers a slot), Q and each consumer's BF16 Q s' (BF16 K operands), P' (two with a second V
-    channel group), and 8 KB for the reductions, sums and alignment."""
+    and two mbarriers a slot), Q and, channel-wise K, each consumer's two buffers of ``Q s'``, P' (two with a
+    second V channel group), and 8 KB for the reductions, sums and alignment."""
     slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
-    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 if cfg.k_e4m3 else 1 + CONSUMERS)
+    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * CONSUMERS if cfg.k_channel and not cfg.producer_fold else 1)
+    if cfg.producer_fold:  # each stage's Q', its corrections and its parameters' barrier
+        slot += cfg.cols * cfg.head_dim * 2 + 4 * cfg.cols + 8
     p_bytes = CONSUMERS * cfg.vc * TILE * cfg.cols * 2
     return cfg.stages * CONSUMERS * slot + q_bytes + p_bytes + 8 * 1024
 
@@ -483,11 +533,13 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         v_factors = tuple(f["V_FACTOR"] / v_unit for f in folds)
         for v, f in zip((v0, v1), folds):
             v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
-    if stages is None:
-        stages = default_stages(fmt.bits, fmt.head_dim)
+    producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
+    if stages is None:  # a Q' per stage takes a deep ring's room
+        stages = STAGES if producer_fold else default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
         raise InvalidArgumentError("stages", f"one of {STAGE_CHOICES}", stages)
-    prologue = "q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
+    # a rotated cache stages Q through the ring's first stage; the producer's Q' reads Q staged before its loop
+    prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
@@ -501,4 +553,4 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
                       prologue=prologue, trigger_dependents=COMBINE_PDL,
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
-                      and fmt.head_dim // fmt.group_size <= 1)
+                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)

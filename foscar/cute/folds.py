@@ -21,7 +21,7 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import THREADS, o_block, o_slot, row_half, s_slot, slot_column
+from .config import FOLD_CHANNELS, THREADS, fold_chunk, fold_chunks, o_block, o_slot, row_half, s_slot, slot_column
 from .operands import build_vt_registers
 from .softmax import column_sums
 
@@ -159,56 +159,56 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
 
 
 @cute.jit
-def k_operand_fold(cfg, wg, s_d: Float32, z_d: Float32):
-    """Channel-wise K, at a token group's first tile: ``Q' = bf16(Q s')`` into ``sQk`` (the QK product's B
-    operand) and the group's offset correction per head, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot
-    ``c``, from the BF16 ``Q'`` the MMA consumes), into ``sKf``. Thread ``tidx`` holds channel
-    ``tidx % D``'s ``(s', z')`` (``s_d``, ``z_d``) and handles its ``cols * D / 128`` elements of ``Q``."""
+def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, param):
+    """Channel-wise K's operand-fold of a token group by ``threads`` threads (``t``: this one): ``Q' = bf16(Q s')``
+    into buffer ``buf`` of ``sQk`` (the QK product's B operand) and the group's offset correction per query
+    row, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot ``c``, from the BF16 ``Q'`` the MMA consumes), into
+    ``sKf[buf, row]``. The thread builds its chunks of 8 channels (:func:`~foscar.cute.config.fold_chunk`: the
+    ``D / 8`` builders of a row are lanes of one warp, its correction their butterfly sum); ``param(i)`` is the
+    ``i``-th float of its channels' ``(s', z')`` (``s'`` of channel ``d0 + i // 2`` at even ``i``, ``z'`` at odd).
+    No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
+    lanes = D // FOLD_CHANNELS  # threads of one row: a power of two <= 32
+    pivot = cfg.k_pivots[0]  # channel-wise K: BF16 operands, one pivot
+    qv = cute.make_rmem_tensor(cute.make_layout(FOLD_CHANNELS), BFloat16)
+    qs = cute.make_rmem_tensor(cute.make_layout(FOLD_CHANNELS), BFloat16)
+    for j in cutlass.range_constexpr(fold_chunks(cfg, threads)):
+        h, d0 = fold_chunk(D, t, j, threads)
+        chunk = d0 // FOLD_CHANNELS
+        part = Float32(0.0)
+        if h < cfg.cols:  # one 16-byte chunk of row h: its channels' Q, then Q'
+            cute.autovec_copy(cute.local_tile(sQ[(h, None)], (FOLD_CHANNELS,), (chunk,)), qv)
+            for i in cutlass.range_constexpr(FOLD_CHANNELS):
+                sc = param(2 * i)  # read where it is used, each chunk (few live registers)
+                md = param(2 * i + 1) + cfg.k_mid * sc
+                x = Float32(qv[i])
+                y = BFloat16(x * sc)
+                qs[i] = y
+                part = part + x * md - pivot * Float32(y)
+            cute.autovec_copy(qs, cute.local_tile(sQk[(h, None, buf)], (FOLD_CHANNELS,), (chunk,)))
+        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
+            part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
+        if t % lanes == 0 and h < cfg.cols:
+            sKf[buf, h] = part
+
+
+@cute.jit
+def k_operand_fold(cfg, wg, param, buf):
+    """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` into buffer
+    ``buf``, then one barrier of the warpgroup (the writes fenced for the wgmma's proxy first): the buffers
+    alternate (:func:`~foscar.cute.config.k_fold_buffer`), so no reader of this one is left."""
     thr = wg.thr
-    sQ = wg.smem.sQ
-    sQk = wg.smem.sQk
-    sKr = wg.smem.sKr
-    sKf = wg.smem.sKf
-    ctid = thr.tidx
-    warp = thr.warp
-    lane = thr.lane
-    per = cfg.cols * D // THREADS  # rows per thread: cols (D = 128) or cols / 2 (D = 64)
-    d = ctid % D
-    h0 = (ctid // D) * per
-    mid = z_d + cfg.k_mid * s_d
-    part = cute.make_rmem_tensor(cute.make_layout(per), Float32)
-    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)  # earlier readers of sQk, sKf are done
-    for i in cutlass.range_constexpr(per):
-        qv = Float32(sQ[h0 + i, d])
-        qs = BFloat16(qv * s_d)
-        sQk[h0 + i, d] = qs
-        part[i] = qv * mid - cfg.k_pivots[0] * Float32(qs)  # channel-wise K: BF16 operands, one pivot
-    for i in cutlass.range_constexpr(per):  # sum over the warp's 32 channels
-        v = part[i]
-        for sh in cutlass.range_constexpr(5):
-            v = v + cute.arch.shuffle_sync_bfly(v, 16 >> sh)
-        part[i] = v
-    if lane == 0:
-        for i in cutlass.range_constexpr(per):
-            sKr[warp, i] = part[i]
-    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    if ctid < cfg.cols:  # row h: the warps holding its channels (all four at D = 128; two at D = 64)
-        warps = D // 32
-        first = (ctid // per) * warps
-        acc = Float32(0.0)
-        for w in cutlass.range_constexpr(warps):
-            acc = acc + sKr[first + w, ctid % per]
-        sKf[ctid] = acc
+    fold_q(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
     cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
 
 
-def k_operand_fold_scores(accS: cute.Tensor, wg) -> list:
-    """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements."""
+def k_operand_fold_scores(accS: cute.Tensor, wg, buf) -> list:
+    """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements (``buf``: the
+    tile's ``Q'`` buffer)."""
     col0 = 2 * wg.thr.quad
     n_el = cute.size(accS)
-    kc = [wg.smem.sKf[slot_column(k, col0)] for k in range(n_el // 2)]
+    kc = [wg.smem.sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
     return [(accS[e] + kc[s_slot(e)]) * qk_scale for e in range(n_el)]
 

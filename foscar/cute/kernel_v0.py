@@ -13,10 +13,10 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens
-from .config import HEADS, THREADS, TILE, V0_LIMITS
+from .config import FOLD_CHANNELS, HEADS, THREADS, TILE, V0_LIMITS, fold_chunk
 from .folds import q_sums
 from .fragment import k_word, v_word
-from .operands import mmas_and_layouts, q_element_type, stage_q
+from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q
 from .softmax import reduction_layout
 from .warpgroup import (
     Fragments,
@@ -84,6 +84,8 @@ class FoldDecodeSm90(TileKernel):
             self._take_next(regs, regs_next)
             if tile + 1 < t_hi:
                 self._load_tile(mKC, mVC, mKP, mVP, mBT, b, kvh, tile + 1, regs_next, thr_c, thr)
+            if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') of this thread's channels
+                state.kgroup = self._fold_q(wg, state.kgroup, t0, lambda i: regs.par[i])
             state = self._tile_step(wg, regs, state, tile, t0, t_lo)
 
         self._epilogue(wg, state, mOP, mLP, b, kvh, split)
@@ -101,16 +103,16 @@ class FoldDecodeSm90(TileKernel):
         sRed = alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16)
         sSum = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((HEADS, cfg.kc)), byte_alignment=16)
-        sQk = None  # channel-wise K's Q s' (BF16 K operands)
-        if cutlass.const_expr(not cfg.k_e4m3):
-            sQk = alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        sKr = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
-        sKf = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
+        sQk = None  # channel-wise K's two buffers of Q s' (BF16 K operands)
+        if cutlass.const_expr(cfg.k_channel):
+            qk_layout = sqk_layout(cfg, 2)
+            sQk = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
+        sKf = alloc.allocate_tensor(Float32, cute.make_layout((2, HEADS)), byte_alignment=16)
         sQinv = sQred = None
         if cutlass.const_expr(cfg.k_e4m3):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
-        smem = WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKr, sKf, sQinv, sQred)
+        smem = WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKf, sQinv, sQred)
         smem.sQrot = None  # a rotated cache: Q rotated in FP32 here before it is staged
         if cutlass.const_expr(cfg.rotation):
             smem.sQrot = alloc.allocate_tensor(Float32, cute.make_layout((1, HEADS, cfg.head_dim),
@@ -158,18 +160,20 @@ class FoldDecodeSm90(TileKernel):
                 vw[mh, vb] = mVC[page, kvh, v_word(cfg.bits, D, off // v_block_tokens(cfg.bits), tidx, vb, mh)]
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
-                if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of this thread's channel
-                    if cutlass.const_expr(r == 0):
+                if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of the channels it folds
+                    if cutlass.const_expr(r == 0 and j == 0):
                         row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
-                        par[j] = mKP[page, kvh, row, tidx % D, j]
+                        _, d0 = fold_chunk(D, tidx, 0)
+                        for i in cutlass.range_constexpr(2 * FOLD_CHANNELS):
+                            par[i] = mKP[page, kvh, row, d0 + i // 2, i % 2]
                 else:
                     for c in cutlass.range_constexpr(cfg.kc):
                         par[(r * cfg.kc + c) * 2 + j] = mKP[page, kvh, off + row0 + 8 * r, c, j]
                 for c in cutlass.range_constexpr(cfg.vc):
                     if cutlass.const_expr(cfg.v_channel):
-                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = Float32(0.0)  # no per-token V scale
+                        par[cfg.k_par_words + (r * cfg.vc + c) * 2 + j] = Float32(0.0)  # no per-token V scale
                     else:
-                        par[4 * cfg.kc + (r * cfg.vc + c) * 2 + j] = mVP[page, kvh, off + row0 + 8 * r, c, j]
+                        par[cfg.k_par_words + (r * cfg.vc + c) * 2 + j] = mVP[page, kvh, off + row0 + 8 * r, c, j]
         if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
             vrow = off // cfg.group_size if cfg.page >= cfg.group_size else 0
             for e in cutlass.range_constexpr(cfg.acc_elems):

@@ -8,6 +8,8 @@ stage, copies its words and parameters into registers, frees the stage and runs 
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
+Channel-wise K: each consumer folds ``Q'`` before each of its tiles, or (``cfg.producer_fold``) the producer's
+other warps fold it into a ``Q'`` per stage (:meth:`FoldDecodeSm90WS._fold_stages`).
 Q is staged by the producer before any copy, or by the first consumer while the producer copies
 (``cfg.prologue``).
 """
@@ -20,10 +22,10 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, THREADS, TILE, WS_REGISTERS, Sm90Config, slot_column
-from .folds import q_sums
+from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, fold_chunk, slot_column, ws_registers
+from .folds import fold_q, q_sums
 from .fragment import k_word, v_word
-from .operands import mmas_and_layouts, q_element_type, stage_q
+from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
 from .softmax import reduction_layout
 from .warpgroup import (
@@ -61,7 +63,10 @@ class StageRing:
     ``k``-th tile): packed K and V words (``sK``, ``sV``), their ``(s', z')`` (``sKP``, ``sVP``), and the
     full and empty mbarriers of each slot."""
 
-    def __init__(self, sK, sV, sKP, sVP, full, empty):
+    def __init__(self, sK, sV, sKP, sVP, full, empty, kpar=None, sQk=None, sKf=None):
+        self.kpar = kpar  # producer_fold: each slot's barrier of its K (s', z') copy
+        self.sQk = sQk  # producer_fold: each slot's Q' and its offset corrections
+        self.sKf = sKf
         self.sK = sK
         self.sV = sV
         self.sKP = sKP
@@ -72,6 +77,8 @@ class StageRing:
 
 class FoldDecodeSm90WS(TileKernel):
     """v1: a TMA producer warpgroup and two consumer warpgroups, ``ctas_per_sm`` CTAs resident per SM."""
+
+    consumers = CONSUMERS
 
     def __init__(self, cfg: Sm90Config, ctas_per_sm: int = 1):
         super().__init__(cfg)
@@ -135,8 +142,11 @@ class FoldDecodeSm90WS(TileKernel):
 
         if tidx == 0:
             for i in cutlass.range_constexpr(slots):
-                cute.arch.mbarrier_init(full + i, 1)
+                # the TMA issuer's arrival, and the Q' folders' (one a warp) with producer_fold
+                cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if cfg.producer_fold else 0))
                 cute.arch.mbarrier_init(empty + i, THREADS)
+                if cutlass.const_expr(cfg.producer_fold):
+                    cute.arch.mbarrier_init(ring.kpar + i, 1)
         cute.arch.mbarrier_init_fence()
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
@@ -156,14 +166,17 @@ class FoldDecodeSm90WS(TileKernel):
             cute.arch.sync_threads()
 
         if role == 0:  # ---- producer ------------------------------------------------------------------------
-            cute.arch.setmaxregister_decrease(WS_REGISTERS[self.ctas_per_sm][0])
+            cute.arch.setmaxregister_decrease(ws_registers(cfg, self.ctas_per_sm)[0])
             if tidx == 0:
                 views = self._tma_views(tma, ring)
                 for tile in cutlass.range(t_lo, t_hi, unroll=1):
                     self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
+            if cutlass.const_expr(cfg.producer_fold):
+                if tidx >= 32:
+                    self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
         for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
             if role == c + 1:
-                cute.arch.setmaxregister_increase(WS_REGISTERS[self.ctas_per_sm][1])
+                cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
                 if cutlass.const_expr(cfg.prologue == "consumer_q"):
                     self._stage_q_early(c, mQ, smems[0], b, kvh, n_kvh, mRot)
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
@@ -186,6 +199,12 @@ class FoldDecodeSm90WS(TileKernel):
         full = alloc.allocate_array(Int64, slots)
         empty = alloc.allocate_array(Int64, slots)
         ring = StageRing(sK, sV, sKP, sVP, full, empty)
+        if cutlass.const_expr(cfg.producer_fold):
+            ring.kpar = alloc.allocate_array(Int64, slots)
+            qk_layout = sqk_layout(cfg, slots)
+            ring.sQk = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
+            ring.sKf = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
+                                             byte_alignment=16)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)
@@ -200,17 +219,20 @@ class FoldDecodeSm90WS(TileKernel):
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
         sRed = each(lambda: alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16))
         sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
-        sQk = [None] * CONSUMERS  # channel-wise K's Q s' (BF16 K operands)
-        if cutlass.const_expr(not cfg.k_e4m3):
-            sQk = each(lambda: alloc.allocate_tensor(BFloat16, sQ_layout.outer, byte_alignment=1024,
-                                                     swizzle=sQ_layout.inner))
-        sKr = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
-        sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16))
+        sQk = [None] * CONSUMERS  # channel-wise K's two buffers of Q s' (BF16 K operands), or the stages'
+        sKf = [ring.sKf] * CONSUMERS
+        if cutlass.const_expr(cfg.k_channel and not cfg.producer_fold):
+            qk_layout = sqk_layout(cfg, 2)
+            sQk = each(lambda: alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024,
+                                                     swizzle=qk_layout.inner))
+            sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, cfg.cols)), byte_alignment=16))
+        if cutlass.const_expr(cfg.producer_fold):
+            sQk = [ring.sQk] * CONSUMERS
         sQinv = sQred = None
         if cutlass.const_expr(cfg.k_e4m3):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
-        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKr[c], sKf[c], sQinv,
+        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKf[c], sQinv,
                                     sQred) for c in range(CONSUMERS)]
 
     @cute.jit
@@ -264,15 +286,43 @@ class FoldDecodeSm90WS(TileKernel):
         t0 = tile * TILE
         page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
-        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
+        kbar = full + slot  # the K (s', z') copy's barrier: the stage's, or (producer_fold) the folders'
+        if cutlass.const_expr(cfg.producer_fold):
+            kbar = ring.kpar + slot
+            cute.arch.mbarrier_arrive_and_expect_tx(kbar, cfg.k_param_words * 4)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.v_param_words) * 4)
+        else:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
+                                                    (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
         tip = (t0 % cfg.page) // TILE
         grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
         krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
         vrow = grow if cfg.v_channel else tip
         cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
         cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
-        cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
+        cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=kbar)
         cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
+
+    @cute.jit
+    def _fold_stages(self, ring: StageRing, sQ: cute.Tensor, ftid, t_lo, t_hi):
+        """``producer_fold``: the producer's :data:`~foscar.cute.config.FOLD_WARPS` warps besides the TMA
+        issuer's (``ftid``: this thread among them) fold each stage's ``Q'`` once its K ``(s', z')`` has landed
+        (:func:`foscar.cute.folds.fold_q`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on the
+        stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
+        its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
+        cfg = self.cfg
+        threads = FOLD_WARPS * 32
+        _, d0 = fold_chunk(cfg.head_dim, ftid, 0, threads)
+        for tile in cutlass.range(t_lo, t_hi, unroll=1):
+            i = tile - t_lo
+            k = i >> 1  # i // CONSUMERS
+            slot = ring_slot(i & 1, k, cfg.stages)
+            cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
+            fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, lambda j: ring.sKP[2 * d0 + j, slot])
+            cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
+            cute.arch.sync_warp()
+            if ftid % 32 == 0:
+                cute.arch.mbarrier_arrive(ring.full + slot)
 
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
@@ -320,9 +370,17 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
                 self._read_words(ring, slot, regs, thr)
                 self._read_params(ring, slot, regs, thr_c, thr)
-                cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
                 t0 = tile * TILE
-                state = self._tile_step(wg, regs, state, k, t0, 0)
+                if cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
+                    state = self._tile_step(wg, regs, state, k, t0, 0, slot,
+                                            lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
+                else:
+                    if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage
+                        _, d0 = fold_chunk(cfg.head_dim, thr.tidx, 0)
+                        state.kgroup = self._fold_q(wg, state.kgroup, t0,
+                                                    lambda i: ring.sKP[2 * d0 + i, slot])
+                    cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
+                    state = self._tile_step(wg, regs, state, k, t0, 0)
         self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c, n_kvh)
 
     @cute.jit
@@ -349,17 +407,14 @@ class FoldDecodeSm90WS(TileKernel):
         par = regs.par
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
-                if cutlass.const_expr(cfg.k_channel):  # this thread's channel of the group's row
-                    if cutlass.const_expr(r == 0):
-                        par[j] = sKP[2 * (ctid % D) + j, slot]
-                else:
+                if cutlass.const_expr(not cfg.k_channel):  # channel-wise K: Q' reads the stage (_consume)
                     for cc in cutlass.range_constexpr(cfg.kc):
                         par[(r * cfg.kc + cc) * 2 + j] = sKP[((row0 + 8 * r) * cfg.kc + cc) * 2 + j, slot]
                 for cc in cutlass.range_constexpr(cfg.vc):
                     if cutlass.const_expr(cfg.v_channel):
-                        par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = Float32(0.0)  # no per-token V scale
+                        par[cfg.k_par_words + (r * cfg.vc + cc) * 2 + j] = Float32(0.0)  # no per-token V scale
                     else:
-                        par[4 * cfg.kc + (r * cfg.vc + cc) * 2 + j] = sVP[((row0 + 8 * r) * cfg.vc + cc) * 2 + j,
+                        par[cfg.k_par_words + (r * cfg.vc + cc) * 2 + j] = sVP[((row0 + 8 * r) * cfg.vc + cc) * 2 + j,
                                                                           slot]
         if cutlass.const_expr(cfg.v_channel):  # the group's (s', z') of this thread's accumulator channels
             for e in cutlass.range_constexpr(cfg.acc_elems):

@@ -37,6 +37,13 @@ def mmas_and_layouts(cfg: Sm90Config):
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 
+def sqk_layout(cfg: Sm90Config, buffers: int):
+    """Channel-wise K: ``buffers`` buffers of ``Q'`` (the S^T product's BF16 B operand, :func:`foscar.cute.folds.fold_q`:
+    a consumer's two, or one per stage), Q^T's swizzled layout with a buffer mode."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (cfg.cols, cfg.head_dim, buffers), (0, 1, 2))
+
+
 Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 terms (1, 2: the consumers)
 
 

@@ -76,8 +76,8 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     if thr.half == 1:
         t_own = t0_b
     sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
-    parts_a, kgroup = kern._qk(wg, regs, sc, t0, state.kgroup, None, False)
-    parts_b, _ = kern._qk(wg, regs_b, sc, t0_b, state.kgroup, frags.accS_b, False)
+    parts_a = kern._qk(wg, regs, sc, t0, None, False)
+    parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False)
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
     s = kern._scores(wg, regs, sc, parts)
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
@@ -88,7 +88,7 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     passes = CORRECTION_TILES // 2
     if step & (passes - 1) == passes - 1:  # step % passes (passes a power of two, step >= 0)
         fold_corrections(cfg, out, wg.smem.sSum, thr)
-    return RunningState(softmax, out, kgroup)
+    return RunningState(softmax, out, state.kgroup)
 
 
 @cute.jit

@@ -22,7 +22,8 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
-from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_slot, row_half, s_slot, slot_column
+from .config import (CORRECTION_TILES, TILE, Sm90Config, column_token, k_fold_buffer, o_slot, row_half, s_slot,
+                     slot_column)
 from .folds import (
     OutputAccumulator,
     p_units_bound,
@@ -74,10 +75,11 @@ class WarpgroupSmem:
     """A warpgroup's shared memory: Q^T (``sQ``) and ``sum(Q)`` (``sQsum``), shared by the CTA's warpgroups;
     its own B operands of O^T (``sP``, one per V channel group: two entries, the same buffer for one group),
     the reduction slots (``sRed``: two tiles' buffers), the column sums (``sSum``), and for channel-wise K
-    the folded ``Q'`` (``sQk``) with its offset correction (``sKf``, from the warps' partials ``sKr``); for
-    E4M3 K operands ``sQinv`` and ``sQred`` (:func:`foscar.cute.operands.stage_q`)."""
+    the two buffers of the folded ``Q'`` (``sQk``) with their offset corrections (``sKf``,
+    :func:`foscar.cute.folds.k_operand_fold`); for E4M3 K operands ``sQinv`` and ``sQred``
+    (:func:`foscar.cute.operands.stage_q`)."""
 
-    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKr, sKf, sQinv=None, sQred=None):
+    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKf, sQinv=None, sQred=None):
         self.sQinv = sQinv  # E4M3 K operands: each column's 2^-e (Q's terms are scaled by 2^e)
         self.sQred = sQred  # E4M3 K operands: the scratch of Q's per-head maxima
         self.sQ = sQ
@@ -86,13 +88,12 @@ class WarpgroupSmem:
         self.sRed = sRed
         self.sSum = sSum
         self.sQk = sQk
-        self.sKr = sKr
         self.sKf = sKf
 
 
 class Fragments:
     """The thread slices of the S^T product (A: K from registers, ``tSrK`` and its Uint32 view; B: Q^T or
-    ``Q'`` in shared memory; C: ``accS``) and of the O^T product (``thr_pv``; A: V^T from registers; B: the
+    the ``Q'`` buffers in shared memory; C: ``accS``) and of the O^T product (``thr_pv``; A: V^T from registers; B: the
     P' buffers, one per V channel group)."""
 
     def __init__(self, cfg: Sm90Config, qk_mma, pv_mma, smem: WarpgroupSmem, tidx):
@@ -101,7 +102,7 @@ class Fragments:
         self.tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
         self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
         self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
-        self.tSrQk = None if cfg.k_e4m3 else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk))
+        self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk)) if cfg.k_channel else None
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
         self.accS_b = None  # two tiles per pass: the second tile's S^T
         if cfg.tiles_per_pass == 2:
@@ -215,7 +216,7 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     """The :class:`TileScales` of the tile starting at token ``t0`` from its registers ``par``: rows past
     the length get zero V ``(s', z')``, so whatever the page holds there never reaches P'."""
     ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
-    vo = 4 * cfg.kc  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
+    vo = cfg.k_par_words  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
     vs0, vz0, vs1, vz1 = par[vo], par[vo + 1], par[vo + 2 * cfg.vc], par[vo + 2 * cfg.vc + 1]
     valid0 = t0 + row0 < n
     valid1 = t0 + row0 + 8 < n
@@ -259,6 +260,8 @@ def quantized_length(cfg: Sm90Config, L):
 class TileKernel:
     """The base of both Hopper kernels: the tile step of a computing warpgroup and its epilogue."""
 
+    consumers = 1  #: computing warpgroups, on alternating tiles (v1: :data:`~foscar.cute.config.CONSUMERS`)
+
     def __init__(self, cfg: Sm90Config):
         self.cfg = cfg
 
@@ -273,14 +276,19 @@ class TileKernel:
         return n, t_lo, t_hi
 
     @cute.jit
-    def _tile_step(self, wg: Warpgroup, regs: TileRegisters, state: RunningState, tile, t0, t_lo) -> RunningState:
+    def _tile_step(self, wg: Warpgroup, regs: TileRegisters, state: RunningState, tile, t0, t_lo, qbuf=None,
+                   release=None) -> RunningState:
         """One KV tile (starting at token ``t0``; ``tile``: its index in the warpgroup's tile sequence, which
         starts at ``t_lo``) from its words and ``(s', z')`` in registers: S^T = K Q^T with K's fold, the
-        online softmax, O^T += V^T P'^T with V's fold (:mod:`foscar.cute.folds`). Returns the new state."""
+        online softmax, O^T += V^T P'^T with V's fold (:mod:`foscar.cute.folds`). Channel-wise K: ``qbuf`` the
+        tile's ``Q'`` buffer (None: :func:`~foscar.cute.config.k_fold_buffer`'s); ``release``, called once the
+        tile's scores are formed (its ``Q'`` read). Returns the new state."""
         cfg = self.cfg
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
-        accS, kgroup = self._qk(wg, regs, sc, t0, state.kgroup)
-        s = self._scores(wg, regs, sc, accS, t0)
+        accS = self._qk(wg, regs, sc, t0, qbuf=qbuf)
+        s = self._scores(wg, regs, sc, accS, t0, qbuf)
+        if cutlass.const_expr(release is not None):
+            release()
         softmax = state.softmax
         out = state.out
         if cutlass.const_expr(cfg.lazy_rescale):  # token-wise V: P' stored under the maxima it has
@@ -302,26 +310,37 @@ class TileKernel:
             self._pv(wg, out)
             if (tile - t_lo) & (CORRECTION_TILES - 1) == CORRECTION_TILES - 1:  # a power of two, tile >= t_lo
                 fold_corrections(cfg, out, wg.smem.sSum, wg.thr)
-        return RunningState(softmax, out, kgroup)
+        return RunningState(softmax, out, state.kgroup)
 
     @cute.jit
-    def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, kgroup, accS=None,
-            sum_terms: cutlass.Constexpr = True):
+    def _fold_q(self, wg: Warpgroup, kgroup, t0, param):
+        """Channel-wise K, before the tile at token ``t0``: the operand-fold ``Q' = bf16(Q s')`` of its token
+        group unless ``Q'`` holds it (``kgroup``, :func:`foscar.cute.folds.k_operand_fold`, ``param`` its
+        source of this thread's ``(s', z')``). Returns the token group ``Q'`` holds."""
+        cfg = self.cfg
+        grp = t0 // cfg.group_size
+        if grp != kgroup:
+            k_operand_fold(cfg, wg, param, k_fold_buffer(cfg, t0, self.consumers))
+            kgroup = grp
+        return kgroup
+
+    @cute.jit
+    def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, accS=None,
+            sum_terms: cutlass.Constexpr = True, qbuf=None):
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
         unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
         with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
-        ``Q'``, rebuilt at a token group's first tile (the operand-fold). Returns ``(partials, kgroup)``."""
+        the ``Q'`` buffer of the tile's token group (the operand-fold, :meth:`_fold_q`; ``qbuf`` unless None).
+        Returns the partials."""
         cfg = self.cfg
         frags = wg.frags
         if cutlass.const_expr(cfg.k_e4m3):
             build_k_registers_e4m3(cfg, frags.tSrK_u32, regs.kw)
         else:
             build_k_registers(cfg, frags.tSrK_u32, regs.kw)
-        if cutlass.const_expr(cfg.k_channel):  # operand-fold: Q' = bf16(Q s') of this token group
-            grp = t0 // cfg.group_size
-            if grp != kgroup:
-                k_operand_fold(cfg, wg, sc.k[0], sc.k[1])
-                kgroup = grp
+        buf = qbuf
+        if cutlass.const_expr(cfg.k_channel and qbuf is None):
+            buf = k_fold_buffer(cfg, t0, self.consumers)
         if cutlass.const_expr(accS is None):
             accS = frags.accS
         accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the kernel: no state set in here)
@@ -342,7 +361,7 @@ class TileKernel:
             if cutlass.const_expr(cfg.qk_promote):
                 cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, kb], frags.tSrQ[None, None, kb], steps[kb])
             elif cutlass.const_expr(cfg.k_channel):
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb], accS)
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb, buf], accS)
             elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
                 cute.gemm(wg.qk_mma, accS2, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS2)
             else:
@@ -361,17 +380,18 @@ class TileKernel:
         elif cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
-        return partials, kgroup
+        return partials
 
     @cute.jit
-    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0) -> list:
+    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None) -> list:
         """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
         ``row0 + 8 row_half(e)``) from K's fold; ``-inf`` on rows past the sequence and, in a step of several
         tokens, past each column's causal limit (the tile starting at token ``t0``)."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
-            s = k_operand_fold_scores(partials[0], wg)
+            s = k_operand_fold_scores(partials[0], wg, k_fold_buffer(cfg, t0, self.consumers) if qbuf is None
+                                      else qbuf)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg)
         valid = sc.valid
