@@ -111,7 +111,7 @@ def test_empty_caches_need_a_capacity():
     assert int(c.page_table.num_pages[0]) == 2 and c.quantized_pages(0).tolist() == [4, 1]
 
 
-@pytest.mark.parametrize("fmt_kw,page", [
+APPEND_FORMATS = [
     (dict(bits=4, head_dim=64, group_size=32), 64),
     (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64),
     (dict(bits=4, head_dim=128, group_size=128, recent=1), 32),
@@ -119,8 +119,13 @@ def test_empty_caches_need_a_capacity():
     (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 64),
     (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel"), 32),
     (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", recent=2), 64),
-])
-@pytest.mark.parametrize("quantizer", ("minmax", "oscar"))
+]
+
+
+# OSCAR's clip over the token-wise formats (the slowest under the interpreter) with FOSCAR_SLOW=1 only
+@pytest.mark.parametrize("fmt_kw,page,quantizer", [
+    pytest.param(f, p, q, marks=[pytest.mark.slow] if q == "oscar" and i < 4 else [])
+    for i, (f, p) in enumerate(APPEND_FORMATS) for q in ("minmax", "oscar")])
 def test_the_triton_append_matches_the_reference_bit_for_bit(fmt_kw, page, quantizer):
     """The graph-safe kernel (under the interpreter on a CPU) writes what QuantKVCache.append writes, min-max
     and with OSCAR's clip ratios."""
@@ -145,14 +150,19 @@ def _steps_match(fmt_kw, page, quantizer):
     assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
 
 
-@pytest.mark.parametrize("fmt_kw,page", [
+PREFILL_FORMATS = [
     (dict(bits=4, head_dim=64, group_size=32), 64),
     (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64),
     (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 32),
     (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel", recent=70), 64),
     (dict(bits=4, head_dim=128, group_size=32, k_axis="channel", v_axis="channel", sink=4), None),
-])
-@pytest.mark.parametrize("quantizer", ("minmax", "oscar"))
+]
+
+
+# the token-wise formats take a minute each under the interpreter: one of them in CI (FOSCAR_SLOW=1: all)
+@pytest.mark.parametrize("fmt_kw,page,quantizer", [
+    pytest.param(f, p, q, marks=[pytest.mark.slow] if (i, q) in {(0, "minmax"), (1, "oscar"), (1, "minmax")} else [])
+    for i, (f, p) in enumerate(PREFILL_FORMATS) for q in ("minmax", "oscar")])
 def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, page, quantizer):
     """Several tokens per call (a prompt, then chunks that cross groups, pages and the window, and single
     steps in between) through the parallel kernels: the cache QuantKVCache.append writes, bit for bit, min-max
@@ -161,7 +171,7 @@ def test_the_triton_prefill_append_matches_the_reference_bit_for_bit(fmt_kw, pag
 
 
 @pytest.mark.parametrize("fmt_kw,page,steps", [
-    (dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64, True),
+    pytest.param(dict(bits=2, head_dim=64, group_size=64, sink=3, recent=5), 64, True, marks=pytest.mark.slow),
     (dict(bits=2, head_dim=64, group_size=64, k_axis="token", v_axis="channel"), 32, True),
     (dict(bits=4, head_dim=64, group_size=32, k_axis="channel", v_axis="token", sink=1, recent=3), 32, False),
 ])

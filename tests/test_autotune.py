@@ -347,16 +347,35 @@ def test_cute_tuning_candidates_name_their_variant(dirs, monkeypatch):
 
 
 def test_cute_candidates_take_a_ring_their_ctas_hold():
-    """At 32 query rows a KV head two CTAs an SM do not hold INT2's default ring of 8: their candidates take 4,
-    and every candidate's ring fits its CTAs (none is refused before it is timed)."""
+    """With channel-wise K and V (two buffers of Q' a consumer) two CTAs an SM do not hold INT2's default ring of
+    8: their candidates take 4, and every candidate's ring fits its CTAs (none is refused before it is timed)."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
     from foscar import backends, tune
     from foscar.cute.config import config_for, fits_shared_memory
-    argv = ["--backend", "cute", "--shapes", "8:128K", "--heads", "32:1", "--bits", "2"]
+    argv = ["--backend", "cute", "--shapes", "8:128K", "--bits", "2", "--k-axis", "channel", "--v-axis", "channel"]
     case = tune.cases(tune.build_parser().parse_args(argv))[0]
     cands = [c for c in backends.get("cute").candidates(case, torch.device("cpu")) if c["warp_specialized"]]
     assert {(c["ctas_per_sm"], c["stages"]) for c in cands} == {(1, 8), (1, 16), (2, 4)}
-    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
     for c in cands:
-        assert fits_shared_memory(config_for(fmt, 32, 64, c["k_operand"], c["tiles_per_pass"], stages=c["stages"]),
+        assert fits_shared_memory(config_for(fmt, 4, 64, c["k_operand"], c["tiles_per_pass"], stages=c["stages"]),
                                   c["ctas_per_sm"])
+
+
+def test_a_launch_that_names_no_stages_takes_a_ring_its_ctas_hold():
+    """``default_ring``: the format's default stages where the CTAs of an SM hold them, else the deepest choice
+    below that they hold (what a decode without a tuned entry runs)."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from foscar.cute.config import STAGE_CHOICES, config_for, default_ring, fits_shared_memory
+    chan = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
+    assert config_for(chan, 4, 64).stages == 8 and not fits_shared_memory(config_for(chan, 4, 64), 2)
+    assert default_ring(chan, 4, 64, ctas_per_sm=2).stages == 4
+    assert default_ring(chan, 4, 64, ctas_per_sm=1).stages == 8
+    for fmt, gqa in ((foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4),
+                     (foscar.KVFormat(bits=4, head_dim=128, group_size=64, k_axis="channel"), 8),
+                     (foscar.KVFormat(bits=2, head_dim=128, group_size=128), 32)):
+        for ctas in (1, 2):
+            cfg = default_ring(fmt, gqa, 64, ctas_per_sm=ctas)
+            assert fits_shared_memory(cfg, ctas) or cfg.stages == min(STAGE_CHOICES)
+            assert cfg.stages == config_for(fmt, gqa, 64).stages or not fits_shared_memory(
+                config_for(fmt, gqa, 64, stages=2 * cfg.stages), ctas)

@@ -36,7 +36,7 @@ def test_compiles_for_sm90a(bits, head_dim):
     assert "fence.proxy.async" in ptx, "P^T stored to shared memory must be fenced before the wgmma reads it"
 
 
-@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
+@pytest.mark.parametrize("ws", (pytest.param(False, marks=pytest.mark.slow), True), ids=("v0", "v1"))  # v0: slow
 @pytest.mark.parametrize("head_dim,page", [(64, 64), (128, 64), (128, 256)])
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("k_axis,v_axis", [("channel", "token"), ("token", "channel"), ("channel", "channel")])
@@ -146,8 +146,9 @@ def test_query_rows_take_8_16_or_32_columns(G, step, cols):
     assert (cfg.rows, cfg.cols, cfg.nb, cfg.acc_elems) == (G * step, cols, cols // 8, 128 * cols // 128)
 
 
-@pytest.mark.parametrize("cols,gqa", [(16, 16), (32, 32), (16, 4)])
-@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("bits,cols,gqa", [  # half of them with FOSCAR_SLOW=1 only (half a minute each)
+    pytest.param(b, c, g, marks=[pytest.mark.slow] if (b, c, g) in {(4, 16, 16), (4, 32, 32), (2, 16, 4)} else [])
+    for b in (2, 4) for c, g in ((16, 16), (32, 32), (16, 4))])
 def test_sixteen_and_thirtytwo_columns_compile_for_sm90a(bits, cols, gqa):
     """v1 with N 16 and 32: every axis combination, one and two CTAs per SM (the tuner decides); a step of
     tokens beside the heads (``gqa`` 4: 4 tokens)."""

@@ -79,7 +79,7 @@ class CuteSm90(Backend):
         the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
         an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of an SM do
         not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
-        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_stages, fits_shared_memory
+        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_ring, default_stages, fits_shared_memory
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
@@ -115,7 +115,7 @@ class CuteSm90(Backend):
                                       c["ctas_per_sm"])
 
         def ring(c):  # the default stages, or the deepest choice below them that the CTAs of an SM hold
-            return max([n for n in STAGE_CHOICES if n <= stages and fits(c, n)], default=min(STAGE_CHOICES))
+            return default_ring(fmt, gqa, page, c["k_operand"], c["tiles_per_pass"], 1, c["ctas_per_sm"]).stages
         out = [{**c, "stages": ring(c)} if c["warp_specialized"] else c for c in out]
         if 2 * stages in STAGE_CHOICES:
             out += [{**c, "stages": 2 * stages} for c in out

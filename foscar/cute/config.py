@@ -450,6 +450,20 @@ def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
     return ctas_per_sm * shared_bytes(cfg) <= SM90_SHARED_BYTES
 
 
+def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1, step: int = 1,
+                 ctas_per_sm: int = 2) -> Sm90Config:
+    """:func:`config_for`'s configuration at the format's default stages, or at the deepest choice below them
+    that ``ctas_per_sm`` v1 CTAs of an SM hold (:func:`fits_shared_memory`; the fewest where none does): what a
+    launch that names no stages runs, so that a ring never costs the SM a resident CTA (INT2 channel-wise K and
+    V at two CTAs an SM: 4 stages, not 8)."""
+    cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step)
+    for n in sorted((n for n in STAGE_CHOICES if n < cfg.stages), reverse=True):
+        if fits_shared_memory(cfg, ctas_per_sm):
+            break
+        cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, n)
+    return cfg
+
+
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
                step: int = 1, stages: int | None = None) -> Sm90Config:

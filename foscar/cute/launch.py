@@ -251,7 +251,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import config_for, fits_shared_memory, max_rows
+    from .config import config_for, default_ring, fits_shared_memory, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -268,7 +268,10 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
         tiles_per_pass=tiles_per_pass, stages=stages, step=T)
-    cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
+    if stages is None and warp_specialized:  # the default ring, or the deepest that the CTAs of an SM hold
+        cfg = default_ring(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, ctas)
+    else:
+        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
     if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
