@@ -74,7 +74,9 @@ QK_PROMOTE_BITS = (4,)
 V_PLACEMENT = True
 #: Channel-wise K's ``Q'`` built by v1's producer warpgroup (its three warps besides the TMA issuer) into a ``Q'``
 #: per stage, from the stage's ``(s', z')``, where each consumer builds it before each of its tiles
-#: (:attr:`Sm90Config.producer_fold`): the fold and its chain of latencies leave the consumers' tile step
+#: (:attr:`Sm90Config.producer_fold`): the fold and its chain of latencies leave the consumers' tile step (472 ->
+#: 329 SASS instructions a tile, INT2). Correct on the H200 (its oracle tests) but only 3-5% faster (B 8, L 128K,
+#: ``docs/bench/h200/axes-producer-fold.json``): the fold is not what bounds channel-wise K, so off
 PRODUCER_Q_FOLD = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
