@@ -79,7 +79,7 @@ class CuteSm90(Backend):
         the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
         an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of an SM do
         not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
-        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_ring, default_stages, fits_shared_memory
+        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_ring, fits_shared_memory
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
@@ -108,7 +108,7 @@ class CuteSm90(Backend):
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, 2)
             tried = {c["num_splits"] for c in out if c == best(c["num_splits"])}
             out += [best(s) for s in sorted({max(1, min(tiles, round(base * m))) for m in (0.25, 4)} - tried)]
-        stages = default_stages(fmt.bits, fmt.head_dim)
+        stages = config_for(fmt, gqa, page).stages  # the format's default ring
 
         def fits(c, n):
             return fits_shared_memory(config_for(fmt, gqa, page, c["k_operand"], c["tiles_per_pass"], stages=n),

@@ -21,7 +21,7 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
-#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.k_operand_fold`):
+#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.fold_q`):
 #: one 16-byte chunk of a swizzled BF16 row, so that a row's ``D / 8`` builders are lanes of one warp
 FOLD_CHANNELS = 8
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)

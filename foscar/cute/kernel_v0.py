@@ -158,15 +158,14 @@ class FoldDecodeSm90(TileKernel):
         for vb in cutlass.range_constexpr(cfg.v_blocks):
             for mh in cutlass.range_constexpr(cfg.mh):
                 vw[mh, vb] = mVC[page, kvh, v_word(cfg.bits, D, off // v_block_tokens(cfg.bits), tidx, vb, mh)]
+        if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of the channels it folds into Q'
+            row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
+            _, d0 = fold_chunk(D, tidx, 0)
+            for i in cutlass.range_constexpr(2 * FOLD_CHANNELS):
+                par[i] = mKP[page, kvh, row, d0 + i // 2, i % 2]
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
-                if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of the channels it folds
-                    if cutlass.const_expr(r == 0 and j == 0):
-                        row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
-                        _, d0 = fold_chunk(D, tidx, 0)
-                        for i in cutlass.range_constexpr(2 * FOLD_CHANNELS):
-                            par[i] = mKP[page, kvh, row, d0 + i // 2, i % 2]
-                else:
+                if cutlass.const_expr(not cfg.k_channel):
                     for c in cutlass.range_constexpr(cfg.kc):
                         par[(r * cfg.kc + c) * 2 + j] = mKP[page, kvh, off + row0 + 8 * r, c, j]
                 for c in cutlass.range_constexpr(cfg.vc):

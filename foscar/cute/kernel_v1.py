@@ -198,13 +198,14 @@ class FoldDecodeSm90WS(TileKernel):
         sVP = alloc.allocate_tensor(Float32, cute.make_layout((cfg.v_param_words, slots)), byte_alignment=128)
         full = alloc.allocate_array(Int64, slots)
         empty = alloc.allocate_array(Int64, slots)
-        ring = StageRing(sK, sV, sKP, sVP, full, empty)
+        kpar = sQk_ring = sKf_ring = None  # producer_fold: each stage's Q', its corrections, its K (s', z') barrier
         if cutlass.const_expr(cfg.producer_fold):
-            ring.kpar = alloc.allocate_array(Int64, slots)
+            kpar = alloc.allocate_array(Int64, slots)
             qk_layout = sqk_layout(cfg, slots)
-            ring.sQk = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
-            ring.sKf = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
+            sQk_ring = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
+            sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
                                              byte_alignment=16)
+        ring = StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)
@@ -219,15 +220,14 @@ class FoldDecodeSm90WS(TileKernel):
         sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
         sRed = each(lambda: alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16))
         sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
-        sQk = [None] * CONSUMERS  # channel-wise K's two buffers of Q s' (BF16 K operands), or the stages'
+        # channel-wise K's Q s' (BF16 K operands): each consumer's two buffers, or the stages' (producer_fold)
+        sQk = [ring.sQk] * CONSUMERS
         sKf = [ring.sKf] * CONSUMERS
         if cutlass.const_expr(cfg.k_channel and not cfg.producer_fold):
             qk_layout = sqk_layout(cfg, 2)
             sQk = each(lambda: alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024,
                                                      swizzle=qk_layout.inner))
             sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, cfg.cols)), byte_alignment=16))
-        if cutlass.const_expr(cfg.producer_fold):
-            sQk = [ring.sQk] * CONSUMERS
         sQinv = sQred = None
         if cutlass.const_expr(cfg.k_e4m3):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)

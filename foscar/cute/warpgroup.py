@@ -75,8 +75,8 @@ class WarpgroupSmem:
     """A warpgroup's shared memory: Q^T (``sQ``) and ``sum(Q)`` (``sQsum``), shared by the CTA's warpgroups;
     its own B operands of O^T (``sP``, one per V channel group: two entries, the same buffer for one group),
     the reduction slots (``sRed``: two tiles' buffers), the column sums (``sSum``), and for channel-wise K
-    the two buffers of the folded ``Q'`` (``sQk``) with their offset corrections (``sKf``,
-    :func:`foscar.cute.folds.k_operand_fold`); for E4M3 K operands ``sQinv`` and ``sQred``
+    the buffers of the folded ``Q'`` (``sQk``: the warpgroup's two, or one a stage where the producer folds) with
+    their offset corrections (``sKf``, :func:`foscar.cute.folds.fold_q`); for E4M3 K operands ``sQinv`` and ``sQred``
     (:func:`foscar.cute.operands.stage_q`)."""
 
     def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKf, sQinv=None, sQred=None):
@@ -284,6 +284,8 @@ class TileKernel:
         tile's ``Q'`` buffer (None: :func:`~foscar.cute.config.k_fold_buffer`'s); ``release``, called once the
         tile's scores are formed (its ``Q'`` read). Returns the new state."""
         cfg = self.cfg
+        if cutlass.const_expr(cfg.k_channel and qbuf is None):
+            qbuf = k_fold_buffer(cfg, t0, self.consumers)
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS = self._qk(wg, regs, sc, t0, qbuf=qbuf)
         s = self._scores(wg, regs, sc, accS, t0, qbuf)
@@ -330,17 +332,13 @@ class TileKernel:
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
         unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
         with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
-        the ``Q'`` buffer of the tile's token group (the operand-fold, :meth:`_fold_q`; ``qbuf`` unless None).
-        Returns the partials."""
+        the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`). Returns the partials."""
         cfg = self.cfg
         frags = wg.frags
         if cutlass.const_expr(cfg.k_e4m3):
             build_k_registers_e4m3(cfg, frags.tSrK_u32, regs.kw)
         else:
             build_k_registers(cfg, frags.tSrK_u32, regs.kw)
-        buf = qbuf
-        if cutlass.const_expr(cfg.k_channel and qbuf is None):
-            buf = k_fold_buffer(cfg, t0, self.consumers)
         if cutlass.const_expr(accS is None):
             accS = frags.accS
         accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the kernel: no state set in here)
@@ -361,7 +359,7 @@ class TileKernel:
             if cutlass.const_expr(cfg.qk_promote):
                 cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, kb], frags.tSrQ[None, None, kb], steps[kb])
             elif cutlass.const_expr(cfg.k_channel):
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb, buf], accS)
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb, qbuf], accS)
             elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
                 cute.gemm(wg.qk_mma, accS2, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS2)
             else:
@@ -390,8 +388,7 @@ class TileKernel:
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
-            s = k_operand_fold_scores(partials[0], wg, k_fold_buffer(cfg, t0, self.consumers) if qbuf is None
-                                      else qbuf)
+            s = k_operand_fold_scores(partials[0], wg, qbuf)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg)
         valid = sc.valid
