@@ -371,6 +371,8 @@ def test_a_launch_that_names_no_stages_takes_a_ring_its_ctas_hold():
     assert config_for(chan, 4, 64).stages == 8 and not fits_shared_memory(config_for(chan, 4, 64), 2)
     assert default_ring(chan, 4, 64, ctas_per_sm=2).stages == 4
     assert default_ring(chan, 4, 64, ctas_per_sm=1).stages == 8
+    with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):
+        default_ring(chan, 4, 64, ctas_per_sm=3)
     for fmt, gqa in ((foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4),
                      (foscar.KVFormat(bits=4, head_dim=128, group_size=64, k_axis="channel"), 8),
                      (foscar.KVFormat(bits=2, head_dim=128, group_size=128), 32)):

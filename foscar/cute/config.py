@@ -458,6 +458,9 @@ def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pa
     that ``ctas_per_sm`` v1 CTAs of an SM hold (:func:`fits_shared_memory`; the fewest where none does): what a
     launch that names no stages runs, so that a ring never costs the SM a resident CTA (INT2 channel-wise K and
     V at two CTAs an SM: 4 stages, not 8)."""
+    if ctas_per_sm not in WS_REGISTERS:
+        from ..errors import InvalidArgumentError
+        raise InvalidArgumentError("ctas_per_sm", f"one of {sorted(WS_REGISTERS)}", ctas_per_sm)
     cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step)
     for n in sorted((n for n in STAGE_CHOICES if n < cfg.stages), reverse=True):
         if fits_shared_memory(cfg, ctas_per_sm):
