@@ -7,9 +7,11 @@
     ncu --clock-control none -k regex:kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section WarpStateStats --section InstructionStats python3 benchmarks/profile_one_call.py 64 131072 2 backend=cute
 
-Arguments: batch, length, bits, then optional name=value arguments: ``backend=cute`` runs
-``foscar.decode(..., backend="cute")`` (and takes ``num_splits``); without it the Triton kernel runs
-through ``foscar.triton.decode``, which takes any of its integer launch arguments.
+Arguments: batch, length, bits, then optional name=value arguments: ``k_axis=channel`` and
+``v_axis=channel`` pick the cache's group axes; ``backend=cute`` runs ``foscar.decode(..., backend="cute")``
+(and ``num_splits``; with any other argument, the backend's launch with that config, as
+``foscar.bench.kernels`` runs it: ``k_operand=bf16 warp_specialized=True tiles_per_pass=1``); without it the
+Triton kernel runs through ``foscar.triton.decode``, which takes any of its integer launch arguments.
 """
 import sys
 
@@ -20,11 +22,25 @@ import foscar
 from foscar.triton import launch
 
 B, L, bits = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-extra = {k: (v if k == "backend" else int(v)) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+
+
+def value(text: str):
+    """An argument's value: an integer, ``True``/``False``, else the text."""
+    return int(text) if text.lstrip("-").isdigit() else {"True": True, "False": False}.get(text, text)
+
+
+extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
 backend = extra.pop("backend", "triton")
-call = launch.decode if backend == "triton" else (lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw))
+axes = {"k_axis": extra.pop("k_axis", "token"), "v_axis": extra.pop("v_axis", "token")}
+if backend == "triton":
+    call = launch.decode
+elif extra:  # a launch config: the backend's variant options (as foscar.bench.kernels' BackendKernel passes)
+    from foscar import backends
+    call = lambda q, cache, **kw: backends.get(backend).launch(q, cache, dict(kw))  # noqa: E731
+else:
+    call = lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw)  # noqa: E731
 dev = torch.device("cuda")
-cache = make_random_cache(Case(B, L, bits), make_block_table(B, L // 64, "shuffled", 0).to(dev))
+cache = make_random_cache(Case(B, L, bits, **axes), make_block_table(B, L // 64, "shuffled", 0).to(dev))
 q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
 for _ in range(2):
     call(q, cache, **extra)

@@ -3,7 +3,9 @@ partials a decode writes (one per split, then one per BF16 window), the workspac
 windows' partials (the Triton BF16 kernel, whatever backend wrote the splits) and the LSE combine.
 
 The split rule is :func:`split_ranges`: ``n`` tiles in ``num_splits`` contiguous runs of ``ceil(n /
-num_splits)`` tiles (the last ones shorter or empty). :func:`foscar.decode_folded` deals its tiles with
+num_splits)`` tiles (the last ones shorter or empty), that count rounded up to a multiple of ``run`` where a
+kernel deals a split's tiles in runs (the CuTe v1 kernel with channel-wise K of token groups of two tiles or more:
+:attr:`foscar.cute.config.Sm90Config.tile_run`). :func:`foscar.decode_folded` deals its tiles with
 it; the kernels compute the same runs on the device (``foscar.triton.common.split_range``, the CuTe
 kernels' split loop), and the tests hold each of them to this one.
 """
@@ -19,12 +21,14 @@ from .cache import QuantKVCache
 from .errors import InvalidArgumentError
 
 
-def split_ranges(n_tiles: int, num_splits: int) -> list[range]:
+def split_ranges(n_tiles: int, num_splits: int, run: int = 1) -> list[range]:
     """The tiles of each split: ``range(s*per, min((s+1)*per, n_tiles))`` with ``per = ceil(n_tiles /
-    num_splits)`` (empty ranges for the splits past the end)."""
+    num_splits)`` rounded up to a multiple of ``run`` (empty ranges for the splits past the end)."""
     check_int("n_tiles", n_tiles, minimum=0)
     check_int("num_splits", num_splits, minimum=1)
+    check_int("run", run, minimum=1)
     per = -(-n_tiles // num_splits) if n_tiles else 0
+    per = -(-per // run) * run
     return [range(min(s * per, n_tiles), min((s + 1) * per, n_tiles)) for s in range(num_splits)]
 
 

@@ -108,7 +108,7 @@ def test_importing_foscar_does_not_import_dynamo():
 
 def test_auto_prefers_cute_then_triton(monkeypatch):
     """backend='auto' on a CUDA device: the CuTe kernel where it can run (Hopper, cutlass-dsl, a supported
-    format) and was measured faster (token-wise K, or channel-wise K with token-wise V, or INT4), else Triton; the
+    format) and was measured faster (all but INT2 channel-wise K and V with token groups of 64), else Triton; the
     reference only on the CPU."""
     import foscar.api as api
     from foscar.api import BackendStatus, _select, _fmt_values
@@ -121,8 +121,10 @@ def test_auto_prefers_cute_then_triton(monkeypatch):
         assert _select("cuda:0", _fmt_values(fmt), 4, 64, "auto", "auto") == want
         k_chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel")
         assert _select("cuda:0", _fmt_values(k_chan), 4, 64, "auto", "auto") == want
-        chan = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
+        chan = foscar.KVFormat(bits=2, head_dim=128, group_size=64, k_axis="channel", v_axis="channel")
         assert _select("cuda:0", _fmt_values(chan), 4, 64, "auto", "auto") == "triton"  # measured faster there
+        chan128 = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
+        assert _select("cuda:0", _fmt_values(chan128), 4, 64, "auto", "auto") == want
         chan4 = foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
         assert _select("cuda:0", _fmt_values(chan4), 4, 64, "auto", "auto") == want
         v_chan = foscar.KVFormat(bits=4, head_dim=128, group_size=128, v_axis="channel")

@@ -178,44 +178,71 @@ def test_column_slots_are_cutes_accumulator(m, n):
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("cols", (8, 16, 32))
 def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
-    """Channel-wise K's ``Q'``: the chunks of :data:`FOLD_CHANNELS` channels that ``threads`` threads build
-    (``fold_chunk``: a consumer warpgroup, or the producer's three warps besides the TMA issuer) cover every
-    (row, channel) of the kernel's columns once, and a row's builders are consecutive lanes of one warp (its
-    correction is their butterfly sum)."""
+    """Channel-wise K's ``Q'``: the shares of :data:`FOLD_CHANNELS` channels that ``threads`` threads build
+    (``fold_chunk``, ``fold_channel``: a consumer warpgroup, or the producer's three warps besides the TMA
+    issuer) cover every (row, channel) of the kernel's columns once; a row's builders are consecutive lanes of
+    one warp (its correction is their butterfly sum); each of a row's pairs is one 32-bit word, and the builders'
+    ``(s', z')`` of one pair step (``fold_param``) are consecutive 16-byte words of the group's row."""
     from types import SimpleNamespace
 
-    from foscar.cute.config import FOLD_CHANNELS, fold_chunk, fold_chunks
+    from foscar.cute.config import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks, fold_param
     cfg = SimpleNamespace(head_dim=head_dim, cols=cols)
     seen = torch.zeros(cols, head_dim, dtype=torch.long)
     lanes = {}
     for t in range(threads):
         for j in range(fold_chunks(cfg, threads)):
-            row, d0 = fold_chunk(head_dim, t, j, threads)
+            row, c = fold_chunk(head_dim, t, j, threads)
             if row < cols:
-                seen[row, d0:d0 + FOLD_CHANNELS] += 1
+                for i in range(FOLD_CHANNELS):
+                    seen[row, fold_channel(head_dim, c, i)] += 1
                 lanes.setdefault((row, t // 32), []).append(t % 32)
     assert bool((seen == 1).all())
     for lane_list in lanes.values():  # one warp, consecutive, aligned to their count (a butterfly group)
         n = len(lane_list)
         assert n == head_dim // FOLD_CHANNELS and lane_list == list(range(lane_list[0], lane_list[0] + n))
         assert lane_list[0] % n == 0
+    builders = head_dim // FOLD_CHANNELS
+    for p in range(FOLD_PAIRS):
+        assert fold_channel(head_dim, 0, 2 * p) % 2 == 0 and fold_channel(head_dim, 0, 2 * p + 1) == \
+            fold_channel(head_dim, 0, 2 * p) + 1
+        words = [fold_param(head_dim, c, 4 * p) for c in range(builders)]  # each builder's first float of pair p
+        assert words == list(range(words[0], words[0] + 4 * builders, 4)) and words[0] % 4 == 0
+        assert [fold_param(head_dim, 0, 4 * p + k) for k in range(4)] == list(range(words[0], words[0] + 4))
 
 
 @pytest.mark.parametrize("group_size", (64, 128, 256))
 @pytest.mark.parametrize("consumers", (1, 2))
 def test_a_warpgroups_token_groups_alternate_between_the_q_buffers(group_size, consumers):
-    """``k_fold_buffer``: over every split start, the token groups one warpgroup visits (every ``consumers``-th
-    tile) take alternating ``Q'`` buffers, so that a fold never writes the buffer the previous one filled."""
+    """``k_fold_buffer``: over every (run-aligned) split start, the token groups one warpgroup visits (its runs of
+    ``tile_run`` tiles, one in every ``consumers``: ``ring_tile``) take alternating ``Q'`` buffers, so that a fold
+    never writes the buffer the previous one filled; ``ring_tile`` and ``run_tile`` are inverse, and a run of two
+    tiles is one token group, so that each consumer folds once per group."""
     from types import SimpleNamespace
 
     from foscar.cute.config import TILE, k_fold_buffer
-    cfg = SimpleNamespace(group_size=group_size)
-    for t_lo in range(9):
-        for c in range(consumers):
-            visited = []  # (group, buffer) at each group change
-            for tile in range(t_lo + c, t_lo + 40, consumers):
-                grp = tile * TILE // group_size
-                if not visited or visited[-1][0] != grp:
-                    visited.append((grp, k_fold_buffer(cfg, tile * TILE, consumers)))
-            bufs = [b for _, b in visited]
-            assert all(a != b for a, b in zip(bufs, bufs[1:])), (t_lo, c, visited)
+    from foscar.cute.kernel_v1 import ring_tile, run_bound, run_tile
+    for n in range(-3, 13):  # run_bound: the k up to it whose tile is in the split are each consumer's tiles
+        for c in (0, 1):
+            assert [run_tile(c, k, 2) for k in range(max(run_bound(n), 0)) if run_tile(c, k, 2) < n] == \
+                [i for i in range(n) if ring_tile(i, 2)[0] == c]
+    runs = (1, 2) if consumers == 2 and group_size >= 2 * TILE else (1,)
+    for run in runs:
+        cfg = SimpleNamespace(group_size=group_size, tile_run=run)
+        for t_lo in range(0, 9 * run, run):
+            n = 40
+            assert sorted(run_tile(c, k, run) for c in range(consumers) for k in range(n // consumers)) == \
+                list(range(n)) if consumers == 2 else True
+            for c in range(consumers):
+                visited = []  # (group, buffer) at each group change
+                for k in range(n // consumers):
+                    i = run_tile(c, k, run) if consumers == 2 else k
+                    if consumers == 2:
+                        assert ring_tile(i, run) == (c, k)
+                    tile = t_lo + i
+                    grp = tile * TILE // group_size
+                    if not visited or visited[-1][0] != grp:
+                        visited.append((grp, k_fold_buffer(cfg, tile * TILE, consumers)))
+                bufs = [b for _, b in visited]
+                assert all(a != b for a, b in zip(bufs, bufs[1:])), (run, t_lo, c, visited)
+                if run == 2 and group_size == 2 * TILE:  # one fold per run: as many groups as runs
+                    assert len(visited) == n // consumers // run, (t_lo, c, visited)

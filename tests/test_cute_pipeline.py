@@ -284,11 +284,12 @@ def test_q_folds_compile_for_sm90a(producer_fold, bits, head_dim, gqa, v_axis, c
     ([2500, 64], 4, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64}, {}),
     ([1500, 90], 8, 2, {"k_axis": "channel", "group_size": 64}, {}),
     ([2000, 700], 16, 2, {"k_axis": "channel"}, {"ctas_per_sm": 1}),
-    ([2200, 65], 4, 3, {"k_axis": "channel", "v_axis": "channel", "group_size": 256}, {})])
+    ([2200, 65], 4, 3, {"k_axis": "channel", "v_axis": "channel", "group_size": 256}, {}),
+    ([2000, 130], 4, 7, {"k_axis": "channel"}, {})])  # splits of 5 tiles rounded to runs of 2: the last ones empty
 def test_q_folds_against_the_oracle_gpu(producer_fold, bits, lens, G, num_splits, fmt_kw, launch):
     """Channel-wise K's ``Q'`` folded by the consumers and by the producer: every element against the float64
     oracle within the kernels' bound (token groups of 64, 128 and 256 tokens, windows, channel-wise V, 16 rows,
-    one and two CTAs an SM)."""
+    one and two CTAs an SM, splits rounded to the consumers' runs of two tiles with empty splits past the end)."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"Q' by the {'producer' if producer_fold else 'consumers'}: error",

@@ -23,20 +23,22 @@ LN2 = math.log(2.0)
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 500), splits=st.integers(1, 70))
-def test_split_ranges_cover_every_tile_once_in_contiguous_runs(n, splits):
-    runs = split_ranges(n, splits)
+@given(n=st.integers(0, 500), splits=st.integers(1, 70), run=st.sampled_from((1, 2)))
+def test_split_ranges_cover_every_tile_once_in_contiguous_runs(n, splits, run):
+    runs = split_ranges(n, splits, run)
     assert len(runs) == splits
     assert [t for r in runs for t in r] == list(range(n))
     per = -(-n // splits) if n else 0
+    per = -(-per // run) * run
     assert all(len(r) <= per for r in runs) and all(r.step == 1 for r in runs)
+    assert all(r.start % run == 0 for r in runs if len(r)), "every split starts at a multiple of the run"
     lens = [len(r) for r in runs]
     assert lens == sorted(lens, reverse=True), "full runs first, then the short and the empty ones"
 
 
-def expected_split_lses(q, cache, tile: int, num_splits: int) -> torch.Tensor:
+def expected_split_lses(q, cache, tile: int, num_splits: int, run: int = 1) -> torch.Tensor:
     """Natural-log LSE of each split's quantized tokens, ``[B, Hq, num_splits]`` (-inf when empty), by the
-    rule and the float64 oracle."""
+    rule (splits in multiples of ``run`` tiles) and the float64 oracle."""
     B, Hq, D = q.shape
     Hkv = cache.num_kv_heads
     G = Hq // Hkv
@@ -47,7 +49,7 @@ def expected_split_lses(q, cache, tile: int, num_splits: int) -> torch.Tensor:
         ns, nq = int(n_sink[b]), int(n_quant[b])
         kq = k[b, :, ns: ns + nq].cpu()  # [Hkv, nq, D]
         qb = q[b].double().cpu().reshape(Hkv, G, D)
-        for s, tiles in enumerate(split_ranges(-(-nq // tile), num_splits)):
+        for s, tiles in enumerate(split_ranges(-(-nq // tile), num_splits, run)):
             lo, hi = tiles.start * tile, min(tiles.stop * tile, nq)
             if hi > lo:
                 scores = torch.einsum("hgd,hnd->hgn", qb, kq[:, lo:hi]) / math.sqrt(D)
@@ -91,12 +93,16 @@ def test_the_triton_splits_follow_the_rule(num_splits, block_n):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 @pytest.mark.parametrize("ws", [False, True], ids=["v0", "v1"])
-def test_the_cute_splits_follow_the_rule(num_splits, ws):
+@pytest.mark.parametrize("k_axis", ["token", "channel"])
+def test_the_cute_splits_follow_the_rule(num_splits, ws, k_axis):
     """v0 writes one partial per split; v1 one per split and consumer warpgroup (``split * CONSUMERS + c``),
-    merged here by LSE."""
+    merged here by LSE; v1 with channel-wise K of two-tile token groups in splits of whole runs of two tiles."""
     from foscar.cute import launch
+    from foscar.cute.config import config_for
     from foscar.cute.decode_sm90 import CONSUMERS, TILE
-    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=2, recent=3)
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=2, recent=3, k_axis=k_axis)
+    run = config_for(fmt, 4, 64).tile_run if ws else 1
+    assert run == (2 if ws and k_axis == "channel" else 1)
     q, cache = make_case(fmt, [1000, 130, 5])
     parts = launch.num_parts(fmt, num_splits, ws)
     work = new_workspace(3, 8, 2, parts, 128, q.device)
@@ -104,7 +110,7 @@ def test_the_cute_splits_follow_the_rule(num_splits, ws):
     lse = work[1][:, :, : parts - num_window_parts(fmt)]
     if ws:  # base 2: log2 sum 2^l over the consumers of each split
         lse = torch.logsumexp(lse.reshape(3, 8, num_splits, CONSUMERS) * LN2, -1) / LN2
-    assert_lses(lse, expected_split_lses(q, cache, TILE, num_splits))
+    assert_lses(lse, expected_split_lses(q, cache, TILE, num_splits, run))
 
 
 def test_split_ranges_and_the_registry_name_bad_arguments():

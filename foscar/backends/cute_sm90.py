@@ -49,14 +49,15 @@ class CuteSm90(Backend):
         return num_window_parts(fmt) == 0
 
     def preferred(self, fmt) -> bool:
-        """Token-wise K, or channel-wise K with token-wise V, or INT4. Measured on the H200 with v1, the CuTe
-        default (``docs/results-h200.md``): token-wise K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x;
-        token-wise K, channel-wise V 1.16-1.40x; channel-wise K and token-wise V 1.06-1.51x since one-tile
-        passes take the lazy rescale (``docs/bench/h200/axes-lazy-one-tile.json``); channel-wise K and V, since
-        ``Q'`` is built in 16-byte chunks (``docs/bench/h200/axes-channel-fold.json``), 1.08-1.10x at INT4 and
-        0.90-1.02x at INT2: there Triton is kept. Head dim 256, INT4: 1.9-2.3x Triton
-        (``docs/bench/h200/rows-d256.md``)."""
-        return fmt.k_axis == "token" or fmt.v_axis == "token" or fmt.bits == 4
+        """Every format but INT2 channel-wise K and V with token groups of 64. Measured on the H200 with v1, the
+        CuTe default (``docs/results-h200.md``): token-wise K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x;
+        token-wise K, channel-wise V 1.16-1.40x; channel-wise K and token-wise V 1.06-1.51x before each consumer
+        took runs of two tiles (one ``Q'`` fold per token group of 128) with conflict-free ``(s', z')`` reads,
+        which took B 8, L 128K from 516.7 to 393.8 µs (INT2); channel-wise K and V at INT2 since then 1.13-1.17x
+        (``docs/bench/h200/axes-fold-runs.json``), at INT4 1.08-1.10x before. Groups of one tile fold every
+        tile: INT2 channel-wise K and V there measured 0.90-1.02x (Triton kept). Head dim 256, INT4: 1.9-2.3x
+        Triton (``docs/bench/h200/rows-d256.md``)."""
+        return fmt.k_axis == "token" or fmt.v_axis == "token" or fmt.bits == 4 or fmt.group_size >= 128
 
     def launch_config(self, problem) -> dict:
         from ..cute.launch import launch_config

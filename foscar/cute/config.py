@@ -21,9 +21,11 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
-#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.fold_q`):
-#: one 16-byte chunk of a swizzled BF16 row, so that a row's ``D / 8`` builders are lanes of one warp
+#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.fold_q`), in
+#: pairs (one 32-bit word of a BF16 row) :func:`fold_channel` spreads over the row, so that a row's ``D / 8``
+#: builders are lanes of one warp and their ``(s', z')`` reads are consecutive 16-byte words
 FOLD_CHANNELS = 8
+FOLD_PAIRS = FOLD_CHANNELS // 2
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
 #: log2 headroom of the lazy rescale (:mod:`foscar.cute.lazy`, :attr:`Sm90Config.lazy_rescale`): a pass keeps
@@ -186,6 +188,14 @@ class Sm90Config:
     producer_fold: bool = False
 
     @property
+    def tile_run(self) -> int:
+        """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.kernel_v1.ring_tile`):
+        2 where channel-wise K's token group spans two tiles or more and each consumer folds its own ``Q'`` (one
+        fold for both tiles, where alternate tiles would fold every tile), else 1."""
+        fold_pairs = self.k_channel and not self.producer_fold and self.tiles_per_pass == 1
+        return 2 if fold_pairs and self.group_size >= 2 * TILE else 1
+
+    @property
     def rows(self) -> int:
         """Query rows of one KV head: its heads times the step's tokens."""
         return self.gqa * self.step
@@ -299,11 +309,29 @@ class Sm90Config:
 
 def fold_chunk(head_dim: int, t, j: int, threads: int = THREADS):
     """Channel-wise K's ``Q'`` (:func:`foscar.cute.folds.fold_q`) built by ``threads`` threads (whole warps):
-    ``(row, d0)``, the query row and first channel of thread ``t``'s ``j``-th chunk of :data:`FOLD_CHANNELS`
-    channels. A row's ``head_dim / 8`` chunks are consecutive threads (lanes of one warp), ``threads / (head_dim
-    / 8)`` rows are built at once; a row past the kernel's columns is no chunk."""
+    ``(row, c)``, the query row of thread ``t``'s ``j``-th share and its place ``c`` among the row's ``head_dim /
+    8`` builders (its channels: :func:`fold_channel`). A row's builders are consecutive lanes of one warp (its
+    offset correction is their butterfly sum); a warp's rows are ``warps`` apart, so that its two rows of a
+    128-byte swizzled Q^T (head dim 128) sit in opposite halves of the banks. ``threads / (head_dim / 8)`` rows
+    are built at once; a row past the kernel's columns is no share."""
     lanes = head_dim // FOLD_CHANNELS
-    return t // lanes + j * (threads // lanes), (t % lanes) * FOLD_CHANNELS
+    warps = threads // 32
+    lane = t % 32
+    return t // 32 + warps * (lane // lanes) + j * (threads // lanes), lane % lanes
+
+
+def fold_channel(head_dim: int, c, i: int):
+    """The ``i``-th channel (``i < FOLD_CHANNELS``) that builder ``c`` of a row folds (:func:`fold_chunk`):
+    pair ``i // 2`` is the row's pair ``c + (head_dim / 8) (i // 2)``, so that the builders' ``(s', z')`` of one
+    pair (16 bytes each) are consecutive in the group's row and their Q words consecutive in the row."""
+    return 2 * (c + (head_dim // FOLD_CHANNELS) * (i // 2)) + i % 2
+
+
+def fold_param(head_dim: int, c, i: int):
+    """The index in a token group's ``(s', z')`` row (channel ``d``: ``s'`` at ``2 d``, ``z'`` at ``2 d + 1``) of
+    the ``i``-th float builder ``c`` reads (``i < 2 FOLD_CHANNELS``: :func:`fold_channel` ``i // 2``'s, ``s'``
+    at even ``i``)."""
+    return 2 * fold_channel(head_dim, c, i // 2) + i % 2
 
 
 def fold_chunks(cfg, threads: int = THREADS) -> int:
@@ -314,10 +342,11 @@ def fold_chunks(cfg, threads: int = THREADS) -> int:
 
 def k_fold_buffer(cfg, t0, consumers: int):
     """Channel-wise K: which of the two ``Q'`` buffers the tile at token ``t0`` takes, for a warpgroup that
-    computes every ``consumers``-th tile (v0: 1, v1: :data:`CONSUMERS`): the token groups it visits alternate
-    between the buffers, so that a fold writes the buffer its MMAs read two folds before (behind the barrier
-    of the fold between), never the one the last fold filled."""
-    return (t0 // max(cfg.group_size, consumers * TILE)) & 1
+    computes runs of :attr:`Sm90Config.tile_run` tiles, one in every ``consumers`` (v0: 1, v1: :data:`CONSUMERS`)
+    from a run-aligned split start: the token groups it visits alternate between the buffers, so that a fold
+    writes the buffer its MMAs read two folds before (behind the barrier of the fold between), never the one the
+    last fold filled."""
+    return (t0 // max(cfg.group_size, consumers * cfg.tile_run * TILE)) & 1
 
 
 def columns_for(rows: int) -> int:

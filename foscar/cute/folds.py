@@ -21,7 +21,7 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import FOLD_CHANNELS, THREADS, fold_chunk, fold_chunks, o_block, o_slot, row_half, s_slot, slot_column
+from .config import FOLD_CHANNELS, FOLD_PAIRS, THREADS, fold_chunk, fold_chunks, o_block, o_slot, row_half, s_slot, slot_column
 from .operands import build_vt_registers
 from .softmax import column_sums
 
@@ -163,29 +163,32 @@ def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Te
     """Channel-wise K's operand-fold of a token group by ``threads`` threads (``t``: this one): ``Q' = bf16(Q s')``
     into buffer ``buf`` of ``sQk`` (the QK product's B operand) and the group's offset correction per query
     row, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot ``c``, from the BF16 ``Q'`` the MMA consumes), into
-    ``sKf[buf, row]``. The thread builds its chunks of 8 channels (:func:`~foscar.cute.config.fold_chunk`: the
-    ``D / 8`` builders of a row are lanes of one warp, its correction their butterfly sum); ``param(i)`` is the
-    ``i``-th float of its channels' ``(s', z')`` (``s'`` of channel ``d0 + i // 2`` at even ``i``, ``z'`` at odd).
-    No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
+    ``sKf[buf, row]``. The thread builds :data:`~foscar.cute.config.FOLD_CHANNELS` channels of its rows
+    (:func:`~foscar.cute.config.fold_chunk`: the ``D / 8`` builders of a row are lanes of one warp, its
+    correction their butterfly sum) in pairs, one 32-bit word of Q and Q' each (:func:`~foscar.cute.config.fold_channel`);
+    ``param(i)`` is the ``i``-th float of its channels' ``(s', z')`` (``s'`` of its channel ``i // 2`` at even
+    ``i``, ``z'`` at odd: :func:`~foscar.cute.config.fold_param`). No synchronisation: the caller fences the
+    writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // FOLD_CHANNELS  # threads of one row: a power of two <= 32
     pivot = cfg.k_pivots[0]  # channel-wise K: BF16 operands, one pivot
-    qv = cute.make_rmem_tensor(cute.make_layout(FOLD_CHANNELS), BFloat16)
-    qs = cute.make_rmem_tensor(cute.make_layout(FOLD_CHANNELS), BFloat16)
+    qv = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+    qs = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
     for j in cutlass.range_constexpr(fold_chunks(cfg, threads)):
-        h, d0 = fold_chunk(D, t, j, threads)
-        chunk = d0 // FOLD_CHANNELS
+        h, c = fold_chunk(D, t, j, threads)
         part = Float32(0.0)
-        if h < cfg.cols:  # one 16-byte chunk of row h: its channels' Q, then Q'
-            cute.autovec_copy(cute.local_tile(sQ[(h, None)], (FOLD_CHANNELS,), (chunk,)), qv)
-            for i in cutlass.range_constexpr(FOLD_CHANNELS):
-                sc = param(2 * i)  # read where it is used, each chunk (few live registers)
-                md = param(2 * i + 1) + cfg.k_mid * sc
-                x = Float32(qv[i])
-                y = BFloat16(x * sc)
-                qs[i] = y
-                part = part + x * md - pivot * Float32(y)
-            cute.autovec_copy(qs, cute.local_tile(sQk[(h, None, buf)], (FOLD_CHANNELS,), (chunk,)))
+        if h < cfg.cols:  # row h's pairs c, c + lanes, ...: each one word of Q, then of Q'
+            for p in cutlass.range_constexpr(FOLD_PAIRS):
+                cute.autovec_copy(cute.local_tile(sQ[(h, None)], (2,), (c + lanes * p,)), qv)
+                for k in cutlass.range_constexpr(2):
+                    i = 2 * p + k
+                    sc = param(2 * i)  # read where it is used (few live registers)
+                    md = param(2 * i + 1) + cfg.k_mid * sc
+                    x = Float32(qv[k])
+                    y = BFloat16(x * sc)
+                    qs[k] = y
+                    part = part + x * md - pivot * Float32(y)
+                cute.autovec_copy(qs, cute.local_tile(sQk[(h, None, buf)], (2,), (c + lanes * p,)))
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
         if t % lanes == 0 and h < cfg.cols:

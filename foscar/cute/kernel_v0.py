@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens
-from .config import FOLD_CHANNELS, HEADS, THREADS, TILE, V0_LIMITS, fold_chunk
+from .config import FOLD_CHANNELS, HEADS, THREADS, TILE, V0_LIMITS, fold_channel, fold_chunk
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q
@@ -160,9 +160,9 @@ class FoldDecodeSm90(TileKernel):
                 vw[mh, vb] = mVC[page, kvh, v_word(cfg.bits, D, off // v_block_tokens(cfg.bits), tidx, vb, mh)]
         if cutlass.const_expr(cfg.k_channel):  # the group's (s', z') of the channels it folds into Q'
             row = off // cfg.group_size if cfg.page >= cfg.group_size else 0
-            _, d0 = fold_chunk(D, tidx, 0)
+            _, fc = fold_chunk(D, tidx, 0)
             for i in cutlass.range_constexpr(2 * FOLD_CHANNELS):
-                par[i] = mKP[page, kvh, row, d0 + i // 2, i % 2]
+                par[i] = mKP[page, kvh, row, fold_channel(D, fc, i // 2), i % 2]
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(2):
                 if cutlass.const_expr(not cfg.k_channel):

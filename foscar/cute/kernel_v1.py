@@ -3,7 +3,8 @@
 Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
 copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
-(exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles: each waits for its
+(exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles (channel-wise K with
+token groups of two tiles or more: alternating runs of two tiles, :func:`ring_tile`): each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
@@ -22,7 +23,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, fold_chunk, slot_column, ws_registers
+from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, fold_chunk, fold_param, slot_column, ws_registers
 from .folds import fold_q, q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q
@@ -51,6 +52,31 @@ def ring_slot(c, k, stages: int):
     uniform instructions)."""
     assert stages & (stages - 1) == 0
     return c * stages + (k & (stages - 1))
+
+
+def ring_tile(i, run: int):
+    """``(consumer, k)`` of a split's ``i``-th tile (``i >= 0``): runs of ``run`` consecutive tiles (1 or 2,
+    :attr:`~foscar.cute.config.Sm90Config.tile_run`) go to the consumers in turn, ``k`` the tile's place in its
+    consumer's sequence."""
+    assert run in (1, 2)
+    if run == 1:
+        return i & 1, i >> 1
+    return (i >> 1) & 1, ((i >> 2) << 1) | (i & 1)
+
+
+def run_tile(c, k, run: int):
+    """The split's tile index ``i`` of consumer ``c``'s ``k``-th tile: :func:`ring_tile`'s inverse."""
+    assert run in (1, 2)
+    if run == 1:
+        return (k << 1) + c
+    return ((k >> 1) << 2) + (c << 1) + (k & 1)
+
+
+def run_bound(n):
+    """A bound of the ``k`` of either consumer's tiles of a split of ``n`` tiles (none where ``n <= 0``) in runs of
+    two (:func:`ring_tile`): the loop runs to it and skips the ``k`` whose tile is past the split's end (the exact
+    count, a clamp of ``n % 4``, left the tile loop a spilled register)."""
+    return (n + 3) >> 1
 
 
 def ring_phase(k, stages: int):
@@ -148,7 +174,7 @@ class FoldDecodeSm90WS(TileKernel):
                 if cutlass.const_expr(cfg.producer_fold):
                     cute.arch.mbarrier_init(ring.kpar + i, 1)
         cute.arch.mbarrier_init_fence()
-        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
+        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
         if cutlass.const_expr(cfg.prologue == "consumer_q"):
             cute.arch.sync_threads()  # the ring's barriers are initialised for every thread; Q: the first consumer
@@ -280,9 +306,8 @@ class FoldDecodeSm90WS(TileKernel):
         tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg = views
         full = ring.full
         empty = ring.empty
-        i = tile - t_lo
-        k = i >> 1  # i // CONSUMERS
-        slot = ring_slot(i & 1, k, cfg.stages)
+        c, k = ring_tile(tile - t_lo, cfg.tile_run)
+        slot = ring_slot(c, k, cfg.stages)
         t0 = tile * TILE
         page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
@@ -312,13 +337,12 @@ class FoldDecodeSm90WS(TileKernel):
         its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
         cfg = self.cfg
         threads = FOLD_WARPS * 32
-        _, d0 = fold_chunk(cfg.head_dim, ftid, 0, threads)
+        _, fc = fold_chunk(cfg.head_dim, ftid, 0, threads)
         for tile in cutlass.range(t_lo, t_hi, unroll=1):
-            i = tile - t_lo
-            k = i >> 1  # i // CONSUMERS
-            slot = ring_slot(i & 1, k, cfg.stages)
+            c, k = ring_tile(tile - t_lo, cfg.tile_run)
+            slot = ring_slot(c, k, cfg.stages)
             cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
-            fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, lambda j: ring.sKP[2 * d0 + j, slot])
+            fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, lambda j: ring.sKP[fold_param(cfg.head_dim, fc, j), slot])
             cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
             cute.arch.sync_warp()
             if ftid % 32 == 0:
@@ -328,7 +352,8 @@ class FoldDecodeSm90WS(TileKernel):
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
                  qk_scale: Float32, n_kvh):
-        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring."""
+        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring, or its runs
+        of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`ring_tile`)."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         pair = cfg.tiles_per_pass == 2
@@ -363,25 +388,40 @@ class FoldDecodeSm90WS(TileKernel):
                     cute.arch.mbarrier_arrive(ring.empty + slot_b)
                 t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
                 state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
-        else:
+        elif cutlass.const_expr(cfg.tile_run == 1):  # alternate tiles
             for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
-                k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS
-                slot = ring_slot(c, k, cfg.stages)
-                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
-                self._read_words(ring, slot, regs, thr)
-                self._read_params(ring, slot, regs, thr_c, thr)
-                t0 = tile * TILE
-                if cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
-                    state = self._tile_step(wg, regs, state, k, t0, 0, slot,
-                                            lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
-                else:
-                    if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage
-                        _, d0 = fold_chunk(cfg.head_dim, thr.tidx, 0)
-                        state.kgroup = self._fold_q(wg, state.kgroup, t0,
-                                                    lambda i: ring.sKP[2 * d0 + i, slot])
-                    cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
-                    state = self._tile_step(wg, regs, state, k, t0, 0)
+                state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, (tile - t_lo) >> 1, tile)
+        else:  # runs of two tiles (channel-wise K: one Q' fold for both)
+            for k in cutlass.range(0, run_bound(t_hi - t_lo), unroll=1):
+                tile = t_lo + run_tile(c, k, 2)
+                if tile < t_hi:
+                    state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, tile)
         self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c, n_kvh)
+
+    @cute.jit
+    def _consume_tile(self, wg: Warpgroup, ring: StageRing, regs: TileRegisters, state, thr_c: cute.Tensor,
+                      thr: WarpgroupThread, c: cutlass.Constexpr, k, tile):
+        """Consumer ``c``'s ``k``-th tile (the split's tile ``tile``), one tile a pass: its stage into registers
+        (channel-wise K: ``Q'`` folded from the stage's ``(s', z')`` at a new token group), the stage freed, the
+        tile step. Returns the new state."""
+        cfg = self.cfg
+        slot = ring_slot(c, k, cfg.stages)
+        cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
+        self._read_words(ring, slot, regs, thr)
+        self._read_params(ring, slot, regs, thr_c, thr)
+        t0 = tile * TILE
+        if cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
+            state = self._tile_step(wg, regs, state, k, t0, 0, slot,
+                                    lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
+        else:
+            if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage
+                _, fc = fold_chunk(cfg.head_dim, thr.tidx, 0)
+                state.kgroup = self._fold_q(wg, state.kgroup, t0,
+                                            lambda i: ring.sKP[fold_param(cfg.head_dim, fc, i), slot])
+            cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
+            state = self._tile_step(wg, regs, state, k, t0, 0)
+        return state
+
 
     @cute.jit
     def _read_words(self, ring: StageRing, slot, regs: TileRegisters, thr: WarpgroupThread):

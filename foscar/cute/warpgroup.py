@@ -266,11 +266,14 @@ class TileKernel:
         self.cfg = cfg
 
     @cute.jit
-    def _split_tiles(self, mSEQ: cute.Tensor, b, split, n_splits):
-        """``(n_quant, t_lo, t_hi)``: the quantized length of sequence ``b`` and the KV tiles of ``split``."""
+    def _split_tiles(self, mSEQ: cute.Tensor, b, split, n_splits, run: int = 1):
+        """``(n_quant, t_lo, t_hi)``: the quantized length of sequence ``b`` and the KV tiles of ``split``, each
+        split's start a multiple of ``run`` tiles (:attr:`~foscar.cute.config.Sm90Config.tile_run`)."""
         n = quantized_length(self.cfg, mSEQ[b])
         n_tiles = (n + TILE - 1) // TILE
         per = (n_tiles + n_splits - 1) // n_splits
+        if cutlass.const_expr(run > 1):
+            per = (per + run - 1) // run * run
         t_lo = split * per
         t_hi = cutlass.min(t_lo + per, n_tiles)
         return n, t_lo, t_hi
