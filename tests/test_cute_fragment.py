@@ -185,7 +185,7 @@ def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
     ``(s', z')`` of one pair step (``fold_param``) are consecutive 16-byte words of the group's row."""
     from types import SimpleNamespace
 
-    from foscar.cute.config import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks, fold_param
+    from foscar.cute.fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks, fold_param
     cfg = SimpleNamespace(head_dim=head_dim, cols=cols)
     seen = torch.zeros(cols, head_dim, dtype=torch.long)
     lanes = {}
@@ -219,7 +219,8 @@ def test_a_warpgroups_token_groups_alternate_between_the_q_buffers(group_size, c
     tiles is one token group, so that each consumer folds once per group."""
     from types import SimpleNamespace
 
-    from foscar.cute.config import TILE, k_fold_buffer
+    from foscar.cute.config import TILE
+    from foscar.cute.fold_map import k_fold_buffer
     from foscar.cute.kernel_v1 import ring_tile, run_bound, run_tile
     for n in range(-3, 13):  # run_bound: the k up to it whose tile is in the split are each consumer's tiles
         for c in (0, 1):

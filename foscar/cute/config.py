@@ -21,11 +21,6 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
-#: Channel-wise K: the channels of ``Q'`` one thread builds per query row (:func:`foscar.cute.folds.fold_q`), in
-#: pairs (one 32-bit word of a BF16 row) :func:`fold_channel` spreads over the row, so that a row's ``D / 8``
-#: builders are lanes of one warp and their ``(s', z')`` reads are consecutive 16-byte words
-FOLD_CHANNELS = 8
-FOLD_PAIRS = FOLD_CHANNELS // 2
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
 #: log2 headroom of the lazy rescale (:mod:`foscar.cute.lazy`, :attr:`Sm90Config.lazy_rescale`): a pass keeps
@@ -238,7 +233,8 @@ class Sm90Config:
     @property
     def k_par_words(self) -> int:
         """Per-thread K ``(s', z')`` registers of a tile: its two token rows' per channel group, or (channel-wise
-        K, v0) the token group's of the channels it folds into ``Q'`` (:data:`FOLD_CHANNELS`)."""
+        K, v0) the token group's of the channels it folds into ``Q'`` (:data:`~foscar.cute.fold_map.FOLD_CHANNELS`)."""
+        from .fold_map import FOLD_CHANNELS
         return 2 * FOLD_CHANNELS if self.k_channel else 4 * self.kc
 
     @property
@@ -305,48 +301,6 @@ class Sm90Config:
     def v_group(self, m: int) -> int:
         """The channel group of token-wise V that m64 block ``m`` of V^T (of O^T) belongs to."""
         return m * self.vc // self.mh
-
-
-def fold_chunk(head_dim: int, t, j: int, threads: int = THREADS):
-    """Channel-wise K's ``Q'`` (:func:`foscar.cute.folds.fold_q`) built by ``threads`` threads (whole warps):
-    ``(row, c)``, the query row of thread ``t``'s ``j``-th share and its place ``c`` among the row's ``head_dim /
-    8`` builders (its channels: :func:`fold_channel`). A row's builders are consecutive lanes of one warp (its
-    offset correction is their butterfly sum); a warp's rows are ``warps`` apart, so that its two rows of a
-    128-byte swizzled Q^T (head dim 128) sit in opposite halves of the banks. ``threads / (head_dim / 8)`` rows
-    are built at once; a row past the kernel's columns is no share."""
-    lanes = head_dim // FOLD_CHANNELS
-    warps = threads // 32
-    lane = t % 32
-    return t // 32 + warps * (lane // lanes) + j * (threads // lanes), lane % lanes
-
-
-def fold_channel(head_dim: int, c, i: int):
-    """The ``i``-th channel (``i < FOLD_CHANNELS``) that builder ``c`` of a row folds (:func:`fold_chunk`):
-    pair ``i // 2`` is the row's pair ``c + (head_dim / 8) (i // 2)``, so that the builders' ``(s', z')`` of one
-    pair (16 bytes each) are consecutive in the group's row and their Q words consecutive in the row."""
-    return 2 * (c + (head_dim // FOLD_CHANNELS) * (i // 2)) + i % 2
-
-
-def fold_param(head_dim: int, c, i: int):
-    """The index in a token group's ``(s', z')`` row (channel ``d``: ``s'`` at ``2 d``, ``z'`` at ``2 d + 1``) of
-    the ``i``-th float builder ``c`` reads (``i < 2 FOLD_CHANNELS``: :func:`fold_channel` ``i // 2``'s, ``s'``
-    at even ``i``)."""
-    return 2 * fold_channel(head_dim, c, i // 2) + i % 2
-
-
-def fold_chunks(cfg, threads: int = THREADS) -> int:
-    """The chunks of ``Q'`` each of ``threads`` threads builds (:func:`fold_chunk`, some past the columns)."""
-    sets = threads // (cfg.head_dim // FOLD_CHANNELS)
-    return (cfg.cols + sets - 1) // sets
-
-
-def k_fold_buffer(cfg, t0, consumers: int):
-    """Channel-wise K: which of the two ``Q'`` buffers the tile at token ``t0`` takes, for a warpgroup that
-    computes runs of :attr:`Sm90Config.tile_run` tiles, one in every ``consumers`` (v0: 1, v1: :data:`CONSUMERS`)
-    from a run-aligned split start: the token groups it visits alternate between the buffers, so that a fold
-    writes the buffer its MMAs read two folds before (behind the barrier of the fold between), never the one the
-    last fold filled."""
-    return (t0 // max(cfg.group_size, consumers * cfg.tile_run * TILE)) & 1
 
 
 def columns_for(rows: int) -> int:

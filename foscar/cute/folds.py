@@ -21,7 +21,8 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import FOLD_CHANNELS, FOLD_PAIRS, THREADS, fold_chunk, fold_chunks, o_block, o_slot, row_half, s_slot, slot_column
+from .config import THREADS, o_block, o_slot, row_half, s_slot, slot_column
+from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
 from .operands import build_vt_registers
 from .softmax import column_sums
 
@@ -163,11 +164,11 @@ def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Te
     """Channel-wise K's operand-fold of a token group by ``threads`` threads (``t``: this one): ``Q' = bf16(Q s')``
     into buffer ``buf`` of ``sQk`` (the QK product's B operand) and the group's offset correction per query
     row, ``sum_d Q mid - c sum_d Q'`` (centred on the pivot ``c``, from the BF16 ``Q'`` the MMA consumes), into
-    ``sKf[buf, row]``. The thread builds :data:`~foscar.cute.config.FOLD_CHANNELS` channels of its rows
-    (:func:`~foscar.cute.config.fold_chunk`: the ``D / 8`` builders of a row are lanes of one warp, its
-    correction their butterfly sum) in pairs, one 32-bit word of Q and Q' each (:func:`~foscar.cute.config.fold_channel`);
+    ``sKf[buf, row]``. The thread builds :data:`~foscar.cute.fold_map.FOLD_CHANNELS` channels of its rows
+    (:func:`~foscar.cute.fold_map.fold_chunk`: the ``D / 8`` builders of a row are lanes of one warp, its
+    correction their butterfly sum) in pairs, one 32-bit word of Q and Q' each (:func:`~foscar.cute.fold_map.fold_channel`);
     ``param(i)`` is the ``i``-th float of its channels' ``(s', z')`` (``s'`` of its channel ``i // 2`` at even
-    ``i``, ``z'`` at odd: :func:`~foscar.cute.config.fold_param`). No synchronisation: the caller fences the
+    ``i``, ``z'`` at odd: :func:`~foscar.cute.fold_map.fold_param`). No synchronisation: the caller fences the
     writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // FOLD_CHANNELS  # threads of one row: a power of two <= 32
@@ -199,7 +200,7 @@ def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Te
 def k_operand_fold(cfg, wg, param, buf):
     """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` into buffer
     ``buf``, then one barrier of the warpgroup (the writes fenced for the wgmma's proxy first): the buffers
-    alternate (:func:`~foscar.cute.config.k_fold_buffer`), so no reader of this one is left."""
+    alternate (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of this one is left."""
     thr = wg.thr
     fold_q(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
     cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)

@@ -13,7 +13,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens
-from .config import FOLD_CHANNELS, HEADS, THREADS, TILE, V0_LIMITS, fold_channel, fold_chunk
+from .config import HEADS, THREADS, TILE, V0_LIMITS
+from .fold_map import FOLD_CHANNELS, fold_channel, fold_chunk
 from .folds import q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q

@@ -23,7 +23,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, fold_chunk, fold_param, slot_column, ws_registers
+from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, slot_column, ws_registers
+from .fold_map import fold_chunk, fold_param
 from .folds import fold_q, q_sums
 from .fragment import k_word, v_word
 from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q

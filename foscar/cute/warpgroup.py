@@ -22,8 +22,8 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
-from .config import (CORRECTION_TILES, TILE, Sm90Config, column_token, k_fold_buffer, o_slot, row_half, s_slot,
-                     slot_column)
+from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_slot, row_half, s_slot, slot_column
+from .fold_map import k_fold_buffer
 from .folds import (
     OutputAccumulator,
     p_units_bound,
@@ -284,7 +284,7 @@ class TileKernel:
         """One KV tile (starting at token ``t0``; ``tile``: its index in the warpgroup's tile sequence, which
         starts at ``t_lo``) from its words and ``(s', z')`` in registers: S^T = K Q^T with K's fold, the
         online softmax, O^T += V^T P'^T with V's fold (:mod:`foscar.cute.folds`). Channel-wise K: ``qbuf`` the
-        tile's ``Q'`` buffer (None: :func:`~foscar.cute.config.k_fold_buffer`'s); ``release``, called once the
+        tile's ``Q'`` buffer (None: :func:`~foscar.cute.fold_map.k_fold_buffer`'s); ``release``, called once the
         tile's scores are formed (its ``Q'`` read). Returns the new state."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.k_channel and qbuf is None):
