@@ -31,6 +31,9 @@ RESCALE_HEADROOM = 8.0
 #: rescale too (:attr:`Sm90Config.lazy_rescale`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8, L 128K,
 #: Hq 32, ``docs/bench/h200/lazy-one-tile-heads.md``): 0.80-0.91x the time at GQA 8, 16 and 32
 LAZY_ONE_TILE = True
+#: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`).
+#: Measured on the H200 (``docs/bench/h200/axes-lazy-vchannel.json``): 0.88-1.00x the time, B 8, L 128K INT2 0.88x
+LAZY_CHANNEL_V = True
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
@@ -170,8 +173,8 @@ class Sm90Config:
     #: streams half INT4's bytes in as many instructions, so twice the stages keep as many bytes in flight),
     #: else :data:`STAGES`; a tuned entry may ask for more where its CTAs per SM leave the shared memory
     stages: int = STAGES
-    #: token-wise V: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always,
-    #: one tile a pass where :data:`LAZY_ONE_TILE`
+    #: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): token-wise V two tiles a pass always,
+    #: one tile a pass where :data:`LAZY_ONE_TILE`; channel-wise V (one tile a pass) where :data:`LAZY_CHANNEL_V`
     lazy_rescale: bool = False
     #: v1: how a CTA begins, one of :data:`PROLOGUES` (:data:`PROLOGUE_BY_BITS`)
     prologue: str = "q_first"
@@ -552,7 +555,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
-                      lazy_rescale=fmt.v_axis == "token" and (tiles_per_pass == 2 or LAZY_ONE_TILE),
+                      lazy_rescale=(tiles_per_pass == 2 or LAZY_ONE_TILE) if fmt.v_axis == "token" else
+                      tiles_per_pass == 1 and LAZY_CHANNEL_V,
                       prologue=prologue, trigger_dependents=COMBINE_PDL,
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)

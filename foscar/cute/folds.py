@@ -318,34 +318,46 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
 
 
 @cute.jit
-def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
-    """Channel-wise V (one token group per tile): ``P~ = fp16(P)`` is the B operand; the tile's partial
-    ``V^T P~^T``, centred, is scaled per channel (``regs.vpar``: the group's ``(s', z')`` of this thread's
-    accumulator channels) and added to the rescaled accumulator: ``s' (part - c sum P~) + mid sum P~``."""
+def publish_p(cfg, wg, q: list, buf):
+    """Channel-wise V: a tile's ``P~ = fp16(P)`` elements of this thread (``q``) into the B operand, and each
+    warp's column sums of them (its 16 token rows) into slots ``cols..2 cols - 1`` of ``sRed``'s buffer ``buf``,
+    then the proxy fence the wgmma reads need; the caller's barrier publishes both (:func:`p_column_sums`)."""
     thr = wg.thr
-    sRed = wg.smem.sRed
-    lane = thr.lane
-    warp = thr.warp
-    quad = thr.quad
-    accO = out.acc
-    q = [Float16(x) for x in p]
     store_p(wg.smem.sP[0], thr, q)
-    slots = len(p) // 2
-    cols = cfg.cols
-    # the column sums of the P~ the MMA consumes
+    slots = len(q) // 2
     ps = [Float32(q[4 * (k // 2) + k % 2]) + Float32(q[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 4 << sh)
+    sRed = wg.smem.sRed
+    lane = thr.lane
+    warp = thr.warp
+    cols = cfg.cols
     if lane < 4:
         for k in cutlass.range_constexpr(slots):
             sRed[buf, warp, cols + slot_column(k, 2 * lane)] = ps[k]
     cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
-    psum = [sRed[buf, 0, cols + slot_column(k, 2 * quad)] for k in range(slots)]
-    for wi in cutlass.range_constexpr(1, 4):
-        for k in cutlass.range_constexpr(slots):
-            psum[k] = psum[k] + sRed[buf, wi, cols + slot_column(k, 2 * quad)]
+
+
+def p_column_sums(cfg, wg, buf, slots: int) -> list:
+    """The column sums of a tile's ``P~`` (the four warps' of :func:`publish_p`, after the barrier), by this
+    thread's column slot."""
+    sRed = wg.smem.sRed
+    col0 = 2 * wg.thr.quad
+    psum = [sRed[buf, 0, cfg.cols + slot_column(k, col0)] for k in range(slots)]
+    for wi in range(1, 4):
+        for k in range(slots):
+            psum[k] = psum[k] + sRed[buf, wi, cfg.cols + slot_column(k, col0)]
+    return psum
+
+
+@cute.jit
+def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=None):
+    """Channel-wise V: the tile's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`), centred,
+    scaled per channel (``regs.vpar``: the group's ``(s', z')`` of this thread's accumulator channels) and added
+    to the accumulator, rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P~) + mid sum
+    P~`` (``psum``: :func:`p_column_sums`)."""
+    accO = out.acc
     build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
     tOrV = wg.frags.tOrV
     tOrP = wg.frags.tOrP[0]
@@ -360,8 +372,19 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
     for e in cutlass.range_constexpr(cute.size(accO)):
         k = o_slot(e, cfg.nb)
         vs_e = vpar[2 * e]
-        accO[e] = (accO[e] * al[k] + (accT[e] - cfg.v_pivots[0] * psum[k]) * vs_e
-                   + psum[k] * (vpar[2 * e + 1] + cfg.v_mid * vs_e))
+        acc_e = accO[e]
+        if cutlass.const_expr(al is not None):
+            acc_e = acc_e * al[k]
+        accO[e] = acc_e + (accT[e] - cfg.v_pivots[0] * psum[k]) * vs_e + psum[k] * (vpar[2 * e + 1] + cfg.v_mid * vs_e)
+
+
+@cute.jit
+def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
+    """Channel-wise V with the eager rescale: ``P~ = fp16(P)`` is the B operand (:func:`publish_p`, one barrier),
+    then :func:`v_acc_fold_product` with the tile's rescale ``al``."""
+    publish_p(cfg, wg, [Float16(x) for x in p], buf)
+    cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
+    v_acc_fold_product(cfg, wg, out, regs, p_column_sums(cfg, wg, buf, len(p) // 2), al)
 
 
 @cute.jit

@@ -1,4 +1,5 @@
-"""The online softmax with a lazy rescale, through token-wise V's operand-fold (``Sm90Config.lazy_rescale``).
+"""The online softmax with a lazy rescale (``Sm90Config.lazy_rescale``), through token-wise V's operand-fold
+(:func:`lazy_softmax`) or channel-wise V's acc-fold (:func:`lazy_softmax_acc_fold`).
 
 A pass keeps the running maxima ``m`` and the P' units ``sigma`` it has while no score passes its column's
 maximum by more than :data:`~foscar.cute.config.RESCALE_HEADROOM` and no token row asks for larger units;
@@ -13,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
 
 from .config import RESCALE_HEADROOM, THREADS, s_slot
-from .folds import gather_offset_corrections, p_operands, p_scales, store_p_operands
+from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
 from .softmax import barrier_any, nonempty_max, tile_maxima
 
 
@@ -96,9 +97,67 @@ def lazy_softmax(cfg, wg, state, sc, s: list, step):
     return softmax, out
 
 
+@cute.jit
+def lazy_softmax_acc_fold(cfg, wg, state, s: list, step):
+    """The online softmax of a tile's scores ``s`` with a lazy rescale, channel-wise V: returns ``(softmax, out,
+    psum)``, the column sums of the tile's ``P~`` for :func:`~foscar.cute.folds.v_acc_fold_product`. ``step``: the
+    tile's index (the reduction buffer it takes).
+
+    Each thread forms ``P = exp2(s - m)`` under the running maxima it has and publishes ``P~ = fp16(P)`` with
+    its warp's column sums (:func:`~foscar.cute.folds.publish_p`); one barrier publishes them and tells every
+    thread whether any score passed its column's maximum by more than
+    :data:`~foscar.cute.config.RESCALE_HEADROOM`. Almost always none did: no exchange of maxima, no rescale
+    (``P <= 2^8`` within FP16 ``P~`` and the FP32 sums). Else the warps exchange the tile's maxima
+    (:func:`~foscar.cute.softmax.tile_maxima`, slots below ``cols``), the accumulator and the sums are rescaled,
+    and ``P~`` and its sums are published again behind a second barrier. NaN scores and empty columns as in
+    :func:`lazy_softmax`."""
+    thr = wg.thr
+    softmax = state.softmax
+    out = state.out
+    guard = softmax.guard
+    m_old = softmax.m
+    m_use = m_old
+    if cutlass.const_expr(guard):
+        m_use = [nonempty_max(x) for x in m_old]
+    n_el = len(s)
+    slots = len(m_old)
+    buf = step & 1
+    sRed = wg.smem.sRed
+    need = Int32(0)
+    for e in cutlass.range_constexpr(n_el):
+        if s[e] > m_old[s_slot(e)] + RESCALE_HEADROOM:
+            need = Int32(1)
+    pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
+    mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    mu = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    p = [cute.math.exp2(s[e] - m_use[s_slot(e)], fastmath=True) for e in range(n_el)]
+    publish_p(cfg, wg, [Float16(x) for x in p], buf)
+    _keep((pt, [], mt, mu, []), p, [], m_old, m_use, [])
+    if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
+        tm, _ = tile_maxima(cfg, thr, sRed, step, s, None)  # channel-wise V: no P' units
+        mn = [cute.arch.fmax(m_old[k], tm[k]) for k in range(slots)]
+        mn_use = mn
+        if cutlass.const_expr(guard):
+            mn_use = [nonempty_max(x) for x in mn]
+        al = [cute.math.exp2(m_old[k] - mn_use[k], fastmath=True) for k in range(slots)]
+        out.scale_to(al, out.sigma)
+        for e in cutlass.range_constexpr(n_el):
+            softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
+        p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
+        publish_p(cfg, wg, [Float16(x) for x in p2], buf)  # the column sums' slots: read by no one yet
+        cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
+        _keep((pt, [], mt, mu, []), p2, [], mn, mn_use, [])
+    for e in cutlass.range_constexpr(n_el):
+        softmax.sums[e] = softmax.sums[e] + pt[e]
+    softmax.m = [mt[k] for k in range(slots)]
+    softmax.m_use = [mu[k] for k in range(slots)]
+    return softmax, out, p_column_sums(cfg, wg, buf, n_el // 2)
+
+
 def _keep(kept: tuple, p: list, q: list, m: list, m_use: list, sigma: list):
     """The pass's ``P``, ``P'`` (per group), maxima, maxima to subtract and units into the register tensors
-    ``kept`` that carry them out of the run-time branch of :func:`lazy_softmax`."""
+    ``kept`` that carry them out of the run-time branch of :func:`lazy_softmax` (:func:`lazy_softmax_acc_fold`: no
+    ``P'`` or units)."""
     pt, qt, mt, mu, st = kept
     for e in range(len(p)):
         pt[e] = p[e]

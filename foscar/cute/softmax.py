@@ -93,21 +93,28 @@ def reduction_layout(cfg) -> cute.Layout:
 def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     """One shared-memory round for a tile's column maxima (of the scores ``s``) and its largest bound
     on the P' units (token-wise V: :func:`foscar.cute.folds.p_units_bound` of this thread's two rows in ``vs``,
-    one pair per channel group; the second group's maximum is left in slot ``cols + 1`` of ``sRed``).
+    one pair per channel group; the second group's maximum is left in slot ``cols + 1`` of ``sRed``; channel-wise
+    V: none, ``vs`` unread, ``tv`` 0, its slots from ``cols`` are the column sums of ``P~``,
+    :func:`foscar.cute.folds.publish_p`).
     Lanes, then the four warps through ``sRed``'s buffer ``tile % 2``: ``(tm, tv)``, ``tm`` by column slot."""
     slots = 2 * cfg.nb
+    units = not cfg.v_channel  # token-wise V: the largest bound on the P' units rides along
     mx = [cute.arch.fmax(s[4 * (k // 2) + k % 2], s[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
-    vs0, vs1 = vs[0]
-    vmx = cute.arch.fmax(vs0, vs1)  # the bounds are >= 0
+    vmx = Float32(0.0)
+    if cutlass.const_expr(units):
+        vs0, vs1 = vs[0]
+        vmx = cute.arch.fmax(vs0, vs1)  # the bounds are >= 0
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             mx[k] = cute.arch.fmax(mx[k], cute.arch.shuffle_sync_bfly(mx[k], 4 << sh))
-        vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
+        if cutlass.const_expr(units):
+            vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 4 << sh))
     if cutlass.const_expr(thr.pair):  # the same head's column of the pass's other tile, two quads over
         for k in cutlass.range_constexpr(slots):
             mx[k] = cute.arch.fmax(mx[k], cute.arch.shuffle_sync_bfly(mx[k], 2))
-    vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
-    vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
+    if cutlass.const_expr(units):
+        vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 1))
+        vmx = cute.arch.fmax(vmx, cute.arch.shuffle_sync_bfly(vmx, 2))
     if cutlass.const_expr(cfg.vc == 2):
         ws0, ws1 = vs[1]
         wmx = cute.arch.fmax(ws0, ws1)
@@ -121,17 +128,21 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     if lane < 4:
         for k in cutlass.range_constexpr(slots):
             sRed[buf, warp, HEADS * (k // 2) + 2 * lane + k % 2] = mx[k]
-    if lane == 0:
-        sRed[buf, warp, cols] = vmx
-        if cutlass.const_expr(cfg.vc == 2):
-            sRed[buf, warp, cols + 1] = wmx
+    if cutlass.const_expr(units):
+        if lane == 0:
+            sRed[buf, warp, cols] = vmx
+            if cutlass.const_expr(cfg.vc == 2):
+                sRed[buf, warp, cols + 1] = wmx
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
     tm = [sRed[buf, 0, HEADS * (k // 2) + 2 * quad + k % 2] for k in range(slots)]
-    tv = sRed[buf, 0, cols]
+    tv = Float32(0.0)
+    if cutlass.const_expr(units):
+        tv = sRed[buf, 0, cols]
     for wi in cutlass.range_constexpr(1, 4):
         for k in cutlass.range_constexpr(slots):
             tm[k] = cute.arch.fmax(tm[k], sRed[buf, wi, HEADS * (k // 2) + 2 * quad + k % 2])
-        tv = cute.arch.fmax(tv, sRed[buf, wi, cols])
+        if cutlass.const_expr(units):
+            tv = cute.arch.fmax(tv, sRed[buf, wi, cols])
     return tm, tv
 
 

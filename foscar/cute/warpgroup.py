@@ -33,11 +33,12 @@ from .folds import (
     k_operand_fold_scores,
     p_scales,
     v_acc_fold,
+    v_acc_fold_product,
     v_operand_fold,
 )
 from .operands import build_k_registers, build_vt_registers
 from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms, sum_term_blocks
-from .lazy import lazy_softmax
+from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -296,7 +297,10 @@ class TileKernel:
             release()
         softmax = state.softmax
         out = state.out
-        if cutlass.const_expr(cfg.lazy_rescale):  # token-wise V: P' stored under the maxima it has
+        if cutlass.const_expr(cfg.lazy_rescale and cfg.v_channel):  # P~ stored under the maxima it has
+            softmax, out, psum = lazy_softmax_acc_fold(cfg, wg, state, s, tile)
+            v_acc_fold_product(cfg, wg, out, regs, psum)
+        elif cutlass.const_expr(cfg.lazy_rescale):  # token-wise V: P' stored under the maxima it has
             softmax, out = lazy_softmax(cfg, wg, state, sc, s, tile)
         else:
             # ---- online softmax; the tile's largest |s'_V| rides in the same reduction -------------------
