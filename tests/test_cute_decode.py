@@ -351,6 +351,7 @@ def test_the_p_units_are_the_least_power_of_two_above_every_v_scale():
     assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("v_axis", ("token", "channel"))
@@ -463,6 +464,7 @@ def test_two_tiles_per_pass_against_the_oracle_gpu(bits, lens, G, num_splits, fm
                                warp_specialized=True, k_operand=k_operand, tiles_per_pass=2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("magnitude", V_MAGNITUDES)
 def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
