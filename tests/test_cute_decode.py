@@ -528,13 +528,35 @@ def lazy_one_tile(monkeypatch):
 
 
 def test_the_lazy_rescale_takes_token_wise_v():
-    """Two tiles a pass always take the lazy rescale; channel-wise V (the acc-fold) never does; one-tile passes
-    where ``LAZY_ONE_TILE``."""
+    """Two tiles a pass always take the lazy rescale; one-tile passes where ``LAZY_ONE_TILE``; channel-wise V (the
+    acc-fold, one tile a pass) where ``LAZY_CHANNEL_V``."""
     import foscar.cute.config as cfg_mod
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
     assert config_for(fmt, 4, 64, "e4m3", 2).lazy_rescale
     assert config_for(fmt, 8, 64, "e4m3", 1).lazy_rescale == cfg_mod.LAZY_ONE_TILE
-    assert not config_for(dataclasses.replace(fmt, v_axis="channel"), 4, 64).lazy_rescale
+    assert config_for(dataclasses.replace(fmt, v_axis="channel"), 4, 64).lazy_rescale == cfg_mod.LAZY_CHANNEL_V
+
+
+@pytest.mark.parametrize("bits,k_axis,ws", [(2, "token", True), pytest.param(4, "channel", True, marks=pytest.mark.slow),
+                                             pytest.param(2, "token", False, marks=pytest.mark.slow)])
+def test_lazy_channel_v_compiles_for_sm90a(monkeypatch, bits, k_axis, ws):
+    """Channel-wise V with the lazy rescale: one ``bar.red.or`` vote a tile (the P~ and column sums' barrier),
+    the same wgmma as the eager rescale, no spills; ``LAZY_CHANNEL_V`` off gives the eager kernel's config."""
+    from _helpers import cute_switches
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis=k_axis, v_axis="channel")
+    with cute_switches(monkeypatch, LAZY_CHANNEL_V=True):
+        cfg = config_for(fmt, 4, 64)
+    assert cfg.lazy_rescale
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2 if ws else 1).__ptx__
+    with cute_switches(monkeypatch, LAZY_CHANNEL_V=False):
+        plain_cfg = config_for(fmt, 4, 64)
+    assert dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
+    plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2 if ws else 1).__ptx__
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == (2 if ws else 1)  # one loop per consumer
+    assert not re.findall(r"bar\.red\.or\.pred", plain)
+    wgmma = re.compile(r"wgmma\.mma_async")
+    assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
 @pytest.mark.parametrize("bits,gqa,k_operand,fmt_kw,ws,ctas,q_len", [
