@@ -15,7 +15,7 @@ from cutlass import Float16, Float32, Int32
 
 from .config import RESCALE_HEADROOM, THREADS, s_slot
 from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
-from .softmax import barrier_any, nonempty_max, tile_maxima
+from .softmax import barrier_any, maxima_to_subtract, past_headroom, raised_maxima, tile_maxima
 
 
 @cute.jit
@@ -41,18 +41,13 @@ def lazy_softmax(cfg, wg, state, sc, s: list, step):
     out = state.out
     guard = softmax.guard
     m_old = softmax.m
-    m_use = m_old
-    if cutlass.const_expr(guard):
-        m_use = [nonempty_max(x) for x in m_old]
+    m_use = maxima_to_subtract(m_old, guard)
     sigma_old = out.sigma
     n_el = len(s)
     slots = len(m_old)
     groups = len(sigma_old)
     vb = sc.v_scales()
-    need = Int32(0)
-    for e in cutlass.range_constexpr(n_el):
-        if s[e] > m_old[s_slot(e)] + RESCALE_HEADROOM:
-            need = Int32(1)
+    need = past_headroom(s, m_old, RESCALE_HEADROOM)
     for g in cutlass.range_constexpr(groups):
         if cute.arch.fmax(vb[g][0], vb[g][1]) > sigma_old[g]:
             need = Int32(1)
@@ -69,11 +64,7 @@ def lazy_softmax(cfg, wg, state, sc, s: list, step):
     if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
         tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, vb)
         sigma = p_scales(cfg, wg, out, step, tv)
-        mn = [cute.arch.fmax(m_old[k], tm[k]) for k in range(slots)]
-        mn_use = mn
-        if cutlass.const_expr(guard):
-            mn_use = [nonempty_max(x) for x in mn]
-        al = [cute.math.exp2(m_old[k] - mn_use[k], fastmath=True) for k in range(slots)]
+        mn, mn_use, al = raised_maxima(m_old, tm, guard)
         out.scale_to(al, sigma)
         for e in cutlass.range_constexpr(n_el):
             softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
@@ -116,17 +107,12 @@ def lazy_softmax_acc_fold(cfg, wg, state, s: list, step):
     out = state.out
     guard = softmax.guard
     m_old = softmax.m
-    m_use = m_old
-    if cutlass.const_expr(guard):
-        m_use = [nonempty_max(x) for x in m_old]
+    m_use = maxima_to_subtract(m_old, guard)
     n_el = len(s)
     slots = len(m_old)
     buf = step & 1
     sRed = wg.smem.sRed
-    need = Int32(0)
-    for e in cutlass.range_constexpr(n_el):
-        if s[e] > m_old[s_slot(e)] + RESCALE_HEADROOM:
-            need = Int32(1)
+    need = past_headroom(s, m_old, RESCALE_HEADROOM)
     pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
     mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
     mu = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
@@ -135,11 +121,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, s: list, step):
     _keep((pt, [], mt, mu, []), p, [], m_old, m_use, [])
     if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
         tm, _ = tile_maxima(cfg, thr, sRed, step, s, None)  # channel-wise V: no P' units
-        mn = [cute.arch.fmax(m_old[k], tm[k]) for k in range(slots)]
-        mn_use = mn
-        if cutlass.const_expr(guard):
-            mn_use = [nonempty_max(x) for x in mn]
-        al = [cute.math.exp2(m_old[k] - mn_use[k], fastmath=True) for k in range(slots)]
+        mn, mn_use, al = raised_maxima(m_old, tm, guard)
         out.scale_to(al, out.sigma)
         for e in cutlass.range_constexpr(n_el):
             softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]

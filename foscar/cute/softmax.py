@@ -42,13 +42,7 @@ class OnlineSoftmax:
     def advance(self, tm: list) -> list:
         """Take a tile's column maxima ``tm``: the new running maxima, and the factors ``al`` (by column slot)
         that rescale what was accumulated under the old ones."""
-        mn = [cute.arch.fmax(self.m[k], tm[k]) for k in range(len(tm))]
-        m_use = mn
-        if cutlass.const_expr(self.guard):
-            m_use = [nonempty_max(x) for x in mn]
-        al = [cute.math.exp2(self.m[k] - m_use[k], fastmath=True) for k in range(len(tm))]
-        self.m = mn
-        self.m_use = m_use
+        self.m, self.m_use, al = raised_maxima(self.m, tm, self.guard)
         return al
 
     def probabilities(self, s: list, al: list) -> list:
@@ -72,6 +66,31 @@ def barrier_any(pred: Int32, barrier_id: int, number_of_threads: int, *, loc=Non
         "selp.u32 $0, 1, 0, q;\n\t}",
         "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip))
+
+
+def maxima_to_subtract(m: list, guard: bool) -> list:
+    """The running maxima a tile's exponentials subtract: ``m``, or with ``guard`` (a column may have seen no
+    token) :func:`nonempty_max` of each."""
+    return [nonempty_max(x) for x in m] if guard else m
+
+
+def raised_maxima(m: list, tm: list, guard: bool):
+    """``(mn, mn_use, al)``: the running maxima ``m`` raised to a tile's column maxima ``tm``, those to subtract
+    (:func:`maxima_to_subtract`) and the factors that rescale what was accumulated under ``m``."""
+    mn = [cute.arch.fmax(m[k], tm[k]) for k in range(len(tm))]
+    mn_use = maxima_to_subtract(mn, guard)
+    return mn, mn_use, [cute.math.exp2(m[k] - mn_use[k], fastmath=True) for k in range(len(tm))]
+
+
+@cute.jit
+def past_headroom(s: list, m: list, headroom: float) -> Int32:
+    """1 where any of this thread's scores ``s`` passes its column's running maximum (``m``, by column slot) by
+    more than ``headroom``, else 0: the lazy rescale's vote (:mod:`foscar.cute.lazy`)."""
+    need = Int32(0)
+    for e in cutlass.range_constexpr(len(s)):
+        if s[e] > m[s_slot(e)] + headroom:
+            need = Int32(1)
+    return need
 
 
 @cute.jit
