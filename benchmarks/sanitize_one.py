@@ -8,7 +8,8 @@
 Kinds: ``triton``, ``cute`` (``foscar.decode``'s pick), ``cute_ws`` / ``cute_ws2`` (v1 at one / two CTAs per
 SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale: a cache without windows, which E4M3 K
 operands refuse; ``cute_pair1``: the same at one CTA per SM) and ``cute_lazy1`` (v1, one tile a pass, with
-``foscar.cute.config.LAZY_ONE_TILE`` set).
+``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
+rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
 
@@ -25,14 +26,17 @@ from foscar.bench.common import rel_l2
 
 def main(backend: str) -> None:
     windows = {} if backend in ("cute_pair", "cute_pair1", "cute_lazy1") else {"sink": 4, "recent": 32}
-    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, **windows)
+    axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
+    if backend == "cute_kvcha":
+        axes["k_axis"] = "channel"
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, **axes, **windows)
     gen = torch.Generator().manual_seed(0)
     lens = [1000, 77, 1]
     B, Hkv, G, D = len(lens), 2, 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
-    if backend.startswith("cute_ws"):  # the warp-specialized CuTe kernel (v1; cute_ws2: two CTAs per SM)
+    if backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
     elif backend in ("cute_pair", "cute_pair1", "cute_lazy1"):
