@@ -31,6 +31,23 @@ from foscar.bench import as_graph, make_block_table, time_call
 FLUSH_BYTES = 512 * 2 ** 20
 
 
+def shape_args(doc: str, shapes: str, bits: list):
+    """The command line of the cost scripts: ``--shapes``, ``--bits``, ``--iters`` (median of)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(shapes))
+    p.add_argument("--bits", type=int, nargs="+", default=bits)
+    p.add_argument("--iters", type=int, default=9)
+    return p.parse_args()
+
+
+def decode_inputs(B: int, L: int, bits: int, dev):
+    """A random paged cache of the paper grid's problem (Hq 32, Hkv 8, D 128, shuffled pages), a query and an
+    output for it."""
+    cache = make_random_cache(Case(B, L, bits), make_block_table(B, L // 64, "shuffled", 0).to(dev))
+    q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
+    return cache, q, torch.empty_like(q)
+
+
 def timed(fn, flush, iters):
     return time_call(as_graph(fn), iters=iters, warmup=5, flush=flush)["median_us"]
 
@@ -74,11 +91,7 @@ def kernel_rows(fn, flush, iters):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1:8K,1:32K,8:8K"))
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--iters", type=int, default=9)
-    a = p.parse_args()
+    a = shape_args(__doc__, "1:8K,1:32K,8:8K", [2, 4])
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     tiny = torch.zeros(1, device=dev)
@@ -89,9 +102,7 @@ def main():
     print(f"| floor, 2 kernels | {timed(lambda: (tiny.add_(1), tiny.mul_(1)), flush, a.iters):.1f} |")
     for (B, L) in a.shapes:
         for bits in a.bits:
-            cache = make_random_cache(Case(B, L, bits), make_block_table(B, L // 64, "shuffled", 0).to(dev))
-            q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
-            out = torch.empty_like(q)
+            cache, q, out = decode_inputs(B, L, bits, dev)
             nbytes = B * L * cache.num_kv_heads * (bits * 2 * 128 // 8 + 16)  # codes and (s', z'), K and V
             blob = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
             dec = lambda: foscar.decode(q, cache, out=out)  # noqa: E731

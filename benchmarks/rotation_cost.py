@@ -7,36 +7,27 @@ replay, the L2 flushed before each, median of ``--iters``) over views of one ran
 rotated, centred (a key mean), and both; then lists the kernels one decode of the rotated, centred view
 launches (torch.profiler), each with its median duration.
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import Case, make_random_cache, parse_shapes
-from fixed_cost import FLUSH_BYTES, kernel_rows, timed
+from fixed_cost import FLUSH_BYTES, decode_inputs, kernel_rows, shape_args, timed
 
 import foscar
-from foscar.bench import make_block_table
 from foscar.bench.kernels import rotated_view
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1:8K,64:8K"))
-    p.add_argument("--bits", type=int, nargs="+", default=[2])
-    p.add_argument("--iters", type=int, default=9)
-    a = p.parse_args()
+    a = shape_args(__doc__, "1:8K,64:8K", [2])
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     print("| shape | plain µs | rotated µs | centred µs | rotated and centred µs |\n|---|---|---|---|---|")
     lists = []
     for (B, L) in a.shapes:
         for bits in a.bits:
-            cache = make_random_cache(Case(B, L, bits), make_block_table(B, L // 64, "shuffled", 0).to(dev))
-            q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
-            out = torch.empty_like(q)
+            cache, q, out = decode_inputs(B, L, bits, dev)
             times = []
             for rot, cen in ((False, False), (True, False), (False, True), (True, True)):
                 c = rotated_view(cache, rot, cen)

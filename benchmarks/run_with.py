@@ -14,7 +14,8 @@ import runpy
 import sys
 
 SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
-            "V_PLACEMENT": bool, "PRODUCER_Q_FOLD": bool}
+            "V_PLACEMENT": bool, "PRODUCER_Q_FOLD": bool, "LAZY_CHANNEL_V": bool, "COMBINE_WINDOWS": bool,
+            "COMBINE_PDL_WINDOWS": bool}
 
 
 def settings(words: list[str]) -> dict:

@@ -6,8 +6,8 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/sanitize_one.py cute_pair
 
 Kinds: ``triton``, ``cute`` (``foscar.decode``'s pick), ``cute_ws`` / ``cute_ws2`` (v1 at one / two CTAs per
-SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale: a cache without windows, which E4M3 K
-operands refuse; ``cute_pair1``: the same at one CTA per SM) and ``cute_lazy1`` (v1, one tile a pass, with
+SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale; ``cute_pair1``: the same at one CTA per
+SM) and ``cute_lazy1`` (v1, one tile a pass, with
 ``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer).
 
@@ -25,7 +25,7 @@ from foscar.bench.common import rel_l2
 
 
 def main(backend: str) -> None:
-    windows = {} if backend in ("cute_pair", "cute_pair1", "cute_lazy1") else {"sink": 4, "recent": 32}
+    windows = {"sink": 4, "recent": 32}  # the CuTe combine attends them
     axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
     if backend == "cute_kvcha":
         axes["k_axis"] = "channel"

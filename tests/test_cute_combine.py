@@ -5,6 +5,7 @@ both sides of a chunk and past the largest, empty partials holding garbage, all-
 NaN output of a weighted partial, into BF16, FP16 and FP32 outputs, with and without the LSE."""
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -116,6 +117,40 @@ def test_the_rotating_merge_compiles_for_sm90a(head_dim):
     assert ".local" not in ptx and ptx.count("st.global") == 1
 
 
+@pytest.mark.parametrize("head_dim,chunk,rotate,windows", [
+    (128, 16, False, {"sink": 4, "recent": 64, "ring": 64, "gqa": 4}),
+    (128, 128, True, {"sink": 4, "recent": 16, "flush": 128, "ring": 143, "gqa": 2, "window_dtype": "f16"}),
+    (64, 8, False, {"sink": 0, "recent": 32, "ring": 32, "gqa": 8}),
+    (256, 8, True, {"sink": 4, "recent": 0, "ring": 0, "gqa": 1})])
+def test_the_combine_with_windows_compiles_for_sm90a(head_dim, chunk, rotate, windows):
+    """The combine that attends a cache's BF16 windows itself (``foscar.cute.windows``): each window token's K
+    and V rows read as vectors (one load per lane per row, the sink's and the ring's), no local memory, the
+    same stores as the merge alone; a rotated cache's query rotated in by a Walsh-Hadamard round per power of
+    two of the head dim."""
+    cfg = CombineConfig(head_dim, "bf16", True, chunk, rotate, **windows)
+    assert cfg.windows
+    ptx = compile_combine(cfg, keep_ptx=True).__ptx__
+    plain = compile_combine(CombineConfig(head_dim, "bf16", True, chunk, rotate), keep_ptx=True).__ptx__
+    assert ".local" not in ptx and ptx.count("st.global") == 2
+    def loads(text, width=r"[\w.]+"):
+        return len(re.findall(rf"ld\.global(?:\.nc)?\.{width}\s", text))
+    threads = head_dim * cfg.ranks
+    tokens = -(-(cfg.sink + cfg.ring) // (threads // 32))  # a warp's window tokens
+    assert loads(ptx) - loads(plain) >= 2 * tokens, "each token's K and V row: a load per lane"
+    assert loads(ptx, r"[bu]16") - loads(plain, r"[bu]16") <= 1, "the rows as vectors (the query: one element)"
+    if rotate:
+        assert ptx.count("bar.sync") - plain.count("bar.sync") >= head_dim.bit_length() - 1
+
+
+def test_the_cute_decode_takes_no_window_partials():
+    """With ``COMBINE_WINDOWS`` the workspace holds the splits' partials only (the combine attends the windows)."""
+    import foscar
+    from foscar.cute import config
+    from foscar.cute.launch import num_parts
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=64)
+    assert config.COMBINE_WINDOWS and num_parts(fmt, 3, True) == 6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("parts,out_dtype", ((3, "f32"), (66, "bf16")))
@@ -147,3 +182,51 @@ def test_the_rotating_merge_is_the_merge_rotated_back(parts, out_dtype):
     assert bool((err <= tol * (ref_o.abs()[fin] + scale[fin])).all())
     g = got_lse.cpu().double()
     assert torch.equal(torch.isnan(g), torch.isnan(ref_lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("fmt_kw,G,window_dtype", [
+    ({"sink": 4, "recent": 64}, 4, torch.bfloat16),
+    ({"sink": 4, "recent": 64, "rotation": "hadamard", "rotation_seed": 5}, 8, torch.float16),
+    ({"sink": 2, "recent": 7, "k_axis": "channel"}, 4, torch.bfloat16),  # a ring of 134 slots
+    ({"sink": 0, "recent": 32, "head_dim": 64, "group_size": 64}, 2, torch.bfloat16),
+    ({"sink": 4, "recent": 0, "head_dim": 256}, 1, torch.float16)])
+def test_the_combine_attends_the_windows_gpu(fmt_kw, G, window_dtype):
+    """``foscar.decode`` through the CuTe kernels, the windows attended by the combine: sequences that are all
+    window (no quantized token) match the float64 oracle to the output's rounding, the others within the
+    kernels' bound; the LSE too; a NaN planted in one window token's V makes its KV head's rows NaN and no other."""
+    import foscar
+    from _helpers import bf16_attention, kernel_error_bound, rel
+    fmt = foscar.KVFormat(bits=2, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    D, Hkv = fmt.head_dim, 2
+    lens = [fmt.sink + fmt.recent, 3, 1, 2000, fmt.sink + 300]  # all window; all window; one token; long; ring wrapped
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(len(lens), Hkv, max(lens), D, generator=gen) for _ in range(2))
+    q = torch.randn(len(lens), Hkv * G, D, generator=gen).bfloat16().cuda()
+    cache = foscar.quantize_kv(k.cuda(), v.cuda(), fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(),
+                               page_size=64, window_dtype=window_dtype)
+    assert [int(fmt.split_length(n)[1]) for n in lens[:3]] == [0, 0, 0]
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
+    foscar.decode(q, cache, backend="cute", out=out, lse=lse)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for b in range(3):  # all window: FP32 products of the window's values, the output rounded to BF16
+        assert rel(out[b], exact[b]) <= 2.0 ** -8, b
+    err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
+    assert err <= kernel_error_bound(fmt, base)
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    n_sink = min(lens[3], fmt.sink)
+    n_quant = int(fmt.split_length(lens[3])[1])
+    slot = (n_quant + 1) % fmt.recent_capacity if fmt.recent_capacity else None
+    if slot is not None:  # the second ring token of sequence 3, KV head 1
+        cache.v_recent[3, 1, slot, 5] = float("nan")
+    else:
+        cache.v_sink[3, 1, n_sink - 1, 5] = float("nan")
+    out.fill_(0.0)
+    foscar.decode(q, cache, backend="cute", out=out)
+    nan_rows = torch.isnan(out).any(-1).cpu()
+    want = torch.zeros_like(nan_rows)
+    want[3, G:2 * G] = True
+    assert torch.equal(nan_rows, want)

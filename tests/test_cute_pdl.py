@@ -35,6 +35,21 @@ def test_the_dependent_combine_waits_before_its_first_read(rotate):
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
+def test_windows_take_the_dependent_launch_with_their_own_switch(monkeypatch):
+    """``COMBINE_PDL_WINDOWS``: stage 1 signals, and the combine waits, for windowed formats only; the combine
+    attends the windows before its wait (they do not depend on stage 1)."""
+    windowed = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
+    plain = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    assert not config_for(windowed, 4, 64).trigger_dependents
+    with cute_switches(monkeypatch, COMBINE_PDL_WINDOWS=True):
+        assert config_for(windowed, 4, 64).trigger_dependents
+        assert not config_for(plain, 4, 64).trigger_dependents
+    ptx = compile_combine(CombineConfig(128, "bf16", True, 16, False, True, sink=4, recent=64, ring=64, gqa=4),
+                          keep_ptx=True).__ptx__
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
 def test_v1_signals_its_dependents_as_it_starts(pdl):
     cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "e4m3", 2)
     assert cfg.trigger_dependents
@@ -55,6 +70,19 @@ def test_the_dependent_combine_against_the_oracle_gpu(pdl, bits, lens, G, num_sp
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, "dependent combine: error", num_splits=num_splits,
                                warp_specialized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("fmt_kw", ({"sink": 4, "recent": 64}, {"sink": 2, "recent": 7, "k_axis": "channel"},
+                                    {"sink": 4, "recent": 16, "rotation": "hadamard"}))
+def test_the_dependent_combine_with_windows_against_the_oracle_gpu(monkeypatch, fmt_kw):
+    """``COMBINE_PDL_WINDOWS``: the combine attends the windows while stage 1 runs."""
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=2, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    with cute_switches(monkeypatch, COMBINE_PDL_WINDOWS=True):
+        _decode_against_the_oracle(fmt, [3000, 70, 5], 4, "dependent combine, windows: error", num_splits=3,
+                                   warp_specialized=True)
 
 
 @pytest.mark.gpu

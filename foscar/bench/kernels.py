@@ -143,6 +143,27 @@ def rotated_view(cache, rotated: bool = True, centred: bool = True):
     return view
 
 
+def windowed_view(cache, sink: int = 4, recent: int = 64, seed: int = 0):
+    """``cache``'s codes (no copy) as a cache of the same format with BF16 windows of ``sink`` and ``recent``
+    tokens (random values, seed ``seed``) around them: each sequence ``sink + recent`` tokens longer, its
+    quantized tokens those of ``cache``. Token-wise formats (one token a flush)."""
+    import copy
+    import dataclasses
+    fmt = dataclasses.replace(cache.fmt, sink=sink, recent=recent)
+    if fmt.flush != 1:
+        raise ValueError(f"cache: expected a token-wise format (flush 1), got flush {fmt.flush}")
+    view = copy.copy(cache)
+    view.fmt = fmt
+    B, H, D = cache.seq_lens.shape[0], cache.num_kv_heads, fmt.head_dim
+    dev = cache.k_codes.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    view.k_sink, view.v_sink, view.k_recent, view.v_recent = (
+        torch.randn(B, H, n, D, generator=gen, device=dev).to(torch.bfloat16)
+        for n in (sink, sink, fmt.recent_capacity, fmt.recent_capacity))
+    view.seq_lens = cache.seq_lens + sink + recent
+    return view
+
+
 # ---------------------------------------------------------------------------------------------
 # Baselines: one builder each; a builder returns a Runner or raises KernelMissing
 # ---------------------------------------------------------------------------------------------

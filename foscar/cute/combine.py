@@ -8,7 +8,9 @@ of a chunk's partials (the config's ``chunk``: one round trip to memory for a de
 (registers) and of its share of the chunk's LSEs (shared memory) together; every thread then takes the
 chunk's maximum from shared memory, so that all ranks share one running maximum, and the ranks' sums
 are added at the end. Launched as a programmatic dependent of stage 1 (``cfg.pdl``), it waits for stage 1's
-grid before its first read. Partial LSEs are base 2; the written LSE is natural log. Empty partials
+grid before its first read. A windowed format's BF16 sink and recent ring are attended by the combine itself
+(:mod:`foscar.cute.windows`: no launch of their own), before that wait, and merged as one more partial.
+Partial LSEs are base 2; the written LSE is natural log. Empty partials
 (``lse = -inf``) weigh 0 whatever their output holds; all empty: ``out = 0``, ``lse = -inf``. A NaN or
 ``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and the LSE NaN, never a merge
 of the others.
@@ -25,6 +27,8 @@ from cutlass.memory import SmemAllocator
 
 from .config import CombineConfig
 from .rotation import walsh_hadamard
+from .softmax import raise_running_maximum
+from .windows import window_state
 
 LN2 = math.log(2.0)
 
@@ -32,8 +36,8 @@ LN2 = math.log(2.0)
 class CombineSm90:
     """The compiled combine of one :class:`~foscar.cute.config.CombineConfig`."""
 
-    def __init__(self, cfg: CombineConfig, out_type):
-        self.cfg, self.out_type = cfg, out_type
+    def __init__(self, cfg: CombineConfig, out_type, window_type=None):
+        self.cfg, self.out_type, self.window_type = cfg, out_type, window_type
 
     @cute.jit
     def __call__(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor,
@@ -42,13 +46,22 @@ class CombineSm90:
         [B, Hq]`` when the config writes it; else any tensor), on ``stream``; with the config's ``rotate``, the
         merged row rotated back out of the cache's space (``mRot [D]``: each channel's ``s / sqrt(D)``,
         :mod:`foscar.cute.rotation`; else any tensor)."""
+        self._launch(mOP, mLP, mO, mLSE, mRot, mOP, mOP, mOP, mOP, mOP, mLP, Float32(0.0), stream)
+
+    @cute.jit
+    def _launch(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor,
+                mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor,
+                mSEQ: cute.Tensor, qk_scale: Float32, stream: cuda.CUstream):
         batch = cute.size(mOP, mode=[0])
         heads = cute.size(mOP, mode=[1])
-        self.kernel(mOP, mLP, mO, mLSE, mRot).launch(grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1),
-                                               stream=stream, use_pdl=self.cfg.pdl)
+        self.kernel(mOP, mLP, mO, mLSE, mRot, mQ, mKs, mVs, mKr, mVr, mSEQ, qk_scale).launch(
+            grid=(heads, batch, 1), block=(self.cfg.head_dim * self.cfg.ranks, 1, 1), stream=stream,
+            use_pdl=self.cfg.pdl)
 
     @cute.kernel
-    def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor):
+    def kernel(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor,
+               mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor,
+               mSEQ: cute.Tensor, qk_scale: Float32):
         tid, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         cfg = self.cfg
@@ -66,11 +79,16 @@ class CombineSm90:
         if cutlass.const_expr(cfg.rotate):
             sRow = alloc.allocate_tensor(Float32, cute.make_layout((1, 1, D), stride=(0, 0, 1)), byte_alignment=16)
         parts = cute.size(mLP, mode=[2])
-        if cutlass.const_expr(cfg.pdl):  # a programmatic dependent: stage 1's partials are written and visible
-            cute.arch.griddepcontrol_wait()
         m = -Float32.inf
         total = Float32(0.0)
         acc = Float32(0.0)
+        if cutlass.const_expr(cfg.windows):  # the windows first: they do not wait for stage 1
+            sQw = alloc.allocate_tensor(Float32, cute.make_layout((1, 1, D), stride=(0, 0, 1)), byte_alignment=16)
+            sW = alloc.allocate_tensor(Float32, cute.make_layout((threads // 32, D + 2)), byte_alignment=16)
+            m, total, acc = window_state(cfg, self.window_type, mQ, mKs, mVs, mKr, mVr, mSEQ, mRot, qk_scale, sQw,
+                                         sW, b, h, tid)
+        if cutlass.const_expr(cfg.pdl):  # a programmatic dependent: stage 1's partials are written and visible
+            cute.arch.griddepcontrol_wait()
         for c0 in cutlass.range(0, parts, chunk, unroll=1):
             base = c0 + r * per
             o = []
@@ -84,13 +102,7 @@ class CombineSm90:
                         li = -Float32.inf
                     sL[i] = li
             cute.arch.sync_threads()
-            m_new = m
-            for i in cutlass.range_constexpr(chunk):
-                m_new = cute.arch.fmax(m_new, sL[i])  # fmax skips a NaN: its weight below is NaN
-            m_safe = m_new
-            if m_new == -Float32.inf:
-                m_safe = Float32(0.0)
-            scale = cute.math.exp2(m - m_safe, fastmath=True)  # 0 while nothing was seen
+            m_new, m_safe, scale = raise_running_maximum(m, (sL[i] for i in range(chunk)))
             total = total * scale
             acc = acc * scale
             for i in cutlass.range_constexpr(per):
@@ -131,3 +143,16 @@ class CombineSm90:
                             m_safe = Float32(0.0)
                         out_lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
                     mLSE[b, h] = out_lse
+
+
+class CombineWindowsSm90(CombineSm90):
+    """The compiled combine of a :class:`~foscar.cute.config.CombineConfig` with windows."""
+
+    @cute.jit
+    def __call__(self, mOP: cute.Tensor, mLP: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mRot: cute.Tensor,
+                 mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor, mVr: cute.Tensor,
+                 mSEQ: cute.Tensor, qk_scale: Float32, stream: cuda.CUstream):
+        """:meth:`CombineSm90.__call__`, the BF16 windows merged as one more partial: the query ``mQ [B, Hq, D]``
+        (BF16, the caller's space), the sink ``mKs``, ``mVs`` and the recent ring ``mKr``, ``mVr`` (``[B, Hkv,
+        slots, D]``), the lengths ``mSEQ [B]`` and the softmax scale times ``log2(e)``."""
+        self._launch(mOP, mLP, mO, mLSE, mRot, mQ, mKs, mVs, mKr, mVr, mSEQ, qk_scale, stream)

@@ -17,8 +17,9 @@ from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from .combine import CombineSm90
-from .config import ALIGN, COMBINE_TENSORS, STAGE1_TENSORS, WS_REGISTERS, CombineConfig, Sm90Config
+from .combine import CombineSm90, CombineWindowsSm90
+from .config import (ALIGN, COMBINE_TENSORS, COMBINE_WINDOW_TENSORS, STAGE1_TENSORS, WS_REGISTERS, CombineConfig,
+                     Sm90Config)
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
 
@@ -27,13 +28,15 @@ from .kernel_v1 import FoldDecodeSm90WS
 ELEMENT_TYPES = {"bf16": BFloat16, "f16": Float16, "i32": Int32, "f32": Float32}
 
 
-def _placeholder(dtype, rank: int, unit_last: bool = True):
+def _placeholder(dtype, rank: int, unit_last: bool = True, aligned_rows: bool = False):
     """A symbolic tensor of ``rank`` dims: dynamic extents and strides, the last stride 1 (``unit_last``;
-    on a 16-byte aligned base), else dynamic too (on a base aligned to the element)."""
+    on a 16-byte aligned base), else dynamic too (on a base aligned to the element); ``aligned_rows``: the
+    other strides multiples of 16 bytes too (every row a 16-byte aligned vector)."""
     from cutlass.cute.runtime import make_fake_tensor
     last = (1,) if unit_last else (cute.sym_int64(),)
+    div = ALIGN * 8 // dtype.width if aligned_rows else 1
     return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
-                            tuple(cute.sym_int64() for _ in range(rank - 1)) + last,
+                            tuple(cute.sym_int64(divisibility=div) for _ in range(rank - 1)) + last,
                             assumed_align=ALIGN if unit_last else dtype.width // 8)
 
 
@@ -73,9 +76,16 @@ def compile_combine(cfg: CombineConfig, *, keep_ptx: bool = False):
     stride in the last dim on 16-byte aligned bases; ``out`` and ``lse`` with any strides) and launches
     on torch's current stream."""
     out_type = ELEMENT_TYPES[cfg.out_dtype]
-    kernel = CombineSm90(cfg, out_type)
     args = [_placeholder(ELEMENT_TYPES[dtype or cfg.out_dtype], rank, unit_last=name.startswith("partial"))
             for name, dtype, rank in COMBINE_TENSORS]
+    if cfg.windows:  # then the windows' tensors (rows of 16-byte vectors) and the softmax scale
+        window_type = ELEMENT_TYPES[cfg.window_dtype]
+        kernel = CombineWindowsSm90(cfg, out_type, window_type)
+        args += [_placeholder(ELEMENT_TYPES[dtype or cfg.window_dtype], rank, aligned_rows=rank == 4)
+                 for name, dtype, rank in COMBINE_WINDOW_TENSORS]
+        args.append(Float32(1.0))
+    else:
+        kernel = CombineSm90(cfg, out_type)
     with warnings.catch_warnings():  # the 64-partial chunk's unrolled loops: CuTe DSL warns at 64 iterations
         warnings.simplefilter("ignore", DSLOptimizationWarning)  # of slow compiles; this one takes 0.7 s
         return _compile(kernel, args, keep_ptx, False)

@@ -57,6 +57,17 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
+#: A windowed format's BF16 sink and recent ring attended inside the CuTe combine (:mod:`foscar.cute.windows`)
+#: where the Triton window kernel took a launch for each (:func:`foscar.splitkv.window_partials`). Measured on the
+#: H200 (``benchmarks/window_cost.py``, sink 4 and recent 64, ``docs/bench/h200/window-cost.md``): B 1, L 8K
+#: 23.6 -> 18.5 us (INT2), B 8, L 32K 77.2 -> 72.2 us; B 64, L 8K 143.9 -> 147.0 us (its 2048 CTAs each attend
+#: their row's window; the same through a dependent launch, :data:`COMBINE_PDL_WINDOWS`, 144.4)
+COMBINE_WINDOWS = True
+#: :data:`COMBINE_PDL` for windowed formats only, whose combine attends the windows before it waits for stage 1
+#: (so that they overlap it). Measured on the H200 (the same record): B 1, L 8K INT2 18.5 -> 13.7 us (the
+#: format without windows: 13.7), B 8, L 32K 72.2 -> 68.8, B 64, L 8K 147.0 -> 144.4; INT4 20.4 -> 21.1, 100.0 ->
+#: 94.2, 187.9 -> 183.7. Off until its GPU tests (``tests/test_cute_pdl.py``) run with the windows in the combine
+COMBINE_PDL_WINDOWS = False
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
 #: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
 #: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
@@ -358,6 +369,10 @@ def cutlass_min(a, b):
 #: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
 COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2),
                    ("rotation", "f32", 1))
+#: A combine with windows (:attr:`CombineConfig.windows`) takes these after :data:`COMBINE_TENSORS`, then the
+#: softmax scale (base 2); the windows have the config's ``window_dtype``, rows of 16-byte multiples.
+COMBINE_WINDOW_TENSORS = (("q", "bf16", 3), ("k_sink", None, 4), ("v_sink", None, 4), ("k_recent", None, 4),
+                          ("v_recent", None, 4), ("seq_lens", "i32", 1))
 #: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
 COMBINE_MAX_CHUNK = 128
 #: The partials one combine thread loads per chunk (its registers: 64 outputs fit without a spill).
@@ -379,6 +394,21 @@ class CombineConfig:
     #: launched as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`): it waits for stage 1's grid before
     #: its first read of the partials
     pdl: bool = False
+    #: the format's BF16 windows, attended by the combine (:mod:`foscar.cute.windows`, :data:`COMBINE_WINDOWS`):
+    #: ``sink``, ``recent`` and ``flush`` as :meth:`foscar.KVFormat.split_length` takes them, ``ring`` the recent
+    #: ring's slots (``KVFormat.recent_capacity``), ``gqa`` query heads per KV head, ``window_dtype`` ``"bf16"``
+    #: or ``"f16"``; no windows: ``sink = ring = 0``
+    sink: int = 0
+    recent: int = 0
+    flush: int = 1
+    ring: int = 0
+    gqa: int = 1
+    window_dtype: str = "bf16"
+
+    @property
+    def windows(self) -> bool:
+        """Whether the combine attends windows (and takes :data:`COMBINE_WINDOW_TENSORS`)."""
+        return self.sink + self.ring > 0
 
     @property
     def thread_chunk(self) -> int:
@@ -463,8 +493,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     tokens per sequence (``step``); the injection constants are the Triton kernels'
     (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
     ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
-    operands take token-wise K, at most 16 query rows per KV head (up to 4 the two Q terms share the 8
-    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`) and no BF16 windows; two
+    operands take token-wise K and at most 16 query rows per KV head (up to 4 the two Q terms share the 8
+    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`); two
     tiles per pass take token-wise K and V, one token and at most 4 query heads per KV head (the second tile's
     scores in the other four columns); a step of several tokens takes a cache without BF16 windows (its causal
     limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
@@ -506,11 +536,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     e4m3 = k_operand in ("e4m3", "e4m3x3")
     q_terms = 3 if k_operand == "e4m3x3" else 2
     rows = gqa * step
-    if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2) or fmt.sink
-                 or fmt.recent):
-        raise UnsupportedError(f"k_operand={k_operand!r} with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}, "
-                               f"sink={fmt.sink}, recent={fmt.recent}", "E4M3 K operands take token-wise K, "
-                               "gqa * q_len <= 16 (a step: more than 4 rows) and no windows")
+    if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2)):
+        raise UnsupportedError(f"k_operand={k_operand!r} with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}",
+                               "E4M3 K operands take token-wise K and gqa * q_len <= 16 (a step: more than 4 rows)")
     if q_terms == 3 and tiles_per_pass == 2:
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")
@@ -557,6 +585,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=(tiles_per_pass == 2 or LAZY_ONE_TILE) if fmt.v_axis == "token" else
                       tiles_per_pass == 1 and LAZY_CHANNEL_V,
-                      prologue=prologue, trigger_dependents=COMBINE_PDL,
+                      prologue=prologue, trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and bool(
+                          fmt.sink + fmt.recent_capacity) and COMBINE_WINDOWS),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)

@@ -194,10 +194,10 @@ def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int |
 
 def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
-    BF16 windows'."""
+    BF16 windows' where the combine does not attend them itself (:data:`~foscar.cute.config.COMBINE_WINDOWS`)."""
     from ..splitkv import num_window_parts
-    from .config import CONSUMERS
-    return (CONSUMERS if warp_specialized else 1) * num_splits + num_window_parts(fmt)
+    from .config import COMBINE_WINDOWS, CONSUMERS
+    return (CONSUMERS if warp_specialized else 1) * num_splits + (0 if COMBINE_WINDOWS else num_window_parts(fmt))
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,7 +251,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import config_for, default_ring, fits_shared_memory, max_rows
+    from .config import COMBINE_WINDOWS, config_for, default_ring, fits_shared_memory, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -289,22 +289,59 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
-    window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
-    combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None)
+    windows = None
+    if num_window_parts(fmt) and COMBINE_WINDOWS:  # the combine attends them (no launch of their own)
+        rows = (_row_aligned(t) for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent))
+        windows = CombineWindows(tensors[0], *rows, tensors[6], qk_scale, G, fmt)
+    elif num_window_parts(fmt):
+        window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
+    combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows)
 
 
 #: The combine's output element type of each output dtype (the query's).
 _OUT_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
+class CombineWindows(NamedTuple):
+    """What the combine reads to attend a cache's BF16 windows itself (:mod:`foscar.cute.windows`): the query
+    (BF16 ``[B, Hq, D]``), the sink and the recent ring (``[B, Hkv, slots, D]``, rows 16-byte aligned), the
+    lengths, the softmax scale times ``log2(e)``, the GQA ratio and the format (its split of a length)."""
+
+    q: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    k_recent: torch.Tensor
+    v_recent: torch.Tensor
+    seq_lens: torch.Tensor
+    qk_scale: float
+    gqa: int
+    fmt: object
+
+
+def _row_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where every row is a 16-byte aligned vector (unit last stride, 16-byte strides and base), else a
+    contiguous copy (a window tensor a caller built with other strides)."""
+    rows = t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    return t if rows and t.data_ptr() % 16 == 0 else t.contiguous()
+
+
 def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-            rotation: torch.Tensor | None = None) -> None:
+            rotation: torch.Tensor | None = None, windows: CombineWindows | None = None) -> None:
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and
     ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream;
     ``rotation`` (:func:`foscar.rotation.rotation_factors`): the partials are in a rotated cache's space, the
-    output is not."""
-    from .config import COMBINE_PDL, CombineConfig, combine_chunk
+    output is not; ``windows``: a cache's BF16 windows, attended by the combine and merged with the partials."""
+    from .config import COMBINE_PDL, COMBINE_PDL_WINDOWS, CombineConfig, combine_chunk
+    win = {}
+    if windows is not None:
+        fmt = windows.fmt
+        win = {"sink": fmt.sink, "recent": fmt.recent, "flush": fmt.flush, "ring": fmt.recent_capacity,
+               "gqa": windows.gqa, "window_dtype": _OUT_TYPES[windows.k_sink.dtype]}
+    pdl = COMBINE_PDL or (COMBINE_PDL_WINDOWS and windows is not None)  # stage 1 signals it (config_for)
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),
-                        rotation is not None, COMBINE_PDL)
-    _compiled(cfg)(o_part, l_part, out, lse if lse is not None else l_part[:, :, 0],
-                   rotation if rotation is not None else l_part[0, 0])
+                        rotation is not None, pdl, **win)
+    args = (o_part, l_part, out, lse if lse is not None else l_part[:, :, 0],
+            rotation if rotation is not None else l_part[0, 0])
+    if windows is not None:
+        args += (*windows[:6], windows.qk_scale)
+    _compiled(cfg)(*args)

@@ -191,3 +191,18 @@ def column_sums(el: cute.Tensor, sSum: cute.Tensor, thr) -> list:
         col = HEADS * (k // 2) + 2 * quad + k % 2
         t.append(sSum[0, col] + sSum[1, col] + sSum[2, col] + sSum[3, col])
     return t
+
+
+@cute.jit
+def raise_running_maximum(m: Float32, values):
+    """One step of a base-2 running merge (the combine's partials, :mod:`foscar.cute.windows`' tokens):
+    ``(m_new, m_safe, scale)``, the maximum of ``m`` and ``values`` (an iterable, read in order; ``fmax`` skips a NaN, whose weight
+    ``2^(NaN - m_safe)`` is NaN), the maximum to subtract (0 while it is ``-inf``) and the factor of what was
+    summed under ``m`` (0 while nothing was seen)."""
+    m_new = m
+    for x in values:
+        m_new = cute.arch.fmax(m_new, x)
+    m_safe = m_new
+    if m_new == -Float32.inf:
+        m_safe = Float32(0.0)
+    return m_new, m_safe, cute.math.exp2(m - m_safe, fastmath=True)
