@@ -393,7 +393,7 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "token-wise K"), ({}, 32, "gqa \\* q_len <= 16")])
+@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "CHANNEL_K_E4M3"), ({}, 32, "gqa \\* q_len <= 16")])
 def test_e4m3_k_operands_say_what_they_take(kw, gqa, what):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
     with pytest.raises(UnsupportedError, match=what):

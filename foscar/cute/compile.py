@@ -52,6 +52,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
     is the compiled function's ``__ptx__``, the cubin its ``__cubin__``; no file is left behind."""
     if ctas_per_sm not in WS_REGISTERS:
         raise ValueError(f"ctas_per_sm: expected one of {sorted(WS_REGISTERS)}, got {ctas_per_sm!r}")
+    if cfg.k_channel and cfg.k_e4m3 and not warp_specialized:
+        raise ValueError("warp_specialized: v0 takes channel-wise K with BF16 K operands (E4M3 terms of Q' are v1's)")
     if cfg.tiles_per_pass != 1 and not warp_specialized:
         raise ValueError(f"tiles_per_pass: v0 takes 1, got {cfg.tiles_per_pass!r} (two tiles per pass are v1's)")
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)

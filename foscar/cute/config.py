@@ -19,7 +19,7 @@ HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or 
 MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads times the step's tokens)
 #: What v0 takes beyond :func:`config_for` (checked by :func:`foscar.cute.launch.run`)
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
-             "(E4M3 K operands: 4) and head dim 64/128")
+             "(E4M3 K operands: 4, token-wise K) and head dim 64/128")
 THREADS = 128  #: threads of one warpgroup
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
@@ -89,6 +89,13 @@ V_PLACEMENT = True
 #: 329 SASS instructions a tile, INT2). Correct on the H200 (its oracle tests) but only 3-5% faster (B 8, L 128K,
 #: ``docs/bench/h200/axes-producer-fold.json``): the fold is not what bounds channel-wise K, so off
 PRODUCER_Q_FOLD = False
+#: Channel-wise K with E4M3 K operands (``k_operand="e4m3"``): each token group's ``Q' = Q s'`` folded into two E4M3
+#: terms with a power-of-two scale per query row (:func:`foscar.cute.folds.fold_q_terms`), in place of a BF16
+#: ``Q'``. Compiles for sm_90a; off (``config_for`` refuses it, so ``auto`` never takes it) until its GPU tests
+#: (``tests/test_cute_channel_e4m3.py``) run. SASS a tile (INT2, channel-wise K, token-wise V, GQA 4, two CTAs an SM):
+#: 694 against BF16 K's 644, half the QK wgmma and K operands, the fold's terms (conversions, byte stores) taking
+#: it back
+CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
@@ -213,6 +220,12 @@ class Sm90Config:
     def nb(self) -> int:
         """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
         return self.cols // HEADS
+
+    @property
+    def q_as_terms(self) -> bool:
+        """Q^T staged as E4M3 terms (:func:`foscar.cute.operands.stage_q`): E4M3 K operands of a token-wise K.
+        Channel-wise K stages Q in BF16 and folds each token group's ``Q'`` into terms (:data:`CHANNEL_K_E4M3`)."""
+        return self.k_e4m3 and not self.k_channel
 
     @property
     def term_blocks(self) -> bool:
@@ -536,9 +549,14 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     e4m3 = k_operand in ("e4m3", "e4m3x3")
     q_terms = 3 if k_operand == "e4m3x3" else 2
     rows = gqa * step
-    if e4m3 and (fmt.k_axis != "token" or rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2)):
-        raise UnsupportedError(f"k_operand={k_operand!r} with k_axis={fmt.k_axis!r}, gqa={gqa}, q_len={step}",
-                               "E4M3 K operands take token-wise K and gqa * q_len <= 16 (a step: more than 4 rows)")
+    if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= HEADS // 2
+                                                  and not PRODUCER_Q_FOLD):
+        raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
+                               "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
+                               "with two Q terms, one token and gqa <= 4")
+    if e4m3 and (rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2)):
+        raise UnsupportedError(f"k_operand={k_operand!r} with gqa={gqa}, q_len={step}",
+                               "E4M3 K operands take gqa * q_len <= 16 (a step: more than 4 rows)")
     if q_terms == 3 and tiles_per_pass == 2:
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")

@@ -3,8 +3,9 @@
 - K, token-wise: the **acc-fold** of the tile's ``S^T`` partial per channel group, centred on the pivot
   like :func:`foscar.decode_folded` (:func:`k_acc_fold`, with the offset term ``sum(Q)`` of
   :func:`q_sums`);
-- K, channel-wise: the **operand-fold** ``Q' = bf16(Q s')`` of the tile's token group and its offset
-  correction per head (:func:`k_operand_fold`, :func:`k_operand_fold_scores`);
+- K, channel-wise: the **operand-fold** ``Q' = bf16(Q s')`` of the tile's token group (E4M3 K operands: two
+  E4M3 terms of ``Q'``, :func:`fold_q_terms`) and its offset correction per head (:func:`k_operand_fold`,
+  :func:`k_operand_fold_scores`);
 - V, token-wise: the **operand-fold** ``P' = P s'_V / sigma`` into the B operand, the offset correction
   gathered per element (:func:`v_operand_fold`) and added to the accumulator every
   :data:`~foscar.cute.config.CORRECTION_TILES` tiles (:func:`add_offset_corrections`);
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
 from .config import THREADS, o_block, o_slot, row_half, s_slot, slot_column
-from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
+from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks
 from .operands import build_vt_registers
+from .operands_e4m3 import contraction_index, power_of_two, scale_exponent, sum_q_terms, term_columns
 from .softmax import column_sums
 
 
@@ -82,7 +84,7 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     acc-fold's offset term. E4M3 K operands: of the operand the MMA consumes, ``(t_0 + t_1 / 16 + ...) 2^-e``
     from the terms (``sQinv``: each head's ``2^-e``), 0 past the heads."""
     D = cfg.head_dim
-    if cutlass.const_expr(cfg.k_e4m3):
+    if cutlass.const_expr(cfg.q_as_terms):
         from .operands_e4m3 import term_columns
         gp = cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)  # row h's term k: column k gp + h
         width = D // cfg.kc
@@ -196,24 +198,99 @@ def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Te
             sKf[buf, h] = part
 
 
+def kf_layout(cfg):
+    """Channel-wise K's offset corrections per ``Q'`` buffer: ``sKf[buf, h]``; E4M3 K operands, then each row's
+    ``2^-e`` at ``sKf[buf, cols + h]`` (:func:`fold_q_terms`)."""
+    return cute.make_layout((2, cfg.cols * (2 if cfg.k_e4m3 else 1)))
+
+
+@cute.jit
+def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, param):
+    """:func:`fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms with a power-of-two
+    scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
+    :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
+    e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_columns`) at the
+    channel's contraction index, the other columns zero; ``sKf[buf, h]`` the row's correction ``sum_d Q mid -
+    u sum_d Q'`` (``u``: the middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry
+    it) and ``sKf[buf, cols + h] = 2^-e``. The same builders and ``param`` as :func:`fold_q`."""
+    D = cfg.head_dim
+    lanes = D // FOLD_CHANNELS
+    gp = term_columns(cfg.gqa)
+    unit = cfg.k_factors[0] * cfg.k_pivots[0]
+    zero = Float32(0.0).to(Float8E4M3FN)
+    qv = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+    for j in cutlass.range_constexpr(fold_chunks(cfg, threads)):
+        h, c = fold_chunk(D, t, j, threads)
+        row = cutlass.min(h, cfg.cols - 1)  # a share past the columns reads a row and stores nothing
+        part = Float32(0.0)
+        top = Float32(0.0)
+        ys = []
+        for p in cutlass.range_constexpr(FOLD_PAIRS):
+            cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (c + lanes * p,)), qv)
+            for k in cutlass.range_constexpr(2):
+                i = 2 * p + k
+                sc = param(2 * i)
+                x = Float32(qv[k])
+                part = part + x * (param(2 * i + 1) + cfg.k_mid * sc)
+                y = x * sc
+                top = cute.arch.fmax(top, cute.arch.fmax(y, -y))
+                ys.append(y)
+        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's largest |Q'| over its lanes
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, lanes >> (sh + 1)))
+        e = scale_exponent(top)
+        scale = power_of_two(e)
+        inv = power_of_two(-e)
+        held = Float32(0.0)  # sum_d Q' as the two terms hold it, in units of 2^-e
+        for i in cutlass.range_constexpr(FOLD_CHANNELS):
+            r = ys[i] * scale
+            hi = r.to(Float8E4M3FN)
+            lo = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
+            held = held + hi.to(Float32) + lo.to(Float32) * 0.0625
+            pos = contraction_index(cfg.bits, fold_channel(D, c, i))
+            if h < cfg.gqa:
+                sQk[h, pos, buf] = hi
+                sQk[gp + h, pos, buf] = lo
+            elif h < gp:  # a padded head: both its term columns zero
+                sQk[h, pos, buf] = zero
+                sQk[gp + h, pos, buf] = zero
+            elif h >= 2 * gp and h < cfg.cols:
+                sQk[h, pos, buf] = zero
+        part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
+        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
+            part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
+        if t % lanes == 0 and h < cfg.cols:
+            sKf[buf, h] = part
+            sKf[buf, cfg.cols + h] = inv
+
+
 @cute.jit
 def k_operand_fold(cfg, wg, param, buf):
-    """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` into buffer
-    ``buf``, then one barrier of the warpgroup (the writes fenced for the wgmma's proxy first): the buffers
-    alternate (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of this one is left."""
+    """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` (E4M3 K operands:
+    :func:`fold_q_terms`) into buffer ``buf``, then one barrier of the warpgroup (the writes fenced for the
+    wgmma's proxy first): the buffers alternate (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of
+    this one is left."""
     thr = wg.thr
-    fold_q(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
+    if cutlass.const_expr(cfg.k_e4m3):
+        fold_q_terms(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
+    else:
+        fold_q(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
     cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
 
 
-def k_operand_fold_scores(accS: cute.Tensor, wg, buf) -> list:
+def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf) -> list:
     """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements (``buf``: the
-    tile's ``Q'`` buffer)."""
+    tile's ``Q'`` buffer). E4M3 K operands: ``Q' y`` from the two terms (``(hi + lo / 16) 2^-e``,
+    :func:`~foscar.cute.operands_e4m3.sum_q_terms`) times the operand's factor of the row's token half."""
     col0 = 2 * wg.thr.quad
     n_el = cute.size(accS)
-    kc = [wg.smem.sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
+    sKf = wg.smem.sKf
+    kc = [sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
+    if cutlass.const_expr(cfg.k_e4m3):
+        sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
+        a = [qk_scale * cfg.k_factors[0], qk_scale * cfg.k_factors[1]]
+        return [accS[e] * a[row_half(e)] + kc[s_slot(e)] * qk_scale for e in range(n_el)]
     return [(accS[e] + kc[s_slot(e)]) * qk_scale for e in range(n_el)]
 
 

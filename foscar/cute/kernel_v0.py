@@ -70,7 +70,7 @@ class FoldDecodeSm90(TileKernel):
         # ---- the split's tiles ------------------------------------------------------------------------
         n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits)
         frags = Fragments(cfg, qk_mma, pv_mma, smem, tidx)
-        qinv = (smem.sQinv[2 * thr.quad], smem.sQinv[2 * thr.quad + 1]) if cutlass.const_expr(cfg.k_e4m3) else None
+        qinv = (smem.sQinv[2 * thr.quad], smem.sQinv[2 * thr.quad + 1]) if cutlass.const_expr(cfg.q_as_terms) else None
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv)
         # software pipeline: tile i+1's words and parameters are loaded (into regs_next) before tile i is
         # computed, so their latency hides behind its math
@@ -110,7 +110,7 @@ class FoldDecodeSm90(TileKernel):
             sQk = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
         sKf = alloc.allocate_tensor(Float32, cute.make_layout((2, HEADS)), byte_alignment=16)
         sQinv = sQred = None
-        if cutlass.const_expr(cfg.k_e4m3):
+        if cutlass.const_expr(cfg.q_as_terms):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, HEADS)), byte_alignment=16)
         smem = WarpgroupSmem(sQ, sQsum, [sP, sP2], sRed, sSum, sQk, sKf, sQinv, sQred)

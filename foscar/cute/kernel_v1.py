@@ -27,7 +27,8 @@ from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, slot_colum
 from .fold_map import fold_chunk, fold_param
 from .folds import fold_q, q_sums
 from .fragment import k_word, v_word
-from .operands import mmas_and_layouts, q_element_type, sqk_layout, stage_q
+from .folds import kf_layout
+from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
 from .softmax import reduction_layout
 from .warpgroup import (
@@ -252,11 +253,11 @@ class FoldDecodeSm90WS(TileKernel):
         sKf = [ring.sKf] * CONSUMERS
         if cutlass.const_expr(cfg.k_channel and not cfg.producer_fold):
             qk_layout = sqk_layout(cfg, 2)
-            sQk = each(lambda: alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024,
+            sQk = each(lambda: alloc.allocate_tensor(qk_element_type(cfg), qk_layout.outer, byte_alignment=1024,
                                                      swizzle=qk_layout.inner))
-            sKf = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((2, cfg.cols)), byte_alignment=16))
+            sKf = each(lambda: alloc.allocate_tensor(Float32, kf_layout(cfg), byte_alignment=16))
         sQinv = sQred = None
-        if cutlass.const_expr(cfg.k_e4m3):
+        if cutlass.const_expr(cfg.q_as_terms):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKf[c], sQinv,
@@ -362,7 +363,7 @@ class FoldDecodeSm90WS(TileKernel):
         qsum = [smem.sQsum[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
         qinv = None
-        if cutlass.const_expr(cfg.k_e4m3):
+        if cutlass.const_expr(cfg.q_as_terms):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)

@@ -275,7 +275,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
-    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks):
+    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
+                                 or (cfg.k_channel and cfg.k_e4m3)):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits

@@ -24,12 +24,15 @@ def mmas_and_layouts(cfg: Sm90Config):
     pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                          (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.k_e4m3):
-        from .operands_e4m3 import qk_mma_e4m3, sq_layout_e4m3
+        from .operands_e4m3 import qk_mma_e4m3
         qk_mma = qk_mma_e4m3(cfg.qk_cols)
-        sQ_layout = sq_layout_e4m3(cfg.head_dim, cfg.qk_cols)
     else:
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                              (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
+    if cutlass.const_expr(cfg.q_as_terms):
+        from .operands_e4m3 import sq_layout_e4m3
+        sQ_layout = sq_layout_e4m3(cfg.head_dim, cfg.qk_cols)
+    else:  # BF16 Q^T: the QK product's B operand, or channel-wise K's source of Q'
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))
     p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
@@ -38,10 +41,20 @@ def mmas_and_layouts(cfg: Sm90Config):
 
 
 def sqk_layout(cfg: Sm90Config, buffers: int):
-    """Channel-wise K: ``buffers`` buffers of ``Q'`` (the S^T product's BF16 B operand, :func:`foscar.cute.folds.fold_q`:
-    a consumer's two, or one per stage), Q^T's swizzled layout with a buffer mode."""
+    """Channel-wise K: ``buffers`` buffers of ``Q'`` (the S^T product's B operand, :func:`foscar.cute.folds.fold_q`:
+    a consumer's two, or one per stage), Q^T's swizzled layout with a buffer mode: BF16, or E4M3 terms
+    (:func:`foscar.cute.folds.fold_q_terms`; 64-byte swizzle at head dim 64)."""
+    if cutlass.const_expr(cfg.k_e4m3):
+        from .operands_e4m3 import sq_layout_e4m3
+        return sq_layout_e4m3(cfg.head_dim, cfg.cols, buffers)
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     return cute.tile_to_shape(atom, (cfg.cols, cfg.head_dim, buffers), (0, 1, 2))
+
+
+def qk_element_type(cfg: Sm90Config):
+    """The element type of channel-wise K's ``Q'`` buffers: BF16, or E4M3 (its two terms)."""
+    from cutlass import Float8E4M3FN
+    return Float8E4M3FN if cfg.k_e4m3 else BFloat16
 
 
 Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 terms (1, 2: the consumers)
@@ -50,7 +63,7 @@ Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 
 def q_element_type(cfg: Sm90Config):
     """The element type of Q^T in shared memory: BF16, or E4M3 (its two terms)."""
     from cutlass import Float8E4M3FN
-    return Float8E4M3FN if cfg.k_e4m3 else BFloat16
+    return Float8E4M3FN if cfg.q_as_terms else BFloat16
 
 
 @cute.jit
@@ -68,7 +81,7 @@ def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Ten
     if cutlass.const_expr(cfg.term_blocks):
         from .operands_e4m3 import load_q_term_blocks
         load_q_term_blocks(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
-    elif cutlass.const_expr(cfg.k_e4m3):  # up to 4 rows of one token (config_for): rows kvh * gqa + h
+    elif cutlass.const_expr(cfg.q_as_terms):  # up to 4 rows of one token (config_for): rows kvh * gqa + h
         from .operands_e4m3 import load_q_terms
         load_q_terms(cfg.bits, cfg.head_dim, cfg.gqa, src, b_src, row_src(0), smem.sQ, smem.sQinv, smem.sQred,
                      tidx, Q_LOAD_BARRIER)

@@ -97,12 +97,15 @@ def qk_mma_e4m3(n: int = HEADS):
                                        (1, 1, 1), (TILE, n), warpgroup.OperandSource.RMEM)
 
 
-def sq_layout_e4m3(head_dim: int, n: int = HEADS):
+def sq_layout_e4m3(head_dim: int, n: int = HEADS, buffers: int | None = None):
     """The swizzled shared-memory layout of Q^T (``n`` heads x ``head_dim`` channels, E4M3, K-major): 128-byte
-    swizzle where a row is 128 bytes or more, else 64-byte (head dim 64)."""
+    swizzle where a row is 128 bytes or more, else 64-byte (head dim 64); with a mode of ``buffers`` when given
+    (channel-wise K's ``Q'`` terms)."""
     kind = warpgroup.SmemLayoutAtomKind.K_SW128 if head_dim % 128 == 0 else warpgroup.SmemLayoutAtomKind.K_SW64
     atom = warpgroup.make_smem_layout_atom(kind, Float8E4M3FN)
-    return cute.tile_to_shape(atom, (n, head_dim), (0, 1))
+    if buffers is None:
+        return cute.tile_to_shape(atom, (n, head_dim), (0, 1))
+    return cute.tile_to_shape(atom, (n, head_dim, buffers), (0, 1, 2))
 
 
 @cute.jit
@@ -283,6 +286,16 @@ def contraction_position(bits: int, p):
     if cutlass.const_expr(bits == 4):
         return 32 * blk + 16 * h + 8 * (v % 2) + 2 * a + v // 2
     return 32 * blk + 16 * (v % 2) + 8 * h + 2 * a + v // 2
+
+
+def contraction_index(bits: int, d):
+    """The contraction index of the E4M3 fragment that holds channel ``d`` (the inverse of
+    :func:`contraction_position`; ints or a run-time ``d``)."""
+    if bits == 4:  # d = 32 blk + 16 h + 8 (v % 2) + 2 a + v // 2
+        h, v_lo = (d % 32) // 16, (d % 16) // 8
+    else:  # d = 32 blk + 16 (v % 2) + 8 h + 2 a + v // 2
+        h, v_lo = (d % 16) // 8, (d % 32) // 16
+    return 32 * (d // 32) + 16 * h + 4 * ((d % 8) // 2) + 2 * (d % 2) + v_lo
 
 
 @cute.jit

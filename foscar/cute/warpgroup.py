@@ -102,7 +102,7 @@ class Fragments:
         thr_qk = qk_mma.get_slice(tidx)
         self.tSrK = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
         self.tSrK_u32 = cute.recast_tensor(self.tSrK, Uint32)
-        self.tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
+        self.tSrQ = None if cfg.k_channel else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk)) if cfg.k_channel else None
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
         self.accS_b = None  # two tiles per pass: the second tile's S^T
@@ -382,7 +382,7 @@ class TileKernel:
         if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
-        elif cutlass.const_expr(cfg.k_e4m3 and sum_terms):  # Q's two terms summed, in Q's units: the BF16 kernel's columns
+        elif cutlass.const_expr(cfg.q_as_terms and sum_terms):  # Q's terms summed, in Q's units: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
         return partials
@@ -395,7 +395,7 @@ class TileKernel:
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
-            s = k_operand_fold_scores(partials[0], wg, qbuf)
+            s = k_operand_fold_scores(cfg, partials[0], wg, qbuf)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg)
         valid = sc.valid
