@@ -57,16 +57,13 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
-#: A windowed format's BF16 sink and recent ring attended inside the CuTe combine (:mod:`foscar.cute.windows`)
-#: where the Triton window kernel took a launch for each (:func:`foscar.splitkv.window_partials`). Measured on the
-#: H200 (``benchmarks/window_cost.py``, sink 4 and recent 64, ``docs/bench/h200/window-cost.md``): B 1, L 8K
-#: 23.6 -> 18.5 us (INT2), B 8, L 32K 77.2 -> 72.2 us; B 64, L 8K 143.9 -> 147.0 us (its 2048 CTAs each attend
-#: their row's window; the same through a dependent launch, :data:`COMBINE_PDL_WINDOWS`, 144.4)
+#: A windowed format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton
+#: launch each (:func:`foscar.splitkv.window_partials`). H200 (``docs/bench/h200/window-cost.md``, sink 4, recent
+#: 64, INT2): B 1, L 8K 23.6 -> 18.5 us, B 8, L 32K 77.2 -> 72.2; B 64, L 8K 143.9 -> 147.0 (a window a row)
 COMBINE_WINDOWS = True
-#: :data:`COMBINE_PDL` for windowed formats only, whose combine attends the windows before it waits for stage 1
-#: (so that they overlap it). Measured on the H200 (the same record): B 1, L 8K INT2 18.5 -> 13.7 us (the
-#: format without windows: 13.7), B 8, L 32K 72.2 -> 68.8, B 64, L 8K 147.0 -> 144.4; INT4 20.4 -> 21.1, 100.0 ->
-#: 94.2, 187.9 -> 183.7. Off until its GPU tests (``tests/test_cute_pdl.py``) run with the windows in the combine
+#: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows before its wait, overlapping
+#: stage 1. H200 (the same record): INT2 18.5 -> 13.7 us (unwindowed: 13.7), 72.2 -> 68.8, 147.0 -> 144.4; INT4
+#: 20.4 -> 21.1, 100.0 -> 94.2, 187.9 -> 183.7. Off until ``tests/test_cute_pdl.py`` runs with it on a GPU
 COMBINE_PDL_WINDOWS = False
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
 #: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
@@ -91,10 +88,8 @@ V_PLACEMENT = True
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands (``k_operand="e4m3"``): each token group's ``Q' = Q s'`` folded into two E4M3
 #: terms with a power-of-two scale per query row (:func:`foscar.cute.folds.fold_q_terms`), in place of a BF16
-#: ``Q'``. Compiles for sm_90a; off (``config_for`` refuses it, so ``auto`` never takes it) until its GPU tests
-#: (``tests/test_cute_channel_e4m3.py``) run. SASS a tile (INT2, channel-wise K, token-wise V, GQA 4, two CTAs an SM):
-#: 694 against BF16 K's 644, half the QK wgmma and K operands, the fold's terms (conversions, byte stores) taking
-#: it back
+#: ``Q'``. Off (``config_for`` refuses it) until ``tests/test_cute_channel_e4m3.py`` runs on a GPU. SASS a tile
+#: (INT2, token-wise V, GQA 4): 694 against BF16 K's 644, the fold's terms taking back the halved QK product
 CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3

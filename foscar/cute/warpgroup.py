@@ -382,7 +382,7 @@ class TileKernel:
         if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
-        elif cutlass.const_expr(cfg.q_as_terms and sum_terms):  # Q's terms summed, in Q's units: the BF16 kernel's columns
+        elif cutlass.const_expr(cfg.q_as_terms and sum_terms):  # Q's terms summed: the BF16 kernel's columns
             for part in partials:
                 sum_q_terms(part, cfg.gqa, wg.thr.quad, wg.qinv[0], wg.qinv[1])
         return partials
