@@ -29,6 +29,7 @@
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
 #                                                                #   against the split count, stress study, time
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending          # the built switches' GPU tests and timings
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -201,6 +202,16 @@ case "$step" in
       > "$OUT/accuracy.log" 2>&1; grep "^| INT" "$OUT/accuracy.log" | cut -d'|' -f2,3,7,8
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
       > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
+  pending)  # after install-cute: the switches built but not yet run on a GPU (CHANNEL_K_E4M3: channel-wise K with
+            # E4M3 terms of Q'; COMBINE_PDL_WINDOWS: the windowed combine as a dependent launch): their GPU tests,
+            # then the axes grid with and without CHANNEL_K_E4M3 and the windows' cost
+    timeout 240 python3 -m pytest -q -m gpu tests/test_cute_channel_e4m3.py tests/test_cute_pdl.py \
+      > "$OUT/pending-tests.log" 2>&1
+    echo "pending tests: $(tail -1 "$OUT/pending-tests.log")"
+    timeout 150 python3 benchmarks/run_with.py CHANNEL_K_E4M3=1 -- foscar.bench.decode --grid axes --cuda-graph \
+      --kernels foscar_cute_e4m3 foscar_cute_ws --out "$OUT/axes-channel-e4m3" > "$OUT/axes-channel-e4m3.log" 2>&1
+    grep "cha/" "$OUT/axes-channel-e4m3/"*.md | head -40
+    timeout 120 python3 benchmarks/window_cost.py --iters 7 > "$OUT/window-cost.md" 2>&1; head -12 "$OUT/window-cost.md" ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2
