@@ -236,7 +236,10 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
     v1 = {(8, 8192): 4, (8, 131072): 16, (1, 131072): 33}
     if (B, L) in v1:
         assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda"), resident=2) == v1[(B, L)]
-    assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=8), want) == want + 2
+    windowed = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=8)
+    assert launch.num_parts(windowed, want) == want  # the combine attends the windows (COMBINE_WINDOWS)
+    monkeypatch.setattr("foscar.cute.config.COMBINE_WINDOWS", False)
+    assert launch.num_parts(windowed, want) == want + 2  # else their partials follow the splits'
     assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128), want, True) == 2 * want
 
 
@@ -275,7 +278,7 @@ def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
     q, cache = make(fmt, [3000, 64, 1], Hkv=2, G=4, page=64, seed=5)
     p = foscar.plan(q, cache)
     assert p.backend == "cute" and p.workspace is not None and p.options["warp_specialized"] is ws
-    assert p.workspace[0].shape[2] == (2 if ws else 1) * p.num_splits + 2
+    assert p.workspace[0].shape[2] == (2 if ws else 1) * p.num_splits  # the combine attends the windows
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
     p.run(q, cache, out, lse)  # compile and warm up
