@@ -206,7 +206,7 @@ case "$step" in
             # E4M3 terms of Q'; COMBINE_PDL_WINDOWS: the windowed combine as a dependent launch): their GPU tests,
             # then the axes grid with and without CHANNEL_K_E4M3 and the windows' cost
     timeout 300 python3 -m pytest -q -m gpu tests/test_cute_channel_e4m3.py tests/test_cute_pdl.py tests/test_api.py \
-      tests/test_splitkv.py tests/test_cute_decode.py -k "channel_e4m3 or pdl or plans or splits_follow" \
+      tests/test_splitkv.py tests/test_cute_decode.py -k "channel_e4m3 or pdl or plans or planned or splits_follow" \
       > "$OUT/pending-tests.log" 2>&1
     echo "pending tests: $(tail -1 "$OUT/pending-tests.log")"
     timeout 150 python3 benchmarks/run_with.py CHANNEL_K_E4M3=1 -- foscar.bench.decode --grid axes --cuda-graph \
