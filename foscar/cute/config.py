@@ -57,14 +57,20 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
-#: A windowed format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton
-#: launch each (:func:`foscar.splitkv.window_partials`). H200 (``docs/bench/h200/window-cost.md``, sink 4, recent
-#: 64, INT2): B 1, L 8K 23.6 -> 18.5 us, B 8, L 32K 77.2 -> 72.2; B 64, L 8K 143.9 -> 147.0 (a window a row)
+#: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
+#: each. H200 (``docs/bench/h200/window-cost.md``): B 1, L 8K 23.6 -> 18.5 us, B 64, L 8K 143.9 -> 147.0 (INT2)
 COMBINE_WINDOWS = True
-#: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows before its wait, overlapping
-#: stage 1. H200 (the same record): INT2 18.5 -> 13.7 us (unwindowed: 13.7), 72.2 -> 68.8, 147.0 -> 144.4; INT4
-#: 20.4 -> 21.1, 100.0 -> 94.2, 187.9 -> 183.7. Off until ``tests/test_cute_pdl.py`` runs with it on a GPU
+#: :data:`COMBINE_PDL` for windowed formats only (the windows overlap stage 1; the same record: 18.5 -> 13.7 us).
+#: Off until ``tests/test_cute_pdl.py`` runs with it on a GPU
 COMBINE_PDL_WINDOWS = False
+
+
+def combine_attends_windows(fmt) -> bool:
+    """Whether the CuTe combine attends ``fmt``'s BF16 windows (:data:`COMBINE_WINDOWS`, a format with windows)."""
+    from ..splitkv import num_window_parts
+    return COMBINE_WINDOWS and num_window_parts(fmt) > 0
+
+
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
 #: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
 #: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
@@ -86,10 +92,8 @@ V_PLACEMENT = True
 #: 329 SASS instructions a tile, INT2). Correct on the H200 (its oracle tests) but only 3-5% faster (B 8, L 128K,
 #: ``docs/bench/h200/axes-producer-fold.json``): the fold is not what bounds channel-wise K, so off
 PRODUCER_Q_FOLD = False
-#: Channel-wise K with E4M3 K operands (``k_operand="e4m3"``): each token group's ``Q' = Q s'`` folded into two E4M3
-#: terms with a power-of-two scale per query row (:func:`foscar.cute.folds.fold_q_terms`), in place of a BF16
-#: ``Q'``. Off (``config_for`` refuses it) until ``tests/test_cute_channel_e4m3.py`` runs on a GPU. SASS a tile
-#: (INT2, token-wise V, GQA 4): 694 against BF16 K's 644, the fold's terms taking back the halved QK product
+#: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
+#: off (``config_for`` refuses it) until its GPU tests run; SASS a tile 694 against BF16 K's 644 (INT2, GQA 4)
 CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
@@ -218,8 +222,8 @@ class Sm90Config:
 
     @property
     def q_as_terms(self) -> bool:
-        """Q^T staged as E4M3 terms (:func:`foscar.cute.operands.stage_q`): E4M3 K operands of a token-wise K.
-        Channel-wise K stages Q in BF16 and folds each token group's ``Q'`` into terms (:data:`CHANNEL_K_E4M3`)."""
+        """Q^T staged as E4M3 terms (:func:`foscar.cute.operands.stage_q`): E4M3 K of a token-wise K (channel-wise
+        K stages Q in BF16 and folds each group's ``Q'`` into terms, :data:`CHANNEL_K_E4M3`)."""
         return self.k_e4m3 and not self.k_channel
 
     @property
@@ -377,8 +381,7 @@ def cutlass_min(a, b):
 #: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
 COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2),
                    ("rotation", "f32", 1))
-#: A combine with windows (:attr:`CombineConfig.windows`) takes these after :data:`COMBINE_TENSORS`, then the
-#: softmax scale (base 2); the windows have the config's ``window_dtype``, rows of 16-byte multiples.
+#: A combine with windows takes these after :data:`COMBINE_TENSORS`, then the base-2 softmax scale (None: window_dtype)
 COMBINE_WINDOW_TENSORS = (("q", "bf16", 3), ("k_sink", None, 4), ("v_sink", None, 4), ("k_recent", None, 4),
                           ("v_recent", None, 4), ("seq_lens", "i32", 1))
 #: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
@@ -402,10 +405,8 @@ class CombineConfig:
     #: launched as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`): it waits for stage 1's grid before
     #: its first read of the partials
     pdl: bool = False
-    #: the format's BF16 windows, attended by the combine (:mod:`foscar.cute.windows`, :data:`COMBINE_WINDOWS`):
-    #: ``sink``, ``recent`` and ``flush`` as :meth:`foscar.KVFormat.split_length` takes them, ``ring`` the recent
-    #: ring's slots (``KVFormat.recent_capacity``), ``gqa`` query heads per KV head, ``window_dtype`` ``"bf16"``
-    #: or ``"f16"``; no windows: ``sink = ring = 0``
+    #: the windows the combine attends (:mod:`foscar.cute.windows`): ``sink``, ``recent``, ``flush`` as ``KVFormat``'s,
+    #: ``ring`` its ``recent_capacity``, ``gqa``, ``window_dtype`` ``"bf16"``/``"f16"``; none: ``sink = ring = 0``
     sink: int = 0
     recent: int = 0
     flush: int = 1
@@ -598,7 +599,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
                       lazy_rescale=(tiles_per_pass == 2 or LAZY_ONE_TILE) if fmt.v_axis == "token" else
                       tiles_per_pass == 1 and LAZY_CHANNEL_V,
-                      prologue=prologue, trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and bool(
-                          fmt.sink + fmt.recent_capacity) and COMBINE_WINDOWS),
+                      prologue=prologue,
+                      trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)

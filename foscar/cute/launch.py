@@ -196,8 +196,9 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
     """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
     BF16 windows' where the combine does not attend them itself (:data:`~foscar.cute.config.COMBINE_WINDOWS`)."""
     from ..splitkv import num_window_parts
-    from .config import COMBINE_WINDOWS, CONSUMERS
-    return (CONSUMERS if warp_specialized else 1) * num_splits + (0 if COMBINE_WINDOWS else num_window_parts(fmt))
+    from .config import CONSUMERS, combine_attends_windows
+    return (CONSUMERS if warp_specialized else 1) * num_splits + (0 if combine_attends_windows(fmt) else
+                                                                  num_window_parts(fmt))
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,7 +252,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import COMBINE_WINDOWS, config_for, default_ring, fits_shared_memory, max_rows
+    from .config import combine_attends_windows, config_for, default_ring, fits_shared_memory, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -291,7 +292,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
     windows = None
-    if num_window_parts(fmt) and COMBINE_WINDOWS:  # the combine attends them (no launch of their own)
+    if combine_attends_windows(fmt):  # no launch of their own
         rows = (_row_aligned(t) for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent))
         windows = CombineWindows(tensors[0], *rows, tensors[6], qk_scale, G, fmt)
     elif num_window_parts(fmt):
