@@ -62,7 +62,7 @@ def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis):
 @pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
     ([5000, 700, 130], 4, None, {}), ([3000, 900], 1, 2, {"v_axis": "channel"}),
     ([2500, 64], 2, None, {"v_axis": "channel", "group_size": 64}), ([2000, 3], 4, 3, {"sink": 2, "recent": 7}),
-    ([1500, 90], 3, 2, {"group_size": 64, "head_dim": 64}), ([4000, 260], 4, None, {"group_size": 256})])
+    ([1500, 90], 3, 2, {"group_size": 64, "head_dim": 64}), ([4000, 260], 4, None, {"group_size": 256, "v_axis": "channel"})])
 def test_against_the_oracle_gpu(switch, bits, lens, G, num_splits, fmt_kw):
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})
