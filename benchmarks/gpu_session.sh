@@ -29,7 +29,8 @@
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
 #                                                                #   against the split count, stress study, time
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending          # the built switches' GPU tests and timings
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending          # the windowed combine's GPU tests
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-cost     # its compute-sanitizer runs and cost
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -202,17 +203,20 @@ case "$step" in
       > "$OUT/accuracy.log" 2>&1; grep "^| INT" "$OUT/accuracy.log" | cut -d'|' -f2,3,7,8
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
       > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
-  pending)  # after install-cute: the switches built but not yet run on a GPU (CHANNEL_K_E4M3: channel-wise K with
-            # E4M3 terms of Q'; COMBINE_PDL_WINDOWS: the windowed combine as a dependent launch): their GPU tests,
-            # then the axes grid with and without CHANNEL_K_E4M3 and the windows' cost
-    timeout 300 python3 -m pytest -q -m gpu tests/test_cute_channel_e4m3.py tests/test_cute_pdl.py tests/test_api.py \
-      tests/test_splitkv.py tests/test_cute_decode.py -k "channel_e4m3 or pdl or plans or planned or splits_follow" \
+  pending)  # after install-cute: the windowed combine (a CTA per KV head's rows, the window staged in shared memory;
+            # the dependent launch where v1 runs two CTAs an SM): its GPU tests, the decode oracle cases (channel-wise
+            # K has a ring), the g256 channel-wise K E4M3 case
+    timeout 420 python3 -m pytest -q -m gpu tests/test_cute_combine.py tests/test_cute_pdl.py tests/test_cute_channel_e4m3.py \
+      tests/test_cute_decode.py -k "combine or pdl or lens5 or (against_the_oracle and (not v0 or lens3))" \
       > "$OUT/pending-tests.log" 2>&1
-    echo "pending tests: $(tail -1 "$OUT/pending-tests.log")"
-    timeout 150 python3 benchmarks/run_with.py CHANNEL_K_E4M3=1 -- foscar.bench.decode --grid axes --cuda-graph \
-      --kernels foscar_cute_e4m3 foscar_cute_ws --out "$OUT/axes-channel-e4m3" > "$OUT/axes-channel-e4m3.log" 2>&1
-    grep "cha/" "$OUT/axes-channel-e4m3/"*.md | head -40
-    timeout 120 python3 benchmarks/window_cost.py --iters 7 > "$OUT/window-cost.md" 2>&1; head -12 "$OUT/window-cost.md" ;;
+    echo "pending tests: $(tail -1 "$OUT/pending-tests.log")" ;;
+  pending-cost)  # compute-sanitizer over the windowed combine at two CTAs an SM (dependent launch), the windows' cost
+    for tool in racecheck memcheck; do
+      timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 --report-api-errors no \
+        python3 benchmarks/sanitize_one.py cute_ws2 > "$OUT/sanitize-$tool-cute_ws2.log" 2>&1
+      echo "$tool rc=$? $(tail -2 "$OUT/sanitize-$tool-cute_ws2.log" | tr '\n' ' ')"
+    done
+    timeout 200 python3 benchmarks/window_cost.py --iters 7 > "$OUT/window-cost.md" 2>&1; grep -v Warn "$OUT/window-cost.md" ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2

@@ -14,7 +14,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 from foscar.cute.compile import compile_combine  # noqa: E402
-from foscar.cute.config import COMBINE_MAX_CHUNK, CombineConfig, combine_chunk  # noqa: E402
+from foscar.cute.combine_config import COMBINE_MAX_CHUNK, CombineConfig, combine_chunk  # noqa: E402
 from foscar.fold import combine_partials  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -121,23 +121,25 @@ def test_the_rotating_merge_compiles_for_sm90a(head_dim):
     (128, 16, False, {"sink": 4, "recent": 64, "ring": 64, "gqa": 4}),
     (128, 128, True, {"sink": 4, "recent": 16, "flush": 128, "ring": 143, "gqa": 2, "window_dtype": "f16"}),
     (64, 8, False, {"sink": 0, "recent": 32, "ring": 32, "gqa": 8}),
-    (256, 8, True, {"sink": 4, "recent": 0, "ring": 0, "gqa": 1})])
+    (256, 8, True, {"sink": 4, "recent": 0, "ring": 0, "gqa": 1}),
+    (128, 8, True, {"sink": 4, "recent": 64, "ring": 64, "gqa": 6})])
 def test_the_combine_with_windows_compiles_for_sm90a(head_dim, chunk, rotate, windows):
-    """The combine that attends a cache's BF16 windows itself (``foscar.cute.windows``): each window token's K
-    and V rows read as vectors (one load per lane per row, the sink's and the ring's), no local memory, the
-    same stores as the merge alone; a rotated cache's query rotated in by a Walsh-Hadamard round per power of
-    two of the head dim."""
+    """The combine that attends a cache's BF16 windows itself (``foscar.cute.windows``): one CTA for up to 8
+    query rows of a KV head (their partials in a thread's 64 registers), each thread its channel of every row;
+    the window staged in shared memory as 16-byte vectors (each thread's share of a stage one load each, no
+    element loads but the query's), no local memory, a store per row as the merge alone; a rotated cache's query
+    rotated in by a Walsh-Hadamard round per power of two of the head dim."""
     cfg = CombineConfig(head_dim, "bf16", True, chunk, rotate, **windows)
-    assert cfg.windows
+    rows = max(r for r in range(1, min(cfg.gqa, 8) + 1) if cfg.gqa % r == 0 and r * min(chunk, 64) <= 64)
+    assert cfg.windows and cfg.rows == rows and cfg.threads == head_dim * cfg.ranks
     ptx = compile_combine(cfg, keep_ptx=True).__ptx__
     plain = compile_combine(CombineConfig(head_dim, "bf16", True, chunk, rotate), keep_ptx=True).__ptx__
-    assert ".local" not in ptx and ptx.count("st.global") == 2
+    assert ".local" not in ptx and ptx.count("st.global") == 2 * rows
     def loads(text, width=r"[\w.]+"):
         return len(re.findall(rf"ld\.global(?:\.nc)?\.{width}\s", text))
-    threads = head_dim * cfg.ranks
-    tokens = -(-(cfg.sink + cfg.ring) // (threads // 32))  # a warp's window tokens
-    assert loads(ptx) - loads(plain) >= 2 * tokens, "each token's K and V row: a load per lane"
-    assert loads(ptx, r"[bu]16") - loads(plain, r"[bu]16") <= 1, "the rows as vectors (the query: one element)"
+    vectors = -(-2 * cfg.window_stage * head_dim // 8 // cfg.threads)  # a thread's share of a stage's K and V
+    assert loads(plain, r"v4\.b32") == 0 and loads(ptx, r"v4\.b32") >= vectors, "the rows as 16-byte vectors"
+    assert loads(ptx, r"[bu]16") - loads(plain, r"[bu]16") <= -(-rows * head_dim // cfg.threads), "the query only"
     if rotate:
         assert ptx.count("bar.sync") - plain.count("bar.sync") >= head_dim.bit_length() - 1
 

@@ -14,7 +14,8 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 import foscar  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_combine, compile_stage1  # noqa: E402
-from foscar.cute.config import CombineConfig, config_for  # noqa: E402
+from foscar.cute.combine_config import CombineConfig  # noqa: E402
+from foscar.cute.config import config_for  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -36,14 +37,17 @@ def test_the_dependent_combine_waits_before_its_first_read(rotate):
 
 
 def test_windows_take_the_dependent_launch_with_their_own_switch(monkeypatch):
-    """``COMBINE_PDL_WINDOWS``: stage 1 signals, and the combine waits, for windowed formats only; the combine
-    attends the windows before its wait (they do not depend on stage 1)."""
+    """``COMBINE_PDL_WINDOWS`` (on): stage 1 signals, and the combine waits, for windowed formats only, where v1
+    runs two CTAs an SM; the combine attends the windows before its wait (they do not depend on stage 1)."""
+    from foscar.cute.config import dependent_combine
     windowed = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
     plain = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
-    assert not config_for(windowed, 4, 64).trigger_dependents
-    with cute_switches(monkeypatch, COMBINE_PDL_WINDOWS=True):
-        assert config_for(windowed, 4, 64).trigger_dependents
-        assert not config_for(plain, 4, 64).trigger_dependents
+    assert config_for(windowed, 4, 64).trigger_dependents and not config_for(plain, 4, 64).trigger_dependents
+    assert dependent_combine(windowed, True, 2)
+    assert not dependent_combine(windowed, True, 1) and not dependent_combine(windowed, False, 2)
+    assert not dependent_combine(plain, True, 2)
+    with cute_switches(monkeypatch, COMBINE_PDL_WINDOWS=False):
+        assert not config_for(windowed, 4, 64).trigger_dependents and not dependent_combine(windowed, True, 2)
     ptx = compile_combine(CombineConfig(128, "bf16", True, 16, False, True, sink=4, recent=64, ring=64, gqa=4),
                           keep_ptx=True).__ptx__
     assert ptx.count("griddepcontrol.wait") == 1
@@ -76,13 +80,14 @@ def test_the_dependent_combine_against_the_oracle_gpu(pdl, bits, lens, G, num_sp
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("fmt_kw", ({"sink": 4, "recent": 64}, {"sink": 2, "recent": 7, "k_axis": "channel"},
                                     {"sink": 4, "recent": 16, "rotation": "hadamard"}))
-def test_the_dependent_combine_with_windows_against_the_oracle_gpu(monkeypatch, fmt_kw):
-    """``COMBINE_PDL_WINDOWS``: the combine attends the windows while stage 1 runs."""
+def test_the_dependent_combine_with_windows_against_the_oracle_gpu(fmt_kw):
+    """``COMBINE_PDL_WINDOWS`` (on): the combine attends the windows while stage 1 runs (two CTAs an SM), or
+    launches after it (one)."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=2, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    with cute_switches(monkeypatch, COMBINE_PDL_WINDOWS=True):
+    for ctas in (2, 1):
         _decode_against_the_oracle(fmt, [3000, 70, 5], 4, "dependent combine, windows: error", num_splits=3,
-                                   warp_specialized=True)
+                                   warp_specialized=True, ctas_per_sm=ctas)
 
 
 @pytest.mark.gpu

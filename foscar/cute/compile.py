@@ -18,8 +18,8 @@ from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
 from .combine import CombineSm90, CombineWindowsSm90
-from .config import (ALIGN, COMBINE_TENSORS, COMBINE_WINDOW_TENSORS, STAGE1_TENSORS, WS_REGISTERS, CombineConfig,
-                     Sm90Config)
+from .combine_config import COMBINE_TENSORS, COMBINE_WINDOW_TENSORS, CombineConfig
+from .config import ALIGN, STAGE1_TENSORS, WS_REGISTERS, Sm90Config
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
 
@@ -74,7 +74,7 @@ def _compile(kernel, args, keep_ptx: bool, keep_cubin: bool):
 
 def compile_combine(cfg: CombineConfig, *, keep_ptx: bool = False):
     """Compile the combine of ``cfg`` (:class:`~foscar.cute.combine.CombineSm90`) for TVM-FFI calls: it
-    takes the :data:`~foscar.cute.config.COMBINE_TENSORS` as torch tensors (the partials with unit
+    takes the :data:`~foscar.cute.combine_config.COMBINE_TENSORS` as torch tensors (the partials with unit
     stride in the last dim on 16-byte aligned bases; ``out`` and ``lse`` with any strides) and launches
     on torch's current stream."""
     out_type = ELEMENT_TYPES[cfg.out_dtype]

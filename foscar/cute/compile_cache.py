@@ -14,7 +14,7 @@ as torch tensors, then ``qk_scale``, ``num_splits``; it launches on torch's curr
 environment stream, and loads its CUDA module on its first call).
 
 The **key** (:func:`entry_key`, a JSON text; the file name is its sha256) holds the static config (its
-type and every field: :class:`~foscar.cute.config.Sm90Config`, :class:`~foscar.cute.config.CombineConfig`),
+type and every field: :class:`~foscar.cute.config.Sm90Config`, :class:`~foscar.cute.combine_config.CombineConfig`),
 the variant (v0, or v1 and its CTAs per SM) and
 the :class:`Toolchain`: the sha256 of foscar's kernel sources (every ``.py`` file under ``foscar/cute/``
 and ``foscar/format.py``, as bytes), the versions of the nvidia-cutlass-dsl distributions (its libs
@@ -233,7 +233,7 @@ def _warn_once(kind: str, path, message: str) -> None:
 
 
 def _compile(cfg, warp_specialized: bool, ctas_per_sm: int):
-    from .config import CombineConfig
+    from .combine_config import CombineConfig
     if isinstance(cfg, CombineConfig):
         from .compile import compile_combine
         return compile_combine(cfg)

@@ -58,17 +58,27 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
-#: each. H200 (``docs/bench/h200/window-cost.md``): B 1, L 8K 23.6 -> 18.5 us, B 64, L 8K 143.9 -> 147.0 (INT2)
+#: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
 COMBINE_WINDOWS = True
-#: :data:`COMBINE_PDL` for windowed formats only (the windows overlap stage 1; the same record: 18.5 -> 13.7 us).
-#: Off until ``tests/test_cute_pdl.py`` runs with it on a GPU
-COMBINE_PDL_WINDOWS = False
+#: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
+#: (:func:`dependent_combine`). H200 (the same record, INT2): B 1, L 8K 18.7 -> 14.0 us, B 8, L 32K 73.4 -> 67.6,
+#: B 64, L 8K 146.9 -> 138.0
+COMBINE_PDL_WINDOWS = True
 
 
 def combine_attends_windows(fmt) -> bool:
     """Whether the CuTe combine attends ``fmt``'s BF16 windows (:data:`COMBINE_WINDOWS`, a format with windows)."""
     from ..splitkv import num_window_parts
     return COMBINE_WINDOWS and num_window_parts(fmt) > 0
+
+
+def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
+    """Whether a decode's combine launches as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`, or
+    :data:`COMBINE_PDL_WINDOWS` where the combine attends ``fmt``'s windows and v1 runs two CTAs an SM: at one,
+    stage 1 fills the SMs it takes and the waiting combine CTAs crowd the few it leaves, B 1, L 8K INT4 20.6 ->
+    21.4 us on the H200). Stage 1 signals such a combine (:attr:`Sm90Config.trigger_dependents`)."""
+    return COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt) and warp_specialized
+                           and ctas_per_sm > 1)
 
 
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
@@ -376,68 +386,6 @@ def cutlass_min(a, b):
         return min(a, b)
     import cutlass
     return cutlass.min(a, b)
-
-
-#: The combine's arguments, in order: (name, element type, rank); ``out`` has the config's element type.
-COMBINE_TENSORS = (("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("out", None, 3), ("lse", "f32", 2),
-                   ("rotation", "f32", 1))
-#: A combine with windows takes these after :data:`COMBINE_TENSORS`, then the base-2 softmax scale (None: window_dtype)
-COMBINE_WINDOW_TENSORS = (("q", "bf16", 3), ("k_sink", None, 4), ("v_sink", None, 4), ("k_recent", None, 4),
-                          ("v_recent", None, 4), ("seq_lens", "i32", 1))
-#: The combine's chunks (partials loaded together before they are merged): powers of two up to this.
-COMBINE_MAX_CHUNK = 128
-#: The partials one combine thread loads per chunk (its registers: 64 outputs fit without a spill).
-COMBINE_THREAD_CHUNK = 64
-
-
-@dataclass(frozen=True)
-class CombineConfig:
-    """Static configuration of the compiled LSE combine (:mod:`foscar.cute.combine`): the head dim, the
-    output's element type (``"bf16"``, ``"f16"`` or ``"f32"``: the query's), whether it writes the LSE,
-    and the chunk: partials whose loads are issued together before they are merged (:func:`combine_chunk`:
-    all of them in one round trip up to :data:`COMBINE_MAX_CHUNK`)."""
-
-    head_dim: int
-    out_dtype: str
-    write_lse: bool
-    chunk: int
-    rotate: bool = False  #: rotate the merged output back out of a rotated cache's space (:mod:`foscar.cute.rotation`)
-    #: launched as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`): it waits for stage 1's grid before
-    #: its first read of the partials
-    pdl: bool = False
-    #: the windows the combine attends (:mod:`foscar.cute.windows`): ``sink``, ``recent``, ``flush`` as ``KVFormat``'s,
-    #: ``ring`` its ``recent_capacity``, ``gqa``, ``window_dtype`` ``"bf16"``/``"f16"``; none: ``sink = ring = 0``
-    sink: int = 0
-    recent: int = 0
-    flush: int = 1
-    ring: int = 0
-    gqa: int = 1
-    window_dtype: str = "bf16"
-
-    @property
-    def windows(self) -> bool:
-        """Whether the combine attends windows (and takes :data:`COMBINE_WINDOW_TENSORS`)."""
-        return self.sink + self.ring > 0
-
-    @property
-    def thread_chunk(self) -> int:
-        """The partials of a chunk one thread loads."""
-        return min(self.chunk, COMBINE_THREAD_CHUNK)
-
-    @property
-    def ranks(self) -> int:
-        """Threads per channel: each takes ``thread_chunk`` of a chunk's partials (the CTA has
-        ``head_dim * ranks`` threads)."""
-        return self.chunk // self.thread_chunk
-
-
-def combine_chunk(parts: int) -> int:
-    """The combine's chunk for ``parts`` partials: the next power of two, 8 to :data:`COMBINE_MAX_CHUNK`
-    (one compiled variant per bucket)."""
-    chunk = 8
-    while chunk < min(parts, COMBINE_MAX_CHUNK):
-        chunk *= 2
-    return chunk
 
 
 #: The K operands a kernel takes: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, or

@@ -252,7 +252,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import combine_attends_windows, config_for, default_ring, fits_shared_memory, max_rows
+    from .config import (combine_attends_windows, config_for, default_ring, dependent_combine, fits_shared_memory,
+                         max_rows)
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -297,7 +298,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         windows = CombineWindows(tensors[0], *rows, tensors[6], qk_scale, G, fmt)
     elif num_window_parts(fmt):
         window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
-    combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows)
+    combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows,
+            dependent_combine(fmt, warp_specialized, ctas))
 
 
 #: The combine's output element type of each output dtype (the query's).
@@ -328,18 +330,18 @@ def _row_aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-            rotation: torch.Tensor | None = None, windows: CombineWindows | None = None) -> None:
+            rotation: torch.Tensor | None = None, windows: CombineWindows | None = None, pdl: bool = False) -> None:
     """Merge the partials ``o_part [B, Hq, parts, D]``, ``l_part [B, Hq, parts]`` into ``out`` (and
     ``lse``) with the CuTe combine (:class:`foscar.cute.combine.CombineSm90`), on torch's current stream;
     ``rotation`` (:func:`foscar.rotation.rotation_factors`): the partials are in a rotated cache's space, the
-    output is not; ``windows``: a cache's BF16 windows, attended by the combine and merged with the partials."""
-    from .config import COMBINE_PDL, COMBINE_PDL_WINDOWS, CombineConfig, combine_chunk
+    output is not; ``windows``: a cache's BF16 windows, attended by the combine and merged with the partials;
+    ``pdl``: launched as a programmatic dependent of the stage 1 just launched (which signals it)."""
+    from .combine_config import CombineConfig, combine_chunk
     win = {}
     if windows is not None:
         fmt = windows.fmt
         win = {"sink": fmt.sink, "recent": fmt.recent, "flush": fmt.flush, "ring": fmt.recent_capacity,
                "gqa": windows.gqa, "window_dtype": _OUT_TYPES[windows.k_sink.dtype]}
-    pdl = COMBINE_PDL or (COMBINE_PDL_WINDOWS and windows is not None)  # stage 1 signals it (config_for)
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),
                         rotation is not None, pdl, **win)
     args = (o_part, l_part, out, lse if lse is not None else l_part[:, :, 0],
