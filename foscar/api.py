@@ -347,8 +347,9 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     ``bf16`` mapping, the quantizers of :data:`foscar.quantize.WRITE_KERNEL_QUANTIZERS` (min-max, a clip
     preset, the ``"mse"`` search), and the FP4 block formats with ``"minmax"`` or ``"mse"``; graph-safe with
     ``check=False``), ``"reference"``
-    (:meth:`QuantKVCache.append`, PyTorch, every mapping and quantizer, any device), or ``"auto"``
-    (default): Triton where it can write this cache, else the reference. Both write the same cache bit
+    (:meth:`QuantKVCache.append`, PyTorch, every mapping and quantizer, the query-weighted rounding of a
+    cache's ``key_weights``, any device), or ``"auto"`` (default): Triton where it can write this cache, else
+    the reference. Both write the same cache bit
     for bit. An explicit choice that cannot run raises :class:`UnsupportedError` saying why.
     """
     if backend not in ("auto", *WRITE_BACKENDS):
@@ -361,6 +362,8 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, bac
     takes = FP4_QUANTIZERS if cache.fmt.is_fp4 else WRITE_KERNEL_QUANTIZERS
     if why_not is None and quantizer not in takes:
         why_not = f"quantizes with {takes} only (quantizer={quantizer!r})"
+    if why_not is None and cache.k_weights is not None:
+        why_not = "rounds to nearest: the query-weighted rounding of a cache's key_weights is the PyTorch path's"
     if backend == "triton" and why_not:
         raise UnsupportedError("backend='triton'", why_not)
     if backend == "reference" or why_not:

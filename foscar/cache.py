@@ -24,7 +24,7 @@ import math
 import torch
 
 from ._checks import check_finite, check_int, check_tensor, same_device
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 from .centring import check_key_mean
 from .format import CHANNEL, TOKEN, KVFormat, pack_codes, unpack_codes
 from .pagetable import INDEX_DTYPES, PageTable
@@ -53,10 +53,12 @@ class QuantKVCache:
     """A quantized K/V cache (one attention layer). Build it with :func:`quantize_kv` or
     :meth:`from_quantized`; read it with :meth:`dequantize`, :meth:`export` or a decode call.
     ``k_mean``: the keys' centring mean (:mod:`foscar.centring`; ``None``: not centred), pending until
-    the first append when ``k_mean_pending``."""
+    the first append when ``k_mean_pending``. ``k_weights``: the weights of the keys' query-weighted rounding
+    (:mod:`foscar.key_weights`, ``[B, Hkv, D, D]`` in the stored space; ``None``: round to nearest)."""
 
     k_mean: torch.Tensor | None = None
     k_mean_pending: bool = False
+    k_weights: torch.Tensor | None = None
 
     def __init__(self, fmt: KVFormat, *, k_codes, k_params, v_codes, v_params, seq_lens, page_table: PageTable,
                  k_sink, v_sink, k_recent, v_recent, contiguous: bool = False, tensor_scales=None):
@@ -387,14 +389,17 @@ class QuantKVCache:
     def empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len: int | None = None,
               page_size: int | None = 64, page_table: PageTable | None = None, num_pages: int | None = None,
               window_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-              key_mean=None, tensor_scales=None) -> QuantKVCache:
+              key_mean=None, tensor_scales=None, key_weights=None) -> QuantKVCache:
         """A cache of ``batch`` empty sequences to :meth:`append` to. Paged (``page_size``): the caller's
         ``page_table`` and pool size ``num_pages``, or, given ``max_len``, ``ceil(max_len / page_size)``
         pages per sequence. Contiguous (``page_size=None``): room for ``max_len`` tokens per sequence.
         ``key_mean``: key centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (the first append's
         mean per sequence) or a ``[batch, num_kv_heads, head_dim]`` tensor. ``tensor_scales``: NVFP4's
         per-tensor scales ``(k, v)`` (calibrated, as serving engines take them; default 1), fixed for the
-        cache's life: a value beyond what they let the E4M3 block scales hold is refused when appended."""
+        cache's life: a value beyond what they let the E4M3 block scales hold is refused when appended.
+        ``key_weights``: ``[batch, num_kv_heads, head_dim, head_dim]``, the keys' codes rounded for the error
+        they weigh (:mod:`foscar.key_weights`: the second moments of the queries that will read them; an
+        affine format), or ``None`` (round to nearest); :meth:`set_key_weights` sets them later."""
         key_mean = check_key_mean(key_mean, batch, num_kv_heads, fmt.head_dim, torch.device(device))
         cache = cls._empty(fmt, batch, num_kv_heads, max_len=max_len, page_size=page_size, page_table=page_table,
                            num_pages=num_pages, window_dtype=window_dtype, device=device)
@@ -403,7 +408,20 @@ class QuantKVCache:
             cache.tensor_scales.copy_(check_tensor_scales(fmt, tensor_scales, cache.device))
         cache.k_mean_pending = isinstance(key_mean, str)
         cache.k_mean = None if key_mean is None or isinstance(key_mean, str) else key_mean
+        cache.set_key_weights(key_weights)
         return cache
+
+    def set_key_weights(self, weights: torch.Tensor | None) -> None:
+        """The weights of the keys' query-weighted rounding from now on (:mod:`foscar.key_weights`): ``[B, Hkv,
+        D, D]`` in the caller's space (rotated here for a rotated format), or ``None`` (round to nearest). Codes
+        already written stay as they are. Refused for an FP4 block format (its codes are not on an affine
+        grid)."""
+        from .key_weights import check_key_weights, stored_weights
+        weights = check_key_weights(weights, self.batch_size, self.num_kv_heads, self.head_dim, self.device)
+        if weights is not None and self.fmt.is_fp4:
+            raise UnsupportedError(f"key_weights with scheme={self.fmt.scheme!r}", "query-weighted rounding takes "
+                                   "the affine formats' grids")
+        self.k_weights = None if weights is None else stored_weights(self.fmt, weights)
 
     @classmethod
     def _empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len, page_size, page_table, num_pages,

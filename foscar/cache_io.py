@@ -197,7 +197,8 @@ def _fp4_scale_bytes(fmt: KVFormat, name: str, s, shape: tuple, dev) -> torch.Te
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: torch.Tensor | None = None,
                 quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE, page_size: int | None = None,
                 page_table: PageTable | None = None, num_pages: int | None = None,
-                window_dtype: torch.dtype = torch.bfloat16, key_mean=None, tensor_scales=None) -> QuantKVCache:
+                window_dtype: torch.dtype = torch.bfloat16, key_mean=None, tensor_scales=None,
+                key_weights=None) -> QuantKVCache:
     """Quantize dense ``k, v [B, Hkv, L, D]`` into a foscar cache.
 
     ``seq_lens`` (default: ``L`` for all) gives each sequence's length; tokens past it are ignored.
@@ -208,7 +209,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     centring (:mod:`foscar.centring`): ``None``, ``"prefill"`` (each sequence's mean) or ``[B, Hkv, D]``.
     An FP4 format (:mod:`foscar.fp4`) takes ``"minmax"`` (block scales from the block maxima) or ``"mse"``
     (two candidates a block); NVFP4's per-tensor scales ``tensor_scales=(k, v)`` are given or taken from the
-    values quantized (their largest magnitude over ``448 * 6``).
+    values quantized (their largest magnitude over ``448 * 6``). ``key_weights [B, Hkv, D, D]``: the keys'
+    codes rounded for the error they weigh (:mod:`foscar.key_weights`), kept for later appends.
     """
     if not isinstance(fmt, KVFormat):
         raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
@@ -243,6 +245,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
     if isinstance(key_mean, str):
         key_mean = sequence_means(k, seq_lens)
     cache.k_mean = key_mean
+    cache.set_key_weights(key_weights)
     k = centre(k, key_mean)
     k, v = rotate(k, fmt), rotate(v, fmt)  # the stored values (a rotation mixes channels, never tokens)
     n_sink, n_quant, _ = cache.split()
@@ -257,7 +260,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
         for tensor, x in (("k", k), ("v", v)):
             if nq:
                 codes, sp, zp = quantize_for(fmt, fmt.as_quantized(x[b, :, ns: ns + nq], window_dtype), tensor,
-                                             quantizer, clip, cache.tensor_scale(tensor))
+                                             quantizer, clip, cache.tensor_scale(tensor), None,
+                                             None if cache.k_weights is None else cache.k_weights[b])
                 cache._store_quantized(tensor, b, codes, sp, zp)
         keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
         cache._store_windows(b, k[b][:, keep], v[b][:, keep])

@@ -135,19 +135,61 @@ def quantize_tensor(x: torch.Tensor, bits: int, axis: str, group_size: int, mapp
     return q.transpose(-1, -2).reshape(*lead, T, D), sp, zp
 
 
+#: The damping of :func:`weighted_codes`: this fraction of the weights' mean diagonal added to their diagonal
+WEIGHT_DAMPING = 0.01
+
+
+def weighted_codes(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor, weights: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of the rows ``x [..., T, D]`` on the grids ``s q + z`` (``s``, ``z`` broadcast to ``x``, as the
+    cache stands for them; ``s = 0``: code 0) that make each row's weighted error ``e W e^T`` small, ``e = x -
+    x^`` and ``W = weights [..., D, D]`` (symmetric, positive semi-definite: the second moments of the queries
+    that will read these keys make ``e W e^T`` the scores' squared error). Channel by channel, each is rounded to
+    its nearest code after the earlier channels' errors are fed forward through ``W`` (GPTQ's sequential
+    rounding, with the upper Cholesky factor of ``(W + d I)^-1``, ``d`` :data:`WEIGHT_DAMPING` of ``W``'s mean
+    diagonal). With ``W = I`` it rounds to nearest. Float64; uint8 codes of ``x``'s shape."""
+    qmax = (1 << bits) - 1
+    x = x.double().clone()
+    s, z = torch.broadcast_to(s.double(), x.shape), torch.broadcast_to(z.double(), x.shape)
+    D = x.shape[-1]
+    w = weights.double()
+    eye = torch.eye(D, dtype=torch.float64, device=x.device)
+    diag = w.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    w = torch.where(diag > 0, w + WEIGHT_DAMPING * diag * eye, eye)  # no weight at all: round to nearest
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(w)), upper=True)[..., None, :, :]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.empty_like(x)
+    for c in range(D):
+        q = torch.where(s[..., c] > 0, torch.round((x[..., c] - z[..., c]) / safe[..., c]), 0.0).clamp_(0, qmax)
+        codes[..., c] = q
+        err = (x[..., c] - (s[..., c] * q + z[..., c])) / u[..., c, c]
+        x[..., c + 1:] -= err[..., None] * u[..., c, c + 1:]
+    return codes.to(torch.uint8)
+
+
 #: The quantizers an FP4 block format takes: ``"minmax"`` (the block scale from the block's largest
 #: magnitude) and ``"mse"`` (BitDecoding-FP4's two candidates per block, the lower squared error kept).
 FP4_QUANTIZERS = ("minmax", "mse")
 
 
 def quantize_for(fmt, x: torch.Tensor, tensor: str, quantizer: str = "minmax", clip: float = DEFAULT_QUANTILE,
-                 tensor_scale: float = 1.0, name: str | None = None):
+                 tensor_scale: float = 1.0, name: str | None = None, weights: torch.Tensor | None = None):
     """Quantize ``x[..., T, D]`` of ``tensor`` as the format ``fmt`` stores it: affine, ``(codes, s', z')``
     (:func:`quantize_tensor`); an FP4 block format (:mod:`foscar.fp4`), ``(codes, block-scale bytes, None)``
     with ``tensor_scale`` (NVFP4's, already the FP32 the cache holds), a value past the blocks' limit
-    refused by ``name`` (default ``tensor``). Every write path quantizes through here."""
+    refused by ``name`` (default ``tensor``). ``weights [..., D, D]`` (keys of an affine format): the codes
+    rounded for the rows' weighted error on the quantizer's grid (:func:`weighted_codes`). Every write path
+    quantizes through here."""
     if not fmt.is_fp4:
-        return quantize_tensor(x, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
+        codes, sp, zp = quantize_tensor(x, fmt.bits, fmt.axis(tensor), fmt.group_size, fmt.op, quantizer, clip, tensor)
+        if weights is not None and tensor == "k":
+            s, z = fmt.op.unfold(sp, zp)
+            g = fmt.group_size
+            if fmt.axis(tensor) == "token":  # [..., T, D/g] -> each channel's group
+                s, z = s.repeat_interleave(g, -1), z.repeat_interleave(g, -1)
+            else:  # [..., T/g, D] -> each token's group
+                s, z = s.repeat_interleave(g, -2), z.repeat_interleave(g, -2)
+            codes = weighted_codes(x, s, z, weights, fmt.bits)
+        return codes, sp, zp
     from .fp4 import quantize_blocks
     check_quantizer(quantizer, FP4_QUANTIZERS, f" (scheme={fmt.scheme!r})")
     spec = fmt.fp4_spec

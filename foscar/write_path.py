@@ -61,7 +61,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
                     j = (sink + p[~from_ring] - L0).to(cache.device)
                     src[:, (~from_ring).to(cache.device)] = fmt.as_quantized(x_new[b][:, j], ring.dtype).double()
                 codes, sp, zp = quantize_for(fmt, src, tensor, quantizer, clip, cache.tensor_scale(tensor),
-                                             f"{tensor}_new")
+                                             f"{tensor}_new", None if cache.k_weights is None else cache.k_weights[b])
                 writes += _quantized_range_writes(cache, tensor, b, a, codes, sp, zp)
             i = torch.arange(L0, L1)
             in_sink = i < sink

@@ -20,7 +20,7 @@ def test_the_text_is_fixed_and_long():
 
 def test_the_table_has_every_cache_after_bf16():
     names = list(model_eval.CACHES)
-    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 32
+    assert names[0] == "BF16" and model_eval.CACHES["BF16"] is None and len(names) == 36
     assert model_eval.CACHES["NVFP4"] == {"scheme": "nvfp4"}
     assert model_eval.CACHES["MXFP4 + Hadamard + centred + search"] == {
         "scheme": "mxfp4", "rotation": "hadamard", "rotation_seed": 0, "key_mean": "prefill", "quantizer": "mse"}
@@ -31,6 +31,9 @@ def test_the_table_has_every_cache_after_bf16():
     assert model_eval.CACHES["INT2 token-K + Hadamard + sink 4, recent 64"]["rotation"] == "hadamard"
     assert model_eval.CACHES["INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"] == {
         **clipped, "group_size": 32}
+    assert model_eval.CACHES["INT2 token-K + Hadamard + centred + query-weighted + OSCAR clip + sink 4, recent 64"] == {
+        **clipped, "key_weights": "prefill"}
+    assert model_eval.CACHES["INT4 token-K + Hadamard + centred + query-weighted"]["key_weights"] == "prefill"
     for bits in (4, 2):
         for axis in ("token", "channel"):
             assert model_eval.CACHES[f"INT{bits} {axis}-K"] == {"bits": bits, "group_size": 64, "k_axis": axis}

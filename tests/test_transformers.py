@@ -111,12 +111,45 @@ def test_cache_keyword_follows_the_installed_transformers():
         fit.cache_kwargs(object(), c)
 
 
+def test_prefill_key_weights_round_the_keys_for_the_prompts_queries(monkeypatch):
+    """``key_weights="prefill"``: each layer's prompt is written after its attention has seen the queries, with
+    the cache's weights their second moments in the stored space (the rotation's), so the prompt's key codes
+    differ from round to nearest's on the same grid; later tokens take the same weights through the PyTorch
+    write path; the output stays close to BF16's."""
+    from foscar.key_weights import query_moments, stored_weights
+    ref, ours = tiny_models()
+    seen = {}
+    real = fit.FoscarLayer.write_prompt
+    monkeypatch.setattr(fit.FoscarLayer, "write_prompt",
+                        lambda self, query: seen.setdefault(id(self), query.detach().clone()) is None or real(self, query))
+    ids = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(5))
+    kw = dict(bits=2, group_size=64, rotation="hadamard", rotation_seed=1, sink=2, recent=16)
+    weighted, plain = fit.FoscarCache(key_weights="prefill", **kw), fit.FoscarCache(**kw)
+    with torch.no_grad():
+        for cache in (weighted, plain):  # the prompt alone
+            ours(ids[:, :100], use_cache=True, **fit.cache_kwargs(ours, cache))
+    for lw, lp in zip(weighted.layers, plain.layers):
+        c = lw.cache
+        assert lw.prompt is None and c.k_weights is not None and int(c.seq_lens[0]) == 100
+        want = stored_weights(c.fmt, query_moments(seen[id(lw)], c.num_kv_heads))
+        assert torch.allclose(c.k_weights, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert torch.equal(c.k_params, lp.cache.k_params) and torch.equal(c.v_codes, lp.cache.v_codes)
+        assert not torch.equal(c.k_codes, lp.cache.k_codes)
+    base = fit.perplexity(ref, ids, DynamicCache())
+    got = fit.perplexity(ours, ids, fit.FoscarCache(key_weights="prefill", **kw), prefix=100)
+    assert got / base < 1.5, (got, base)
+
+
 def test_unsupported_use_says_so():
     with pytest.raises(fit.foscar.InvalidArgumentError, match="^bits: expected"):
         fit.FoscarCache(bits=3)
     with pytest.raises(fit.foscar.InvalidArgumentError, match="^quantizer: expected one of"):
         fit.FoscarCache(quantizer="best")
     assert fit.FoscarCache(quantizer="oscar").quantizer == "oscar"
+    with pytest.raises(fit.foscar.InvalidArgumentError, match="^key_weights: expected None or 'prefill'"):
+        fit.FoscarCache(key_weights="calibrated")
+    with pytest.raises(fit.UnsupportedError, match="key_weights"):
+        fit.FoscarCache(scheme="nvfp4", key_weights="prefill")
     layer = fit.FoscarLayer({"bits": 4, "group_size": 64})
     with pytest.raises(fit.UnsupportedError, match="beam search"):
         layer.reorder_cache(torch.tensor([0]))

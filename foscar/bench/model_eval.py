@@ -48,6 +48,12 @@ for _bits in (4, 2):
 #: groups of 64 or more)
 CACHES["INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"] = dict(
     CACHES["INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64"], group_size=32)
+#: The keys' codes rounded for the scores of each layer's prompt queries (``key_weights="prefill"``,
+#: :mod:`foscar.key_weights`), on top of the recipes above
+for _name in ("INT4 token-K + Hadamard + centred", "INT4 token-K + Hadamard + centred + sink 4, recent 64",
+              "INT2 token-K + Hadamard + centred + OSCAR clip + sink 4, recent 64",
+              "INT2 token-K g32 + Hadamard + centred + OSCAR clip + sink 4, recent 64"):
+    CACHES[_name.replace("centred", "centred + query-weighted")] = dict(CACHES[_name], key_weights="prefill")
 #: The FP4 block formats (blocks of 16 / 32 channels; NVFP4's per-tensor scales 1), alone and with
 #: BitDecoding-FP4's recipe: the keys centred, K and V rotated, the block scales searched.
 for _scheme in ("nvfp4", "mxfp4"):
@@ -90,7 +96,8 @@ def exact_cache(exact: str, **kw):
 
     class Cache(FoscarCache):
         def _layer(self):
-            return OneTensorExact(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean)
+            return OneTensorExact(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean, self.tensor_scales,
+                                  self.key_weights)
 
     return Cache(**kw)
 

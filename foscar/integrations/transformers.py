@@ -50,10 +50,11 @@ class FoscarLayer(CacheLayerMixin):
         return not self.is_initialized or not (self.cache.fmt.sink or self.cache.fmt.recent_capacity)
 
     def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None,
-                 tensor_scales=None):
+                 tensor_scales=None, key_weights: str | None = None):
         super().__init__()
         self.fmt_kwargs, self.quantizer, self.backend, self.key_mean = fmt_kwargs, quantizer, backend, key_mean
-        self.tensor_scales = tensor_scales
+        self.tensor_scales, self.key_weights = tensor_scales, key_weights
+        self.prompt = None  # key_weights="prefill": the prompt's keys and values until its queries are seen
         self.cache: QuantKVCache | None = None
         self.length = 0
 
@@ -86,7 +87,7 @@ class FoscarLayer(CacheLayerMixin):
         for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
             getattr(grown, name).copy_(getattr(cache, name))
         grown.seq_lens.copy_(cache.seq_lens)
-        grown.k_mean, grown.k_mean_pending = cache.k_mean, cache.k_mean_pending
+        grown.k_mean, grown.k_mean_pending, grown.k_weights = cache.k_mean, cache.k_mean_pending, cache.k_weights
         self.cache = grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -95,6 +96,12 @@ class FoscarLayer(CacheLayerMixin):
         T = key_states.shape[-2]
         prior = self.length
         self._ensure_room(T)
+        if prior == 0 and self.key_weights == "prefill":  # written once the attention has seen the queries
+            self.prompt = (key_states, value_states)
+            self.length += T
+            keys = key_states.detach().clone()
+            keys._foscar_prompt_of = self
+            return keys, value_states
         foscar.append(self.cache, key_states, value_states, quantizer=self.quantizer)  # Triton on a GPU
         self.length += T
         if prior == 0:  # the prompt: SDPA over its own keys and values
@@ -105,6 +112,19 @@ class FoscarLayer(CacheLayerMixin):
             return keys, value_states
         k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA
         return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def write_prompt(self, query: torch.Tensor) -> None:
+        """The prompt's keys and values written with the keys' codes rounded for its queries ``query [B, Hq,
+        T, D]`` (:func:`foscar.key_weights.query_moments`, the cache's weights from now on)."""
+        from ..key_weights import query_moments
+        (k, v), self.prompt = self.prompt, None
+        try:
+            self.cache.set_key_weights(query_moments(query.detach(), self.cache.num_kv_heads))
+            foscar.append(self.cache, k, v, quantizer=self.quantizer)  # the PyTorch write path
+        except Exception:  # refused: the layer as it was before the prompt
+            self.cache.set_key_weights(None)
+            self.length -= k.shape[-2]
+            raise
 
     def attend(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """A decode step's attention of ``q [B, Hq, D]`` (or a step's ``[B, q_len, Hq, D]``, the step's tokens
@@ -152,13 +172,15 @@ class FoscarCache(Cache):
     """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
     ``sink``, ``recent``, ``rotation``, ``rotation_seed`` and ``scheme`` as in :class:`foscar.KVFormat` (``group_size``:
     64, or an FP4 scheme's block); ``key_mean="prefill"`` centres each layer's keys by its prompt's mean
-    (:mod:`foscar.centring`); ``quantizer`` as in :func:`foscar.quantize_kv`; ``tensor_scales``: NVFP4's per-tensor
+    (:mod:`foscar.centring`); ``key_weights="prefill"`` rounds each layer's key codes for the scores of its prompt's
+    queries (:mod:`foscar.key_weights`: the prompt written after its attention has seen them, and every later key
+    with the same weights, through the PyTorch write path); ``quantizer`` as in :func:`foscar.quantize_kv`; ``tensor_scales``: NVFP4's per-tensor
     scales of every layer's K and V (default 1); ``backend`` as in :func:`foscar.decode`."""
 
     def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int | None = None,
                  sink: int = 0, recent: int = 0, rotation: str | None = None, rotation_seed: int | None = None,
                  key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto",
-                 scheme: str = "affine", tensor_scales=None):
+                 scheme: str = "affine", tensor_scales=None, key_weights: str | None = None):
         if group_size is None:
             from ..fp4 import SPECS
             group_size = SPECS[scheme].block if scheme in SPECS else 64
@@ -173,13 +195,20 @@ class FoscarCache(Cache):
                                rotation=rotation, rotation_seed=rotation_seed, scheme=scheme)
         if key_mean not in (None, "prefill"):
             raise InvalidArgumentError("key_mean", "None or 'prefill' (each layer's prompt keys' mean)", repr(key_mean))
+        if key_weights not in (None, "prefill"):
+            raise InvalidArgumentError("key_weights", "None or 'prefill' (each layer's prompt queries)",
+                                       repr(key_weights))
+        if key_weights is not None and fmt.is_fp4:
+            raise UnsupportedError(f"key_weights with scheme={scheme!r}", "query-weighted rounding takes the affine "
+                                   "formats' grids")
         check_quantizer(quantizer, FP4_QUANTIZERS if fmt.is_fp4 else QUANTIZERS,
                         f" (scheme={scheme!r})" if fmt.is_fp4 else "")
-        self.quantizer, self.backend, self.key_mean = quantizer, backend, key_mean
+        self.quantizer, self.backend, self.key_mean, self.key_weights = quantizer, backend, key_mean, key_weights
         super().__init__(layers=None, layer_class_to_replicate=self._layer)
 
     def _layer(self) -> FoscarLayer:
-        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean, self.tensor_scales)
+        return FoscarLayer(self.fmt_kwargs, self.quantizer, self.backend, self.key_mean, self.tensor_scales,
+                           self.key_weights)
 
 
 def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -188,6 +217,9 @@ def foscar_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """The attention function of ``attn_implementation="foscar"``: decode steps through ``foscar.decode``
     over the layer's packed cache, everything else through SDPA. Returns ``[B, T, Hq, D]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    prompt_of = getattr(key, "_foscar_prompt_of", None)
+    if prompt_of is not None:  # key_weights="prefill": the prompt's keys rounded for its queries
+        prompt_of.write_prompt(query)
     layer = getattr(key, "_foscar_layer", None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
