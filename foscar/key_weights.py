@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite, check_tensor
+from ._checks import check_finite, check_int, check_tensor
+from .cache import INPUT_DTYPES
 from .errors import InvalidArgumentError
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def query_moments(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``W [B, Hkv, D, D]`` (float64): each KV head's ``sum q^T q`` over the queries ``q [B, Hq, T, D]`` of its
     query heads (GQA: ``Hq / Hkv`` consecutive heads a KV head) and tokens."""
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("q", q, ndim=4, dtypes=INPUT_DTYPES)
     B, Hq, T, D = q.shape
-    if num_kv_heads < 1 or Hq % num_kv_heads:
+    check_int("num_kv_heads", num_kv_heads, minimum=1)
+    if Hq % num_kv_heads:
         raise InvalidArgumentError("num_kv_heads", f"a divisor of the {Hq} query heads", num_kv_heads)
     check_finite("q", q)
     g = q.double().reshape(B, num_kv_heads, Hq // num_kv_heads * T, D)
@@ -43,7 +43,7 @@ def check_key_weights(weights, batch: int, num_kv_heads: int, head_dim: int, dev
     if weights is None:
         return None
     shape = (batch, num_kv_heads, head_dim, head_dim)
-    check_tensor("key_weights", weights, shape=shape, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("key_weights", weights, shape=shape, dtypes=INPUT_DTYPES, device=device)
     check_finite("key_weights", weights)
     w = weights.double()
     scale = w.diagonal(dim1=-2, dim2=-1).abs().amax().clamp_min(1e-300)
