@@ -421,7 +421,11 @@ class QuantKVCache:
         if weights is not None and self.fmt.is_fp4:
             raise UnsupportedError(f"key_weights with scheme={self.fmt.scheme!r}", "query-weighted rounding takes "
                                    "the affine formats' grids")
-        self.k_weights = None if weights is None else stored_weights(self.fmt, weights)
+        stored = None if weights is None else stored_weights(self.fmt, weights)
+        if stored is not None and not bool(torch.isfinite(stored).all()):
+            raise InvalidArgumentError("key_weights", "values whose rotation stays within float32's range",
+                                       f"largest magnitude {float(weights.double().abs().max()):.3g}")
+        self.k_weights = stored
 
     @classmethod
     def _empty(cls, fmt: KVFormat, batch: int, num_kv_heads: int, *, max_len, page_size, page_table, num_pages,

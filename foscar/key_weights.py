@@ -37,9 +37,8 @@ def query_moments(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def check_key_weights(weights, batch: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor | None:
-    """``weights`` as a cache keeps them before the rotation (float32 ``[batch, num_kv_heads, head_dim,
-    head_dim]``), or ``None``; refused by name unless finite and symmetric positive semi-definite (within
-    float32 rounding)."""
+    """``weights`` (``[batch, num_kv_heads, head_dim, head_dim]``) as given, or ``None``; refused by name unless
+    finite and symmetric positive semi-definite (within float32 rounding)."""
     if weights is None:
         return None
     shape = (batch, num_kv_heads, head_dim, head_dim)
@@ -52,7 +51,7 @@ def check_key_weights(weights, batch: int, num_kv_heads: int, head_dim: int, dev
     if w.numel() and float(torch.linalg.eigvalsh(w).amin()) < -1e-6 * float(scale):
         raise InvalidArgumentError("key_weights", "positive semi-definite matrices (each KV head's sum of q^T q)",
                                    "a negative eigenvalue")
-    return weights.to(torch.float32)
+    return weights
 
 
 def stored_weights(fmt, weights: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,8 @@ def test_bad_key_weights_are_refused_and_leave_the_cache_alone():
     asym[0, 0, 0, 1] = 5.0
     neg = good.clone()
     neg[0, 0, 2, 2] = -1.0
-    for bad in (torch.eye(64)[None], nan, asym, neg, good.to(torch.int32)):
+    huge = good.double() * 1e39  # finite in float64, past float32's range
+    for bad in (torch.eye(64)[None], nan, asym, neg, good.to(torch.int32), huge):
         with pytest.raises(InvalidArgumentError, match="key_weights"):
             cache.set_key_weights(bad)
         assert torch.equal(cache.k_weights, kept)
