@@ -206,11 +206,11 @@ def test_the_triton_write_path_writes_a_rotated_cache_as_the_reference_does():
     # BF16 casts where the GPU rounds): y R^T with R's entries +-1/8 is exact in FP32, and so is its rotation
     gen = torch.Generator().manual_seed(3)
     r = rotation_matrix(fmt)
-    k, v = ((torch.randint(-8, 9, (2, 2, 140, 64), generator=gen).double() / 4) @ r.T for _ in range(2))
+    k, v = ((torch.randint(-8, 9, (1, 2, 140, 64), generator=gen).double() / 4) @ r.T for _ in range(2))
     k, v = (x.float().to(DEV) for x in (k, v))
     assert torch.equal(rotate(k, fmt), (rotate(k, fmt) * 4).round() / 4)
-    ref = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=140, page_size=64, device=DEV)
-    ker = foscar.QuantKVCache.empty(fmt, 2, 2, max_len=140, page_size=64, device=DEV)
+    ref = foscar.QuantKVCache.empty(fmt, 1, 2, max_len=140, page_size=64, device=DEV)
+    ker = foscar.QuantKVCache.empty(fmt, 1, 2, max_len=140, page_size=64, device=DEV)
     for t0, t1 in ((0, 70), (70, 71), (71, 140)):
         ref.append(k[:, :, t0:t1], v[:, :, t0:t1])
         kr, vr = rotate_given(fmt, k[:, :, t0:t1], v[:, :, t0:t1])

@@ -211,9 +211,9 @@ def _fp4_values(B, H, n, D, seed):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("quantizer", ("minmax", "mse"))
+@pytest.mark.parametrize("quantizer", (pytest.param("minmax", marks=pytest.mark.slow), "mse"))
 @pytest.mark.parametrize("windows", (pytest.param({}, marks=pytest.mark.slow), {"sink": 3, "recent": 5}),
-                         ids=("no_windows", "windows"))  # the windowed cache in CI (FOSCAR_SLOW=1: both)
+                         ids=("no_windows", "windows"))  # the windowed cache and the search in CI (FOSCAR_SLOW=1: all)
 def test_the_triton_append_writes_what_the_reference_writes_bit_for_bit(scheme, quantizer, windows):
     """``foscar.triton.append`` and ``append_step`` (under the interpreter on a CPU) over an FP4 cache: the
     codes, block-scale bytes and windows QuantKVCache.append writes, bit for bit, both block-scale choices and
