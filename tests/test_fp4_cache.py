@@ -158,7 +158,7 @@ def test_fp4_refusals_name_the_argument_and_leave_the_cache_as_it_was():
                                            v_scale=bad, seq_lens=e["seq_lens"])
 
 
-def test_the_triton_kernels_take_fp4_and_the_cute_ones_refuse_it_by_name():
+def test_the_triton_kernels_take_fp4_and_the_cute_ones_nvfp4_at_pages_of_64():
     from foscar.backends.base import ProblemKey
     from foscar.backends.triton import Triton
     fmt = foscar.KVFormat.fp4("nvfp4", 128)
@@ -166,8 +166,11 @@ def test_the_triton_kernels_take_fp4_and_the_cute_ones_refuse_it_by_name():
         assert Triton().status(ProblemKey(torch.device("cuda"), fmt, 4, 64)).usable
     if importlib_has("cutlass"):
         from foscar.cute.config import config_for
-        with pytest.raises(UnsupportedError, match=r"^scheme='nvfp4'"):
-            config_for(fmt, 4, 64)
+        assert config_for(fmt, 4, 64).fp4_block == 16
+        with pytest.raises(UnsupportedError, match=r"^gqa=4, q_len=1, page=16"):
+            config_for(fmt, 4, 16)
+        with pytest.raises(UnsupportedError, match=r"^scheme='mxfp4'"):
+            config_for(foscar.KVFormat.fp4("mxfp4", 128), 4, 64)
     cache = foscar.quantize_kv(*_values(1, 1, 64, 128, seed=1), fmt)
     with pytest.raises(UnsupportedError, match=r"operand_dtype"):
         foscar.decode_folded(torch.randn(1, 4, 128), cache, operand_dtype=torch.float8_e4m3fn, operand_terms=2)
@@ -229,24 +232,25 @@ def test_a_flashinfer_nvfp4_cache_is_taken_as_it_is(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and FlashInfer (none on this machine)")
-def test_foscar_decodes_a_flashinfer_nvfp4_cache_as_flashinfer_does_gpu():
+@pytest.mark.parametrize("page", (16, 64))
+def test_foscar_decodes_a_flashinfer_nvfp4_cache_as_flashinfer_does_gpu(page):
     """FlashInfer's own dequantization (``nvfp4_kv_dequantize``) and NVFP4 decode (fa2) of its paged cache
     against foscar's reading of the same bytes (its values; its reference decode within BF16 attention's
     error of the float64 oracle). FlashInfer's NVFP4 KV quantizer needs SM100+: on Hopper the bytes are
-    foscar's quantizer's, in FlashInfer's layout."""
+    foscar's quantizer's, in FlashInfer's layout. Pages of 64: the CuTe kernel too, where it runs."""
     fi = pytest.importorskip("flashinfer")
     dev = torch.device("cuda")
     fmt = foscar.KVFormat.fp4("nvfp4", 128)
     k, v = _values(2, 4, 300, 128, seed=12)
     lens = torch.tensor([300, 129], dtype=torch.int32)
-    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=16)
-    kv, sfs, (indptr, indices, last) = _flashinfer_layout(cache, 16)
+    cache = foscar.quantize_kv(k, v, fmt, seq_lens=lens, page_size=page)
+    kv, sfs, (indptr, indices, last) = _flashinfer_layout(cache, page)
     kv, sfs = tuple(x.to(dev) for x in kv), tuple(x.to(dev) for x in sfs)
     ks, vs = cache.tensor_scales.tolist()
     q = torch.randn(2, 16, 128, dtype=torch.bfloat16, device=dev)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="fa2")
-    wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), 16, 4, 128, 16, q_data_type=torch.bfloat16,
+    wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), 16, 4, 128, page, q_data_type=torch.bfloat16,
                  kv_data_type=torch.uint8)
     fi_out = wrapper.run(q, kv, k_scale=ks, v_scale=vs, kv_cache_sf=sfs).float()
     ours = foscar.from_flashinfer_nvfp4(kv, sfs, indptr.to(dev), indices.to(dev), last.to(dev), k_scale=ks,
@@ -263,7 +267,11 @@ def test_foscar_decodes_a_flashinfer_nvfp4_cache_as_flashinfer_does_gpu():
             assert torch.allclose(dense[b, :, :n].bfloat16().double(), want, rtol=2 ** -8, atol=0)
     exact = foscar.decode_exact(q, ours)
     base = rel(bf16_attention(q.float(), ours), exact)
-    for backend in ("reference", "triton"):  # the PyTorch spec, and the kernel on FlashInfer's pages of 16
+    backends = ["reference", "triton"]  # the PyTorch spec, and the kernels on FlashInfer's pages
+    key = foscar.backends.ProblemKey(dev, ours.fmt, 4, page)
+    if page % 64 == 0 and foscar.backends.get("cute").status(key).usable:
+        backends.append("cute")
+    for backend in backends:
         got = foscar.decode(q, ours, backend=backend).float()
         print(f"\nFlashInfer NVFP4 {rel(fi_out, exact):.3e}, foscar {backend} {rel(got, exact):.3e}, "
               f"BF16 attention {base:.3e}, FlashInfer vs foscar {rel(fi_out, got):.3e}")

@@ -19,7 +19,7 @@ HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or 
 MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads times the step's tokens)
 #: What v0 takes beyond :func:`config_for` (checked by :func:`foscar.cute.launch.run`)
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
-             "(E4M3 K operands: 4, token-wise K) and head dim 64/128")
+             "(E4M3 K operands: 4, token-wise K), head dim 64/128 and affine codes")
 THREADS = 128  #: threads of one warpgroup
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
@@ -129,7 +129,8 @@ def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
 #: vector loads): one compile serves every batch, length and pool size.
 STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
-                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1))
+                  ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1),
+                  ("tensor_scales", "f32", 1))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -211,6 +212,10 @@ class Sm90Config:
     qk_promote: bool = False
     #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
     producer_fold: bool = False
+    #: an FP4 block format's block (16: NVFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
+    #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
+    #: head dim, no offsets; the parameters a tile's block-scale bytes
+    fp4_block: int = 0
 
     @property
     def tile_run(self) -> int:
@@ -229,6 +234,17 @@ class Sm90Config:
     def nb(self) -> int:
         """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
         return self.cols // HEADS
+
+    @property
+    def fp4_blocks(self) -> int:
+        """FP4 block formats: the block scales of a token (per tensor)."""
+        return self.head_dim // self.fp4_block if self.fp4_block else 0
+
+    @property
+    def q_scaled(self) -> bool:
+        """Q^T staged with a power of two per query row, taken back from the scores (``sQinv``): E4M3 terms, or
+        the FP16 operand of the FP4 formats."""
+        return self.q_as_terms or self.fp4_block > 0
 
     @property
     def q_as_terms(self) -> bool:
@@ -285,7 +301,10 @@ class Sm90Config:
 
     @property
     def k_param_words(self) -> int:
-        """Floats of a tile's K ``(s', z')``: per token and channel group, or the token group's row."""
+        """Floats of a tile's K ``(s', z')``: per token and channel group, or the token group's row; FP4: words of
+        the tile's block-scale bytes."""
+        if self.fp4_block:
+            return TILE * self.fp4_blocks // 4
         return 2 * self.head_dim if self.k_channel else 2 * TILE * self.kc
 
     @property
@@ -295,7 +314,9 @@ class Sm90Config:
 
     @property
     def v_param_words(self) -> int:
-        """Floats of a tile's V ``(s', z')``."""
+        """Floats of a tile's V ``(s', z')``; FP4: words of the tile's block-scale bytes."""
+        if self.fp4_block:
+            return TILE * self.fp4_blocks // 4
         return 2 * self.head_dim if self.v_channel else 2 * TILE * self.vc
 
     @property
@@ -462,13 +483,12 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     from ..errors import InvalidArgumentError, UnsupportedError
     from ..format import E4M3_PLACEMENT, f16_placement, fold_constants, injection, injection_constants, operand_for
     from .fragment import v_token_half_shls
-    if fmt.is_fp4:
-        raise UnsupportedError(f"scheme={fmt.scheme!r}", "the CuTe kernels read affine codes; the FP4 block "
-                               "formats' CuTe kernel is not built (the Triton and reference backends decode them)")
     if k_operand not in K_OPERANDS:
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     if tiles_per_pass not in TILES_PER_PASS:
         raise InvalidArgumentError("tiles_per_pass", f"one of {TILES_PER_PASS}", tiles_per_pass)
+    if fmt.is_fp4:
+        return _fp4(fmt, gqa, page, k_operand, tiles_per_pass, step, stages)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -551,3 +571,21 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)
+
+
+def _fp4(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, step: int, stages: int | None) -> Sm90Config:
+    """:func:`config_for` of an FP4 block format (:func:`foscar.cute.config_fp4.fp4_config`), after the limits
+    every format shares."""
+    from ..errors import UnsupportedError
+    from ..splitkv import num_window_parts
+    from .config_fp4 import fp4_config
+    if gqa * step > MAX_COLS or page % TILE:
+        raise UnsupportedError(f"gqa={gqa}, q_len={step}, page={page}", f"the CuTe kernels need gqa * q_len <= "
+                               f"{MAX_COLS} query rows per KV head and pages of 64k tokens")
+    if step > 1 and num_window_parts(fmt):
+        raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}",
+                               "the CuTe kernels take steps of several tokens over caches without BF16 windows")
+    prologue = "q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(4, "q_first")
+    return fp4_config(fmt, gqa, page, k_operand, tiles_per_pass, step, stages, columns_for(gqa * step),
+                      LAZY_ONE_TILE, prologue,
+                      COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)))

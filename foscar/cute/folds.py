@@ -124,7 +124,8 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
 def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
     """Token-wise K: the scaled scores of a tile's four S^T elements from its partial(s) ``accS`` (one per
     channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
-    ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``)."""
+    ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``). FP4
+    formats (no offset): ``s' part`` times each query row's ``2^-e`` (``wg.qinv``)."""
     qk_scale = wg.qk_scale
     # multiply s' of token half 0 and 1 (rows + 8): the operand's scale is s' k_factor (E4M3: 2^9); the
     # offset's is not; c0, c1 the halves' pivots
@@ -149,6 +150,12 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
                 s[e] = s[e] + (acc_c[e] - cs[r] * q[k]) * ka[r] + q[k] * ke[r]
+    elif cutlass.const_expr(cfg.fp4_block > 0):  # no offset; Q's power of two per row (operands_fp4.load_q_f16)
+        ks0, _, ks1, _ = sc.k
+        a = [ks0 * op_scale, ks1 * op_scale1]
+        f = [[a[r] * wg.qinv[k] for k in range(2 * cfg.nb)] for r in range(2)]
+        for e in cutlass.range_constexpr(n_el):
+            s.append(accS[0][e] * f[row_half(e)][s_slot(e)])
     else:
         ks0, kz0, ks1, kz1 = sc.k
         qsum = wg.qsum

@@ -115,7 +115,7 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
-                 qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+                 mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
@@ -141,7 +141,7 @@ class FoldDecodeSm90WS(TileKernel):
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
                                         stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                         preferred_smem_carveout=100)  # all of the SM's shared memory
 
@@ -150,7 +150,7 @@ class FoldDecodeSm90WS(TileKernel):
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, mRot: cute.Tensor, qk_scale: Float32):
+                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = cfg.stages * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
@@ -208,7 +208,7 @@ class FoldDecodeSm90WS(TileKernel):
                 if cutlass.const_expr(cfg.prologue == "consumer_q"):
                     self._stage_q_early(c, mQ, smems[0], b, kvh, n_kvh, mRot)
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
-                              n_kvh)
+                              n_kvh, mTS)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
@@ -257,7 +257,7 @@ class FoldDecodeSm90WS(TileKernel):
                                                      swizzle=qk_layout.inner))
             sKf = each(lambda: alloc.allocate_tensor(Float32, kf_layout(cfg), byte_alignment=16))
         sQinv = sQred = None
-        if cutlass.const_expr(cfg.q_as_terms):
+        if cutlass.const_expr(cfg.q_scaled):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKf[c], sQinv,
@@ -353,7 +353,7 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
-                 qk_scale: Float32, n_kvh):
+                 qk_scale: Float32, n_kvh, mTS: cute.Tensor):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring, or its runs
         of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`ring_tile`)."""
         cfg = self.cfg
@@ -363,10 +363,18 @@ class FoldDecodeSm90WS(TileKernel):
         qsum = [smem.sQsum[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         frags = Fragments(cfg, qk_mma, pv_mma, smem, thr.tidx)
         qinv = None
-        if cutlass.const_expr(cfg.q_as_terms):
+        if cutlass.const_expr(cfg.q_scaled):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
+        if cutlass.const_expr(cfg.fp4_block > 0):  # every row's s' the tensor's scale times 2^14, no offset
+            from .config_fp4 import FP4_UNIT_SHIFT
+            for t in cutlass.range_constexpr(2):
+                f = mTS[t] * Float32(2.0 ** FP4_UNIT_SHIFT)
+                o = 0 if t == 0 else cfg.k_par_words
+                for r in cutlass.range_constexpr(2):
+                    regs.par[o + 2 * r] = f
+                    regs.par[o + 2 * r + 1] = Float32(0.0)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
             for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
@@ -381,15 +389,18 @@ class FoldDecodeSm90WS(TileKernel):
                     cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
-                slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
-                if thr.half == 1:
-                    slot_own = slot_b
-                self._read_params(ring, slot_own, regs, thr_c, thr)
-                cute.arch.mbarrier_arrive(ring.empty + slot)
-                if has_b:
-                    cute.arch.mbarrier_arrive(ring.empty + slot_b)
                 t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
-                state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
+                if cutlass.const_expr(cfg.fp4_block > 0):  # the block scales read from both stages: freed after V^T's
+                    state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b,
+                                      (self._fp4_scales(ring, slot), self._fp4_scales(ring, slot_b)),
+                                      lambda: self._release_pair(ring, slot, slot_b, has_b))
+                else:
+                    slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
+                    if thr.half == 1:
+                        slot_own = slot_b
+                    self._read_params(ring, slot_own, regs, thr_c, thr)
+                    self._release_pair(ring, slot, slot_b, has_b)
+                    state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
         elif cutlass.const_expr(cfg.tile_run == 1):  # alternate tiles
             for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
                 state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, (tile - t_lo) >> 1, tile)
@@ -410,9 +421,13 @@ class FoldDecodeSm90WS(TileKernel):
         slot = ring_slot(c, k, cfg.stages)
         cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
         self._read_words(ring, slot, regs, thr)
-        self._read_params(ring, slot, regs, thr_c, thr)
+        if cutlass.const_expr(cfg.fp4_block == 0):
+            self._read_params(ring, slot, regs, thr_c, thr)
         t0 = tile * TILE
-        if cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
+        if cutlass.const_expr(cfg.fp4_block > 0):  # the block scales read from the stage: freed after V^T's registers
+            state = self._tile_step(wg, regs, state, k, t0, 0, None,
+                                    lambda: cute.arch.mbarrier_arrive(ring.empty + slot), self._fp4_scales(ring, slot))
+        elif cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
             state = self._tile_step(wg, regs, state, k, t0, 0, slot,
                                     lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
         else:
@@ -424,6 +439,19 @@ class FoldDecodeSm90WS(TileKernel):
             state = self._tile_step(wg, regs, state, k, t0, 0)
         return state
 
+
+    def _fp4_scales(self, ring: StageRing, slot) -> list:
+        """FP4 formats: the K and V block-scale bytes of stage ``slot`` as Int32 words (:mod:`foscar.cute.operands_fp4`)."""
+        cfg = self.cfg
+        return [cute.make_tensor(cute.recast_ptr(p.iterator + slot * w, dtype=Int32), cute.make_layout(w))
+                for p, w in ((ring.sKP, cfg.k_param_words), (ring.sVP, cfg.v_param_words))]
+
+    @cute.jit
+    def _release_pair(self, ring: StageRing, slot, slot_b, has_b):
+        """Two tiles a pass: the stages of tiles A and B freed (B's where the pass has one)."""
+        cute.arch.mbarrier_arrive(ring.empty + slot)
+        if has_b:
+            cute.arch.mbarrier_arrive(ring.empty + slot_b)
 
     @cute.jit
     def _read_words(self, ring: StageRing, slot, regs: TileRegisters, thr: WarpgroupThread):

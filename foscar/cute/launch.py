@@ -278,7 +278,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
     if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
-                                 or (cfg.k_channel and cfg.k_e4m3)):
+                                 or (cfg.k_channel and cfg.k_e4m3) or cfg.fp4_block):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
@@ -286,9 +286,10 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                                       cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
-    tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes, cache.k_params,
-               cache.v_params, cache.page_table.block_table, cache.seq_lens.to(torch.int32),
-               o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]), rot)  # Q: BF16 operands
+    tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
+               *(_param_words(p) for p in (cache.k_params, cache.v_params)), cache.page_table.block_table,
+               cache.seq_lens.to(torch.int32), o_part.view(B, Hr, *o_part.shape[2:]),
+               l_part.view(B, Hr, l_part.shape[2]), rot, cache.tensor_scales)  # Q: BF16
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
@@ -300,6 +301,16 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows,
             dependent_combine(fmt, warp_specialized, ctas))
+
+
+def _param_words(params: torch.Tensor) -> torch.Tensor:
+    """A cache's parameters as stage 1 reads them (``k_params`` of :data:`~foscar.cute.config.STAGE1_TENSORS`):
+    the affine ``(s', z')`` as they are; an FP4 format's block-scale bytes ``[pages, Hkv, page, blocks]`` as
+    float32 words ``[pages, Hkv, page / 64, 16 blocks, 1]``, a tile's bytes one row (the kernel reads the bytes)."""
+    if params.dtype != torch.uint8:
+        return params
+    P, H, page, nb = params.shape
+    return params.view(torch.float32).view(P, H, page // 64, 16 * nb, 1)
 
 
 #: The combine's output element type of each output dtype (the query's).

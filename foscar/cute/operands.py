@@ -26,14 +26,17 @@ def mmas_and_layouts(cfg: Sm90Config):
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import qk_mma_e4m3
         qk_mma = qk_mma_e4m3(cfg.qk_cols)
+    elif cutlass.const_expr(cfg.fp4_block > 0):  # FP16 K operands by placement (foscar.cute.operands_fp4)
+        qk_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     else:
         qk_mma = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                              (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.q_as_terms):
         from .operands_e4m3 import sq_layout_e4m3
         sQ_layout = sq_layout_e4m3(cfg.head_dim, cfg.qk_cols)
-    else:  # BF16 Q^T: the QK product's B operand, or channel-wise K's source of Q'
-        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    else:  # BF16 (FP4 formats: FP16) Q^T: the QK product's B operand, or channel-wise K's source of Q'
+        q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, q_element_type(cfg))
         sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))
     p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
     sP_layout = cute.tile_to_shape(p_atom, (cfg.cols, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
@@ -61,8 +64,10 @@ Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 
 
 
 def q_element_type(cfg: Sm90Config):
-    """The element type of Q^T in shared memory: BF16, or E4M3 (its two terms)."""
+    """The element type of Q^T in shared memory: BF16, E4M3 (its two terms) or, for the FP4 formats, FP16."""
     from cutlass import Float8E4M3FN
+    if cfg.fp4_block:
+        return Float16
     return Float8E4M3FN if cfg.q_as_terms else BFloat16
 
 
@@ -71,14 +76,18 @@ def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Ten
     """Q^T of KV head ``kvh``'s query rows into ``smem.sQ`` by one warpgroup (``query_row(c)``: the row of
     ``mQ`` that N column ``c`` is, :meth:`foscar.cute.warpgroup.TileKernel.query_row`): BF16 (:func:`load_q`),
     or two E4M3 terms per head with each head's ``2^-e`` in ``smem.sQinv``
-    (:func:`foscar.cute.operands_e4m3.load_q_terms`). A rotated cache (``cfg.rotation``): Q rotated into
+    (:func:`foscar.cute.operands_e4m3.load_q_terms`), or FP16 with each row's power of two for the FP4 formats
+    (:func:`foscar.cute.operands_fp4.load_q_f16`). A rotated cache (``cfg.rotation``): Q rotated into
     its space first, in FP32 into ``sQrot`` (:func:`foscar.cute.rotation.rotate_q`), and staged from there."""
     src, b_src, row_src = mQ, b, query_row
     if cutlass.const_expr(cfg.rotation):
         from .rotation import rotate_q
         rotate_q(cfg, mQ, mRot, sQrot, b, query_row, tidx, Q_LOAD_BARRIER)
         src, b_src, row_src = sQrot, 0, (lambda c: c)
-    if cutlass.const_expr(cfg.term_blocks):
+    if cutlass.const_expr(cfg.fp4_block > 0):
+        from .operands_fp4 import load_q_f16
+        load_q_f16(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
+    elif cutlass.const_expr(cfg.term_blocks):
         from .operands_e4m3 import load_q_term_blocks
         load_q_term_blocks(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
     elif cutlass.const_expr(cfg.q_as_terms):  # up to 4 rows of one token (config_for): rows kvh * gqa + h

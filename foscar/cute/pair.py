@@ -63,12 +63,14 @@ def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup) -> cu
 
 @cute.jit
 def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, state: RunningState, step, t0,
-              t0_b) -> RunningState:
+              t0_b, scales=None, release=None) -> RunningState:
     """One pass over tiles A (words in ``regs``, starting at token ``t0``) and B (``regs_b``, ``t0_b``; the
     sequence's length or more when the warpgroup has no second tile: its rows are masked). ``regs.par``
     holds the ``(s', z')`` of this thread's rows in its own tile (``half``). ``step``: the pass's index in
     the warpgroup's sequence. The same folds as :meth:`~foscar.cute.warpgroup.TileKernel._tile_step`, with
-    the online softmax's rescale made lazy (:func:`~foscar.cute.lazy.lazy_softmax`)."""
+    the online softmax's rescale made lazy (:func:`~foscar.cute.lazy.lazy_softmax`). FP4 formats: ``scales``, the
+    block-scale words of tiles A and B (:mod:`foscar.cute.operands_fp4`), and ``release`` called once V^T's
+    registers of both are built."""
     cfg = kern.cfg
     thr = wg.thr
     frags = wg.frags
@@ -76,14 +78,22 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     if thr.half == 1:
         t_own = t0_b
     sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
-    parts_a = kern._qk(wg, regs, sc, t0, None, False)
-    parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False)
+    fp4 = cfg.fp4_block > 0
+    parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
+    parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
     s = kern._scores(wg, regs, sc, parts)
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
-    build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
-    kern._pv(wg, out, 0)
-    build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
+    if cutlass.const_expr(fp4):
+        from .operands_fp4 import build_vt_registers_fp4
+        build_vt_registers_fp4(cfg, frags.tOrV_u32, regs.vw, scales[0][1], thr, wg.n - t0)
+        kern._pv(wg, out, 0)
+        build_vt_registers_fp4(cfg, frags.tOrV_u32, regs_b.vw, scales[1][1], thr, wg.n - t0_b)
+        release()
+    else:
+        build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
+        kern._pv(wg, out, 0)
+        build_vt_registers(cfg, frags.tOrV_u32, regs_b.vw)
     kern._pv(wg, out, cute.size(frags.tOrV, mode=[2]))
     passes = CORRECTION_TILES // 2
     if step & (passes - 1) == passes - 1:  # step % passes (passes a power of two, step >= 0)

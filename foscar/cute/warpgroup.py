@@ -281,19 +281,22 @@ class TileKernel:
 
     @cute.jit
     def _tile_step(self, wg: Warpgroup, regs: TileRegisters, state: RunningState, tile, t0, t_lo, qbuf=None,
-                   release=None) -> RunningState:
+                   release=None, scales=None) -> RunningState:
         """One KV tile (starting at token ``t0``; ``tile``: its index in the warpgroup's tile sequence, which
         starts at ``t_lo``) from its words and ``(s', z')`` in registers: S^T = K Q^T with K's fold, the
         online softmax, O^T += V^T P'^T with V's fold (:mod:`foscar.cute.folds`). Channel-wise K: ``qbuf`` the
         tile's ``Q'`` buffer (None: :func:`~foscar.cute.fold_map.k_fold_buffer`'s); ``release``, called once the
-        tile's scores are formed (its ``Q'`` read). Returns the new state."""
+        tile's scores are formed (its ``Q'`` read). FP4 formats: ``scales``, the K and V block-scale words of the
+        tile's stage (:mod:`foscar.cute.operands_fp4`), and ``release`` called once V^T's registers are built
+        (the last read of the stage). Returns the new state."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.k_channel and qbuf is None):
             qbuf = k_fold_buffer(cfg, t0, self.consumers)
+        fp4 = cfg.fp4_block > 0
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
-        accS = self._qk(wg, regs, sc, t0, qbuf=qbuf)
+        accS = self._qk(wg, regs, sc, t0, qbuf=qbuf, scales=scales)
         s = self._scores(wg, regs, sc, accS, t0, qbuf)
-        if cutlass.const_expr(release is not None):
+        if cutlass.const_expr(release is not None and not fp4):
             release()
         softmax = state.softmax
         out = state.out
@@ -315,7 +318,13 @@ class TileKernel:
                 v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
                 out.rescale(al, sigma)  # the accumulator in units of the new sigma
         if cutlass.const_expr(not cfg.v_channel):
-            build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
+            if cutlass.const_expr(fp4):
+                from .operands_fp4 import build_vt_registers_fp4
+                build_vt_registers_fp4(cfg, wg.frags.tOrV_u32, regs.vw, scales[1], wg.thr, wg.n - t0)
+                if cutlass.const_expr(release is not None):
+                    release()
+            else:
+                build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
             self._pv(wg, out)
             if (tile - t_lo) & (CORRECTION_TILES - 1) == CORRECTION_TILES - 1:  # a power of two, tile >= t_lo
                 fold_corrections(cfg, out, wg.smem.sSum, wg.thr)
@@ -335,14 +344,19 @@ class TileKernel:
 
     @cute.jit
     def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, accS=None,
-            sum_terms: cutlass.Constexpr = True, qbuf=None):
+            sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None):
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
         unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
         with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
-        the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`). Returns the partials."""
+        the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`); FP4 formats: FP16 K operands times
+        the block scales of ``scales[0]`` (:func:`~foscar.cute.operands_fp4.build_k_registers_fp4`). Returns the
+        partials."""
         cfg = self.cfg
         frags = wg.frags
-        if cutlass.const_expr(cfg.k_e4m3):
+        if cutlass.const_expr(cfg.fp4_block > 0):
+            from .operands_fp4 import build_k_registers_fp4
+            build_k_registers_fp4(cfg, frags.tSrK_u32, regs.kw, scales[0], wg.thr.row0)
+        elif cutlass.const_expr(cfg.k_e4m3):
             build_k_registers_e4m3(cfg, frags.tSrK_u32, regs.kw)
         else:
             build_k_registers(cfg, frags.tSrK_u32, regs.kw)
