@@ -9,7 +9,8 @@ Kinds: ``triton``, ``cute`` (``foscar.decode``'s pick), ``cute_ws`` / ``cute_ws2
 SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale; ``cute_pair1``: the same at one CTA per
 SM) and ``cute_lazy1`` (v1, one tile a pass, with
 ``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
-rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer).
+rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
+``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
 
@@ -30,13 +31,20 @@ def main(backend: str) -> None:
     if backend == "cute_kvcha":
         axes["k_axis"] = "channel"
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, **axes, **windows)
+    fp4 = backend.split("_")[1] if "fp4" in backend else None
+    if fp4:
+        fmt = foscar.KVFormat.fp4(fp4, 128, **windows)
     gen = torch.Generator().manual_seed(0)
     lens = [1000, 77, 1]
     B, Hkv, G, D = len(lens), 2, 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
-    if backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
+    if fp4:
+        from foscar.cute.launch import decode
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2,
+                     tiles_per_pass=2 if backend.endswith("pair") else 1)
+    elif backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
     elif backend in ("cute_pair", "cute_pair1", "cute_lazy1"):

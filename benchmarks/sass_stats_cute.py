@@ -1,7 +1,7 @@
 """Instruction counts of the CuTe DSL stage-1 kernels, compiled for sm_90a on any machine (no GPU).
 
     python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2] \
-        [--k-operand e4m3] [--q-len 2] [--scheme nvfp4]
+        [--k-operand e4m3] [--q-len 2] [--scheme nvfp4|mxfp4]
 
 Compiles the kernel (``foscar.cute.compile.compile_stage1``, keeping the cubin CuTe DSL builds),
 disassembles it with Triton's bundled cuobjdump and takes the consumer warpgroup's
@@ -55,17 +55,19 @@ def sass_of(cubin: bytes) -> str:
 
 
 def tile_loop(sass: str) -> list[str]:
-    """The opcodes of the tile loop: the innermost backward-branch span that holds tensor-core MMAs (the
-    longer spans around it are the split loop and the pipeline; v1 compiles the tile loop twice, once
+    """The opcodes of the tile loop: the innermost backward-branch span that holds a whole pass's tensor-core
+    MMAs (the longer spans around it are the split loop and the pipeline; v1 compiles the tile loop twice, once
     per branch of the correction fold, the same instructions)."""
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
     back = [(int(t, 16), int(a, 16)) for a, t in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass) if int(t, 16) < int(a, 16)]
     spans = [[op for a, op in ins if lo <= a <= hi] for lo, hi in back]
-    spans = [ops for ops in spans if any("GMMA" in op for op in ops)]
-    if not spans:
+    mmas = [sum("GMMA" in op for op in ops) for ops in spans]
+    if not any(mmas):
         raise SystemExit("no loop with tensor-core MMAs found in the SASS")
-    return min(spans, key=len)
+    # a branch back into the middle of the loop's body (a rare path laid out after it) spans part of its MMAs:
+    # the loop holds at least half of the most any span holds (the spans around both consumers' loops)
+    return min((ops for ops, n in zip(spans, mmas) if 2 * n >= max(mmas)), key=len)
 
 
 def rescale_branch(sass: str) -> int:
@@ -100,7 +102,7 @@ def main() -> int:
                    help="v1: KV tiles per softmax pass (Sm90Config.tiles_per_pass); counts are per tile")
     p.add_argument("--q-len", type=int, default=1, help="query tokens per sequence (Sm90Config.step): gqa * q_len "
                    "query rows, the wgmma N 8, 16 or 32")
-    p.add_argument("--scheme", default="affine", choices=("affine", "nvfp4"),
+    p.add_argument("--scheme", default="affine", choices=("affine", "nvfp4", "mxfp4"),
                    help="the cache's codes: affine (--bits), or the NVFP4 block format (INT4 words)")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()

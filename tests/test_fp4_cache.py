@@ -158,7 +158,7 @@ def test_fp4_refusals_name_the_argument_and_leave_the_cache_as_it_was():
                                            v_scale=bad, seq_lens=e["seq_lens"])
 
 
-def test_the_triton_kernels_take_fp4_and_the_cute_ones_nvfp4_at_pages_of_64():
+def test_the_triton_kernels_take_fp4_and_the_cute_ones_at_pages_of_64():
     from foscar.backends.base import ProblemKey
     from foscar.backends.triton import Triton
     fmt = foscar.KVFormat.fp4("nvfp4", 128)
@@ -169,8 +169,9 @@ def test_the_triton_kernels_take_fp4_and_the_cute_ones_nvfp4_at_pages_of_64():
         assert config_for(fmt, 4, 64).fp4_block == 16
         with pytest.raises(UnsupportedError, match=r"^gqa=4, q_len=1, page=16"):
             config_for(fmt, 4, 16)
-        with pytest.raises(UnsupportedError, match=r"^scheme='mxfp4'"):
-            config_for(foscar.KVFormat.fp4("mxfp4", 128), 4, 64)
+        assert config_for(foscar.KVFormat.fp4("mxfp4", 128), 4, 64).fp4_mx
+        with pytest.raises(UnsupportedError, match=r"^scheme='mxfp4', head_dim=256"):
+            config_for(foscar.KVFormat.fp4("mxfp4", 256), 2, 64)
     cache = foscar.quantize_kv(*_values(1, 1, 64, 128, seed=1), fmt)
     with pytest.raises(UnsupportedError, match=r"operand_dtype"):
         foscar.decode_folded(torch.randn(1, 4, 128), cache, operand_dtype=torch.float8_e4m3fn, operand_terms=2)

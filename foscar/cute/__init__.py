@@ -9,8 +9,8 @@ One module per role:
 - :mod:`~foscar.cute.fragment`: where each thread finds the codes of its wgmma A registers (the index
   functions the kernels trace), and CuTe's fragment ownership for the tests;
 - :mod:`~foscar.cute.operands`: the tiled MMAs, Q^T in shared memory, the K and V^T A registers;
-  :mod:`~foscar.cute.operands_e4m3`: E4M3 K operands and Q's terms; :mod:`~foscar.cute.operands_fp4`: the NVFP4
-  operands (E2M1 codes placed as FP16 times their block scales), :mod:`~foscar.cute.config_fp4` what the kernel
+  :mod:`~foscar.cute.operands_e4m3`: E4M3 K operands and Q's terms; :mod:`~foscar.cute.operands_fp4`: the FP4
+  operands (E2M1 codes placed as FP16 times their block scales; MXFP4's relative to each token's largest), :mod:`~foscar.cute.config_fp4` what the kernel
   takes of the FP4 formats;
 - :mod:`~foscar.cute.softmax`: the online softmax; :mod:`~foscar.cute.folds`: the acc-folds, the
   operand-folds and the offset corrections;

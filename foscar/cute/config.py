@@ -212,7 +212,7 @@ class Sm90Config:
     qk_promote: bool = False
     #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
     producer_fold: bool = False
-    #: an FP4 block format's block (16: NVFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
+    #: an FP4 block format's block (16: NVFP4, 32: MXFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
@@ -234,6 +234,11 @@ class Sm90Config:
     def nb(self) -> int:
         """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
         return self.cols // HEADS
+
+    @property
+    def fp4_mx(self) -> bool:
+        """MXFP4 (blocks of 32, E8M0 scales relative to each token's largest, :mod:`foscar.cute.operands_fp4`)."""
+        return self.fp4_block == 32
 
     @property
     def fp4_blocks(self) -> int:
@@ -438,6 +443,8 @@ def shared_bytes(cfg: Sm90Config) -> int:
     if cfg.producer_fold:  # each stage's Q', its corrections and its parameters' barrier
         slot += cfg.cols * cfg.head_dim * 2 + 4 * cfg.cols + 8
     p_bytes = CONSUMERS * cfg.vc * TILE * cfg.cols * 2
+    if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
+        p_bytes += CONSUMERS * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
     return cfg.stages * CONSUMERS * slot + q_bytes + p_bytes + 8 * 1024
 
 

@@ -5,16 +5,16 @@ what :func:`foscar.cute.config.config_for` returns, or refuses, for NVFP4 and MX
 The kernel is v1's tile step on the INT4 words (the E2M1 codes sit where INT4 codes do, ``docs/layout.md``):
 token-wise K and V with one "channel group" (the head dim) and no offsets, the operands FP16 by placement times
 their block scales (:mod:`foscar.cute.operands_fp4`), the query an FP16 operand scaled per row by a power of
-two. What it takes (:data:`FP4_LIMITS`): NVFP4 (MXFP4's E8M0 scales span more than FP16 holds: the Triton
-kernel decodes it), head dim 64 or 128, v1 with 16-bit K operands, one or two tiles a softmax pass.
+two. What it takes (:data:`FP4_LIMITS`): NVFP4 and MXFP4 (its E8M0 scales taken relative to each token's largest),
+head dim 64 or 128, v1 with 16-bit K operands, one or two tiles a softmax pass.
 """
 from __future__ import annotations
 
 #: What the CuTe kernel takes of the FP4 block formats (beyond :func:`foscar.cute.config.config_for`'s other
 #: limits: pages of 64k tokens, ``gqa * q_len`` query rows)
-FP4_LIMITS = ("the CuTe kernel takes NVFP4 at head dim 64 or 128 with k_operand='bf16' (16-bit K operands: FP16 "
-              "for the FP4 codes), one tile a softmax pass or two (gqa <= 4, one token), v1 (warp_specialized); "
-              "MXFP4's E8M0 block scales span more than FP16 holds (the Triton kernel decodes it)")
+FP4_LIMITS = ("the CuTe kernel takes NVFP4 and MXFP4 at head dim 64 or 128 with k_operand='bf16' (16-bit K "
+              "operands: FP16 for the FP4 codes), one tile a softmax pass or two (gqa <= 4, one token), v1 "
+              "(warp_specialized)")
 #: The operands' unit: a code's FP16 placement ``v 2^-14`` times its block scale ``s`` (FP16, from E4M3 exactly)
 #: is ``v s 2^-14``, exact for every E2M1 value and E4M3 scale (the product's lowest bit is at least ``2^-10 x
 #: 2^-14``, FP16's subnormal spacing), at most ``6 x 448 x 2^-14``; the factor ``T 2^FP4_UNIT_SHIFT`` is every
@@ -29,7 +29,7 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
     and ``trigger_dependents``: what :func:`~foscar.cute.config.config_for` decided for every format."""
     from ..errors import UnsupportedError
     from .config import STAGE_CHOICES, Sm90Config, default_stages
-    if (fmt.scheme != "nvfp4" or fmt.head_dim not in (64, 128) or k_operand != "bf16" or tiles_per_pass not in (1, 2)
+    if (fmt.scheme not in ("nvfp4", "mxfp4") or fmt.head_dim not in (64, 128) or k_operand != "bf16" or tiles_per_pass not in (1, 2)
             or (tiles_per_pass == 2 and (gqa > 4 or step > 1))):
         raise UnsupportedError(f"scheme={fmt.scheme!r}, head_dim={fmt.head_dim}, k_operand={k_operand!r}, "
                                f"tiles_per_pass={tiles_per_pass}", FP4_LIMITS)

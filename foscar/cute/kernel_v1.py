@@ -256,12 +256,16 @@ class FoldDecodeSm90WS(TileKernel):
             sQk = each(lambda: alloc.allocate_tensor(qk_element_type(cfg), qk_layout.outer, byte_alignment=1024,
                                                      swizzle=qk_layout.inner))
             sKf = each(lambda: alloc.allocate_tensor(Float32, kf_layout(cfg), byte_alignment=16))
+        sMx = [None] * CONSUMERS  # MXFP4: each consumer's V scale bits (operands_fp4.publish_v_scale_bits)
+        if cutlass.const_expr(cfg.fp4_mx):
+            sMx = each(lambda: alloc.allocate_tensor(Int32, cute.make_layout(cfg.fp4_blocks * TILE * cfg.tiles_per_pass),
+                                                     byte_alignment=16))
         sQinv = sQred = None
         if cutlass.const_expr(cfg.q_scaled):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
         return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKf[c], sQinv,
-                                    sQred) for c in range(CONSUMERS)]
+                                    sQred, sMx[c]) for c in range(CONSUMERS)]
 
     @cute.jit
     def _stage_q_early(self, c: cutlass.Constexpr, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
@@ -367,7 +371,7 @@ class FoldDecodeSm90WS(TileKernel):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
-        if cutlass.const_expr(cfg.fp4_block > 0):  # every row's s' the tensor's scale times 2^14, no offset
+        if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT
             for t in cutlass.range_constexpr(2):
                 f = mTS[t] * Float32(2.0 ** FP4_UNIT_SHIFT)
@@ -390,14 +394,15 @@ class FoldDecodeSm90WS(TileKernel):
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
                 t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
+                slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
+                if thr.half == 1:
+                    slot_own = slot_b
                 if cutlass.const_expr(cfg.fp4_block > 0):  # the block scales read from both stages: freed after V^T's
                     state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b,
-                                      (self._fp4_scales(ring, slot), self._fp4_scales(ring, slot_b)),
+                                      (self._fp4_scales(ring, slot), self._fp4_scales(ring, slot_b),
+                                       self._fp4_scales(ring, slot_own)),
                                       lambda: self._release_pair(ring, slot, slot_b, has_b))
                 else:
-                    slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
-                    if thr.half == 1:
-                        slot_own = slot_b
                     self._read_params(ring, slot_own, regs, thr_c, thr)
                     self._release_pair(ring, slot, slot_b, has_b)
                     state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)

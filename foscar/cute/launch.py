@@ -310,7 +310,7 @@ def _param_words(params: torch.Tensor) -> torch.Tensor:
     if params.dtype != torch.uint8:
         return params
     P, H, page, nb = params.shape
-    return params.view(torch.float32).view(P, H, page // 64, 16 * nb, 1)
+    return params.reshape(P, H, page // 64, 64 * nb).view(torch.float32).view(P, H, page // 64, 16 * nb, 1)
 
 
 #: The combine's output element type of each output dtype (the query's).

@@ -69,22 +69,33 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     holds the ``(s', z')`` of this thread's rows in its own tile (``half``). ``step``: the pass's index in
     the warpgroup's sequence. The same folds as :meth:`~foscar.cute.warpgroup.TileKernel._tile_step`, with
     the online softmax's rescale made lazy (:func:`~foscar.cute.lazy.lazy_softmax`). FP4 formats: ``scales``, the
-    block-scale words of tiles A and B (:mod:`foscar.cute.operands_fp4`), and ``release`` called once V^T's
-    registers of both are built."""
+    block-scale words of tiles A and B (:mod:`foscar.cute.operands_fp4`; MXFP4: a third, those of this thread's
+    tile), and ``release`` called once V^T's registers of both are built."""
     cfg = kern.cfg
     thr = wg.thr
     frags = wg.frags
     t_own = t0
     if thr.half == 1:
         t_own = t0_b
-    sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
     fp4 = cfg.fp4_block > 0
+    if cutlass.const_expr(cfg.fp4_mx):  # own rows' s' (scales[2]: its tile's stage) and both tiles' V scale bits
+        from .operands_fp4 import mx_row_params, mx_views, publish_v_scale_bits
+        mx_row_params(cfg, regs.par, scales[2][0], scales[2][1], thr.row0)
+        publish_v_scale_bits(cfg, mx_views(wg.smem.sMx)[0], scales[0][1], scales[1][1], step & 1, thr.tidx)
+    sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
     parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
     parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
     s = kern._scores(wg, regs, sc, parts)
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
-    if cutlass.const_expr(fp4):
+    if cutlass.const_expr(cfg.fp4_mx):
+        from .operands_fp4 import build_vt_registers_mx, mx_views
+        bits32 = mx_views(wg.smem.sMx)[1]
+        build_vt_registers_mx(cfg, frags.tOrV_u32, regs.vw, bits32, thr, step & 1, 0)
+        kern._pv(wg, out, 0)
+        build_vt_registers_mx(cfg, frags.tOrV_u32, regs_b.vw, bits32, thr, step & 1, TILE)
+        release()
+    elif cutlass.const_expr(fp4):
         from .operands_fp4 import build_vt_registers_fp4
         build_vt_registers_fp4(cfg, frags.tOrV_u32, regs.vw, scales[0][1], thr, wg.n - t0)
         kern._pv(wg, out, 0)

@@ -78,9 +78,10 @@ class WarpgroupSmem:
     the reduction slots (``sRed``: two tiles' buffers), the column sums (``sSum``), and for channel-wise K
     the buffers of the folded ``Q'`` (``sQk``: the warpgroup's two, or one a stage where the producer folds) with
     their offset corrections (``sKf``, :func:`foscar.cute.folds.fold_q`); for E4M3 K operands ``sQinv`` and ``sQred``
-    (:func:`foscar.cute.operands.stage_q`)."""
+    (:func:`foscar.cute.operands.stage_q`); for MXFP4 the V scale bits ``sMx``."""
 
-    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKf, sQinv=None, sQred=None):
+    def __init__(self, sQ, sQsum, sP: list, sRed, sSum, sQk, sKf, sQinv=None, sQred=None, sMx=None):
+        self.sMx = sMx  # MXFP4: the V scale bits (Int32 words, :func:`foscar.cute.operands_fp4.publish_v_scale_bits`)
         self.sQinv = sQinv  # E4M3 K operands: each column's 2^-e (Q's terms are scaled by 2^e)
         self.sQred = sQred  # E4M3 K operands: the scratch of Q's per-head maxima
         self.sQ = sQ
@@ -293,6 +294,10 @@ class TileKernel:
         if cutlass.const_expr(cfg.k_channel and qbuf is None):
             qbuf = k_fold_buffer(cfg, t0, self.consumers)
         fp4 = cfg.fp4_block > 0
+        if cutlass.const_expr(cfg.fp4_mx):  # each row's s' and the V scale bits from the tile's scale bytes
+            from .operands_fp4 import mx_row_params, mx_views, publish_v_scale_bits
+            mx_row_params(cfg, regs.par, scales[0], scales[1], wg.thr.row0)
+            publish_v_scale_bits(cfg, mx_views(wg.smem.sMx)[0], scales[1], scales[1], tile & 1, wg.thr.tidx)
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS = self._qk(wg, regs, sc, t0, qbuf=qbuf, scales=scales)
         s = self._scores(wg, regs, sc, accS, t0, qbuf)
@@ -318,7 +323,12 @@ class TileKernel:
                 v_operand_fold(cfg, wg, out, sc.v, p, al, sigma)
                 out.rescale(al, sigma)  # the accumulator in units of the new sigma
         if cutlass.const_expr(not cfg.v_channel):
-            if cutlass.const_expr(fp4):
+            if cutlass.const_expr(cfg.fp4_mx):
+                from .operands_fp4 import build_vt_registers_mx, mx_views
+                build_vt_registers_mx(cfg, wg.frags.tOrV_u32, regs.vw, mx_views(wg.smem.sMx)[1], wg.thr, tile & 1, 0)
+                if cutlass.const_expr(release is not None):
+                    release()
+            elif cutlass.const_expr(fp4):
                 from .operands_fp4 import build_vt_registers_fp4
                 build_vt_registers_fp4(cfg, wg.frags.tOrV_u32, regs.vw, scales[1], wg.thr, wg.n - t0)
                 if cutlass.const_expr(release is not None):
@@ -353,7 +363,10 @@ class TileKernel:
         partials."""
         cfg = self.cfg
         frags = wg.frags
-        if cutlass.const_expr(cfg.fp4_block > 0):
+        if cutlass.const_expr(cfg.fp4_mx):
+            from .operands_fp4 import build_k_registers_mx
+            build_k_registers_mx(cfg, frags.tSrK_u32, regs.kw, scales[0], wg.thr.row0)
+        elif cutlass.const_expr(cfg.fp4_block > 0):
             from .operands_fp4 import build_k_registers_fp4
             build_k_registers_fp4(cfg, frags.tSrK_u32, regs.kw, scales[0], wg.thr.row0)
         elif cutlass.const_expr(cfg.k_e4m3):
