@@ -1,0 +1,130 @@
+"""v1's split merge inside stage 1 (``foscar.cute.merge``, one launch per decode). CPU: which calls take it,
+and the kernel with it compiles for sm_90a with one GPU-scope atomic. GPU (sm_90): against the float64 oracle
+beside the two-launch merge (outputs and LSEs NaN-poisoned, every element checked), splits past the sequence's
+tiles, steps of several tokens, CUDA-graph replays, counters left at zero, and NaN rows where the cache holds
+a NaN, as the two-launch merge gives them."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from _helpers import bf16_attention, rel  # noqa: E402
+from foscar.cute import config  # noqa: E402
+from foscar.cute.launch import _merges_in_stage1  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (runs on the H200)")
+FMT = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+
+
+def test_which_calls_merge_in_stage_1(monkeypatch):
+    monkeypatch.setattr(config, "FUSED_MERGE", True)
+    out = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 8)
+    assert _merges_in_stage1(FMT, out, lse, 2, 8) and _merges_in_stage1(FMT, out, None, 2, 8)
+    assert _merges_in_stage1(foscar.KVFormat.fp4("mxfp4", 128), out, lse, 2, 8)
+    assert not _merges_in_stage1(foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=32),
+                                 out, lse, 2, 8), "windows: the combine attends them"
+    assert not _merges_in_stage1(foscar.KVFormat(bits=4, head_dim=128, group_size=128, rotation="hadamard"),
+                                 out, lse, 2, 8), "rotation: the combine rotates the output back"
+    assert not _merges_in_stage1(FMT, out.float(), lse, 2, 8), "a BF16 output only"
+    heads_major = torch.empty(8, 2, 128, dtype=torch.bfloat16).transpose(0, 1)  # a step's rows: [B T, Hq, D]
+    assert _merges_in_stage1(FMT, heads_major, lse, 2, 8) and not _merges_in_stage1(FMT, heads_major, None, 1, 16)
+    assert not _merges_in_stage1(FMT, out, torch.empty(8, 2).t(), 2, 8)
+    monkeypatch.setattr(config, "FUSED_MERGE", False)
+    assert not _merges_in_stage1(FMT, out, lse, 2, 8)
+
+
+def test_the_merging_kernel_compiles_for_sm90a():
+    from foscar.cute.compile import compile_stage1
+    cfg = dataclasses.replace(config.config_for(FMT, 4, 64, "e4m3", 2), fused_merge=True, merge_lse=True)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert ptx.count("atom.") == 1 and "acq_rel.gpu" in ptx
+
+
+def _make(fmt, lens, Hkv, G, seed, T=1):
+    from test_triton import make
+    q, cache = make(fmt, lens, Hkv=Hkv, G=G, page=64, seed=seed)
+    if T > 1:  # a step's tokens: [B, T, Hq, D]
+        q = torch.randn(len(lens), T, q.shape[1], q.shape[2], device=q.device).bfloat16()
+    return q, cache
+
+
+def _both(q, cache, monkeypatch, **launch):
+    """The decode with the merge in stage 1 and with the two-launch merge, outputs and LSEs NaN-poisoned."""
+    from foscar.cute.launch import decode
+    res = []
+    for fused in (True, False):
+        monkeypatch.setattr(config, "FUSED_MERGE", fused)
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+        decode(q, cache, out=out, lse=lse, warp_specialized=True, **launch)
+        res.append((out, lse))
+    return res
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt,G,launch", [
+    (FMT, 4, {"num_splits": 3}),
+    (FMT, 4, {"num_splits": 40, "k_operand": "e4m3", "tiles_per_pass": 2}),  # splits past most sequences' tiles
+    (foscar.KVFormat(bits=2, head_dim=128, group_size=64, v_axis="channel"), 8, {"num_splits": 5}),
+    (foscar.KVFormat(bits=4, head_dim=64, group_size=64), 32, {"num_splits": 7, "ctas_per_sm": 1}),
+    (foscar.KVFormat.fp4("mxfp4", 128), 2, {"num_splits": 4}),
+])
+def test_against_the_oracle_beside_the_two_launch_merge_gpu(monkeypatch, fmt, G, launch):
+    from foscar.splitkv import _COUNTERS
+    q, cache = _make(fmt, [1, 70, 1000, 3001], 2, G, seed=G)
+    (out, lse), (out2, lse2) = _both(q, cache, monkeypatch, **launch)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()), "unwritten or NaN rows"
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    base = rel(bf16_attention(q, cache), exact)
+    assert rel(out, exact) <= 1.05 * base + 1e-4 and abs(rel(out, exact) - rel(out2, exact)) <= 0.05 * base
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    assert float((lse - lse2).abs().max()) <= 1e-5
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()), "counters left at zero"
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_step_of_several_tokens_gpu(monkeypatch):
+    q, cache = _make(FMT, [300, 1000], 2, 4, seed=5, T=2)
+    for fused in (True, False):
+        monkeypatch.setattr(config, "FUSED_MERGE", fused)
+        out = foscar.decode(q, cache, backend="cute", num_splits=3)
+        exact = foscar.decode_exact(q, cache)
+        assert bool(torch.isfinite(out).all()) and rel(out, exact) <= 2e-2, fused
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_replays_equal_eager_gpu(monkeypatch):
+    from foscar.cute.launch import decode
+    monkeypatch.setattr(config, "FUSED_MERGE", True)
+    q, cache = _make(FMT, [5000, 700], 2, 4, seed=3)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    decode(q, cache, out=out, num_splits=4, warp_specialized=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode(q, cache, out=out, num_splits=4, warp_specialized=True)
+    for _ in range(3):  # every replay finds its counters at zero
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode(q, cache, num_splits=4, warp_specialized=True))
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_nan_in_the_cache_gives_the_rows_the_two_launch_merge_gives_gpu(monkeypatch):
+    q, cache = _make(FMT, [700, 300], 2, 4, seed=9)
+    cache.k_params[int(cache.page_table.block_table[0, 3]), 1, 5, 0] = float("nan")
+    (out, lse), (out2, lse2) = _both(q, cache, monkeypatch, num_splits=3)
+    assert torch.equal(torch.isnan(out), torch.isnan(out2)) and torch.equal(torch.isnan(lse), torch.isnan(lse2))
+    assert bool(torch.isnan(out[0, 4:]).all()) and bool(torch.isfinite(out[1]).all())
