@@ -57,9 +57,6 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
 #: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
 COMBINE_PDL = False
-#: v1: the split merge inside stage 1 (:mod:`foscar.cute.merge`, :attr:`Sm90Config.fused_merge`). Correct on the
-#: H200 but 1.22x the time (INT2) and 1.11x (INT4) there (``docs/bench/h200/sweep-fused-merge.md``): off
-FUSED_MERGE = False
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
 COMBINE_WINDOWS = True
@@ -133,7 +130,7 @@ def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
 STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
                   ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1),
-                  ("tensor_scales", "f32", 1), ("out", "bf16", 3), ("lse", "f32", 2), ("merge_counters", "i32", 1))
+                  ("tensor_scales", "f32", 1))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -219,9 +216,6 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
-    #: v1: the last CTA of a KV head's splits merges them into the output (:data:`FUSED_MERGE`), and the LSE
-    fused_merge: bool = False
-    merge_lse: bool = False
 
     @property
     def tile_run(self) -> int:

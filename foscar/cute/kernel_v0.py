@@ -36,13 +36,11 @@ class FoldDecodeSm90(TileKernel):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
-                 mTS: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mCnt: cute.Tensor, qk_scale: Float32,
-                 num_splits: Int32, stream: cuda.CUstream):
+                 mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         """Stage 1 over ``num_splits`` KV splits, launched on ``stream`` (torch's current stream: CUDA
         graphs capture it); ``mOP``/``mLP`` may hold more partials (the BF16 windows', written by another
-        kernel); ``mO``, ``mLSE``, ``mCnt``: v1's merge in the kernel (unused here)."""
-        assert self.cfg.cols == HEADS and self.cfg.step == 1 and not self.cfg.fp4_block and not self.cfg.fused_merge, \
-            V0_LIMITS
+        kernel)."""
+        assert self.cfg.cols == HEADS and self.cfg.step == 1 and not self.cfg.fp4_block, V0_LIMITS
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(self.cfg)
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])

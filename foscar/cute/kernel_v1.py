@@ -92,7 +92,6 @@ class StageRing:
     full and empty mbarriers of each slot."""
 
     def __init__(self, sK, sV, sKP, sVP, full, empty, kpar=None, sQk=None, sKf=None):
-        self.flag = None  # fused_merge: the CTA's count (foscar.cute.merge)
         self.kpar = kpar  # producer_fold: each slot's barrier of its K (s', z') copy
         self.sQk = sQk  # producer_fold: each slot's Q' and its offset corrections
         self.sKf = sKf
@@ -116,8 +115,7 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
-                 mTS: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mCnt: cute.Tensor, qk_scale: Float32,
-                 num_splits: Int32, stream: cuda.CUstream):
+                 mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
@@ -143,7 +141,7 @@ class FoldDecodeSm90WS(TileKernel):
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       mTS, mO, mLSE, mCnt, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
                                         stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                         preferred_smem_carveout=100)  # all of the SM's shared memory
 
@@ -152,8 +150,7 @@ class FoldDecodeSm90WS(TileKernel):
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                  mCnt: cute.Tensor, qk_scale: Float32):
+                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = cfg.stages * CONSUMERS
         tidx, _, _ = cute.arch.thread_idx()
@@ -212,11 +209,6 @@ class FoldDecodeSm90WS(TileKernel):
                     self._stage_q_early(c, mQ, smems[0], b, kvh, n_kvh, mRot)
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
                               n_kvh, mTS)
-        if cutlass.const_expr(cfg.fused_merge):  # the last CTA of the KV head's splits merges them
-            if role > 0:
-                from .merge import merge_if_last
-                merge_if_last(cfg, lambda c: self.query_row(c, kvh, n_kvh), mOP, mLP, mO, mLSE, mCnt, ring.flag, b,
-                              kvh, n_kvh, n_splits, tidx - THREADS)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
@@ -242,8 +234,6 @@ class FoldDecodeSm90WS(TileKernel):
             sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
                                              byte_alignment=16)
         ring = StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
-        if cutlass.const_expr(cfg.fused_merge):  # the merge's count, read by every consumer thread
-            ring.flag = alloc.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)

@@ -282,27 +282,17 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
-    o_part, l_part, counters = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
-                                             cache.num_kv_heads)
+    o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
+                                      cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
-    fused = warp_specialized and _merges_in_stage1(fmt, out, lse, B, Hr)
-    q_rows = q.to(torch.bfloat16).contiguous().view(B, Hr, -1)  # Q: BF16
-    unused = rot.view(1, -1)  # a tensor of the argument's kind that the kernel does not read
-    merged = (q_rows, unused)  # the merge's output and LSE: read only where the kernel merges
-    if fused:
-        from dataclasses import replace
-        cfg = replace(cfg, fused_merge=True, merge_lse=lse is not None)
-        merged = (out.view(B, Hr, -1), lse.view(B, Hr) if lse is not None else unused)
-    tensors = (q_rows, cache.k_codes, cache.v_codes,
+    tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
                *(_param_words(p) for p in (cache.k_params, cache.v_params)), cache.page_table.block_table,
                cache.seq_lens.to(torch.int32), o_part.view(B, Hr, *o_part.shape[2:]),
-               l_part.view(B, Hr, l_part.shape[2]), rot, cache.tensor_scales, *merged, counters)
+               l_part.view(B, Hr, l_part.shape[2]), rot, cache.tensor_scales)  # Q: BF16
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
-    if fused:
-        return
     windows = None
     if combine_attends_windows(fmt):  # no launch of their own
         rows = (_row_aligned(t) for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent))
@@ -311,23 +301,6 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
     combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows,
             dependent_combine(fmt, warp_specialized, ctas))
-
-
-def _merges_in_stage1(fmt, out: torch.Tensor, lse: torch.Tensor | None, B: int, Hr: int) -> bool:
-    """Whether v1 merges the splits itself (:data:`foscar.cute.config.FUSED_MERGE`, :mod:`foscar.cute.merge`):
-    a cache without BF16 windows or rotation, a BF16 output whose ``[B, Hr, D]`` rows view it with unit last
-    stride on a 16-byte aligned base, and an LSE (if asked for) that views as ``[B, Hr]`` with unit stride."""
-    from ..splitkv import num_window_parts
-    from .config import ALIGN, FUSED_MERGE
-    if not FUSED_MERGE or num_window_parts(fmt) or fmt.rotation is not None or out.dtype != torch.bfloat16:
-        return False
-    try:
-        o = out.view(B, Hr, -1)
-        ls = lse.view(B, Hr) if lse is not None else None
-    except RuntimeError:  # strides that do not view as rows
-        return False
-    return o.stride(-1) == 1 and o.data_ptr() % ALIGN == 0 and (ls is None or (ls.stride(-1) == 1
-                                                                            and ls.data_ptr() % ALIGN == 0))
 
 
 def _param_words(params: torch.Tensor) -> torch.Tensor:
