@@ -326,15 +326,13 @@ class TileKernel:
             if cutlass.const_expr(cfg.fp4_mx):
                 from .operands_fp4 import build_vt_registers_mx, mx_views
                 build_vt_registers_mx(cfg, wg.frags.tOrV_u32, regs.vw, mx_views(wg.smem.sMx)[1], wg.thr, tile & 1, 0)
-                if cutlass.const_expr(release is not None):
-                    release()
             elif cutlass.const_expr(fp4):
                 from .operands_fp4 import build_vt_registers_fp4
                 build_vt_registers_fp4(cfg, wg.frags.tOrV_u32, regs.vw, scales[1], wg.thr, wg.n - t0)
-                if cutlass.const_expr(release is not None):
-                    release()
             else:
                 build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
+            if cutlass.const_expr(fp4 and release is not None):  # V^T's registers read the stage's last bytes
+                release()
             self._pv(wg, out)
             if (tile - t_lo) & (CORRECTION_TILES - 1) == CORRECTION_TILES - 1:  # a power of two, tile >= t_lo
                 fold_corrections(cfg, out, wg.smem.sSum, wg.thr)
