@@ -118,8 +118,20 @@ class FoldDecodeSm90WS(TileKernel):
                  mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
-        # TMA views of the pools: a tile's words (chunk, split into CI x CO boxes of <= 256) and its
-        # (s', z') (TILE x 2 floats), by (tile in page, KV head, page)
+        atoms = self._tma_atoms(mKC, mVC, mKP, mVP)
+        batch = cute.size(mQ, mode=[0])
+        kv_heads = cute.size(mKC, mode=[1])
+        self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
+                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
+                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
+                                        stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+                                        preferred_smem_carveout=100)  # all of the SM's shared memory
+
+    def _tma_atoms(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor) -> list:
+        """The TMA (atom, tensor) pairs of the pools, by (tile in page, KV head, page): K words, V words (a tile's
+        words as ``co`` boxes of ``ci <= 256``), then K and V ``(s', z')`` (a tile's rows; channel-wise: its token
+        group's)."""
+        cfg = self.cfg
         chunk = cfg.tile_words
         ci, co = cfg.tma_box
         tpp = cfg.page // TILE
@@ -131,19 +143,12 @@ class FoldDecodeSm90WS(TileKernel):
                 stride=(1, ci, chunk, m.stride[1], m.stride[0])))
             atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
         for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, cfg.v_param_words, cfg.v_param_rows)):
-            # per tile: its tokens' (s', z'); channel-wise K: the rows of token groups, one per group
             g = cute.make_tensor(m.iterator, cute.make_layout(
                 (width, rows, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
                 stride=(1, width, m.stride[1], m.stride[0])))
             atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, cute.make_layout(width),
                                                      (width,)))
-        batch = cute.size(mQ, mode=[0])
-        kv_heads = cute.size(mKC, mode=[1])
-        self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
-                       atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
-                                        stream=stream, min_blocks_per_mp=self.ctas_per_sm,
-                                        preferred_smem_carveout=100)  # all of the SM's shared memory
+        return atoms
 
     @cute.kernel
     def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
@@ -210,14 +215,13 @@ class FoldDecodeSm90WS(TileKernel):
                 self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
                               n_kvh, mTS)
 
-    def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
-        """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
-        buffer kind by buffer kind. Returns ``(ring, [consumer c's WarpgroupSmem])``."""
+    def _ring(self, alloc: SmemAllocator) -> StageRing:
+        """The stage ring (:class:`StageRing`), the first of the CTA's shared memory: each slot's packed K and V
+        words, their ``(s', z')`` and its two mbarriers; with ``producer_fold`` each slot's ``Q'`` too."""
         cfg = self.cfg
         chunk = cfg.tile_words
         ci, co = cfg.tma_box
         slots = cfg.stages * CONSUMERS
-        alloc = SmemAllocator()
         sK = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
                                    byte_alignment=128)
         sV = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
@@ -233,7 +237,14 @@ class FoldDecodeSm90WS(TileKernel):
             sQk_ring = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
             sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
                                              byte_alignment=16)
-        ring = StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
+        return StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
+
+    def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+        """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
+        buffer kind by buffer kind. Returns ``(ring, [consumer c's WarpgroupSmem])``."""
+        cfg = self.cfg
+        alloc = SmemAllocator()
+        ring = self._ring(alloc)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)
