@@ -102,12 +102,14 @@ def test_rows_kernel_against_the_oracle_gpu(bits, lens, G, T, num_splits, fmt_kw
 
     from foscar.cute.launch import run
     from foscar.multitoken import step_problem
+    from foscar.problem import DecodeProblem
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T + G)
     q = q if T > 1 else q[:, 0]
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
-    run(step_problem(q, cache, out=out, lse=lse, num_splits=num_splits), rows_m=True)
+    build = step_problem if T > 1 else DecodeProblem.build
+    run(build(q, cache, out=out, lse=lse, num_splits=num_splits), rows_m=True)
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     if T > 1:
