@@ -1,7 +1,7 @@
 """Instruction counts of the CuTe DSL stage-1 kernels, compiled for sm_90a on any machine (no GPU).
 
     python benchmarks/sass_stats_cute.py --bits 2 [--k-axis token --v-axis token --gqa 4] [--v0] [--ctas 2] \
-        [--k-operand e4m3] [--q-len 2] [--scheme nvfp4|mxfp4] [--rows]
+        [--k-operand e4m3] [--q-len 2] [--scheme nvfp4|mxfp4]
 
 Compiles the kernel (``foscar.cute.compile.compile_stage1``, keeping the cubin CuTe DSL builds),
 disassembles it with Triton's bundled cuobjdump and takes the consumer warpgroup's
@@ -104,8 +104,6 @@ def main() -> int:
                    "query rows, the wgmma N 8, 16 or 32")
     p.add_argument("--scheme", default="affine", choices=("affine", "nvfp4", "mxfp4"),
                    help="the cache's codes: affine (--bits), or the NVFP4 block format (INT4 words)")
-    p.add_argument("--rows", action="store_true", help="the rows kernel (foscar.cute.kernel_rows: the query rows "
-                   "as the M of both products)")
     p.add_argument("--top", type=int, default=20, help="opcodes listed")
     a = p.parse_args()
     if a.scheme == "affine":
@@ -115,9 +113,6 @@ def main() -> int:
         fmt = foscar.KVFormat.fp4(a.scheme, a.head_dim)
         a.bits, a.group_size, a.k_axis, a.v_axis = 4, fmt.group_size, fmt.k_axis, fmt.v_axis
     cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
-    if a.rows:
-        from foscar.cute.config_rows import rows_config
-        cfg = rows_config(fmt, a.gqa, 64, a.q_len)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     sass = sass_of(cubin)
     loop = tile_loop(sass)
@@ -127,7 +122,7 @@ def main() -> int:
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
     rare = rescale_branch(sass)
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
-    print(f"{'v0' if a.v0 else 'rows' if a.rows else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
+    print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
           f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
           f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "

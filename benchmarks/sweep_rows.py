@@ -52,9 +52,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--flashinfer", action="store_true", help="time FlashInfer's BF16 decode (tensor cores) too")
-    p.add_argument("--k-operands", nargs="+", default=["bf16"], choices=("bf16", "e4m3", "rows"),
-                   help="the K operands of each candidate (e4m3 beyond 4 rows: Q's terms in separate column blocks); "
-                        "rows: the rows kernel (foscar.cute.kernel_rows, one CTA an SM)")
+    p.add_argument("--k-operands", nargs="+", default=["bf16"], choices=("bf16", "e4m3"),
+                   help="the K operands of each candidate (e4m3 beyond 4 rows: Q's terms in separate column blocks)")
     p.add_argument("--lazy-one-tile", nargs="+", default=["default"], choices=("default", "off", "on"),
                    help="one-tile passes with the lazy rescale (foscar.cute.config.LAZY_ONE_TILE) or without, each "
                         "a candidate")
@@ -85,22 +84,19 @@ def main():
                     problem = step_problem(q, cache, out=out)
                     base = launch.default_num_splits(B, hkv, L // 64, dev, 1)
                     for ctas, kop, lazy in ((c, k, z) for c in a.ctas for k in a.k_operands for z in a.lazy_one_tile):
-                        if kop == "rows" and ctas != 1:
-                            continue
                         set_lazy_one_tile(lazy)
-                        variant = {"rows_m": True} if kop == "rows" else {"ctas_per_sm": ctas, "k_operand": kop,
-                                                                          "rows_m": False}
                         for s in sorted({max(1, round(base * m)) for m in a.splits}):
                             out.fill_(float("nan"))
-                            launch.run(problem, num_splits=s, warp_specialized=True, **variant)
+                            launch.run(problem, num_splits=s, ctas_per_sm=ctas, warp_specialized=True, k_operand=kop)
                             err = float((out.double() - want.double()).norm() / want.double().norm())
                             label = (f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | {ctas} | {kop} | {lazy} | "
                                      f"{s} ({base}) |")
                             if not err < 2e-2:
                                 print(f"{label} wrong: {err:.2e} from the Triton kernel's output |", flush=True)
                                 continue
-                            t = timed(lambda s=s, v=variant: launch.run(problem, num_splits=s, warp_specialized=True,
-                                                                         **v), flush, a.iters)
+                            t = timed(lambda s=s, c=ctas, k=kop: launch.run(problem, num_splits=s, ctas_per_sm=c,
+                                                                             warp_specialized=True, k_operand=k),
+                                      flush, a.iters)
                             print(f"{label} {t:.1f} |", flush=True)
                     t = timed(lambda: foscar.decode(q, cache, out=out, backend="triton"), flush, a.iters)
                     print(f"| {B} | {L // 1024}K | {heads} | {T} | INT{bits} | Triton | - | - | - | {t:.1f} |",

@@ -56,12 +56,7 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         raise ValueError("warp_specialized: v0 takes channel-wise K with BF16 K operands (E4M3 terms of Q' are v1's)")
     if cfg.tiles_per_pass != 1 and not warp_specialized:
         raise ValueError(f"tiles_per_pass: v0 takes 1, got {cfg.tiles_per_pass!r} (two tiles per pass are v1's)")
-    if cfg.rows_m and not warp_specialized:
-        raise ValueError("warp_specialized: the rows kernel (rows_m) is v1's (TMA producer, two consumers)")
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
-    if cfg.rows_m:
-        from .kernel_rows import RowsDecodeSm90
-        kernel = RowsDecodeSm90(cfg, ctas_per_sm)
     args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in STAGE1_TENSORS]
     return _compile(kernel, (*args, Float32(1.0), Int32(1)), keep_ptx, keep_cubin)
 

@@ -216,8 +216,6 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
-    #: the query rows as the M of both products, ``S = Q K^T`` and ``O = P' V`` (:mod:`foscar.cute.kernel_rows`)
-    rows_m: bool = False
 
     @property
     def tile_run(self) -> int:

@@ -312,13 +312,12 @@ class FoldDecodeSm90WS(TileKernel):
         return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
 
     @cute.jit
-    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile, lane=None):
+    def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):
         """The producer's work for one KV tile (its page read from the page table ``mBT``): once the stage of
         consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies (K words, V words,
-        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it,
-        or a whole warp (``lane``: the thread's lane; lane 0 arrives with the bytes): a TMA copy is issued by one
-        lane elected among all of the warp's (``elect.sync``), which live lanes elsewhere in the code would never
-        join."""
+        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it
+        (a TMA copy is issued by one lane elected with ``elect.sync`` over the whole warp: the warp's other lanes
+        have left the producer's code by then; lanes still working elsewhere in the loop would never join it)."""
         cfg = self.cfg
         chunk = cfg.tile_words
         (atom_kc, _), (atom_vc, _), (atom_kp, _), (atom_vp, _) = tma
@@ -335,13 +334,9 @@ class FoldDecodeSm90WS(TileKernel):
             kbar = ring.kpar + slot
             cute.arch.mbarrier_arrive_and_expect_tx(kbar, cfg.k_param_words * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.v_param_words) * 4)
-        elif cutlass.const_expr(lane is None):
+        else:
             cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
                                                     (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
-        else:
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
-                                                        (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
         tip = (t0 % cfg.page) // TILE
         grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
         krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's

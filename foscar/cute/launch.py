@@ -85,46 +85,26 @@ class LaunchConfig(NamedTuple):
     k_operand: str
     tiles_per_pass: int
     stages: int | None = None
-    rows_m: bool = False  #: the rows kernel (:mod:`foscar.cute.kernel_rows`)
 
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
                   k_operand: str | None = None, tiles_per_pass: int | None = None,
-                  stages: int | None = None, use_tuned: bool = True, step: int = 1,
-                  rows_m: bool | None = None) -> LaunchConfig:
+                  stages: int | None = None, use_tuned: bool = True, step: int = 1) -> LaunchConfig:
     """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows): the
     given values, else the autotune cache's (backend ``"cute"``, one-token decodes; only where its entry is
     the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
     :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
     takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. ``stages`` (v1's
     pipeline depth): the given value, else the tuned entry's, else the format's default. Host facts only: no
-    device read. ``rows_m``: the rows kernel (:mod:`foscar.cute.kernel_rows`; v1's producer, one CTA an SM, BF16
-    K operands, one tile a pass); unset, the tuned entry's, else where the format and shape ask for it
-    (:func:`foscar.cute.config_rows.default_rows_m`) and no other variant was asked for."""
+    device read."""
     from .. import autotune
     from .._checks import check_int
-    from .config_rows import default_rows_m
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
-    if rows_m is not None and not isinstance(rows_m, bool):
-        raise InvalidArgumentError("rows_m", "True, False or None", rows_m)
     tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned and step == 1 else {}
     if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
-    if tuned and rows_m is not None and bool(tuned.get("rows_m", False)) != rows_m:
-        tuned = {}
-    if rows_m is None:
-        rows_m = tuned.get("rows_m")
-    if rows_m is None:
-        rows_m = (warp_specialized is not False and ctas_per_sm in (None, 1) and k_operand in (None, "bf16")
-                  and tiles_per_pass in (None, 1) and default_rows_m(cache.fmt, G, cache.page_size, step))
-    if rows_m:
-        if warp_specialized is False or ctas_per_sm not in (None, 1) or k_operand not in (None, "bf16") \
-                or tiles_per_pass not in (None, 1):
-            raise InvalidArgumentError("rows_m", "the rows kernel with warp_specialized, ctas_per_sm=1, "
-                                       "k_operand='bf16' and tiles_per_pass=1 (or those unset)", rows_m)
-        warp_specialized, ctas_per_sm, k_operand, tiles_per_pass = True, 1, "bf16", 1
     if warp_specialized is None:
         warp_specialized = tuned.get("warp_specialized")
         warp_specialized = DEFAULT_WARP_SPECIALIZED if warp_specialized is None else bool(warp_specialized)
@@ -154,7 +134,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         check_int("stages", stages, allowed=STAGE_CHOICES)  # an int: config_for's cache takes 8.0 for 8
         if not warp_specialized:
             raise InvalidArgumentError("stages", "None with warp_specialized=False (the stage ring is v1's)", stages)
-    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass, stages, bool(rows_m))
+    return LaunchConfig(warp_specialized, ctas_per_sm, num_splits, k_operand, tiles_per_pass, stages)
 
 
 def default_ctas_per_sm(rows: int, head_dim: int = 128) -> int:
@@ -246,7 +226,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
            workspace: tuple[torch.Tensor, ...] | None = None, k_operand: str | None = None,
-           tiles_per_pass: int | None = None, stages: int | None = None, rows_m: bool | None = None):
+           tiles_per_pass: int | None = None, stages: int | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the CuTe DSL sm_90a kernel; same contract as
     :func:`foscar.triton.decode`. ``warp_specialized``: v1 (TMA producer, two consumer warpgroups, each
     writing its own partial) instead of v0, with ``ctas_per_sm`` (1 or 2) resident per SM; unset, these
@@ -257,19 +237,17 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
     autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0). ``stages``:
     v1's shared-memory stages per consumer (:data:`foscar.cute.config.STAGE_CHOICES`, fitting ``ctas_per_sm``
-    CTAs an SM); unset, the autotune cache's, else :func:`foscar.cute.config.default_stages`. ``rows_m``: the
-    rows kernel (:func:`launch_config`)."""
+    CTAs an SM); unset, the autotune cache's, else :func:`foscar.cute.config.default_stages`."""
     problem = DecodeProblem.build(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                   num_splits=num_splits)
     run(problem, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, workspace=workspace,
-        k_operand=k_operand, tiles_per_pass=tiles_per_pass, stages=stages, rows_m=rows_m)
+        k_operand=k_operand, tiles_per_pass=tiles_per_pass, stages=stages)
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str | None = None, tiles_per_pass: int | None = None, stages: int | None = None,
-        rows_m: bool | None = None) -> None:
+        k_operand: str | None = None, tiles_per_pass: int | None = None, stages: int | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
@@ -288,21 +266,15 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         cache = problem.cache
     fmt = cache.fmt
     B = cache.batch_size  # a step's rows: B * T rows of q, its tokens the kernel's N columns
-    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass, stages, rows_m = launch_config(
+    warp_specialized, ctas, num_splits, k_operand, tiles_per_pass, stages = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
-        tiles_per_pass=tiles_per_pass, stages=stages, step=T, rows_m=rows_m)
-    if rows_m:
-        from .config_rows import rows_config, rows_fit
-        cfg = rows_config(fmt, G, cache.page_size, T, stages)
-        if not rows_fit(cfg):
-            raise UnsupportedError(f"rows_m with stages={stages}", "the rows kernel's ring and operand buffers do "
-                                   "not fit an SM's shared memory (foscar.cute.config_rows.rows_fit)")
-    elif stages is None and warp_specialized:  # the default ring, or the deepest that the CTAs of an SM hold
+        tiles_per_pass=tiles_per_pass, stages=stages, step=T)
+    if stages is None and warp_specialized:  # the default ring, or the deepest that the CTAs of an SM hold
         cfg = default_ring(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, ctas)
     else:
         cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
-    if stages is not None and not rows_m and not fits_shared_memory(cfg, ctas):
+    if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
     if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
