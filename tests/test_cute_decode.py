@@ -396,11 +396,13 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, "CHANNEL_K_E4M3"), ({}, 32, "gqa \\* q_len <= 16")])
-def test_e4m3_k_operands_say_what_they_take(kw, gqa, what):
+@pytest.mark.parametrize("kw,gqa,step,what", [({"k_axis": "channel"}, 4, 1, "CHANNEL_K_E4M3"),
+                                              ({}, 2, 2, "more than 4 rows"),
+                                              ({}, 32, 1, "'e4m3x3' K operands take gqa \\* q_len <= 16")])
+def test_e4m3_k_operands_say_what_they_take(kw, gqa, step, what):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
     with pytest.raises(UnsupportedError, match=what):
-        config_for(fmt, gqa, 64, "e4m3")
+        config_for(fmt, gqa, 64, "e4m3x3" if gqa == 32 else "e4m3", step=step)
     with pytest.raises(foscar.errors.InvalidArgumentError, match="^k_operand: expected"):
         config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "fp8")
 
@@ -702,7 +704,8 @@ def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
     ([5000, 129, 1], 8, None, {}), ([3000, 64], 16, 3, {}), ([700, 9], 6, None, {"group_size": 64}),
-    ([4100, 260], 8, None, {"v_axis": "channel"}), ([2000, 33], 16, 2, {"rotation": "hadamard"})])
+    ([4100, 260], 8, None, {"v_axis": "channel"}), ([2000, 33], 16, 2, {"rotation": "hadamard"}),
+    ([3000, 64], 32, 3, {}), ([700, 9], 24, None, {}), ([4100, 260], 32, None, {"v_axis": "channel"})])
 def test_e4m3_term_blocks_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"E4M3 K term blocks GQA {G}: error", num_splits=num_splits,

@@ -85,7 +85,10 @@ def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
 #: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
 #: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
 #: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
-#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only
+#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only; and up to 4 query rows (the
+#: terms in the 8 columns): with term blocks the steps' accumulators spill at two CTAs an SM (B 8, L 128K INT4:
+#: GQA 16 200.3 us promoted, 116.9 not; GQA 8 199.5 and 188.0), and unpromoted INT4 stays below BF16 attention's
+#: error (the GPU oracle cases, ``docs/bench/h200/e4m3-unpromoted-tests.log``)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no
 #: offset; :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection gives
@@ -478,8 +481,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     tokens per sequence (``step``); the injection constants are the Triton kernels'
     (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
     ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
-    operands take token-wise K and at most 16 query rows per KV head (up to 4 the two Q terms share the 8
-    columns, beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`); two
+    operands take token-wise K (up to 4 query rows the two Q terms share the 8 columns, beyond they take separate
+    column blocks, :attr:`Sm90Config.term_blocks`); two
     tiles per pass take token-wise K and V, one token and at most 4 query heads per KV head (the second tile's
     scores in the other four columns); a step of several tokens takes a cache without BF16 windows (its causal
     limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
@@ -525,9 +528,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
                                "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
                                "with two Q terms, one token and gqa <= 4")
-    if e4m3 and (rows > 2 * HEADS or (step > 1 and rows <= HEADS // 2)):
+    most = 2 * HEADS if q_terms == 3 else MAX_COLS  # three terms: measured on the GPU up to 16 rows
+    if e4m3 and (rows > most or (step > 1 and rows <= HEADS // 2)):
         raise UnsupportedError(f"k_operand={k_operand!r} with gqa={gqa}, q_len={step}",
-                               "E4M3 K operands take gqa * q_len <= 16 (a step: more than 4 rows)")
+                               f"{k_operand!r} K operands take gqa * q_len <= {most} (a step: more than 4 rows)")
     if q_terms == 3 and tiles_per_pass == 2:
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")
@@ -576,7 +580,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       tiles_per_pass == 1 and LAZY_CHANNEL_V,
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
-                      qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token"
+                      qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)
 
 

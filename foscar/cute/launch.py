@@ -163,7 +163,7 @@ def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: 
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
     cases and E4M3 K operands in 21; beyond 4 query rows (Q's terms in separate column blocks,
     ``Sm90Config.term_blocks``) E4M3 K is 5-15% faster than BF16 K at GQA 8 and 16
-    (``docs/bench/h200/rows-e4m3.md``)."""
+    (``docs/bench/h200/rows-e4m3.md``) and 3-4% at GQA 32 (``docs/bench/h200/heads-e4m3-32.md``)."""
     k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1, step) else "bf16")
     return k_operand, (2 if takes(fmt, G, page, k_operand, 2, step) else 1)
 
