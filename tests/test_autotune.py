@@ -299,7 +299,8 @@ def test_the_launchers_read_their_backends_tuned_config(dirs, monkeypatch):
     assert cute_launch.launch_config(q, cache, 4, k_operand="bf16", tiles_per_pass=1)[3:5] == ("bf16", 1)
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[3:] == ("e4m3", 2, None)
     assert cute_launch.default_variant(cache.fmt, 8, cache.page_size) == ("e4m3", 1)  # gqa 8: term blocks, one tile
-    assert cute_launch.default_variant(cache.fmt, 32, cache.page_size) == ("bf16", 1)  # gqa 32: neither
+    assert cute_launch.default_variant(cache.fmt, 32, cache.page_size) == ("e4m3", 1)  # gqa 32: term blocks too
+    assert cute_launch.default_variant(cache.fmt, 2, cache.page_size, step=2) == ("bf16", 1)  # 4 rows, 2 tokens: neither
     assert cute_launch.default_variant(cache.fmt, 4, cache.page_size, "bf16") == ("bf16", 2)
     assert cute_launch.launch_config(q, cache, 4, use_tuned=False)[0] is cute_launch.DEFAULT_WARP_SPECIALIZED
     with pytest.raises(InvalidArgumentError, match="^warp_specialized: expected"):
