@@ -396,13 +396,13 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
-@pytest.mark.parametrize("kw,gqa,step,what", [({"k_axis": "channel"}, 4, 1, "CHANNEL_K_E4M3"),
-                                              ({}, 2, 2, "more than 4 rows"),
-                                              ({}, 32, 1, "'e4m3x3' K operands take gqa \\* q_len <= 16")])
-def test_e4m3_k_operands_say_what_they_take(kw, gqa, step, what):
+@pytest.mark.parametrize("kw,k_operand,gqa,step,what", [
+    ({"k_axis": "channel"}, "e4m3", 4, 1, "CHANNEL_K_E4M3"), ({}, "e4m3", 2, 2, "more than 4 rows"),
+    ({}, "e4m3x3", 32, 1, "'e4m3x3' K operands take gqa \\* q_len <= 16")])
+def test_e4m3_k_operands_say_what_they_take(kw, k_operand, gqa, step, what):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
     with pytest.raises(UnsupportedError, match=what):
-        config_for(fmt, gqa, 64, "e4m3x3" if gqa == 32 else "e4m3", step=step)
+        config_for(fmt, gqa, 64, k_operand, step=step)
     with pytest.raises(foscar.errors.InvalidArgumentError, match="^k_operand: expected"):
         config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "fp8")
 

@@ -85,10 +85,8 @@ def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
 #: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
 #: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
 #: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
-#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only; and up to 4 query rows (the
-#: terms in the 8 columns): with term blocks the steps' accumulators spill at two CTAs an SM (B 8, L 128K INT4:
-#: GQA 16 200.3 us promoted, 116.9 not; GQA 8 199.5 and 188.0), and unpromoted INT4 stays below BF16 attention's
-#: error (the GPU oracle cases, ``docs/bench/h200/e4m3-unpromoted-tests.log``)
+#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only, up to 4 query rows: beyond,
+#: the steps' accumulators spill at two CTAs an SM (``docs/bench/h200/heads-e4m3-32.md``: GQA 16 INT4 200.3 us)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no
 #: offset; :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection gives
