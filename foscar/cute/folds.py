@@ -121,11 +121,13 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
 
 
 @cute.jit
-def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
+def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
     """Token-wise K: the scaled scores of a tile's four S^T elements from its partial(s) ``accS`` (one per
     channel group), centred: ``s' (part - c sum Q) + mid sum Q``, times the softmax scale. One group: its
     ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``). FP4
-    formats (no offset): ``s' part`` times each query row's ``2^-e`` (``wg.qinv``)."""
+    formats (no offset): ``s' part`` times each query row's ``2^-e`` (``wg.qinv``). With ``mu`` (by column
+    slot) the scores less ``mu``: one group forms ``part s' + (sum Q (mid - c s') - mu)``, two FMAs an
+    element (the lazy softmax's scores, :mod:`foscar.cute.lazy`)."""
     qk_scale = wg.qk_scale
     # multiply s' of token half 0 and 1 (rows + 8): the operand's scale is s' k_factor (E4M3: 2^9); the
     # offset's is not; c0, c1 the halves' pivots
@@ -162,9 +164,18 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg) -> list:
         acc = accS[0]
         a = [ks0 * op_scale, ks1 * op_scale1]
         ez = [(kz0 + cfg.k_mid * ks0) * qk_scale, (kz1 + cfg.k_mid * ks1) * qk_scale]
-        for e in cutlass.range_constexpr(n_el):
-            r, k = row_half(e), s_slot(e)
-            s.append((acc[e] - cs[r] * qsum[k]) * a[r] + qsum[k] * ez[r])
+        if cutlass.const_expr(mu is None):
+            for e in cutlass.range_constexpr(n_el):
+                r, k = row_half(e), s_slot(e)
+                s.append((acc[e] - cs[r] * qsum[k]) * a[r] + qsum[k] * ez[r])
+        else:  # the pivot's term joins the offset's: one FMA per element for it, one for the score
+            ec = [ez[r] - cs[r] * a[r] for r in range(2)]
+            for e in cutlass.range_constexpr(n_el):
+                r, k = row_half(e), s_slot(e)
+                s.append(acc[e] * a[r] + (qsum[k] * ec[r] - mu[k]))
+            mu = None
+    if cutlass.const_expr(mu is not None):
+        s = [s[e] - mu[s_slot(e)] for e in range(n_el)]
     return s
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
 
 from .config import CORRECTION_TILES, TILE
 from .folds import fold_corrections
@@ -83,10 +84,18 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
         mx_row_params(cfg, regs.par, scales[2][0], scales[2][1], thr.row0)
         publish_v_scale_bits(cfg, mx_views(wg.smem.sMx)[0], scales[0][1], scales[1][1], step & 1, thr.tidx)
     sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
-    parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
-    parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
+    if cutlass.const_expr(cfg.qk_promote):  # each tile's k-steps in FP32 registers: one tile in flight at a time
+        parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
+        parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
+    else:  # both tiles' QK products in flight together, one wait for both
+        parts_a, steps_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None, wait=False)
+        parts_b, steps_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False,
+                                    scales=scales[1] if fp4 else None, wait=False)
+        warpgroup.wait_group(0)
+        parts_a = kern._qk_finish(wg, parts_a, steps_a, False)
+        parts_b = kern._qk_finish(wg, parts_b, steps_b, False)
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
-    s = kern._scores(wg, regs, sc, parts)
+    s = kern._scores(wg, regs, sc, parts, mu=state.softmax.m)  # less the maxima (lazy_softmax)
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
     if cutlass.const_expr(cfg.fp4_mx):
         from .operands_fp4 import build_vt_registers_mx, mx_views

@@ -25,19 +25,27 @@ class OnlineSoftmax:
     tensor, summed over the token rows at the end: :func:`column_sums`). A run-time loop carries ``m``.
     ``guard`` (a step of several tokens): a column may see no token of a tile or of a whole split (its
     causal limit), and its maximum stays ``-inf``; the exponentials then take 0 in its place, so that
-    ``exp2(-inf - -inf)`` never makes a NaN of an empty column."""
+    ``exp2(-inf - -inf)`` never makes a NaN of an empty column.
 
-    def __init__(self, m: list, sums: cute.Tensor, guard: bool = False):
+    The lazy rescale (:mod:`foscar.cute.lazy`) carries ``thr`` too: ``m`` then holds the maxima the scores are
+    taken relative to (a column's running maximum, 0 while it has seen no token) and ``thr`` each column's
+    threshold on those relative scores (:data:`~foscar.cute.config.RESCALE_HEADROOM`, ``-inf`` while it has seen
+    no token), so that a tile's scores come from K's fold already less the maxima."""
+
+    def __init__(self, m: list, sums: cute.Tensor, guard: bool = False, thr: list | None = None):
         self.m = m
         self.sums = sums
         self.guard = guard
         self.m_use = m
+        self.thr = thr
 
     def __extract_mlir_values__(self):
-        return [x.ir_value() for x in self.m]
+        return [x.ir_value() for x in self.m + (self.thr or [])]
 
     def __new_from_mlir_values__(self, values) -> OnlineSoftmax:
-        return OnlineSoftmax([Float32(v) for v in values], self.sums, self.guard)
+        n = len(self.m)
+        thr = None if self.thr is None else [Float32(v) for v in values[n:]]
+        return OnlineSoftmax([Float32(v) for v in values[:n]], self.sums, self.guard, thr)
 
     def advance(self, tm: list) -> list:
         """Take a tile's column maxima ``tm``: the new running maxima, and the factors ``al`` (by column slot)
@@ -83,12 +91,12 @@ def raised_maxima(m: list, tm: list, guard: bool):
 
 
 @cute.jit
-def past_headroom(s: list, m: list, headroom: float) -> Int32:
-    """1 where any of this thread's scores ``s`` passes its column's running maximum (``m``, by column slot) by
-    more than ``headroom``, else 0: the lazy rescale's vote (:mod:`foscar.cute.lazy`)."""
+def past_headroom(d: list, thr: list) -> Int32:
+    """1 where any of this thread's scores ``d`` (relative to the maxima) passes its column's threshold (``thr``,
+    by column slot), else 0: the lazy rescale's vote (:mod:`foscar.cute.lazy`)."""
     need = Int32(0)
-    for e in cutlass.range_constexpr(len(s)):
-        if s[e] > m[s_slot(e)] + headroom:
+    for e in cutlass.range_constexpr(len(d)):
+        if d[e] > thr[s_slot(e)]:
             need = Int32(1)
     return need
 

@@ -177,7 +177,7 @@ class RunningState:
                 + [self.kgroup.ir_value()])
 
     def __new_from_mlir_values__(self, values) -> RunningState:
-        m = len(self.softmax.m)
+        m = len(self.softmax.__extract_mlir_values__())
         n = len(self.out.sigma)
         return RunningState(self.softmax.__new_from_mlir_values__(values[:m]),
                             self.out.__new_from_mlir_values__(values[m:m + n]), Int32(values[m + n]))
@@ -205,7 +205,11 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
                       cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)]
     par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
-    softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
+    if cfg.lazy_rescale:  # relative scores: every column empty (maxima 0, thresholds -inf)
+        softmax = OnlineSoftmax([Float32(0.0) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1,
+                                thr=[Float32(-Float32.inf) for _ in range(2 * cfg.nb)])
+    else:
+        softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
     out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
@@ -300,7 +304,7 @@ class TileKernel:
             publish_v_scale_bits(cfg, mx_views(wg.smem.sMx)[0], scales[1], scales[1], tile & 1, wg.thr.tidx)
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS = self._qk(wg, regs, sc, t0, qbuf=qbuf, scales=scales)
-        s = self._scores(wg, regs, sc, accS, t0, qbuf)
+        s = self._scores(wg, regs, sc, accS, t0, qbuf, state.softmax.m if cfg.lazy_rescale else None)
         if cutlass.const_expr(release is not None and not fp4):
             release()
         softmax = state.softmax
@@ -352,13 +356,14 @@ class TileKernel:
 
     @cute.jit
     def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, accS=None,
-            sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None):
+            sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None, wait: cutlass.Constexpr = True):
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
         unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
         with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
         the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`); FP4 formats: FP16 K operands times
         the block scales of ``scales[0]`` (:func:`~foscar.cute.operands_fp4.build_k_registers_fp4`). Returns the
-        partials."""
+        partials. With ``wait`` False the MMAs are committed and left in flight: returns ``(partials, steps)``
+        for :meth:`_qk_finish` after the caller's ``wait_group``."""
         cfg = self.cfg
         frags = wg.frags
         if cutlass.const_expr(cfg.fp4_mx):
@@ -397,7 +402,18 @@ class TileKernel:
             else:
                 cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        result = (partials, steps)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
+            result = self._qk_finish(wg, partials, steps, sum_terms)
+        return result
+
+    @cute.jit
+    def _qk_finish(self, wg: Warpgroup, partials: list, steps: list, sum_terms: cutlass.Constexpr = True) -> list:
+        """The QK partials once their MMAs are done: FP32-promoted k-steps summed into the first partial, Q's
+        terms summed (:meth:`_qk`)."""
+        cfg = self.cfg
+        accS = partials[0]
         if cutlass.const_expr(cfg.qk_promote):
             for i in cutlass.range_constexpr(cute.size(accS)):
                 x = steps[0][i]
@@ -413,16 +429,20 @@ class TileKernel:
         return partials
 
     @cute.jit
-    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None) -> list:
+    def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None,
+                mu=None) -> list:
         """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
-        ``row0 + 8 row_half(e)``) from K's fold; ``-inf`` on rows past the sequence and, in a step of several
-        tokens, past each column's causal limit (the tile starting at token ``t0``)."""
+        ``row0 + 8 row_half(e)``) from K's fold, less ``mu`` (by column slot) where given; ``-inf`` on rows past
+        the sequence and, in a step of several tokens, past each column's causal limit (the tile starting at
+        token ``t0``)."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
             s = k_operand_fold_scores(cfg, partials[0], wg, qbuf)
+            if cutlass.const_expr(mu is not None):
+                s = [s[e] - mu[s_slot(e)] for e in range(len(s))]
         else:
-            s = k_acc_fold(cfg, partials, regs.par, sc, wg)
+            s = k_acc_fold(cfg, partials, regs.par, sc, wg, mu)
         valid = sc.valid
         out = []
         for e in cutlass.range_constexpr(len(s)):
@@ -436,10 +456,11 @@ class TileKernel:
         return out
 
     @cute.jit
-    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0, wait: cutlass.Constexpr = True):
         """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
-        each group's m64 blocks of V^T multiply its own P' (one MMA chain each)."""
+        each group's m64 blocks of V^T multiply its own P' (one MMA chain each). With ``wait`` False the MMAs
+        are committed and left in flight (the caller waits)."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
@@ -462,7 +483,8 @@ class TileKernel:
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                 cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split,
