@@ -81,12 +81,10 @@ def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
                            and ctas_per_sm > 1)
 
 
-#: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own
-#: accumulator, the steps summed in FP32 after the MMAs (:attr:`Sm90Config.qk_promote`), where one chain leaves
-#: the sum to the tensor core's FP8 accumulation (narrower than FP32). Measured on the H200 (the stress study,
-#: ``docs/results-h200.md``): INT4's arithmetic error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the time
-#: (memory-bound); INT2's 5% lower for 4-6% of the time (issue-bound), so INT4 only, up to 4 query rows: beyond,
-#: the steps' accumulators spill at two CTAs an SM (``docs/bench/h200/heads-e4m3-32.md``: GQA 16 INT4 200.3 us)
+#: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
+#: accumulator (:attr:`Sm90Config.qk_promote`), where one chain sums in the tensor core's narrower FP8
+#: accumulation. H200 (``docs/results-h200.md``): INT4's error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the
+#: time; INT2's 5% lower for 4-6%, so INT4 only, up to 4 query rows (beyond, spills: GQA 16 INT4 200.3 us)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no
 #: offset; :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection gives
@@ -94,9 +92,10 @@ QK_PROMOTE_BITS = (4,)
 #: of the corrections (every :data:`CORRECTION_TILES` tiles), and the tensor core's FP32 sum, truncating, loses
 #: bits to it at every step. Measured on the H200 (``benchmarks/split_error.py``, stress input, L 16K): with
 #: injection the error grows with a split's tiles up to 8 a consumer (INT4 2.2e-4 at 1, 8.3e-4 at 8 or more;
-#: INT2 2.5e-4 -> 1.7e-3), by placement it is 2.1-2.4e-4 at any split count, for the same time (the paper grid's
-#: geomean 0.999 INT2, 1.009 INT4; SASS a tile 290 -> 290.5 INT2, 328.5 -> 329 INT4)
+#: INT2 2.5e-4 -> 1.7e-3), by placement 2.1-2.4e-4 at any split count, for the same time (geomean 0.999, 1.009)
 V_PLACEMENT = True
+#: P^T column-major (:attr:`Sm90Config.p_column_major`, 32-bit P stores): off until its GPU suite runs
+P_COLUMN_MAJOR = False
 #: Channel-wise K's ``Q'`` built by v1's producer warpgroup (its three warps besides the TMA issuer) into a ``Q'``
 #: per stage, from the stage's ``(s', z')``, where each consumer builds it before each of its tiles
 #: (:attr:`Sm90Config.producer_fold`): the fold and its chain of latencies leave the consumers' tile step (472 ->
@@ -217,6 +216,7 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
+    p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
 
     @property
     def tile_run(self) -> int:
@@ -579,7 +579,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
-                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold)
+                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold, p_column_major=P_COLUMN_MAJOR)
 
 
 def _fp4(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, step: int, stages: int | None) -> Sm90Config:

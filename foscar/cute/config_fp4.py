@@ -28,7 +28,7 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
     naming what the kernel does not take (:data:`FP4_LIMITS`). ``columns``, ``lazy_one_tile``, ``prologue``
     and ``trigger_dependents``: what :func:`~foscar.cute.config.config_for` decided for every format."""
     from ..errors import UnsupportedError
-    from .config import STAGE_CHOICES, Sm90Config, default_stages
+    from .config import P_COLUMN_MAJOR, STAGE_CHOICES, Sm90Config, default_stages
     if (fmt.scheme not in ("nvfp4", "mxfp4") or fmt.head_dim not in (64, 128) or k_operand != "bf16" or tiles_per_pass not in (1, 2)
             or (tiles_per_pass == 2 and (gqa > 4 or step > 1))):
         raise UnsupportedError(f"scheme={fmt.scheme!r}, head_dim={fmt.head_dim}, k_operand={k_operand!r}, "
@@ -43,4 +43,4 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
                       recent=fmt.recent, group_size=fmt.head_dim, rotation=fmt.rotation is not None, step=step,
                       cols=columns, stages=stages, lazy_rescale=lazy_one_tile or tiles_per_pass == 2, prologue=prologue,
                       tiles_per_pass=tiles_per_pass,
-                      trigger_dependents=trigger_dependents, fp4_block=fmt.group_size)
+                      trigger_dependents=trigger_dependents, fp4_block=fmt.group_size, p_column_major=P_COLUMN_MAJOR)

@@ -353,14 +353,23 @@ def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
     return sigma
 
 
-def store_p(sP: cute.Tensor, thr, q: list):
+def store_p(cfg, sP: cute.Tensor, thr, q: list):
     """A tile's P elements of this thread (element e: column slot ``s_slot(e)`` from ``col0``, token
     ``prow0 + 8 row_half(e)`` of the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B operand
-    ``sP`` of the O^T product."""
+    ``sP`` of the O^T product. Column-major (``cfg.p_column_major``): elements ``e`` and ``e + 1`` (``e`` even)
+    are a token's adjacent columns, one 32-bit store."""
     col = thr.col0
     row0 = thr.prow0
-    for e in range(len(q)):
-        sP[slot_column(s_slot(e), col), row0 + 8 * row_half(e)] = q[e]
+    if cutlass.const_expr(cfg.p_column_major):
+        for e in range(0, len(q), 2):
+            pair = cute.make_rmem_tensor(cute.make_layout(2), Float16)
+            pair[0] = q[e]
+            pair[1] = q[e + 1]
+            row = sP[(None, row0 + 8 * row_half(e))]
+            cute.autovec_copy(pair, cute.local_tile(row, (2,), (slot_column(s_slot(e), col) // 2,)))
+    else:
+        for e in range(len(q)):
+            sP[slot_column(s_slot(e), col), row0 + 8 * row_half(e)] = q[e]
 
 
 def p_operands(cfg, v: list, p: list, sigma: list) -> list:
@@ -393,11 +402,11 @@ def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: 
             c[e] = prev + (p[e] * mid[g][h] - cs[g][h] * Float32(q[g][e]))
 
 
-def store_p_operands(wg, q: list):
+def store_p_operands(cfg, wg, q: list):
     """Each channel group's ``P'`` elements of this thread into its B operand, then the proxy fence the
     wgmma reads need (the caller's barrier follows)."""
     for g in range(len(q)):
-        store_p(wg.smem.sP[g], wg.thr, q[g])
+        store_p(cfg, wg.smem.sP[g], wg.thr, q[g])
     cute.arch.fence_view_async_shared()
 
 
@@ -408,7 +417,7 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
     group's ``(s', z')`` of this thread's two rows, ``sigma`` the new units."""
     q = p_operands(cfg, v, p, sigma)
     gather_offset_corrections(cfg, out, v, p, q, sigma, al)
-    store_p_operands(wg, q)
+    store_p_operands(cfg, wg, q)
     cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
 
 
@@ -418,7 +427,7 @@ def publish_p(cfg, wg, q: list, buf):
     warp's column sums of them (its 16 token rows) into slots ``cols..2 cols - 1`` of ``sRed``'s buffer ``buf``,
     then the proxy fence the wgmma reads need; the caller's barrier publishes both (:func:`p_column_sums`)."""
     thr = wg.thr
-    store_p(wg.smem.sP[0], thr, q)
+    store_p(cfg, wg.smem.sP[0], thr, q)
     slots = len(q) // 2
     ps = [Float32(q[4 * (k // 2) + k % 2]) + Float32(q[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
     for sh in cutlass.range_constexpr(3):

@@ -59,7 +59,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
     st = cute.make_rmem_tensor(cute.make_layout(groups), Float32)
     p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
     q = p_operands(cfg, sc.v, p, sigma_old)
-    store_p_operands(wg, q)
+    store_p_operands(cfg, wg, q)
     kept = (pt, qt, mt, ht, st)
     _keep(kept, p, q, mu_old, softmax.thr, sigma_old)
     if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
@@ -74,7 +74,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
                 out.corr[g][e] = out.corr[g][e] * al[s_slot(e)]
         p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
         q2 = p_operands(cfg, sc.v, p2, sigma)
-        store_p_operands(wg, q2)
+        store_p_operands(cfg, wg, q2)
         cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
         _keep(kept, p2, q2, mn_use, th, sigma)
     sigma_new = [st[g] for g in range(groups)]

@@ -16,12 +16,18 @@ from .config import THREADS, TILE, Sm90Config
 from .fragment import k_register_source, v_register_source, v_token_half
 
 LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
+#: The P^T operand's shared-memory atom by N columns, column-major (:attr:`Sm90Config.p_column_major`; else
+#: row-major, 128-byte swizzle): a token's columns in one swizzle row
+P_ATOMS = {8: warpgroup.SmemLayoutAtomKind.MN_INTER, 16: warpgroup.SmemLayoutAtomKind.MN_SW32,
+           32: warpgroup.SmemLayoutAtomKind.MN_SW64}
 
 
 def mmas_and_layouts(cfg: Sm90Config):
     """Host side, both kernels: the register-A tiled MMAs of ``S^T = K Q^T`` (BF16, or E4M3 with
     ``cfg.k_e4m3``) and ``O^T = V^T P^T`` (FP16), and the swizzled shared-memory layouts of Q^T and P^T."""
-    pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+    # P^T column-major (MN): a thread's two columns of a token are one 32-bit store (folds.store_p)
+    p_major = OperandMajorMode.MN if cfg.p_column_major else OperandMajorMode.K
+    pv_mma = sm90.make_trivial_tiled_mma(Float16, Float16, OperandMajorMode.K, p_major, Float32,
                                          (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import qk_mma_e4m3
@@ -38,7 +44,8 @@ def mmas_and_layouts(cfg: Sm90Config):
     else:  # BF16 (FP4 formats: FP16) Q^T: the QK product's B operand, or channel-wise K's source of Q'
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, q_element_type(cfg))
         sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))
-    p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float16)
+    p_kind = P_ATOMS[cfg.cols] if cfg.p_column_major else warpgroup.SmemLayoutAtomKind.K_SW128
+    p_atom = warpgroup.make_smem_layout_atom(p_kind, Float16)
     sP_layout = cute.tile_to_shape(p_atom, (cfg.cols, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
