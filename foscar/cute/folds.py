@@ -152,12 +152,16 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
                 s[e] = s[e] + (acc_c[e] - cs[r] * q[k]) * ka[r] + q[k] * ke[r]
+        if cutlass.const_expr(mu is not None):
+            s = less_maxima(s, mu)
     elif cutlass.const_expr(cfg.fp4_block > 0):  # no offset; Q's power of two per row (operands_fp4.load_q_f16)
         ks0, _, ks1, _ = sc.k
         a = [ks0 * op_scale, ks1 * op_scale1]
         f = [[a[r] * wg.qinv[k] for k in range(2 * cfg.nb)] for r in range(2)]
         for e in cutlass.range_constexpr(n_el):
             s.append(accS[0][e] * f[row_half(e)][s_slot(e)])
+        if cutlass.const_expr(mu is not None):
+            s = less_maxima(s, mu)
     else:
         ks0, kz0, ks1, kz1 = sc.k
         qsum = wg.qsum
@@ -173,10 +177,12 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
                 s.append(acc[e] * a[r] + (qsum[k] * ec[r] - mu[k]))
-            mu = None
-    if cutlass.const_expr(mu is not None):
-        s = [s[e] - mu[s_slot(e)] for e in range(n_el)]
     return s
+
+
+def less_maxima(s: list, mu: list) -> list:
+    """Scores ``s`` less ``mu`` by column slot (:func:`~foscar.cute.config.s_slot`)."""
+    return [s[e] - mu[s_slot(e)] for e in range(len(s))]
 
 
 @cute.jit

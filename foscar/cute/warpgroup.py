@@ -31,6 +31,7 @@ from .folds import (
     k_acc_fold,
     k_operand_fold,
     k_operand_fold_scores,
+    less_maxima,
     p_scales,
     v_acc_fold,
     v_acc_fold_product,
@@ -205,11 +206,10 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
                       cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)]
     par = [cute.make_rmem_tensor(cute.make_layout(cfg.par_words), Float32) for _ in range(1 + prefetch)]
     vpar = [cute.make_rmem_tensor(cute.make_layout(2 * cfg.acc_elems), Float32) for _ in range(1 + prefetch)]
-    if cfg.lazy_rescale:  # relative scores: every column empty (maxima 0, thresholds -inf)
-        softmax = OnlineSoftmax([Float32(0.0) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1,
-                                thr=[Float32(-Float32.inf) for _ in range(2 * cfg.nb)])
-    else:
-        softmax = OnlineSoftmax([Float32(-Float32.inf) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1)
+    # every column empty: its maximum -inf, or with the lazy rescale's relative scores 0 and a threshold of -inf
+    m0 = 0.0 if cfg.lazy_rescale else -Float32.inf
+    thr = [Float32(-Float32.inf) for _ in range(2 * cfg.nb)] if cfg.lazy_rescale else None
+    softmax = OnlineSoftmax([Float32(m0) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1, thr=thr)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
     out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
@@ -440,7 +440,7 @@ class TileKernel:
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
             s = k_operand_fold_scores(cfg, partials[0], wg, qbuf)
             if cutlass.const_expr(mu is not None):
-                s = [s[e] - mu[s_slot(e)] for e in range(len(s))]
+                s = less_maxima(s, mu)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg, mu)
         valid = sc.valid
@@ -456,11 +456,10 @@ class TileKernel:
         return out
 
     @cute.jit
-    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0, wait: cutlass.Constexpr = True):
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
         """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
-        each group's m64 blocks of V^T multiply its own P' (one MMA chain each). With ``wait`` False the MMAs
-        are committed and left in flight (the caller waits)."""
+        each group's m64 blocks of V^T multiply its own P' (one MMA chain each)."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
@@ -483,8 +482,7 @@ class TileKernel:
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                 cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
         warpgroup.commit_group()
-        if cutlass.const_expr(wait):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)
 
     @cute.jit
     def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split,
