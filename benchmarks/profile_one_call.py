@@ -8,10 +8,11 @@
         --section WarpStateStats --section InstructionStats python3 benchmarks/profile_one_call.py 64 131072 2 backend=cute
 
 Arguments: batch, length, bits, then optional name=value arguments: ``k_axis=channel`` and
-``v_axis=channel`` pick the cache's group axes; ``backend=cute`` runs ``foscar.decode(..., backend="cute")``
-(and ``num_splits``; with any other argument, the backend's launch with that config, as
-``foscar.bench.kernels`` runs it: ``k_operand=bf16 warp_specialized=True tiles_per_pass=1``); without it the
-Triton kernel runs through ``foscar.triton.decode``, which takes any of its integer launch arguments.
+``v_axis=channel`` pick the cache's group axes, ``kv_heads=N`` its KV heads (8; the query heads stay 32);
+``backend=cute`` runs ``foscar.decode(..., backend="cute")`` (and ``num_splits``; with any other argument,
+the backend's launch with that config, as ``foscar.bench.kernels`` runs it: ``k_operand=bf16
+warp_specialized=True tiles_per_pass=1``); without it the Triton kernel runs through ``foscar.triton.decode``,
+which takes any of its integer launch arguments.
 """
 import sys
 
@@ -31,7 +32,8 @@ def value(text: str):
 
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
 backend = extra.pop("backend", "triton")
-axes = {"k_axis": extra.pop("k_axis", "token"), "v_axis": extra.pop("v_axis", "token")}
+axes = {"k_axis": extra.pop("k_axis", "token"), "v_axis": extra.pop("v_axis", "token"),
+        "kv_heads": extra.pop("kv_heads", 8)}
 if backend == "triton":
     call = launch.decode
 elif extra:  # a launch config: the backend's variant options (as foscar.bench.kernels' BackendKernel passes)

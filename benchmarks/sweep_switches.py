@@ -1,11 +1,11 @@
 """v1's kernel switches (``foscar.cute.config``) timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
     python benchmarks/sweep_switches.py --variants shipped "PROLOGUE_BY_BITS=2:q_first" "COMBINE_PDL=1" \
-        [--shapes 1:8K,8:32K] [--bits 2 4] [--choose FILE]
+        [--shapes 1:8K,8:32K] [--bits 2 4] [--heads 32:1] [--choose FILE]
 
 Each variant is ``shipped`` (the switches as committed) or ``run_with.py`` words (``NAME=VALUE`` separated by
-spaces, one argument), set on top of the shipped switches. Per shape and bits (random codes, Hq 32, Hkv 8, D 128,
-g 128, token-wise K and V, page 64, shuffled pages): each variant's output is first held to the Triton kernel's
+spaces, one argument), set on top of the shipped switches. Per shape and bits (random codes, Hq 32, Hkv 8 or
+``--heads``, D 128, g 128, token-wise K and V, page 64, shuffled pages): each variant's output is first held to the Triton kernel's
 (a wrong one is printed and not timed), then timed as a CUDA-graph replay with the L2 flushed
 (``fixed_cost.timed``, median of ``--iters``), all in one process. The last columns: each variant's time over the
 first's. With ``--kernels`` the kernels' own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each
@@ -26,6 +26,7 @@ from run_with import SWITCHES, apply, settings
 
 import foscar
 from foscar.bench import make_block_table, random_cache
+from foscar.bench.common import parse_heads
 from foscar.cute import config as cute_config
 
 PAPER = "1:8K,1:32K,1:128K,1:512K,8:8K,8:32K,8:128K,8:512K,64:8K,64:16K,64:32K,64:64K,64:128K"
@@ -42,6 +43,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--heads", type=parse_heads, default=(32, 8), help="HQ:HKV (default 32:8)")
     p.add_argument("--variants", nargs="+", default=["shipped"], help="'shipped' or run_with.py words")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
@@ -57,8 +59,8 @@ def main():
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
         for bits in a.bits:
-            cache = random_cache(foscar.KVFormat(bits, 128, 128), bt, L, kv_heads=8, page=64)
-            q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
+            cache = random_cache(foscar.KVFormat(bits, 128, 128), bt, L, kv_heads=a.heads[1], page=64)
+            q = torch.randn(B, a.heads[0], 128, dtype=torch.bfloat16, device=dev)
             want = foscar.decode(q, cache, backend="triton").double()
             out = torch.empty_like(q)
             times, notes = [], []

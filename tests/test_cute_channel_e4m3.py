@@ -14,7 +14,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 import foscar  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
-from foscar.cute.config import config_for  # noqa: E402
+from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -49,7 +49,8 @@ def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis):
     cfg = config_for(fmt, gqa, 64, "e4m3")
     assert cfg.k_e4m3 and cfg.k_channel and not cfg.q_as_terms
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    assert len(E4M3_WGMMA.findall(ptx)) == 2 * head_dim // 32  # one chain per consumer warpgroup
+    copies = consumer_code_paths(cfg, 2)  # one chain per copy of the consumers' code
+    assert len(E4M3_WGMMA.findall(ptx)) == copies * head_dim // 32
     assert not re.search(r"m64n8k16\.f32\.bf16", ptx), "no BF16 QK product left"
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
     with pytest.raises(ValueError, match="v0"):

@@ -14,7 +14,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 import foscar  # noqa: E402
 from _helpers import V_MAGNITUDES  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
-from foscar.cute.config import config_for  # noqa: E402
+from foscar.cute.config import config_for, consumer_code_paths, consumers_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
 WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.(bf16|f16)\.\1\s+\{[^}]*\},\s*\{([^}]*)\}")
@@ -49,8 +49,8 @@ def test_channel_wise_axes_compile_for_sm90a(k_axis, v_axis, bits, head_dim, pag
     if k_axis == v_axis == "channel" and head_dim == 128:  # token groups of 64 tokens: one tile per group
         config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, page)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
-    consumers = 2 if ws else 1
-    assert len(WGMMA_RS.findall(ptx)) == consumers * (head_dim // 16 + (head_dim // 64) * 4)
+    copies = consumer_code_paths(cfg, 1) if ws else 1  # copies of the consumers' code
+    assert len(WGMMA_RS.findall(ptx)) == copies * (head_dim // 16 + (head_dim // 64) * 4)
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if ws else 0)
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
@@ -63,7 +63,7 @@ def test_two_channel_groups_compile_for_sm90a(k_axis, v_axis, bits, ws):
     (one per m64 half of V^T); the same number of wgmma, no spills."""
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, 64)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
-    assert len(WGMMA_RS.findall(ptx)) == (2 if ws else 1) * (128 // 16 + 2 * 4)
+    assert len(WGMMA_RS.findall(ptx)) == (consumer_code_paths(cfg, 1) if ws else 1) * (128 // 16 + 2 * 4)
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
@@ -82,9 +82,10 @@ def test_warp_specialized_variant_compiles_for_sm90a(bits, head_dim, ctas):
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == 4
     mmas = WGMMA_RS.findall(ptx)
     per_consumer = head_dim // 16 + (head_dim // 64) * 4
-    assert len(mmas) == 2 * per_consumer and len(re.findall(r"wgmma\.mma_async", ptx)) == len(mmas)
+    paths = consumer_code_paths(cfg, ctas)  # 8 columns: one copy of the consumers' code
+    assert len(mmas) == paths * per_consumer and len(re.findall(r"wgmma\.mma_async", ptx)) == len(mmas)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer}\b", ptx)
-    assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer}\b", ptx)) == 2
+    assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer}\b", ptx)) == paths
     assert "mbarrier.try_wait" in ptx or "mbarrier.wait" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
@@ -178,6 +179,44 @@ def test_sixteen_and_thirtytwo_heads_against_the_oracle_gpu(bits, lens, G, num_s
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
     _decode_against_the_oracle(fmt, lens, G, f"GQA {G} error", num_splits=num_splits, warp_specialized=True,
                                ctas_per_sm=ctas)
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """The three-consumer variant (``foscar.cute.config.WIDE_CONSUMERS``) switched on, ``config_for``'s cache
+    cleared around the test."""
+    from _helpers import cute_switches
+    with cute_switches(monkeypatch, WIDE_CONSUMERS=True):
+        yield
+
+
+def test_three_consumers_compile_for_sm90a(wide):
+    """32 columns at one CTA an SM with the three-consumer switch: three consumer loops (one vote each), the
+    partials one a split and consumer; two CTAs an SM and 16 columns keep two consumers."""
+    from foscar.cute.launch import num_parts, split_partials
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    cfg = config_for(fmt, 32, 64, "e4m3")
+    assert cfg.wide and consumers_for(cfg, 1) == 3 and consumers_for(cfg, 2) == 2
+    assert not config_for(fmt, 16, 64, "e4m3").wide and not config_for(fmt, 4, 64, "e4m3", 2).wide
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == consumer_code_paths(cfg, 1) == 3
+    launch = {"warp_specialized": True, "ctas_per_sm": 1, "k_operand": "e4m3", "tiles_per_pass": 1}
+    assert split_partials(fmt, 32, 64, 1, launch) == 3 and split_partials(fmt, 4, 64, 8, launch) == 3
+    assert split_partials(fmt, 32, 64, 1, {**launch, "ctas_per_sm": 2}) == 2
+    assert num_parts(fmt, 5, True, 3) == 15 and num_parts(fmt, 5, False, 3) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,k_operand", [
+    ([3000, 64], 32, 3, {}, "e4m3"), ([4100, 260, 1], 32, None, {}, "bf16"),
+    ([2500, 64], 32, None, {"v_axis": "channel"}, "bf16"), ([1500, 90], 32, 2, {"group_size": 64}, "bf16"),
+    ([3000, 5], 24, 3, {"sink": 4, "recent": 100}, "e4m3")])
+def test_three_consumers_against_the_oracle_gpu(wide, bits, lens, G, num_splits, fmt_kw, k_operand):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, error", num_splits=num_splits,
+                               warp_specialized=True, ctas_per_sm=1, k_operand=k_operand)
 
 
 def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
@@ -390,7 +429,7 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
     cfg = config_for(fmt, gqa, 64, "e4m3")
     assert cfg.k_e4m3 and cfg.k_factors[0] == 512.0
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
-    copies = 2 if ws else 1  # v1: one code path per consumer warpgroup
+    copies = consumer_code_paths(cfg, 1) if ws else 1  # v1: the copies of the consumers' code
     assert len(E4M3_WGMMA.findall(ptx)) == copies * head_dim // 32
     assert not any(op == "bf16" for op, _ in WGMMA_RS.findall(ptx)), "no BF16 QK product left"
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
@@ -502,7 +541,8 @@ def test_three_q_terms_compile_for_sm90a(bits, gqa, cols):
     cfg = config_for(fmt, gqa, 64, "e4m3x3")
     assert cfg.k_e4m3 and cfg.q_terms == 3 and cfg.term_blocks and cfg.qk_cols == 3 * cols
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{3 * cols}k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 4
+    copies = consumer_code_paths(cfg, 2)
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{3 * cols}k32\.f32\.e4m3\.e4m3", ptx)) == copies * 4
     with pytest.raises(UnsupportedError, match="e4m3x3"):
         config_for(fmt, gqa, 64, "e4m3x3", 2)
 
@@ -557,7 +597,8 @@ def test_lazy_channel_v_compiles_for_sm90a(monkeypatch, bits, k_axis, ws):
         plain_cfg = config_for(fmt, 4, 64)
     assert dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
     plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=2 if ws else 1).__ptx__
-    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == (2 if ws else 1)  # one loop per consumer
+    loops = consumer_code_paths(cfg, 2) if ws else 1  # one loop per copy of the consumers' code
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == loops
     assert not re.findall(r"bar\.red\.or\.pred", plain)
     wgmma = re.compile(r"wgmma\.mma_async")
     assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
@@ -582,7 +623,8 @@ def test_lazy_one_tile_compiles_for_sm90a(lazy_one_tile, bits, gqa, k_operand, f
     plain_cfg = config_for(fmt, gqa, 64, k_operand, 1, q_len)
     assert not plain_cfg.lazy_rescale and dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
     plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
-    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == (2 if ws else 1)  # one loop per consumer
+    loops = consumer_code_paths(cfg, ctas) if ws else 1  # one loop per copy of the consumers' code
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == loops
     wgmma = re.compile(r"wgmma\.mma_async")
     assert len(wgmma.findall(ptx)) == len(wgmma.findall(plain))
 

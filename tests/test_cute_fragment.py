@@ -73,7 +73,7 @@ def test_the_kernels_trace_the_index_functions(monkeypatch):
     import foscar
     from foscar.cute import fragment, kernel_v0, kernel_v1, operands
     from foscar.cute.compile import compile_stage1
-    from foscar.cute.config import config_for
+    from foscar.cute.config import config_for, consumer_code_paths
     calls = {}
 
     def spy(module, name):
@@ -90,15 +90,16 @@ def test_the_kernels_trace_the_index_functions(monkeypatch):
             spy(module, name)
     cfg = config_for(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 4, 64)
     compile_stage1(cfg)  # v0: one tile step, the first tile's words loaded before the loop and the next in it
-    compile_stage1(cfg, warp_specialized=True)  # v1: two consumers, each with its tile step and stage reads
+    compile_stage1(cfg, warp_specialized=True)  # v1: each copy of the consumers' code, its tile step and stage reads
+    copies = consumer_code_paths(cfg, 1)
     k_regs, v_regs = TILE_TOKENS * cfg.head_dim // 2 // 128, 4 * cfg.mh * TILE_TOKENS // 16
     v_words = cfg.v_blocks * cfg.mh
-    assert calls == {("foscar.cute.operands", "k_register_source"): 3 * k_regs,
-                     ("foscar.cute.operands", "v_register_source"): 3 * v_regs,
+    assert calls == {("foscar.cute.operands", "k_register_source"): (1 + copies) * k_regs,
+                     ("foscar.cute.operands", "v_register_source"): (1 + copies) * v_regs,
                      ("foscar.cute.kernel_v0", "k_word"): 2 * cfg.k_words,
                      ("foscar.cute.kernel_v0", "v_word"): 2 * v_words,
-                     ("foscar.cute.kernel_v1", "k_word"): 2 * cfg.k_words,
-                     ("foscar.cute.kernel_v1", "v_word"): 2 * v_words}
+                     ("foscar.cute.kernel_v1", "k_word"): copies * cfg.k_words,
+                     ("foscar.cute.kernel_v1", "v_word"): copies * v_words}
 
 
 @pytest.mark.parametrize("m", (64, 128, 256))

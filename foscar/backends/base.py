@@ -74,14 +74,15 @@ class Backend:
         """The launch of ``problem``: its ``num_splits`` (and the kernel's options), decided on the host."""
         return {"num_splits": problem.num_splits}
 
-    def num_parts(self, fmt, config: dict) -> int | None:
-        """The partials a launch of ``config`` writes per (sequence, query head); ``None``: no workspace."""
+    def num_parts(self, problem, config: dict) -> int | None:
+        """The partials a launch of ``config`` for ``problem`` writes per (sequence, query head); ``None``: no
+        workspace."""
         return None
 
     def plan(self, problem, *, workspace: bool = True) -> LaunchPlan:
         """:meth:`launch_config` and, with ``workspace``, the partial buffers :meth:`run` then writes into."""
         config = self.launch_config(problem)
-        parts = self.num_parts(problem.fmt, config) if workspace else None
+        parts = self.num_parts(problem, config) if workspace else None
         ws = None
         if parts is not None:
             from ..splitkv import new_workspace

@@ -63,9 +63,10 @@ class CuteSm90(Backend):
         return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits,
                              step=problem.q_len)._asdict()
 
-    def num_parts(self, fmt, config: dict) -> int:
-        from ..cute.launch import num_parts
-        return num_parts(fmt, config["num_splits"], config["warp_specialized"])
+    def num_parts(self, problem, config: dict) -> int:
+        from ..cute.launch import num_parts, split_partials
+        return num_parts(problem.fmt, config["num_splits"], config["warp_specialized"],
+                         split_partials(problem.fmt, problem.gqa, problem.cache.page_size, problem.q_len, config))
 
     def execute(self, problem, workspace=None, **config) -> None:
         from ..cute.launch import run

@@ -38,9 +38,9 @@ class Triton(Backend):
         _, num_splits, _, _ = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)
         return {"num_splits": num_splits}
 
-    def num_parts(self, fmt, config: dict) -> int:
+    def num_parts(self, problem, config: dict) -> int:
         from ..splitkv import num_window_parts
-        return config["num_splits"] + num_window_parts(fmt)
+        return config["num_splits"] + num_window_parts(problem.fmt)
 
     def execute(self, problem, workspace=None, **config) -> None:
         from ..triton.launch import run

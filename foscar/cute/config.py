@@ -108,12 +108,16 @@ CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
-CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles
+CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
+#: Three consumer warpgroups at one CTA an SM and 32 columns (:attr:`Sm90Config.wide`): more warps for the latency
+#: of GQA 32 (issue slots 43% busy). Off: at 160 registers they spill, and GQA 32 ran slower (``docs/results-h200.md``)
+WIDE_CONSUMERS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
 #: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
 #: v0 runs): launched at 80 a thread (65,536 / 768, rounded down to 8), the producer gives 56 back and
-#: each consumer takes 24 (128 x 56 >= 256 x 24).
+#: each consumer takes 24 (128 x 56 >= 256 x 24). Three consumers (one CTA): 128 x 24 + 384 x 160 <= 65,536.
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
+WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
 #: back 48 (128 x 48 = 256 x 24), keeping 32 for the fold
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
@@ -121,7 +125,22 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
     """v1's (producer, consumer) registers a thread after ``setmaxnreg`` (:data:`WS_REGISTERS`)."""
+    if consumers_for(cfg, ctas_per_sm) == 3:
+        return WS_REGISTERS_WIDE
     return (WS_REGISTERS_FOLD if cfg.producer_fold else WS_REGISTERS)[ctas_per_sm]
+
+
+def consumers_for(cfg, ctas_per_sm: int) -> int:
+    """v1's consumer warpgroups a CTA: 3 for a :attr:`~Sm90Config.wide` configuration at one CTA an SM, else
+    :data:`CONSUMERS`."""
+    return 3 if cfg.wide and ctas_per_sm == 1 else CONSUMERS
+
+
+def consumer_code_paths(cfg, ctas_per_sm: int) -> int:
+    """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers'
+    addresses constants), else one for all (the consumer's index a run-time value: half the instruction
+    footprint; H200, ``docs/results-h200.md``: faster at 16 columns and fewer, slower at 32)."""
+    return consumers_for(cfg, ctas_per_sm) if cfg.cols == MAX_COLS else 1
 
 #: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank); the
 #: element types ``"bf16"``, ``"i32"``, ``"f32"`` (:mod:`foscar.cute.compile` maps them to cutlass types). Every
@@ -217,6 +236,9 @@ class Sm90Config:
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
+    #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 32 columns,
+    #: one tile a pass, alternate tiles
+    wide: bool = False
 
     @property
     def tile_run(self) -> int:
@@ -435,23 +457,23 @@ def default_stages(bits: int, head_dim: int) -> int:
     return DEEP_STAGES if 2 * tile_words(bits, head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
 
 
-def shared_bytes(cfg: Sm90Config) -> int:
-    """An upper estimate of one v1 CTA's shared memory: the stage ring (both tensors' codes and ``(s', z')``
-    and two mbarriers a slot), Q and, channel-wise K, each consumer's two buffers of ``Q s'``, P' (two with a
-    second V channel group), and 8 KB for the reductions, sums and alignment."""
+def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
+    """An upper estimate of one v1 CTA's shared memory (``consumers`` of them): the stage ring (codes, ``(s', z')``,
+    two mbarriers a slot), Q, channel-wise K each consumer's two ``Q s'``, P' (two with a second V channel group), and
+    8 KB for the reductions, sums and alignment."""
     slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
-    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * CONSUMERS if cfg.k_channel and not cfg.producer_fold else 1)
+    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
     if cfg.producer_fold:  # each stage's Q', its corrections and its parameters' barrier
         slot += cfg.cols * cfg.head_dim * 2 + 4 * cfg.cols + 8
-    p_bytes = CONSUMERS * cfg.vc * TILE * cfg.cols * 2
+    p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
-        p_bytes += CONSUMERS * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
-    return cfg.stages * CONSUMERS * slot + q_bytes + p_bytes + 8 * 1024
+        p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
+    return cfg.stages * consumers * slot + q_bytes + p_bytes + 8 * 1024
 
 
 def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
     """Whether ``ctas_per_sm`` v1 CTAs of ``cfg`` fit one SM's shared memory (:func:`shared_bytes`)."""
-    return ctas_per_sm * shared_bytes(cfg) <= SM90_SHARED_BYTES
+    return ctas_per_sm * shared_bytes(cfg, consumers_for(cfg, ctas_per_sm)) <= SM90_SHARED_BYTES
 
 
 def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1, step: int = 1,
@@ -496,7 +518,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     if tiles_per_pass not in TILES_PER_PASS:
         raise InvalidArgumentError("tiles_per_pass", f"one of {TILES_PER_PASS}", tiles_per_pass)
     if fmt.is_fp4:
-        return _fp4(fmt, gqa, page, k_operand, tiles_per_pass, step, stages)
+        from .config_fp4 import fp4_config
+        return fp4_config(fmt, gqa, page, k_operand, tiles_per_pass, step, stages)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -579,22 +602,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
-                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold, p_column_major=P_COLUMN_MAJOR)
+                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
+                      p_column_major=P_COLUMN_MAJOR, wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
+                      and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
 
-
-def _fp4(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, step: int, stages: int | None) -> Sm90Config:
-    """:func:`config_for` of an FP4 block format (:func:`foscar.cute.config_fp4.fp4_config`), after the limits
-    every format shares."""
-    from ..errors import UnsupportedError
-    from ..splitkv import num_window_parts
-    from .config_fp4 import fp4_config
-    if gqa * step > MAX_COLS or page % TILE:
-        raise UnsupportedError(f"gqa={gqa}, q_len={step}, page={page}", f"the CuTe kernels need gqa * q_len <= "
-                               f"{MAX_COLS} query rows per KV head and pages of 64k tokens")
-    if step > 1 and num_window_parts(fmt):
-        raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}",
-                               "the CuTe kernels take steps of several tokens over caches without BF16 windows")
-    prologue = "q_first" if fmt.rotation is not None else PROLOGUE_BY_BITS.get(4, "q_first")
-    return fp4_config(fmt, gqa, page, k_operand, tiles_per_pass, step, stages, columns_for(gqa * step),
-                      LAZY_ONE_TILE, prologue,
-                      COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)))

@@ -402,10 +402,13 @@ def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: 
           else [cfg.v_pivots[0] * sigma[g]] * 2 for g in range(groups)]
     for g in range(groups):
         c = out.corr[g]
-        for e in range(len(p)):
-            h = row_half(e)
-            prev = c[e] if al is None else c[e] * al[s_slot(e)]
-            c[e] = prev + (p[e] * mid[g][h] - cs[g][h] * Float32(q[g][e]))
+        for k in range(len(p) // 2):  # slot k: elements e and e + 2, its two token rows (halves 0 and 1)
+            acc = c[k] if al is None else c[k] * al[k]
+            for e in (4 * (k // 2) + k % 2, 4 * (k // 2) + k % 2 + 2):
+                h = row_half(e)
+                acc = acc + p[e] * mid[g][h]
+                acc = acc - cs[g][h] * Float32(q[g][e])
+            c[k] = acc
 
 
 def store_p_operands(cfg, wg, q: list):

@@ -3,11 +3,12 @@
 Warpgroup 0 is the producer: one thread walks the split's KV tiles through the page table and issues TMA
 copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
-(exact transaction bytes). Warpgroups 1 and 2 are the consumers, on alternating tiles (channel-wise K with
-token groups of two tiles or more: alternating runs of two tiles, :func:`ring_tile`): each waits for its
+(exact transaction bytes). Warpgroups 1 and 2 (and 3 where :attr:`~foscar.cute.config.Sm90Config.wide`, at one
+CTA an SM) are the consumers, on alternating tiles (channel-wise K with token groups of two tiles or more:
+alternating runs of two tiles, :func:`ring_tile`): each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
-writes its own partial (``split * CONSUMERS + c``); the LSE combine merges them with the other splits'.
+writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits'.
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
 Channel-wise K: each consumer folds ``Q'`` before each of its tiles, or (``cfg.producer_fold``) the producer's
 other warps fold it into a ``Q'`` per stage (:meth:`FoldDecodeSm90WS._fold_stages`).
@@ -23,7 +24,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import CONSUMERS, FOLD_WARPS, THREADS, TILE, Sm90Config, slot_column, ws_registers
+from .config import (FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, slot_column,
+                     ws_registers)
 from .fold_map import fold_chunk, fold_param
 from .folds import fold_q, q_sums
 from .fragment import k_word, v_word
@@ -43,8 +45,7 @@ from .warpgroup import (
 )
 
 
-assert CONSUMERS == 2  # the ring's indices below are shifts and masks
-#: the named barrier of both consumer warpgroups (0: the CTA's; 1, 2: each consumer's; 3: Q's staging warpgroup)
+#: the named barrier of every consumer warpgroup (0: the CTA's; 1-3: each consumer's; 5: Q's staging warpgroup)
 CONSUMERS_BARRIER = 4
 
 
@@ -56,11 +57,13 @@ def ring_slot(c, k, stages: int):
     return c * stages + (k & (stages - 1))
 
 
-def ring_tile(i, run: int):
+def ring_tile(i, run: int, consumers: int = 2):
     """``(consumer, k)`` of a split's ``i``-th tile (``i >= 0``): runs of ``run`` consecutive tiles (1 or 2,
-    :attr:`~foscar.cute.config.Sm90Config.tile_run`) go to the consumers in turn, ``k`` the tile's place in its
-    consumer's sequence."""
-    assert run in (1, 2)
+    :attr:`~foscar.cute.config.Sm90Config.tile_run`; 2 with two consumers only) go to the ``consumers`` in turn,
+    ``k`` the tile's place in its consumer's sequence."""
+    assert run in (1, 2) and (run == 1 or consumers == 2)
+    if consumers == 3:
+        return i % 3, i // 3
     if run == 1:
         return i & 1, i >> 1
     return (i >> 1) & 1, ((i >> 2) << 1) | (i & 1)
@@ -79,6 +82,17 @@ def run_bound(n):
     two (:func:`ring_tile`): the loop runs to it and skips the ``k`` whose tile is past the split's end (the exact
     count, a clamp of ``n % 4``, left the tile loop a spilled register)."""
     return (n + 3) >> 1
+
+
+def consumer_buffer(spec: tuple, c):
+    """Consumer ``c``'s buffer (``c`` a run-time value) of a kind allocated for every consumer at a fixed stride
+    (``spec``: ``(base, stride, align, dtype, layout, swizzle)``, :meth:`FoldDecodeSm90WS._shared_memory`): its
+    pointer keeps the kind's alignment (the stride is a multiple of it, and of a swizzle's period), so that its
+    stores stay as wide as a static buffer's."""
+    base, stride, align, dtype, layout, swizzle = spec
+    ptr = cute.make_ptr(dtype, base.toint() + c * stride, cute.AddressSpace.smem, assumed_align=align,
+                        swizzle_=swizzle)
+    return cute.make_tensor(ptr, layout)
 
 
 def ring_phase(k, stages: int):
@@ -104,13 +118,13 @@ class StageRing:
 
 
 class FoldDecodeSm90WS(TileKernel):
-    """v1: a TMA producer warpgroup and two consumer warpgroups, ``ctas_per_sm`` CTAs resident per SM."""
-
-    consumers = CONSUMERS
+    """v1: a TMA producer warpgroup and two (or three, :func:`~foscar.cute.config.consumers_for`) consumer
+    warpgroups, ``ctas_per_sm`` CTAs resident per SM."""
 
     def __init__(self, cfg: Sm90Config, ctas_per_sm: int = 1):
         super().__init__(cfg)
         self.ctas_per_sm = ctas_per_sm
+        self.consumers = consumers_for(cfg, ctas_per_sm)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
@@ -123,9 +137,10 @@ class FoldDecodeSm90WS(TileKernel):
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits), block=(THREADS * (1 + CONSUMERS), 1, 1),
-                                        stream=stream, min_blocks_per_mp=self.ctas_per_sm,
-                                        preferred_smem_carveout=100)  # all of the SM's shared memory
+                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits),
+                                             block=(THREADS * (1 + self.consumers), 1, 1),
+                                             stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+                                             preferred_smem_carveout=100)  # all of the SM's shared memory
 
     def _tma_atoms(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor) -> list:
         """The TMA (atom, tensor) pairs of the pools, by (tile in page, KV head, page): K words, V words (a tile's
@@ -157,7 +172,7 @@ class FoldDecodeSm90WS(TileKernel):
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
                   mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
-        slots = cfg.stages * CONSUMERS
+        slots = cfg.stages * self.consumers
         tidx, _, _ = cute.arch.thread_idx()
         kvh, b, split = cute.arch.block_idx()
         n_kvh, _, n_splits = cute.arch.grid_dim()
@@ -167,11 +182,12 @@ class FoldDecodeSm90WS(TileKernel):
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)  # set once, before any branch (the tile step zeroes accS)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        ring, smems = self._shared_memory(sQ_layout, sP_layout)
+        ring, smem_for = self._shared_memory(sQ_layout, sP_layout)
         full = ring.full
         empty = ring.empty
-        sQ = smems[0].sQ
-        sQsum = smems[0].sQsum
+        smem0 = smem_for(0)
+        sQ = smem0.sQ
+        sQsum = smem0.sQsum
 
         if tidx == 0:
             for i in cutlass.range_constexpr(slots):
@@ -189,12 +205,12 @@ class FoldDecodeSm90WS(TileKernel):
             if role == 0:
                 # a rotated cache: Q rotated in FP32 in the first K stage's words, which no TMA writes before
                 # the barriers below (the fence after them orders these writes before the ring's)
-                assert cfg.cols * cfg.head_dim <= cfg.stages * CONSUMERS * cfg.tile_words  # the rotated Q fits
+                assert cfg.cols * cfg.head_dim <= cfg.stages * self.consumers * cfg.tile_words  # the rotated Q fits
                 sQrot = cute.make_tensor(cute.recast_ptr(ring.sK.iterator, dtype=Float32),
                                          cute.make_layout((1, cfg.cols, cfg.head_dim), stride=(0, cfg.head_dim, 1)))
-                stage_q(cfg, mQ, smems[0], b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
+                stage_q(cfg, mQ, smem0, b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
             cute.arch.sync_threads()
-            q_sums(cfg, sQ, sQsum, tidx, smems[0].sQinv)
+            q_sums(cfg, sQ, sQsum, tidx, smem0.sQinv)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
@@ -207,13 +223,28 @@ class FoldDecodeSm90WS(TileKernel):
             if cutlass.const_expr(cfg.producer_fold):
                 if tidx >= 32:
                     self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
-        for c in cutlass.range_constexpr(CONSUMERS):  # ---- consumers (one code path each: static buffers) --
-            if role == c + 1:
-                cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
-                if cutlass.const_expr(cfg.prologue == "consumer_q"):
-                    self._stage_q_early(c, mQ, smems[0], b, kvh, n_kvh, mRot)
-                self._consume(c, qk_mma, pv_mma, ring, smems[c], mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale,
-                              n_kvh, mTS)
+        if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
+            for c in cutlass.range_constexpr(self.consumers):
+                if role == c + 1:
+                    self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, mOP, mLP, b, kvh, split, t_lo,
+                                   t_hi, n, qk_scale, n_kvh, mRot, mTS)
+        else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
+            if role > 0:
+                self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, mOP, mLP, b, kvh, split,
+                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS)
+
+    @cute.jit
+    def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
+                  smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
+                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor):
+        """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
+        consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it, its tiles
+        (:meth:`_consume`)."""
+        cfg = self.cfg
+        cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
+        if cutlass.const_expr(cfg.prologue == "consumer_q"):
+            self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
+        self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS)
 
     def _ring(self, alloc: SmemAllocator) -> StageRing:
         """The stage ring (:class:`StageRing`), the first of the CTA's shared memory: each slot's packed K and V
@@ -221,7 +252,7 @@ class FoldDecodeSm90WS(TileKernel):
         cfg = self.cfg
         chunk = cfg.tile_words
         ci, co = cfg.tma_box
-        slots = cfg.stages * CONSUMERS
+        slots = cfg.stages * self.consumers
         sK = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
                                    byte_alignment=128)
         sV = alloc.allocate_tensor(Int32, cute.make_layout(((ci, co), slots), stride=((1, ci), chunk)),
@@ -241,58 +272,65 @@ class FoldDecodeSm90WS(TileKernel):
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
-        buffer kind by buffer kind. Returns ``(ring, [consumer c's WarpgroupSmem])``."""
+        buffer kind by buffer kind, the consumers' buffers of a kind one after another at a fixed stride (so
+        that one code path serves every consumer, its index a run-time value). Returns ``(ring, smem_for)``,
+        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`."""
         cfg = self.cfg
         alloc = SmemAllocator()
         ring = self._ring(alloc)
         sQ = alloc.allocate_tensor(q_element_type(cfg), sQ_layout.outer, byte_alignment=1024,
                                    swizzle=sQ_layout.inner)
         sQsum = alloc.allocate_tensor(Float32, cute.make_layout((cfg.cols, cfg.kc)), byte_alignment=16)
+        n = self.consumers
 
-        def each(make):
-            return [make() for _ in range(CONSUMERS)]
+        def each(dtype, layout, align: int = 16, swizzle=None):
+            """``n`` buffers of ``layout`` at a stride of whole ``align`` bytes: ``(base, stride, align, dtype,
+            layout, swizzle)``, viewed by :func:`consumer_buffer`."""
+            size = cute.cosize(layout) * dtype.width // 8
+            stride = (size + align - 1) // align * align
+            return alloc.allocate(n * stride, align), stride, align, dtype, layout, swizzle
 
-        def p_buffer():
-            return alloc.allocate_tensor(Float16, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
-
-        sP = each(p_buffer)
-        sP2 = each(p_buffer) if cfg.vc == 2 else sP  # token-wise V with two channel groups: the second P'
-        sRed = each(lambda: alloc.allocate_tensor(Float32, reduction_layout(cfg), byte_alignment=16))
-        sSum = each(lambda: alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16))
+        sP = each(Float16, sP_layout.outer, 1024, sP_layout.inner)
+        sP2 = each(Float16, sP_layout.outer, 1024, sP_layout.inner) if cfg.vc == 2 else sP  # the second group's
+        sRed = each(Float32, reduction_layout(cfg))
+        sSum = each(Float32, cute.make_layout((4, cfg.cols)))
         # channel-wise K's Q s' (BF16 K operands): each consumer's two buffers, or the stages' (producer_fold)
-        sQk = [ring.sQk] * CONSUMERS
-        sKf = [ring.sKf] * CONSUMERS
+        sQk = sKf = None
         if cutlass.const_expr(cfg.k_channel and not cfg.producer_fold):
             qk_layout = sqk_layout(cfg, 2)
-            sQk = each(lambda: alloc.allocate_tensor(qk_element_type(cfg), qk_layout.outer, byte_alignment=1024,
-                                                     swizzle=qk_layout.inner))
-            sKf = each(lambda: alloc.allocate_tensor(Float32, kf_layout(cfg), byte_alignment=16))
-        sMx = [None] * CONSUMERS  # MXFP4: each consumer's V scale bits (operands_fp4.publish_v_scale_bits)
+            sQk = each(qk_element_type(cfg), qk_layout.outer, 1024, qk_layout.inner)
+            sKf = each(Float32, kf_layout(cfg))
+        sMx = None  # MXFP4: each consumer's V scale bits (operands_fp4.publish_v_scale_bits)
         if cutlass.const_expr(cfg.fp4_mx):
-            sMx = each(lambda: alloc.allocate_tensor(Int32, cute.make_layout(cfg.fp4_blocks * TILE * cfg.tiles_per_pass),
-                                                     byte_alignment=16))
+            sMx = each(Int32, cute.make_layout(cfg.fp4_blocks * TILE * cfg.tiles_per_pass))
         sQinv = sQred = None
         if cutlass.const_expr(cfg.q_scaled):
             sQinv = alloc.allocate_tensor(Float32, cute.make_layout(cfg.cols), byte_alignment=16)
             sQred = alloc.allocate_tensor(Float32, cute.make_layout((4, cfg.cols)), byte_alignment=16)
-        return ring, [WarpgroupSmem(sQ, sQsum, [sP[c], sP2[c]], sRed[c], sSum[c], sQk[c], sKf[c], sQinv,
-                                    sQred, sMx[c]) for c in range(CONSUMERS)]
+
+        def smem_for(c) -> WarpgroupSmem:
+            qk = (ring.sQk, ring.sKf) if sQk is None else (consumer_buffer(sQk, c), consumer_buffer(sKf, c))
+            return WarpgroupSmem(sQ, sQsum, [consumer_buffer(sP, c), consumer_buffer(sP2, c)],
+                                 consumer_buffer(sRed, c), consumer_buffer(sSum, c), qk[0], qk[1], sQinv, sQred,
+                                 None if sMx is None else consumer_buffer(sMx, c))
+
+        return ring, smem_for
 
     @cute.jit
-    def _stage_q_early(self, c: cutlass.Constexpr, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
+    def _stage_q_early(self, c, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
                        mRot: cute.Tensor):
         """Q^T and sum(Q) by the first consumer while the producer copies (``cfg.prologue``), between two
-        barriers of both consumers (:data:`CONSUMERS_BARRIER`): Q staged, then its sums and the fence that
+        barriers of every consumer (:data:`CONSUMERS_BARRIER`): Q staged, then its sums and the fence that
         orders the writes before the MMAs read them."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx - THREADS  # the first consumer's threads 0..127 (the second's past the sums' threads)
-        if cutlass.const_expr(c == 0):
+        if c == 0:
             stage_q(cfg, mQ, smem, b, kvh, ctid, mRot, None, lambda col: self.query_row(col, kvh, n_kvh))
-        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=CONSUMERS * THREADS)
+        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
         q_sums(cfg, smem.sQ, smem.sQsum, ctid, smem.sQinv)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=CONSUMERS * THREADS)
+        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
 
     def _tma_views(self, tma: tuple, ring: StageRing):
         """The TMA partitions of the pools and of the ring's stages: ``(tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs,
@@ -314,7 +352,7 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):
         """The producer's work for one KV tile (its page read from the page table ``mBT``): once the stage of
-        consumer ``(tile - t_lo) % CONSUMERS`` that it goes to is empty, its four TMA copies (K words, V words,
+        consumer ``(tile - t_lo) % consumers`` that it goes to is empty, its four TMA copies (K words, V words,
         K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it
         (a TMA copy is issued by one lane elected with ``elect.sync`` over the whole warp: the warp's other lanes
         have left the producer's code by then; lanes still working elsewhere in the loop would never join it)."""
@@ -324,7 +362,7 @@ class FoldDecodeSm90WS(TileKernel):
         tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg = views
         full = ring.full
         empty = ring.empty
-        c, k = ring_tile(tile - t_lo, cfg.tile_run)
+        c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
         slot = ring_slot(c, k, cfg.stages)
         t0 = tile * TILE
         page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
@@ -357,7 +395,7 @@ class FoldDecodeSm90WS(TileKernel):
         threads = FOLD_WARPS * 32
         _, fc = fold_chunk(cfg.head_dim, ftid, 0, threads)
         for tile in cutlass.range(t_lo, t_hi, unroll=1):
-            c, k = ring_tile(tile - t_lo, cfg.tile_run)
+            c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
             slot = ring_slot(c, k, cfg.stages)
             cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
             fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, lambda j: ring.sKP[fold_param(cfg.head_dim, fc, j), slot])
@@ -367,10 +405,10 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_arrive(ring.full + slot)
 
     @cute.jit
-    def _consume(self, c: cutlass.Constexpr, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
+    def _consume(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
                  qk_scale: Float32, n_kvh, mTS: cute.Tensor):
-        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + CONSUMERS, ...`` from its stage ring, or its runs
+        """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + consumers, ...`` from its stage ring, or its runs
         of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`ring_tile`)."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -393,11 +431,11 @@ class FoldDecodeSm90WS(TileKernel):
                     regs.par[o + 2 * r + 1] = Float32(0.0)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
-            for tile in cutlass.range(t_lo + c, t_hi, 2 * CONSUMERS, unroll=1):
-                k = (tile - t_lo) >> 1  # (tile - t_lo) // CONSUMERS, even
+            for tile in cutlass.range(t_lo + c, t_hi, 4, unroll=1):  # two consumers (config: not wide)
+                k = (tile - t_lo) >> 1  # (tile - t_lo) // 2, even
                 slot = ring_slot(c, k, cfg.stages)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
-                has_b = tile + CONSUMERS < t_hi
+                has_b = tile + 2 < t_hi
                 if has_b:
                     slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
                 cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
@@ -405,7 +443,7 @@ class FoldDecodeSm90WS(TileKernel):
                     cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
-                t0_b = second_tile_start(tile + CONSUMERS, t_hi, n)
+                t0_b = second_tile_start(tile + 2, t_hi, n)
                 slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
                 if thr.half == 1:
                     slot_own = slot_b
@@ -418,19 +456,22 @@ class FoldDecodeSm90WS(TileKernel):
                     self._read_params(ring, slot_own, regs, thr_c, thr)
                     self._release_pair(ring, slot, slot_b, has_b)
                     state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
+        elif cutlass.const_expr(cfg.tile_run == 1 and self.consumers == 3):  # every third tile
+            for k in cutlass.range(0, (t_hi - t_lo - c + 2) // 3, unroll=1):
+                state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, t_lo + c + 3 * k)
         elif cutlass.const_expr(cfg.tile_run == 1):  # alternate tiles
-            for tile in cutlass.range(t_lo + c, t_hi, CONSUMERS, unroll=1):
+            for tile in cutlass.range(t_lo + c, t_hi, 2, unroll=1):
                 state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, (tile - t_lo) >> 1, tile)
         else:  # runs of two tiles (channel-wise K: one Q' fold for both)
             for k in cutlass.range(0, run_bound(t_hi - t_lo), unroll=1):
                 tile = t_lo + run_tile(c, k, 2)
                 if tile < t_hi:
                     state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, tile)
-        self._epilogue(wg, state, mOP, mLP, b, kvh, split * CONSUMERS + c, n_kvh)
+        self._epilogue(wg, state, mOP, mLP, b, kvh, split * self.consumers + c, n_kvh)
 
     @cute.jit
     def _consume_tile(self, wg: Warpgroup, ring: StageRing, regs: TileRegisters, state, thr_c: cute.Tensor,
-                      thr: WarpgroupThread, c: cutlass.Constexpr, k, tile):
+                      thr: WarpgroupThread, c, k, tile):
         """Consumer ``c``'s ``k``-th tile (the split's tile ``tile``), one tile a pass: its stage into registers
         (channel-wise K: ``Q'`` folded from the stage's ``(s', z')`` at a new token group), the stage freed, the
         tile step. Returns the new state."""

@@ -192,13 +192,27 @@ def _same_variant(tuned: dict, warp_specialized: bool | None, ctas_per_sm: int |
     return ctas_per_sm is None or not tuned_ws or tuned.get("ctas_per_sm", WS_CTAS_PER_SM) == ctas_per_sm
 
 
-def num_parts(fmt, num_splits: int, warp_specialized: bool = False) -> int:
-    """The partials of one (sequence, query head): one per split (v1: one per split and consumer), then the
-    BF16 windows' where the combine does not attend them itself (:data:`~foscar.cute.config.COMBINE_WINDOWS`)."""
+def num_parts(fmt, num_splits: int, warp_specialized: bool = False, consumers: int | None = None) -> int:
+    """The partials of one (sequence, query head): one per split (v1: one per split and consumer, ``consumers``
+    of them, :data:`~foscar.cute.config.CONSUMERS` unless given: :func:`split_partials`), then the BF16 windows'
+    where the combine does not attend them itself (:data:`~foscar.cute.config.COMBINE_WINDOWS`)."""
     from ..splitkv import num_window_parts
     from .config import CONSUMERS, combine_attends_windows
-    return (CONSUMERS if warp_specialized else 1) * num_splits + (0 if combine_attends_windows(fmt) else
-                                                                  num_window_parts(fmt))
+    per_split = (consumers or CONSUMERS) if warp_specialized else 1
+    return per_split * num_splits + (0 if combine_attends_windows(fmt) else num_window_parts(fmt))
+
+
+def split_partials(fmt, G: int, page: int, step: int, config: dict) -> int:
+    """The partials one split of a launch ``config`` (:class:`LaunchConfig` as a dict) writes per (sequence, query
+    head): v1's consumer warpgroups (:func:`~foscar.cute.config.consumers_for`), v0's one. A step of more rows
+    than the columns runs as the rows of a causal view, one token each (:func:`run`)."""
+    from .config import config_for, consumers_for, max_rows
+    if not config["warp_specialized"]:
+        return 1
+    if G * step > max_rows(fmt):
+        step = 1
+    cfg = config_for(fmt, G, page, config["k_operand"], config["tiles_per_pass"], step)
+    return consumers_for(cfg, config["ctas_per_sm"])
 
 
 @functools.lru_cache(maxsize=16)
@@ -281,7 +295,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                                  or (cfg.k_channel and cfg.k_e4m3) or cfg.fp4_block):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
-    parts = num_parts(fmt, num_splits, warp_specialized)  # the BF16 windows: partials after the splits
+    from .config import consumers_for
+    parts = num_parts(fmt, num_splits, warp_specialized, consumers_for(cfg, ctas))  # windows: after the splits
     o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
                                       cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back

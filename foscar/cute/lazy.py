@@ -68,10 +68,10 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
         sigma = p_scales(cfg, wg, out, step, tv)
         mn_use, al, th = _raised(mu_old, softmax.thr, tm)
         out.scale_to(al, sigma)
-        for e in cutlass.range_constexpr(n_el):
-            softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
+        for k in cutlass.range_constexpr(slots):
+            softmax.sums[k] = softmax.sums[k] * al[k]
             for g in cutlass.range_constexpr(groups):
-                out.corr[g][e] = out.corr[g][e] * al[s_slot(e)]
+                out.corr[g][k] = out.corr[g][k] * al[k]
         p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
         q2 = p_operands(cfg, sc.v, p2, sigma)
         store_p_operands(cfg, wg, q2)
@@ -79,8 +79,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
         _keep(kept, p2, q2, mn_use, th, sigma)
     sigma_new = [st[g] for g in range(groups)]
     p_new = [pt[e] for e in range(n_el)]
-    for e in cutlass.range_constexpr(n_el):
-        softmax.sums[e] = softmax.sums[e] + p_new[e]
+    add_slot_sums(softmax.sums, p_new)
     gather_offset_corrections(cfg, out, sc.v, p_new, [[qt[g][e] for e in range(n_el)] for g in range(groups)],
                               sigma_new)
     softmax.m = [mt[k] for k in range(slots)]
@@ -122,17 +121,24 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
         tm, _ = tile_maxima(cfg, thr, sRed, step, s, None)  # channel-wise V: no P' units
         mn_use, al, th = _raised(mu_old, softmax.thr, tm)
         out.scale_to(al, out.sigma)
-        for e in cutlass.range_constexpr(n_el):
-            softmax.sums[e] = softmax.sums[e] * al[s_slot(e)]
+        for k in cutlass.range_constexpr(slots):
+            softmax.sums[k] = softmax.sums[k] * al[k]
         p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
         publish_p(cfg, wg, [Float16(x) for x in p2], buf)  # the column sums' slots: read by no one yet
         cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
         _keep((pt, [], mt, ht, []), p2, [], mn_use, th, [])
-    for e in cutlass.range_constexpr(n_el):
-        softmax.sums[e] = softmax.sums[e] + pt[e]
+    add_slot_sums(softmax.sums, [pt[e] for e in range(n_el)])
     softmax.m = [mt[k] for k in range(slots)]
     softmax.thr = [ht[k] for k in range(slots)]
     return softmax, out, p_column_sums(cfg, wg, buf, n_el // 2)
+
+
+def add_slot_sums(sums: cute.Tensor, p: list):
+    """A pass's ``P`` (element ``e``: column slot :func:`~foscar.cute.config.s_slot`) added to the running sums
+    by column slot, a slot's two token rows in turn."""
+    for k in range(cute.size(sums)):
+        e = 4 * (k // 2) + k % 2
+        sums[k] = (sums[k] + p[e]) + p[e + 2]
 
 
 def _raised(mu: list, thr: list, tm: list):

@@ -67,7 +67,8 @@ def qk_element_type(cfg: Sm90Config):
     return Float8E4M3FN if cfg.k_e4m3 else BFloat16
 
 
-Q_LOAD_BARRIER = 3  #: the named barrier of the warpgroup that stages Q as E4M3 terms (1, 2: the consumers)
+#: the named barrier of the warpgroup that stages Q as E4M3 terms (1-3: the consumers', 4: all of theirs)
+Q_LOAD_BARRIER = 5
 
 
 def q_element_type(cfg: Sm90Config):

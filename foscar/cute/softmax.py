@@ -21,8 +21,9 @@ from .config import HEADS, THREADS, s_slot
 
 class OnlineSoftmax:
     """The running maxima ``m`` of this thread's ``2 nb`` columns (base 2, scaled scores; a list by column
-    slot) and the running sums ``sums`` of ``exp2(s - m)`` per accumulator element (a ``4 nb``-register
-    tensor, summed over the token rows at the end: :func:`column_sums`). A run-time loop carries ``m``.
+    slot) and the running sums ``sums`` of ``exp2(s - m)`` per column slot (a ``2 nb``-register tensor: the
+    thread's two token rows of the slot, summed over the warpgroup's rows at the end: :func:`column_sums`). A
+    run-time loop carries ``m``.
     ``guard`` (a step of several tokens): a column may see no token of a tile or of a whole split (its
     causal limit), and its maximum stays ``-inf``; the exponentials then take 0 in its place, so that
     ``exp2(-inf - -inf)`` never makes a NaN of an empty column.
@@ -57,22 +58,24 @@ class OnlineSoftmax:
         """``P = exp2(S - m)`` of a tile's elements ``s`` under the running maxima, added to the running sums
         (rescaled by ``al``, :meth:`advance`)."""
         p = [cute.math.exp2(s[e] - self.m_use[s_slot(e)], fastmath=True) for e in range(len(s))]
-        for e in range(len(s)):
-            self.sums[e] = self.sums[e] * al[s_slot(e)] + p[e]
+        for k in range(len(s) // 2):  # slot k: elements e and e + 2 (its two token rows)
+            e = 4 * (k // 2) + k % 2
+            self.sums[k] = (self.sums[k] * al[k] + p[e]) + p[e + 2]
         return p
 
 
 @dsl_user_op
-def barrier_any(pred: Int32, barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> Int32:
-    """Named barrier ``barrier_id`` of ``number_of_threads`` (``bar.red.or.pred``) that also returns, to every
-    thread, whether ``pred`` is nonzero in any of them: 1 or 0, the same in all. Orders shared memory as
-    ``bar.sync`` does. (NVVM's barrier op takes a reduction on barrier 0 only: inline PTX.)"""
+def barrier_any(pred: Int32, barrier_id, number_of_threads: int, *, loc=None, ip=None) -> Int32:
+    """Named barrier ``barrier_id`` (an int or a warp-uniform run-time value) of ``number_of_threads``
+    (``bar.red.or.pred``) that also returns, to every thread, whether ``pred`` is nonzero in any of them: 1 or 0,
+    the same in all. Orders shared memory as ``bar.sync`` does. (NVVM's barrier op takes a reduction on barrier 0
+    only: inline PTX.)"""
     return Int32(llvm.inline_asm(
-        T.i32(), [Int32(pred).ir_value(loc=loc, ip=ip)],
+        T.i32(), [Int32(pred).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
-        f"bar.red.or.pred q, {int(barrier_id)}, {int(number_of_threads)}, p;\n\t"
+        f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n\t"
         "selp.u32 $0, 1, 0, q;\n\t}",
-        "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        "=r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip))
 
 
@@ -175,14 +178,14 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
 
 @cute.jit
 def column_sums(el: cute.Tensor, sSum: cute.Tensor, thr) -> list:
-    """Sums over a tile's 64 token rows of per-element values ``el`` (``4 nb`` elements, element e: column
-    slot :func:`~foscar.cute.config.s_slot`): lanes sharing the columns, then the four warps through
-    ``sSum`` (``[4, cols]``). Returns the sums by column slot."""
+    """Sums over a tile's 64 token rows of per-slot values ``el`` (``2 nb``, by column slot: each the sum of
+    the thread's two token rows): lanes sharing the columns, then the four warps through ``sSum``
+    (``[4, cols]``). Returns the sums by column slot."""
     warp = thr.warp
     lane = thr.lane
     quad = thr.quad
-    slots = cute.size(el) // 2
-    c = [el[4 * (k // 2) + k % 2] + el[4 * (k // 2) + k % 2 + 2] for k in range(slots)]
+    slots = cute.size(el)
+    c = [el[k] for k in range(slots)]
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             c[k] = c[k] + cute.arch.shuffle_sync_bfly(c[k], 4 << sh)

@@ -194,9 +194,9 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     acc.fill(0.0)
     kw = cute.make_rmem_tensor(cute.make_layout(cfg.k_words), Int32)
     vw = cute.make_rmem_tensor(cute.make_layout((cfg.mh, cfg.v_blocks)), Int32)
-    n_el = 4 * cfg.nb  # S^T elements per thread
-    sums = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
-    corr = [cute.make_rmem_tensor(cute.make_layout(n_el), Float32) for _ in range(2)]  # one per V channel group
+    slots = 2 * cfg.nb  # column slots per thread: the sums and corrections join a slot's two token rows
+    sums = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    corr = [cute.make_rmem_tensor(cute.make_layout(slots), Float32) for _ in range(2)]  # one per V channel group
     sums.fill(0.0)
     for c in corr:
         c.fill(0.0)
