@@ -741,6 +741,46 @@ def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
     assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
 
 
+@pytest.fixture
+def stacked(monkeypatch):
+    """Q's E4M3 terms stacked along the contraction (``foscar.cute.config.STACKED_TERMS``) switched on,
+    ``config_for``'s cache cleared around the test."""
+    from _helpers import cute_switches
+    with cute_switches(monkeypatch, STACKED_TERMS=True):
+        yield
+
+
+@pytest.mark.parametrize("bits,gqa,step,ctas,k_operand", [
+    (2, 32, 1, 1, "e4m3"), (4, 4, 4, 2, "e4m3"),
+    pytest.param(4, 16, 1, 2, "e4m3", marks=pytest.mark.slow),
+    pytest.param(2, 16, 1, 2, "e4m3x3", marks=pytest.mark.slow)])
+def test_stacked_terms_compile_for_sm90a(stacked, bits, gqa, step, ctas, k_operand):
+    """Q's terms along the contraction at 16 and 32 columns (``Sm90Config.stacked_terms``): one ``m64n{cols}k32``
+    chain ``q_terms D / 32`` deep per copy of the consumers' code, K's A registers taken by every term, no spills;
+    8 columns keep the column blocks."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, gqa, 64, k_operand, step=step)
+    assert cfg.stacked_terms and cfg.qk_cols == cfg.cols and cfg.qk_depth == cfg.q_terms * 128
+    assert not config_for(fmt, 8, 64, "e4m3").stacked_terms
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
+    mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.cols}k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(mma) == consumer_code_paths(cfg, ctas) * cfg.q_terms * 128 // 32
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,k_operand", [
+    ([3000, 64], 16, 3, {}, "e4m3"), ([3000, 64], 32, 3, {}, "e4m3"), ([700, 9], 24, None, {}, "e4m3"),
+    ([4100, 260], 32, None, {"v_axis": "channel"}, "e4m3"), ([2000, 33], 16, 2, {"rotation": "hadamard"}, "e4m3"),
+    ([1500, 90], 12, None, {"group_size": 64}, "e4m3"), ([3000, 64], 16, 3, {}, "e4m3x3")])
+def test_stacked_terms_against_the_oracle_gpu(stacked, bits, lens, G, num_splits, fmt_kw, k_operand):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, f"stacked E4M3 terms GQA {G}: error", num_splits=num_splits,
+                               warp_specialized=True, k_operand=k_operand)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))

@@ -182,6 +182,27 @@ def test_split_terms(terms):
     assert err <= 16 / 224 * 16.0 ** -(terms - 1), err
 
 
+@pytest.mark.parametrize("terms", (2, 3))
+def test_terms_rounded_in_place(terms):
+    """Terms rounded where they sit (``in_place``: stacked along the contraction, summed by the tensor core):
+    E4M3 values times ``2^-e``, the first the scaled rounding's, the sum as close to ``x`` as the scaled terms'
+    bound plus half a subnormal step (``2^-10 2^-e``)."""
+    g = torch.Generator().manual_seed(terms)
+    x = (torch.randn(64, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g))).float()
+    x[:, :8] *= 2.0 ** -12  # small values in every row: residuals below the normal range
+    e = scale_exponent(x.double().abs().amax(-1, keepdim=True))
+    scaled, placed = split_terms(x, terms, (-1,)), split_terms(x, terms, (-1,), in_place=True)
+    assert torch.equal(scaled[0], placed[0])
+    for p in placed:
+        v = torch.ldexp(p, e)
+        assert torch.equal(round_e4m3(v), v) and float(v.abs().max()) <= E4M3_MAX
+    top = x.double().abs().amax(-1)
+    err = ((x.double() - sum(placed)).abs().amax(-1) / top)
+    bound = 16 / 224 * 16.0 ** -(terms - 1) + torch.ldexp(torch.full_like(top, 2.0 ** -10), -e[:, 0]) / top
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert not torch.equal(sum(scaled), sum(placed))  # the small values' residuals round apart
+
+
 def test_term_product_is_the_exact_sum_rounded_once_per_term():
     g = torch.Generator().manual_seed(2)
     y = torch.randint(0, 16, (64, 128), generator=g).double() * 2.0 ** -9

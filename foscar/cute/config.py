@@ -50,12 +50,9 @@ PROLOGUES = ("q_first", "consumer_q")
 #: 0.88-0.98x the time of ``q_first`` (B 1, L 8K 15.0 -> 13.2 us) and INT4 1.0-1.14x (Q's staging in the
 #: consumer's code costs INT4's consumers spills)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
-#: The split merge as a programmatic dependent launch (PDL): the CuTe combine launched with programmatic stream
-#: serialization waits for stage 1's grid (``griddepcontrol.wait``) after its own prologue, and every v1 CTA
-#: signals it (``griddepcontrol.launch_dependents``) as it starts, so that the combine's launch and prologue
-#: overlap stage 1 (the combine's CTAs launch once every stage-1 CTA has started, and wait). Correct on the H200
-#: (its GPU tests) and neutral there (``benchmarks/sweep_switches.py``, seven paper shapes: geomean 0.992 INT2,
-#: 0.997 INT4; the merge still ends 2.0-2.3 us after stage 1, its own latency once released), so off
+#: The split merge as a programmatic dependent launch (PDL): the combine waits for stage 1's grid
+#: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct on the H200 and
+#: neutral there (geomean 0.992 INT2, 0.997 INT4, ``docs/results-h200.md``), so off
 COMBINE_PDL = False
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
@@ -86,21 +83,18 @@ def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
 #: accumulation. H200 (``docs/results-h200.md``): INT4's error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the
 #: time; INT2's 5% lower for 4-6%, so INT4 only, up to 4 query rows (beyond, spills: GQA 16 INT4 200.3 us)
 QK_PROMOTE_BITS = (4,)
-#: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no
-#: offset; :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection gives
-#: ``q + 2^(10 - shl)``: with injection the PV chain carries the offset times the sum of P' until the next fold
-#: of the corrections (every :data:`CORRECTION_TILES` tiles), and the tensor core's FP32 sum, truncating, loses
-#: bits to it at every step. Measured on the H200 (``benchmarks/split_error.py``, stress input, L 16K): with
-#: injection the error grows with a split's tiles up to 8 a consumer (INT4 2.2e-4 at 1, 8.3e-4 at 8 or more;
-#: INT2 2.5e-4 -> 1.7e-3), by placement 2.1-2.4e-4 at any split count, for the same time (geomean 0.999, 1.009)
+#: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
+#: :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection (``q + 2^(10 - shl)``) makes the
+#: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: on the H200 the
+#: error grew with a split's tiles by injection (INT2 2.5e-4 -> 1.7e-3), not by placement, for the same time
 V_PLACEMENT = True
 #: P^T column-major (:attr:`Sm90Config.p_column_major`, 32-bit P stores): off until its GPU suite runs
 P_COLUMN_MAJOR = False
-#: Channel-wise K's ``Q'`` built by v1's producer warpgroup (its three warps besides the TMA issuer) into a ``Q'``
-#: per stage, from the stage's ``(s', z')``, where each consumer builds it before each of its tiles
-#: (:attr:`Sm90Config.producer_fold`): the fold and its chain of latencies leave the consumers' tile step (472 ->
-#: 329 SASS instructions a tile, INT2). Correct on the H200 (its oracle tests) but only 3-5% faster (B 8, L 128K,
-#: ``docs/bench/h200/axes-producer-fold.json``): the fold is not what bounds channel-wise K, so off
+#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
+#: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
+STACKED_TERMS = False
+#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
+#: consumer: correct on the H200 but 3-5% faster only (``docs/bench/h200/axes-producer-fold.json``), so off
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
 #: off (``config_for`` refuses it) until its GPU tests run; SASS a tile 694 against BF16 K's 644 (INT2, GQA 4)
@@ -236,6 +230,10 @@ class Sm90Config:
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
+    #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
+    #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
+    #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
+    stacked_terms: bool = False
     #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 32 columns,
     #: one tile a pass, alternate tiles
     wide: bool = False
@@ -290,9 +288,14 @@ class Sm90Config:
 
     @property
     def qk_cols(self) -> int:
-        """The N of the QK product: :attr:`q_terms` times the columns with :attr:`term_blocks`, else the
-        columns."""
-        return self.q_terms * self.cols if self.term_blocks else self.cols
+        """The N of the QK product: :attr:`q_terms` times the columns with :attr:`term_blocks` (unless
+        :attr:`stacked_terms`), else the columns."""
+        return self.q_terms * self.cols if self.term_blocks and not self.stacked_terms else self.cols
+
+    @property
+    def qk_depth(self) -> int:
+        """The contraction of the QK product: the head dim, :attr:`q_terms` times it with :attr:`stacked_terms`."""
+        return self.q_terms * self.head_dim if self.stacked_terms else self.head_dim
 
     @property
     def red_slots(self) -> int:
@@ -603,6 +606,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=P_COLUMN_MAJOR, wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
+                      p_column_major=P_COLUMN_MAJOR,
+                      stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
+                      wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
                       and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
 

@@ -82,7 +82,8 @@ class OutputAccumulator:
 def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     """``sum(Q)`` of the BF16 operand per head and channel group of a token-wise K (``sQsum[h, c]``): the
     acc-fold's offset term. E4M3 K operands: of the operand the MMA consumes, ``(t_0 + t_1 / 16 + ...) 2^-e``
-    from the terms (``sQinv``: each head's ``2^-e``), 0 past the heads."""
+    from the terms (stacked along the contraction: ``(t_0 + t_1 + ...) 2^-e``; ``sQinv``: each head's
+    ``2^-e``), 0 past the heads."""
     D = cfg.head_dim
     if cutlass.const_expr(cfg.q_as_terms):
         from .operands_e4m3 import term_columns
@@ -94,9 +95,14 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
             acc_q = Float32(0.0)
             if h < cfg.rows:
                 for p in cutlass.range(width, unroll=8):
-                    x = sQ[(cfg.q_terms - 1) * gp + h, c * width + p].to(Float32)
-                    for k in cutlass.range_constexpr(cfg.q_terms - 2, -1, -1):
-                        x = sQ[k * gp + h, c * width + p].to(Float32) + x * 0.0625
+                    if cutlass.const_expr(cfg.stacked_terms):  # block j: term q_terms - 1 - j, the smallest first
+                        x = sQ[h, c * width + p].to(Float32)
+                        for j in cutlass.range_constexpr(1, cfg.q_terms):
+                            x = x + sQ[h, j * D + c * width + p].to(Float32)
+                    else:
+                        x = sQ[(cfg.q_terms - 1) * gp + h, c * width + p].to(Float32)
+                        for k in cutlass.range_constexpr(cfg.q_terms - 2, -1, -1):
+                            x = sQ[k * gp + h, c * width + p].to(Float32) + x * 0.0625
                     acc_q += x
                 acc_q = acc_q * sQinv[h]
             if cutlass.const_expr(cfg.kc == 1):

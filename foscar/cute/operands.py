@@ -40,7 +40,7 @@ def mmas_and_layouts(cfg: Sm90Config):
                                              (1, 1, 1), (TILE, cfg.cols), warpgroup.OperandSource.RMEM)
     if cutlass.const_expr(cfg.q_as_terms):
         from .operands_e4m3 import sq_layout_e4m3
-        sQ_layout = sq_layout_e4m3(cfg.head_dim, cfg.qk_cols)
+        sQ_layout = sq_layout_e4m3(cfg.qk_depth, cfg.qk_cols)
     else:  # BF16 (FP4 formats: FP16) Q^T: the QK product's B operand, or channel-wise K's source of Q'
         q_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, q_element_type(cfg))
         sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))

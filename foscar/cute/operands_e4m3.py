@@ -306,16 +306,22 @@ def store_q_terms(sQ: cute.Tensor, col_hi, col_lo, p, q: Float32, scale: Float32
     store_q_term_list(sQ, [col_hi, col_lo], p, q, scale)
 
 
-def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32):
-    """One channel of Q as ``len(cols)`` E4M3 terms at contraction index ``p`` of columns ``cols``: ``r_0 = q
-    2^e``, term ``k`` is ``t_k = e4m3(r_k)``, ``r_{k+1} = (r_k - t_k) 16`` (each remainder exact in FP32), as
-    :func:`foscar.e4m3.split_terms` forms them."""
+def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32, grow: float = 16.0):
+    """One channel of Q as ``len(cols)`` E4M3 terms at contraction index ``p`` of columns ``cols`` (or at
+    ``(column, index)`` pairs, ``p`` then unused): ``r_0 = q 2^e``, term ``k`` is ``t_k = e4m3(r_k)``,
+    ``r_{k+1} = (r_k - t_k) grow`` (each remainder exact in FP32), as :func:`foscar.e4m3.split_terms` forms them
+    (``grow`` 1: each term rounded where it sits, ``in_place``)."""
     r = q * scale
     for k in range(len(cols)):
         t = r.to(Float8E4M3FN)
-        sQ[cols[k], p] = t
+        if isinstance(cols[k], tuple):
+            sQ[cols[k]] = t
+        else:
+            sQ[cols[k], p] = t
         if k + 1 < len(cols):
-            r = (r - t.to(Float32)) * 16.0
+            r = r - t.to(Float32)
+            if grow != 1.0:
+                r = r * grow
 
 
 @cute.jit
@@ -408,24 +414,34 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
                        tidx, bar_id: cutlass.Constexpr):
     """Q^T of the ``cfg.rows`` query rows (column ``c``: row ``query_row(c)`` of ``mQ[b]``) into ``sQ`` as
     ``cfg.q_terms`` E4M3 terms in separate column blocks (``Sm90Config.term_blocks``): term ``k`` in column
-    ``k cols + c``, channels at their contraction index, the padded columns zero; ``sQinv[c]`` the ``2^-e`` of
+    ``k cols + c`` (``Sm90Config.stacked_terms``: in column ``c`` at channel block ``q_terms - 1 - k``, the
+    smallest first, each term rounded where it sits), channels at their contraction index, the padded columns
+    zero; ``sQinv[c]`` the ``2^-e`` of
     row ``c`` (1 past the rows). By one warpgroup (named barrier ``bar_id``); ``sQred`` ``[4, cols]`` floats of
     scratch. Each row's scale ``2^e`` is from its largest ``|q|`` (:func:`scale_exponent`)."""
     D = cfg.head_dim
     R = cfg.rows
     C = cfg.cols
+    T = cfg.q_terms
     row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id)
     for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
         p = p0 * THREADS + tidx
         if p < D:
             d = contraction_position(cfg.bits, p)
             for h in cutlass.range_constexpr(C):
+                # term k of row h: column k C + h, or (stacked) channel block T - 1 - k of column h
+                at = [k * C + h for k in range(T)]
+                if cutlass.const_expr(cfg.stacked_terms):
+                    at = [(h, (T - 1 - k) * D + p) for k in range(T)]
                 if cutlass.const_expr(h < R):
-                    store_q_term_list(sQ, [k * C + h for k in range(cfg.q_terms)], p,
-                                      Float32(mQ[b, query_row(h), d]), sQred[0, h])
+                    store_q_term_list(sQ, at, p, Float32(mQ[b, query_row(h), d]), sQred[0, h],
+                                      1.0 if cfg.stacked_terms else 16.0)
                 else:
-                    for k in cutlass.range_constexpr(cfg.q_terms):
-                        sQ[k * C + h, p] = Float32(0.0).to(Float8E4M3FN)
+                    for k in cutlass.range_constexpr(T):
+                        if cutlass.const_expr(cfg.stacked_terms):
+                            sQ[at[k]] = Float32(0.0).to(Float8E4M3FN)
+                        else:
+                            sQ[at[k], p] = Float32(0.0).to(Float8E4M3FN)
 
 
 @cute.jit
@@ -439,6 +455,14 @@ def sum_term_blocks(acc: cute.Tensor, nb: cutlass.Constexpr, qinv: list, terms: 
         for k in cutlass.range_constexpr(terms - 2, -1, -1):
             x = acc[e + 4 * k * nb] + x * 0.0625
         acc[e] = x * qinv[2 * (e // 4) + e % 2]
+
+
+@cute.jit
+def scale_stacked_terms(acc: cute.Tensor, nb: cutlass.Constexpr, qinv: list):
+    """The scores of a QK accumulator with Q's terms stacked along the contraction (``Sm90Config.stacked_terms``:
+    the tensor core summed them): element ``e`` times its column's ``2^-e`` (``qinv``, by column slot)."""
+    for e in cutlass.range_constexpr(4 * nb):
+        acc[e] = acc[e] * qinv[2 * (e // 4) + e % 2]
 
 
 class QkTermsProbeE4m3(_TileProbe):

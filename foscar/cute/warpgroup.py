@@ -38,7 +38,7 @@ from .folds import (
     v_operand_fold,
 )
 from .operands import build_k_registers, build_vt_registers
-from .operands_e4m3 import build_k_registers_e4m3, sum_q_terms, sum_term_blocks
+from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
@@ -358,7 +358,8 @@ class TileKernel:
     def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, accS=None,
             sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None, wait: cutlass.Constexpr = True):
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
-        unless ``sum_terms`` is False), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
+        unless ``sum_terms`` is False, or by the tensor core where they are stacked along the contraction, K's A
+        registers taken by each term), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
         with two channel groups of a token-wise K one group-local partial each; channel-wise K multiplies
         the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`); FP4 formats: FP16 K operands times
         the block scales of ``scales[0]`` (:func:`~foscar.cute.operands_fp4.build_k_registers_fp4`). Returns the
@@ -387,20 +388,23 @@ class TileKernel:
         tSrK = frags.tSrK
         warpgroup.fence()
         n_kb = cute.size(tSrK, mode=[2])
+        # the k-blocks of Q: K's, or (stacked terms) each term's, which take K's A registers again
+        n_q = n_kb if cutlass.const_expr(cfg.k_channel) else cute.size(frags.tSrQ, mode=[2])
         steps = []  # FP32 promotion: each FP8 k-step into its own accumulator, summed in FP32 after the MMAs
         if cutlass.const_expr(cfg.qk_promote):
             steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
             for acc in steps[1:]:
                 acc.fill(0.0)
-        for kb in cutlass.range_constexpr(n_kb):
+        for kb in cutlass.range_constexpr(n_q):
+            ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
-                cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, kb], frags.tSrQ[None, None, kb], steps[kb])
+                cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, ka], frags.tSrQ[None, None, kb], steps[kb])
             elif cutlass.const_expr(cfg.k_channel):
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQk[None, None, kb, qbuf], accS)
-            elif cutlass.const_expr(cfg.kc == 2 and kb >= n_kb // 2):  # group-local partials: one per group
-                cute.gemm(wg.qk_mma, accS2, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS2)
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, ka], frags.tSrQk[None, None, kb, qbuf], accS)
+            elif cutlass.const_expr(cfg.kc == 2 and ka >= n_kb // 2):  # group-local partials: one per group
+                cute.gemm(wg.qk_mma, accS2, tSrK[None, None, ka], frags.tSrQ[None, None, kb], accS2)
             else:
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, kb], frags.tSrQ[None, None, kb], accS)
+                cute.gemm(wg.qk_mma, accS, tSrK[None, None, ka], frags.tSrQ[None, None, kb], accS)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
@@ -420,7 +424,10 @@ class TileKernel:
                 for acc in steps[1:]:
                     x = x + acc[i]
                 accS[i] = x
-        if cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
+        if cutlass.const_expr(cfg.stacked_terms):  # the tensor core summed the terms: each column's 2^-e
+            for part in partials:
+                scale_stacked_terms(part, cfg.nb, wg.qinv)
+        elif cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
         elif cutlass.const_expr(cfg.q_as_terms and sum_terms):  # Q's terms summed: the BF16 kernel's columns
