@@ -73,6 +73,8 @@ from .reference import attend
 from .splitkv import split_ranges
 
 E4M3 = torch.float8_e4m3fn
+#: How token-wise K's query takes its E4M3 terms (:func:`decode_folded`'s ``q_terms``)
+Q_TERMS = ("columns", "stacked", "stacked_kv_head")
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32, E4M3)
 
 
@@ -110,10 +112,11 @@ class _FoldedSequence:
     """Folded decode of one sequence, all KV heads at once (``[H, G, ...]`` tensors)."""
 
     def __init__(self, cache: QuantKVCache, b: int, dtype: torch.dtype, operand_dtype: torch.dtype | None,
-                 pv_operand_dtype: torch.dtype | None, operand_terms: int | None = None):
+                 pv_operand_dtype: torch.dtype | None, operand_terms: int | None = None, q_terms: str = "columns"):
         self.cache, self.fmt, self.b, self.dtype = cache, cache.fmt, b, dtype
         self.operand_dtype, self.pv_operand_dtype = operand_dtype, pv_operand_dtype
         self.terms = operand_terms
+        self.q_terms = q_terms  # how token-wise K's Q is split into E4M3 terms (decode_folded's q_terms)
         self.e4m3 = {"k": operand_dtype == E4M3, "v": pv_operand_dtype == E4M3}
         self.n_quant = int(cache.split()[1][b])
         self.words = {t: cache.quantized_words(t, b) for t in ("k", "v")}
@@ -163,10 +166,11 @@ class _FoldedSequence:
         hi = Qt.to(torch.bfloat16).to(self.dtype)
         return hi + (Qt - hi).to(torch.bfloat16).to(self.dtype)
 
-    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``) and the consumed operand,
-        their sum (exact in FP32)."""
-        terms = e4m3.split_terms(x, self.terms, dims)
+    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``; ``in_place``: each term rounded
+        where it sits, :func:`foscar.e4m3.split_terms`) and the consumed operand, their sum (exact in FP32)."""
+        terms = e4m3.split_terms(x, self.terms, dims, in_place)
         return terms, sum(terms).to(self.dtype)
 
     def rnd_scaled(self, p: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
@@ -211,8 +215,9 @@ class _FoldedSequence:
             sp, mid = sp[:, tile.t0: tile.t0 + tile.n], mid[:, tile.t0: tile.t0 + tile.n]  # [H, n, C]
             C = D // g
             eq, yg = "hgcj,hncj->hgnc", yk.reshape(H, tile.n, C, g)
-            if self.e4m3["k"]:  # Q split per query row
-                terms, Qc = self.split_operand(Qt, (-1,))
+            if self.e4m3["k"]:  # Q split per query row (or per KV head: its rows together)
+                dims = (-2, -1) if self.q_terms == "stacked_kv_head" else (-1,)
+                terms, Qc = self.split_operand(Qt, dims, self.q_terms != "columns")
                 partial = e4m3.term_product(eq, [t.reshape(H, G, C, g) for t in terms], yg, self.dtype)
             else:
                 Qc = Qt
@@ -286,7 +291,7 @@ class _FoldedSequence:
 def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, tile_tokens: int = 64,
                   num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
                   pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
-                  return_lse: bool = False):
+                  q_terms: str = "columns", return_lse: bool = False):
     """Folded decode of ``q [B, Hq, D]`` over ``cache``: what every kernel computes.
 
     ``tile_tokens``: KV tile (a multiple of the format's pack block: 16, or 32 for INT2).
@@ -302,7 +307,12 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     kernel: codes placed as E4M3 ``q 2^-9``, the other operand split into ``operand_terms`` E4M3 terms
     (see the module docstring, :mod:`foscar.e4m3`): 3 terms measure below the error of BF16 operands, 2
     below BF16 attention's, and 1 is several percent of output error (a study option: never a kernel's
-    numerics). The sink and recent windows are attended with BF16 operands, the query as two BF16 terms.
+    numerics). ``q_terms``, how token-wise K's query takes its E4M3 terms: ``"columns"`` (a power of two per
+    query row, each term scaled by ``16^k`` before its rounding, as the kernels with the terms in separate
+    columns), ``"stacked"`` (each term rounded where it sits, :func:`foscar.e4m3.split_terms`'s ``in_place``:
+    the terms stacked along the contraction, ``foscar.cute.config.STACKED_TERMS``) or ``"stacked_kv_head"``
+    (and one power of two per KV head, ``SHARED_Q_SCALE``). The sink and recent windows are attended with BF16
+    operands, the query as two BF16 terms.
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
     """
     G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
@@ -317,6 +327,9 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
                                        "torch.float8_e4m3fn (with operand_terms)", dt)
     if pv_operand_dtype is None:
         pv_operand_dtype = operand_dtype
+    if q_terms not in Q_TERMS or q_terms != "columns" and operand_dtype != E4M3:
+        raise InvalidArgumentError("q_terms", f"one of {Q_TERMS} ('columns' without torch.float8_e4m3fn K operands)",
+                                   q_terms)
     if operand_terms is not None:
         check_int("operand_terms", operand_terms, allowed=(1, 2, 3))
         if E4M3 not in (operand_dtype, pv_operand_dtype):
@@ -325,7 +338,7 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     q_in = q if fmt.rotation is None else rotate(q.to(dtype), fmt)  # rotated in the accumulation dtype
     out, lse = folded(q_in, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits,
                       dtype=dtype, operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype,
-                      operand_terms=operand_terms)
+                      operand_terms=operand_terms, q_terms=q_terms)
     out = rotate(out, fmt, inverse=True)  # a rotated cache: the query rotated in, the output back out
     if cache.k_mean is not None:  # centred keys: the scores' shift back into the LSE (foscar.centring)
         from .centring import lse_correction
@@ -335,7 +348,7 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
 
 def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, tile_tokens: int = 64,
            num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
-           pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None,
+           pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None, q_terms: str = "columns",
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_folded` of validated arguments (``G`` query heads per KV head) in the cache's space (a
     rotated cache's query already rotated, its output not rotated back): ``(out, lse)``. An FP4 block format:
@@ -351,7 +364,7 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
     out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
-        seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms)
+        seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms, q_terms)
         Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
         n_tiles = -(-seq.n_quant // tile_tokens)
         outs, lses = [], []

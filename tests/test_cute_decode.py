@@ -741,13 +741,14 @@ def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
     assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
 
 
-@pytest.fixture
-def stacked(monkeypatch):
-    """Q's E4M3 terms stacked along the contraction (``foscar.cute.config.STACKED_TERMS``) switched on,
-    ``config_for``'s cache cleared around the test."""
+@pytest.fixture(params=(False, True), ids=("row_scale", "kv_head_scale"))
+def stacked(monkeypatch, request):
+    """Q's E4M3 terms stacked along the contraction (``foscar.cute.config.STACKED_TERMS``) switched on, with a
+    power of two per query row or per KV head (``SHARED_Q_SCALE``), ``config_for``'s cache cleared around the
+    test."""
     from _helpers import cute_switches
-    with cute_switches(monkeypatch, STACKED_TERMS=True):
-        yield
+    with cute_switches(monkeypatch, STACKED_TERMS=True, SHARED_Q_SCALE=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("bits,gqa,step,ctas,k_operand", [
@@ -761,6 +762,7 @@ def test_stacked_terms_compile_for_sm90a(stacked, bits, gqa, step, ctas, k_opera
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     cfg = config_for(fmt, gqa, 64, k_operand, step=step)
     assert cfg.stacked_terms and cfg.qk_cols == cfg.cols and cfg.qk_depth == cfg.q_terms * 128
+    assert cfg.shared_q_scale == stacked
     assert not config_for(fmt, 8, 64, "e4m3").stacked_terms
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.cols}k32\.f32\.e4m3\.e4m3", ptx)

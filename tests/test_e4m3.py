@@ -283,6 +283,27 @@ def test_e4m3_terms_against_bf16(data, bits, k_axis, v_axis):
     assert rel(two[long].bfloat16(), exact[long]) < rel(attn[long], exact[long])
 
 
+@pytest.mark.parametrize("q_terms", ("stacked", "stacked_kv_head"))
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("data", ("stress", "random"))
+def test_stacked_q_terms_keep_the_bounds(data, bits, q_terms):
+    """Q's terms rounded where they sit (stacked along the contraction), with a power of two per query row or
+    per KV head: 3 terms at or below the BF16-operand emulation's error, 2 below BF16 attention's, as the
+    terms in columns (token-wise K, where the kernels stack them)."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    q, k, v = inputs(data)
+    q[:, 1::4] *= 0.125  # query rows of a KV head 8x apart: the KV head's power of two fits the largest
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64, seq_lens=torch.tensor([2048, 1000, 1]))
+    exact = foscar.decode_exact(q, cache)
+    base, attn = bf16_operands(q, cache, num_splits=4), bf16_attention(q, cache)
+    two, three = (e4m3_decode(q, cache, t, num_splits=4, q_terms=q_terms) for t in (2, 3))
+    e_base, e_attn, e2, e3 = (rel(x, exact) for x in (base, attn, two, three))
+    assert e3 <= e_base, (e3, e_base)
+    assert e2 < e_attn, (e2, e_attn)
+    with pytest.raises(InvalidArgumentError, match="q_terms"):
+        bf16_operands(q, cache, q_terms=q_terms)
+
+
 def test_one_term_is_far_worse():
     """One E4M3 term (3 mantissa bits for Q and P'): several percent of output error, many times BF16
     attention's and the 2-term error. Never a kernel's numerics."""

@@ -27,9 +27,8 @@ CORRECTION_TILES = 8
 #: the running maxima and the P' units while no score passes its column's maximum by more than this (so
 #: ``P <= 2^8``) and no token row asks for larger units; only then do the warps exchange maxima and rescale
 RESCALE_HEADROOM = 8.0
-#: Whether one-tile passes (``tiles_per_pass == 1``: more than 4 query rows, steps, head dim 256) take the lazy
-#: rescale too (:attr:`Sm90Config.lazy_rescale`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8, L 128K,
-#: Hq 32, ``docs/bench/h200/lazy-one-tile-heads.md``): 0.80-0.91x the time at GQA 8, 16 and 32
+#: Whether one-tile passes (more than 4 query rows, steps, head dim 256) take the lazy rescale too
+#: (:attr:`Sm90Config.lazy_rescale`): 0.80-0.91x the time at GQA 8-32 (``docs/bench/h200/lazy-one-tile-heads.md``)
 LAZY_ONE_TILE = True
 #: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`).
 #: Measured on the H200 (``docs/bench/h200/axes-lazy-vchannel.json``): 0.88-1.00x the time, B 8, L 128K INT2 0.88x
@@ -41,14 +40,11 @@ DEEP_STAGE_BYTES = 4096
 #: of the CTAs resident on an SM (:func:`fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
-#: ``consumer_q``, the first consumer stages Q while the producer copies (a CTA's first tiles in flight during its
-#: prologue). The producer's first copies issued before it stages Q fail on the H200 with an illegal instruction
-#: (tried twice, ``docs/hopper-e4m3-plan.md``).
+#: ``consumer_q``, the first consumer stages Q while the producer copies (the producer's copies issued before it
+#: stages Q failed on the H200 with an illegal instruction, ``docs/hopper-e4m3-plan.md``)
 PROLOGUES = ("q_first", "consumer_q")
-#: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage).
-#: Measured on the H200 (``benchmarks/sweep_switches.py``, paper grid, tuned configs): ``consumer_q`` takes INT2
-#: 0.88-0.98x the time of ``q_first`` (B 1, L 8K 15.0 -> 13.2 us) and INT4 1.0-1.14x (Q's staging in the
-#: consumer's code costs INT4's consumers spills)
+#: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
+#: ``consumer_q`` took INT2 0.88-0.98x the time of ``q_first`` on the H200, INT4 1.0-1.14x (spills)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: The split merge as a programmatic dependent launch (PDL): the combine waits for stage 1's grid
 #: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct on the H200 and
@@ -58,8 +54,7 @@ COMBINE_PDL = False
 #: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
 COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
-#: (:func:`dependent_combine`). H200 (the same record, INT2): B 1, L 8K 18.7 -> 14.0 us, B 8, L 32K 73.4 -> 67.6,
-#: B 64, L 8K 146.9 -> 138.0
+#: (:func:`dependent_combine`; the same record: B 1, L 8K INT2 18.7 -> 14.0 us)
 COMBINE_PDL_WINDOWS = True
 
 
@@ -79,9 +74,8 @@ def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
 
 
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
-#: accumulator (:attr:`Sm90Config.qk_promote`), where one chain sums in the tensor core's narrower FP8
-#: accumulation. H200 (``docs/results-h200.md``): INT4's error 3.0-8.4e-4 -> 2.3-4.2e-4 for 0.4-1.2% of the
-#: time; INT2's 5% lower for 4-6%, so INT4 only, up to 4 query rows (beyond, spills: GQA 16 INT4 200.3 us)
+#: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: on the H200 INT4's error 3.0-8.4e-4 ->
+#: 2.3-4.2e-4 for 0.4-1.2% of the time, INT2's 5% lower for 4-6% (``docs/results-h200.md``)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
 #: :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection (``q + 2^(10 - shl)``) makes the
@@ -93,6 +87,9 @@ P_COLUMN_MAJOR = False
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
 STACKED_TERMS = False
+#: With :data:`STACKED_TERMS`: one power of two for Q's terms per KV head (:attr:`Sm90Config.shared_q_scale`), off
+#: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
+SHARED_Q_SCALE = False
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
 #: consumer: correct on the H200 but 3-5% faster only (``docs/bench/h200/axes-producer-fold.json``), so off
 PRODUCER_Q_FOLD = False
@@ -106,10 +103,9 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:fun
 #: Three consumer warpgroups at one CTA an SM and 32 columns (:attr:`Sm90Config.wide`): more warps for the latency
 #: of GQA 32 (issue slots 43% busy). Off: at 160 registers they spill, and GQA 32 ran slower (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
-#: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg.
-#: One CTA: the register file goes to two consumers. Two CTAs (four consumer warpgroups per SM, as many as
-#: v0 runs): launched at 80 a thread (65,536 / 768, rounded down to 8), the producer gives 56 back and
-#: each consumer takes 24 (128 x 56 >= 256 x 24). Three consumers (one CTA): 128 x 24 + 384 x 160 <= 65,536.
+#: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
+#: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
+#: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
@@ -234,6 +230,9 @@ class Sm90Config:
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
     #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
     stacked_terms: bool = False
+    #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
+    #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
+    shared_q_scale: bool = False
     #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 32 columns,
     #: one tile a pass, alternate tiles
     wide: bool = False
@@ -608,6 +607,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=P_COLUMN_MAJOR,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
+                      shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
                       and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
 

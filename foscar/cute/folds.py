@@ -133,7 +133,9 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
     ``(s', z')`` from ``sc.k``; two: each group-local partial scaled apart (``(s', z')`` from ``par``). FP4
     formats (no offset): ``s' part`` times each query row's ``2^-e`` (``wg.qinv``). With ``mu`` (by column
     slot) the scores less ``mu``: one group forms ``part s' + (sum Q (mid - c s') - mu)``, two FMAs an
-    element (the lazy softmax's scores, :mod:`foscar.cute.lazy`)."""
+    element (the lazy softmax's scores, :mod:`foscar.cute.lazy`). ``cfg.shared_q_scale``: the partials in units of
+    ``Q 2^e`` (one ``e`` a KV head), whose ``2^-e`` joins the factor ``s'`` of the partial alone (``sum Q`` is in
+    Q's units)."""
     qk_scale = wg.qk_scale
     # multiply s' of token half 0 and 1 (rows + 8): the operand's scale is s' k_factor (E4M3: 2^9); the
     # offset's is not; c0, c1 the halves' pivots
@@ -143,6 +145,7 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
     op_scale1 = op_scale
     if cutlass.const_expr(cfg.k_factors[1] != cfg.k_factors[0]):
         op_scale1 = qk_scale * cfg.k_factors[1]
+    shared = cfg.shared_q_scale  # the partials in units of Q 2^e, one e per KV head: its 2^-e joins their factor
     cs = cfg.k_pivots
     n_el = 4 * cfg.nb
     s = []
@@ -155,9 +158,16 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
             ka = [par[c * 2] * op_scale, par[(2 + c) * 2] * op_scale1]  # rows 0, 1: (s', z') at (r * kc + c) * 2
             ke = [(par[c * 2 + 1] + cfg.k_mid * par[c * 2]) * qk_scale,
                   (par[(2 + c) * 2 + 1] + cfg.k_mid * par[(2 + c) * 2]) * qk_scale]
-            for e in cutlass.range_constexpr(n_el):
-                r, k = row_half(e), s_slot(e)
-                s[e] = s[e] + (acc_c[e] - cs[r] * q[k]) * ka[r] + q[k] * ke[r]
+            if cutlass.const_expr(shared):
+                kq = [x * wg.qinv[0] for x in ka]
+                kc = [ke[r] - cs[r] * ka[r] for r in range(2)]
+                for e in cutlass.range_constexpr(n_el):
+                    r, k = row_half(e), s_slot(e)
+                    s[e] = s[e] + acc_c[e] * kq[r] + q[k] * kc[r]
+            else:
+                for e in cutlass.range_constexpr(n_el):
+                    r, k = row_half(e), s_slot(e)
+                    s[e] = s[e] + (acc_c[e] - cs[r] * q[k]) * ka[r] + q[k] * ke[r]
         if cutlass.const_expr(mu is not None):
             s = less_maxima(s, mu)
     elif cutlass.const_expr(cfg.fp4_block > 0):  # no offset; Q's power of two per row (operands_fp4.load_q_f16)
@@ -174,7 +184,8 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
         acc = accS[0]
         a = [ks0 * op_scale, ks1 * op_scale1]
         ez = [(kz0 + cfg.k_mid * ks0) * qk_scale, (kz1 + cfg.k_mid * ks1) * qk_scale]
-        if cutlass.const_expr(mu is None):
+        aq = [x * wg.qinv[0] for x in a] if shared else a  # the partials' factor
+        if cutlass.const_expr(mu is None and not shared):
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
                 s.append((acc[e] - cs[r] * qsum[k]) * a[r] + qsum[k] * ez[r])
@@ -182,7 +193,10 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
             ec = [ez[r] - cs[r] * a[r] for r in range(2)]
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
-                s.append(acc[e] * a[r] + (qsum[k] * ec[r] - mu[k]))
+                x = acc[e] * aq[r] + qsum[k] * ec[r]
+                if cutlass.const_expr(mu is not None):
+                    x = acc[e] * aq[r] + (qsum[k] * ec[r] - mu[k])
+                s.append(x)
     return s
 
 

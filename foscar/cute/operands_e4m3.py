@@ -326,11 +326,13 @@ def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32
 
 @cute.jit
 def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutlass.Constexpr, mQ: cute.Tensor, b,
-               query_row, sQred: cute.Tensor, sQinv: cute.Tensor, tidx, bar_id: cutlass.Constexpr):
+               query_row, sQred: cute.Tensor, sQinv: cute.Tensor, tidx, bar_id: cutlass.Constexpr,
+               shared: cutlass.Constexpr = False):
     """Each query row's power-of-two scale for its E4M3 terms, by one warpgroup (named barrier ``bar_id``):
     from the row's largest ``|q|`` (``mQ[b, query_row(h), :]``, :func:`scale_exponent`), ``2^e`` into
     ``sQred[0, h]`` and ``2^-e`` into ``sQinv[h]`` for the ``cols`` columns (``e`` 0 past the ``rows``);
-    ``sQred`` ``[4, cols]`` floats, the warps' maxima first. Both written before the last barrier."""
+    ``sQred`` ``[4, cols]`` floats, the warps' maxima first. Both written before the last barrier. ``shared``: one
+    scale for every row, from the largest ``|q|`` of all of them (every column's entries the same)."""
     D = head_dim
     warp = tidx // 32
     lane = tidx % 32
@@ -348,7 +350,13 @@ def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutla
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
     if tidx < cols:  # a thread reads and then writes its own column only
         e = Int32(0)
-        if tidx < rows:
+        if cutlass.const_expr(shared):
+            top = sQred[0, 0]
+            for h in cutlass.range_constexpr(rows):
+                for wi in cutlass.range_constexpr(THREADS // 32):
+                    top = cute.arch.fmax(top, sQred[wi, h])
+            e = scale_exponent(top)
+        elif tidx < rows:
             top = sQred[0, tidx]
             for wi in cutlass.range_constexpr(1, THREADS // 32):
                 top = cute.arch.fmax(top, sQred[wi, tidx])
@@ -423,7 +431,7 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
     R = cfg.rows
     C = cfg.cols
     T = cfg.q_terms
-    row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id)
+    row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id, cfg.shared_q_scale)
     for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
         p = p0 * THREADS + tidx
         if p < D:

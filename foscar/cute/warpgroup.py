@@ -424,9 +424,10 @@ class TileKernel:
                 for acc in steps[1:]:
                     x = x + acc[i]
                 accS[i] = x
-        if cutlass.const_expr(cfg.stacked_terms):  # the tensor core summed the terms: each column's 2^-e
-            for part in partials:
-                scale_stacked_terms(part, cfg.nb, wg.qinv)
+        if cutlass.const_expr(cfg.stacked_terms):  # summed by the tensor core: each column's 2^-e (one for
+            if cutlass.const_expr(not cfg.shared_q_scale):  # all of them: K's fold takes it, folds.k_acc_fold)
+                for part in partials:
+                    scale_stacked_terms(part, cfg.nb, wg.qinv)
         elif cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
