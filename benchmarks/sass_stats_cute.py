@@ -65,9 +65,11 @@ def tile_loop(sass: str) -> list[str]:
     mmas = [sum("GMMA" in op for op in ops) for ops in spans]
     if not any(mmas):
         raise SystemExit("no loop with tensor-core MMAs found in the SASS")
-    # a branch back into the middle of the loop's body (a rare path laid out after it) spans part of its MMAs:
-    # the loop holds at least half of the most any span holds (the spans around both consumers' loops)
-    return min((ops for ops, n in zip(spans, mmas) if 2 * n >= max(mmas)), key=len)
+    # the loop holds at least half of the most any span holds (the spans around both consumers' loops); a branch
+    # back into the middle of the loop's body (a rare path laid out after it) spans part of its MMAs, starting
+    # inside the loop and ending past it, where loops nest
+    nested = [not any(lo2 < lo <= hi2 < hi for lo2, hi2 in back) for lo, hi in back]
+    return min((ops for ops, n, ok in zip(spans, mmas, nested) if 2 * n >= max(mmas) and ok), key=len)
 
 
 def rescale_branch(sass: str) -> int:

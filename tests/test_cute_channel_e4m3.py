@@ -1,7 +1,9 @@
 """Channel-wise K with E4M3 K operands (``foscar.cute.config.CHANNEL_K_E4M3``): each token group's ``Q' = Q s'``
-folded into two E4M3 terms (``foscar.cute.folds.fold_q_terms``). CPU: refused while the switch is off; with it,
-v1 compiles for sm_90a with the E4M3 QK product and no BF16 one, no local memory; v0 refuses it; the fold's
-contraction index is the inverse of the fragment's order. GPU (sm_90): decodes against the float64 oracle."""
+folded into two E4M3 terms (``foscar.cute.folds.fold_q_terms``), one tile or two tiles of one token group a
+softmax pass. CPU: refused while the switch is off, and two tiles a pass where a pass would span two token
+groups; with it, v1 compiles for sm_90a with the E4M3 QK products and no BF16 one, no local memory; v0 refuses it;
+each fold thread's channels are the fragment's contraction indices ``4 k .. 4 k + 3``. GPU (sm_90): decodes
+against the float64 oracle."""
 import os
 import re
 
@@ -27,30 +29,70 @@ def switch(monkeypatch):
         yield
 
 
+@pytest.fixture(params=[False, True], ids=("consumer_fold", "producer_fold"))
+def pass_switch(monkeypatch, request):
+    """Two tiles a pass: ``Q'`` folded by each consumer, or by the producer warpgroup (``PRODUCER_Q_FOLD``)."""
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=request.param):
+        yield request.param
+
+
 def test_refused_while_the_switch_is_off():
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel")
     with pytest.raises(UnsupportedError, match="CHANNEL_K_E4M3"):
         config_for(fmt, 4, 64, "e4m3")
 
 
-def test_the_fold_writes_each_channel_at_its_contraction_index():
+def test_each_fold_thread_builds_four_consecutive_contraction_indices():
+    from foscar.cute.fold_map import TERM_CHANNELS, term_channels, term_chunk
     from foscar.cute.operands_e4m3 import contraction_index
     from foscar.e4m3 import contraction_order
     for bits in (2, 4):
         for D in (64, 128):
             order = contraction_order(bits, D).tolist()
             assert [contraction_index(bits, order[k]) for k in range(D)] == list(range(D))
+            lanes = D // TERM_CHANNELS
+            for t in range(128):  # a warpgroup: row t // lanes, a row's builders consecutive lanes of one warp
+                h, k = term_chunk(D, t)
+                assert (h, k) == (t // lanes, t % lanes) and lanes <= 32 and 32 % lanes == 0
+                d, off = term_channels(bits, k)
+                assert d % 2 == 0 and order[4 * k: 4 * k + 4] == [d, d + off, d + 1, d + off + 1]
 
 
-@pytest.mark.parametrize("bits,head_dim,group_size,gqa,v_axis", [
-    (2, 128, 128, 4, "token"), (4, 128, 128, 3, "channel"), (2, 64, 64, 1, "token")])
-def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis):
+@pytest.mark.parametrize("g,v_axis,k_operand", [(64, "token", "e4m3"), (128, "channel", "e4m3"), (128, "token", "bf16")])
+def test_two_tiles_a_pass_within_one_token_group(pass_switch, g, v_axis, k_operand):
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=g, k_axis="channel", v_axis=v_axis)
+    with pytest.raises(UnsupportedError, match="tiles_per_pass=2"):
+        config_for(fmt, 4, 64, k_operand, 2)
+    cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel"), 4, 64, "e4m3", 2)
+    assert cfg.tiles_per_pass == 2 and cfg.tile_run == 2 and cfg.lazy_rescale and cfg.producer_fold == pass_switch
+    if pass_switch:  # the producer folds a pass's Q' once: one tile a pass would fold every tile
+        with pytest.raises(UnsupportedError, match="two tiles a pass where the producer folds"):
+            config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel"), 4, 64, "e4m3", 1)
+
+
+@pytest.mark.parametrize("bits,gqa", [(2, 4), (4, 3), (2, 1)])
+def test_the_producer_folds_a_pass_for_sm90a(monkeypatch, bits, gqa):
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=True):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel")
+        cfg = config_for(fmt, gqa, 64, "e4m3", 2)
+        assert cfg.producer_fold and cfg.prologue == "q_first"
+        ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert len(E4M3_WGMMA.findall(ptx)) == 2 * 128 // 32  # one code path: both tiles' QK products
+    turns = (gqa + 2) // 3  # the fold's row maxima: three rows a turn (three warps of 32 builders)
+    assert len(re.findall(r"redux\.sync\.max\.u32", ptx)) == turns
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
+@pytest.mark.parametrize("bits,head_dim,group_size,gqa,v_axis,tiles", [
+    (2, 128, 128, 4, "token", 1), (4, 128, 128, 3, "channel", 1), (2, 64, 64, 1, "token", 1),
+    (2, 128, 128, 4, "token", 2), (4, 128, 128, 2, "token", 2), (2, 128, 128, 1, "token", 2)])
+def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis, tiles):
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=group_size, k_axis="channel", v_axis=v_axis)
-    cfg = config_for(fmt, gqa, 64, "e4m3")
+    cfg = config_for(fmt, gqa, 64, "e4m3", tiles)
     assert cfg.k_e4m3 and cfg.k_channel and not cfg.q_as_terms
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
-    copies = consumer_code_paths(cfg, 2)  # one chain per copy of the consumers' code
-    assert len(E4M3_WGMMA.findall(ptx)) == copies * head_dim // 32
+    copies = consumer_code_paths(cfg, 2)  # one chain per copy of the consumers' code, a QK product per tile of a pass
+    assert len(E4M3_WGMMA.findall(ptx)) == copies * tiles * head_dim // 32
     assert not re.search(r"m64n8k16\.f32\.bf16", ptx), "no BF16 QK product left"
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
     with pytest.raises(ValueError, match="v0"):
@@ -68,4 +110,21 @@ def test_against_the_oracle_gpu(switch, bits, lens, G, num_splits, fmt_kw):
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms of Q': error", num_splits=num_splits,
-                               warp_specialized=True, k_operand="e4m3")
+                               warp_specialized=True, k_operand="e4m3", tiles_per_pass=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw,ctas", [
+    ([5000, 700, 130], 4, None, {}, 2), ([3000, 900], 1, 2, {}, 1), ([2500, 64], 2, None, {}, 2),
+    ([2000, 3], 4, 3, {"sink": 2, "recent": 7}, 2), ([1500, 190], 3, 5, {}, 2),
+    ([700, 129, 1], 4, 7, {}, 2)])
+def test_two_tiles_a_pass_against_the_oracle_gpu(pass_switch, bits, lens, G, num_splits, fmt_kw, ctas):
+    """Two tiles of one token group a pass (one fold for both): lengths past, at and short of a pass, splits of
+    a tile or two, one CTA an SM, windows, GQA 1-4."""
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    _decode_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms, two tiles a pass: error",
+                               num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
+                               ctas_per_sm=ctas)

@@ -161,7 +161,7 @@ def test_column_slots_are_cutes_accumulator(m, n):
     """The kernels' map of accumulator element ``e`` to its column slot and token row (``s_slot``, ``o_slot``,
     ``row_half``, ``o_block``, ``slot_column``: plain Python at trace time) is CuTe's C fragment of the
     ``(64, n)`` tiled MMA, for S^T (m 64) and O^T (m the head dim)."""
-    from foscar.cute.config import o_block, o_slot, row_half, s_slot, slot_column
+    from foscar.cute.fragment import o_block, o_slot, row_half, s_slot, slot_column
     from foscar.cute.fragment import rs_accumulator_ownership
     own = rs_accumulator_ownership(m, n)
     nb = n // 8

@@ -91,10 +91,11 @@ STACKED_TERMS = False
 #: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
 SHARED_Q_SCALE = False
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
-#: consumer: correct on the H200 but 3-5% faster only (``docs/bench/h200/axes-producer-fold.json``), so off
+#: consumer (E4M3 terms: once a pass of two tiles): BF16 correct on the H200 but 3-5% faster only
+#: (``docs/bench/h200/axes-producer-fold.json``), so off
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
-#: off (``config_for`` refuses it) until its GPU tests run; SASS a tile 694 against BF16 K's 644 (INT2, GQA 4)
+#: off (``config_for`` refuses it) until its GPU tests run (``docs/hopper-e4m3-plan.md``)
 CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
@@ -201,7 +202,7 @@ class Sm90Config:
     #: a rotated cache (``KVFormat.rotation``): stage 1 rotates the query into its space (:mod:`foscar.cute.rotation`)
     rotation: bool = False
     #: query tokens per sequence (a decode step, :mod:`foscar.multitoken`): column ``c`` of the N axis is
-    #: token ``c // gqa``, head ``c % gqa``, and sees the tokens up to its own (:func:`column_token`)
+    #: token ``c // gqa``, head ``c % gqa``, and sees the tokens up to its own (:func:`~foscar.cute.fragment.column_token`)
     step: int = 1
     #: the wgmma N: ``gqa * step`` query rows padded to 8, 16 or 32 (:func:`columns_for`)
     cols: int = HEADS
@@ -241,8 +242,9 @@ class Sm90Config:
     def tile_run(self) -> int:
         """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.kernel_v1.ring_tile`):
         2 where channel-wise K's token group spans two tiles or more and each consumer folds its own ``Q'`` (one
-        fold for both tiles, where alternate tiles would fold every tile), else 1."""
-        fold_pairs = self.k_channel and not self.producer_fold and self.tiles_per_pass == 1
+        fold for both tiles, where alternate tiles would fold every tile) or takes them as one pass (one ``Q'``,
+        whoever folds it), else 1."""
+        fold_pairs = self.k_channel and (not self.producer_fold or self.tiles_per_pass == 2)
         return 2 if fold_pairs and self.group_size >= 2 * TILE else 1
 
     @property
@@ -252,7 +254,7 @@ class Sm90Config:
 
     @property
     def nb(self) -> int:
-        """8-column blocks of the N axis: a thread holds two columns of each (:func:`slot_column`)."""
+        """8-column blocks of the N axis: a thread holds two columns of each (:func:`~foscar.cute.fragment.slot_column`)."""
         return self.cols // HEADS
 
     @property
@@ -398,47 +400,6 @@ def columns_for(rows: int) -> int:
     return cols
 
 
-def slot_column(k: int, col0):
-    """The N column of a thread's column slot ``k`` (``col0``: its first column, ``2 quad``): slots ``2j``
-    and ``2j + 1`` are the thread's two columns of 8-column block ``j``."""
-    return HEADS * (k // 2) + col0 + k % 2
-
-
-def s_slot(e: int) -> int:
-    """The column slot of ``S^T`` accumulator element ``e`` (CuTe's ``m64nN`` C fragment, element
-    ``e = c + 2 r + 4 j``: column ``8 j + 2 quad + c``, row ``row0 + 8 r``)."""
-    return 2 * (e // 4) + e % 2
-
-
-def row_half(e: int) -> int:
-    """The token row of accumulator element ``e``: 0 for ``row0``, 1 for ``row0 + 8``."""
-    return (e // 2) % 2
-
-
-def o_slot(e: int, nb: int) -> int:
-    """The column slot of O^T accumulator element ``e`` (``e = c + 2 r + 4 j + 4 nb m``, ``m`` the m64 block
-    of the head dim)."""
-    return 2 * ((e // 4) % nb) + e % 2
-
-
-def o_block(e: int, nb: int) -> int:
-    """The m64 block of the head dim (V^T's rows) of O^T accumulator element ``e``."""
-    return e // (4 * nb)
-
-
-def column_token(c, gqa: int, step: int):
-    """The step token of N column ``c`` (the padding columns: the last token's)."""
-    return cutlass_min(c // gqa, step - 1)
-
-
-def cutlass_min(a, b):
-    """``min`` of a traced value and a Python int (``cutlass.min``), or of two Python ints."""
-    if isinstance(a, int) and isinstance(b, int):
-        return min(a, b)
-    import cutlass
-    return cutlass.min(a, b)
-
-
 #: The K operands a kernel takes: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, or
 #: as three (``e4m3x3``: Q's residual to about 2^-12 of its row's largest value, in QK products 3 column blocks
 #: wide)
@@ -465,8 +426,8 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     8 KB for the reductions, sums and alignment."""
     slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
     q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
-    if cfg.producer_fold:  # each stage's Q', its corrections and its parameters' barrier
-        slot += cfg.cols * cfg.head_dim * 2 + 4 * cfg.cols + 8
+    if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
+        slot += cfg.cols * cfg.head_dim * 2 + 8 * cfg.cols + 8
     p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
@@ -547,10 +508,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     q_terms = 3 if k_operand == "e4m3x3" else 2
     rows = gqa * step
     if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= HEADS // 2
-                                                  and not PRODUCER_Q_FOLD):
+                                                  and (tiles_per_pass == 2 or not PRODUCER_Q_FOLD)):
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
                                "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
-                               "with two Q terms, one token and gqa <= 4")
+                               "with two Q terms, one token, gqa <= 4 (and two tiles a pass where the producer folds)")
     most = 2 * HEADS if q_terms == 3 else MAX_COLS  # three terms: measured on the GPU up to 16 rows
     if e4m3 and (rows > most or (step > 1 and rows <= HEADS // 2)):
         raise UnsupportedError(f"k_operand={k_operand!r} with gqa={gqa}, q_len={step}",
@@ -558,10 +519,12 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     if q_terms == 3 and tiles_per_pass == 2:
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")
-    if tiles_per_pass == 2 and (fmt.k_axis != "token" or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
+    k_pass = fmt.k_axis == "token" or (e4m3 and g >= 2 * TILE)  # channel-wise K: a pass within one token group
+    if tiles_per_pass == 2 and (not k_pass or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
-                               f"q_len={step}", "two tiles per softmax pass take token-wise K and V, gqa <= 4 and "
-                               "one token")
+                               f"q_len={step}, k_operand={k_operand!r}, group_size={g}", "two tiles per softmax pass "
+                               "take token-wise V, gqa <= 4, one token, and token-wise K or (E4M3 K operands) "
+                               "channel-wise K with token groups of two tiles or more")
     if e4m3:
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:

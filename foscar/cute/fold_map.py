@@ -1,6 +1,6 @@
-"""Channel-wise K's operand-fold map (:func:`foscar.cute.folds.fold_q`): which thread builds which channels of
-``Q' = bf16(Q s')``, where it reads their ``(s', z')``, and which of the two ``Q'`` buffers a tile takes. Plain
-Python (the host tests check the map without a GPU).
+"""Channel-wise K's operand-fold map (:func:`foscar.cute.folds.fold_q`, :func:`foscar.cute.folds.fold_q_terms`):
+which thread builds which channels of ``Q'`` (BF16, or its E4M3 terms), where it reads their ``(s', z')``, and
+which of the two ``Q'`` buffers a tile takes. Plain Python (the host tests check the map without a GPU).
 """
 from __future__ import annotations
 
@@ -53,3 +53,26 @@ def k_fold_buffer(cfg, t0, consumers: int):
     writes the buffer its MMAs read two folds before (behind the barrier of the fold between), never the one the
     last fold filled."""
     return (t0 // max(cfg.group_size, consumers * cfg.tile_run * TILE)) & 1
+
+
+#: E4M3 terms of ``Q'`` (:func:`foscar.cute.folds.fold_q_terms`): the contraction indices one thread builds per
+#: query row, one 32-bit word of each term's column
+TERM_CHANNELS = 4
+
+
+def term_chunk(head_dim: int, t):
+    """E4M3 terms of ``Q'``: ``(row, k)`` of thread ``t``, which builds contraction indices ``4 k .. 4 k + 3`` of
+    query row ``row`` (:func:`term_channels`); a row's ``head_dim / 4`` builders are consecutive lanes of one
+    warp (its butterflies stay in the warp)."""
+    lanes = head_dim // TERM_CHANNELS
+    return t // lanes, t % lanes
+
+
+def term_channels(bits: int, k):
+    """``(d, off)``: the channels at contraction indices ``4 k + v`` of the E4M3 fragment
+    (:func:`foscar.e4m3.contraction_order`) are ``d, d + off, d + 1, d + off + 1`` for ``v = 0..3`` (``d``
+    even, ``off`` 16 at INT2 and 8 at INT4): two BF16 words of Q and two 16-byte ``(s', z')`` pairs."""
+    blk, a = k // 8, k % 4
+    if bits == 4:
+        return 32 * blk + 16 * ((k % 8) // 4) + 2 * a, 8
+    return 32 * blk + 8 * ((k % 8) // 4) + 2 * a, 16

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import THREADS, o_block, o_slot, row_half, s_slot, slot_column
-from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks
+from .config import THREADS
+from .fragment import o_block, o_slot, row_half, s_slot, slot_column
+from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, TERM_CHANNELS, fold_chunk, fold_chunks, term_channels, term_chunk
 from .operands import build_vt_registers
-from .operands_e4m3 import contraction_index, power_of_two, scale_exponent, sum_q_terms, term_columns
+from .operands_e4m3 import power_of_two, scale_exponent, sum_q_terms, term_columns
 from .softmax import column_sums
 
 
@@ -39,7 +40,7 @@ def power_of_two_reciprocal(x: Float32) -> Float32:
 
 class OutputAccumulator:
     """One warpgroup's O^T accumulator ``acc`` (this thread's ``head_dim * cols / 128`` elements, element
-    ``e``: m64 half :func:`~foscar.cute.config.o_block`, column slot :func:`~foscar.cute.config.o_slot`) in
+    ``e``: m64 half :func:`~foscar.cute.fragment.o_block`, column slot :func:`~foscar.cute.fragment.o_slot`) in
     units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
     Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
@@ -201,7 +202,7 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
 
 
 def less_maxima(s: list, mu: list) -> list:
-    """Scores ``s`` less ``mu`` by column slot (:func:`~foscar.cute.config.s_slot`)."""
+    """Scores ``s`` less ``mu`` by column slot (:func:`~foscar.cute.fragment.s_slot`)."""
     return [s[e] - mu[s_slot(e)] for e in range(len(s))]
 
 
@@ -249,70 +250,96 @@ def kf_layout(cfg):
 
 
 @cute.jit
-def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, param):
+def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor):
     """:func:`fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms with a power-of-two
     scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
     :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
     e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_columns`) at the
     channel's contraction index, the other columns zero; ``sKf[buf, h]`` the row's correction ``sum_d Q mid -
     u sum_d Q'`` (``u``: the middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry
-    it) and ``sKf[buf, cols + h] = 2^-e``. The same builders and ``param`` as :func:`fold_q`."""
+    it) and ``sKf[buf, cols + h] = 2^-e``. Thread ``t`` builds contraction indices ``4 k .. 4 k + 3`` of row ``h``
+    (:func:`~foscar.cute.fold_map.term_chunk`; with fewer threads than rows, the rows in turns), one 32-bit word of
+    each term, from two BF16 words of Q and two 16-byte ``(s', z')`` pairs of ``params`` (the group's ``(s', z')``
+    row, channel ``d``'s at ``2 d``, ``2 d + 1``; :func:`~foscar.cute.fold_map.term_channels`); the columns of no
+    term get zero words and a correction 0 and ``2^-e`` 1. No synchronisation: the caller fences the writes for the
+    wgmma's proxy and publishes them."""
     D = cfg.head_dim
-    lanes = D // FOLD_CHANNELS
+    lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
+    rows = threads // lanes  # rows built at once
     gp = term_columns(cfg.gqa)
     unit = cfg.k_factors[0] * cfg.k_pivots[0]
-    zero = Float32(0.0).to(Float8E4M3FN)
+    h0, k = term_chunk(D, t)
+    d0, off = term_channels(cfg.bits, k)
     qv = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-    for j in cutlass.range_constexpr(fold_chunks(cfg, threads)):
-        h, c = fold_chunk(D, t, j, threads)
-        row = cutlass.min(h, cfg.cols - 1)  # a share past the columns reads a row and stores nothing
+    pv = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    r = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32)  # Q' at indices 4 k + v, then times 2^e
+    hi = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
+    lo = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
+    for j in cutlass.range_constexpr((cfg.gqa + rows - 1) // rows):
+        h = h0 + j * rows
+        row = cutlass.min(h, cfg.gqa - 1)  # a row past the heads folds a head's and stores nothing
         part = Float32(0.0)
         top = Float32(0.0)
-        ys = []
-        for p in cutlass.range_constexpr(FOLD_PAIRS):
-            cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (c + lanes * p,)), qv)
-            for k in cutlass.range_constexpr(2):
-                i = 2 * p + k
-                sc = param(2 * i)
-                x = Float32(qv[k])
-                part = part + x * (param(2 * i + 1) + cfg.k_mid * sc)
+        for w in cutlass.range_constexpr(2):  # channels d0 + w off and the next: indices 4 k + w and 4 k + w + 2
+            d = d0 + w * off
+            cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (d // 2,)), qv)
+            cute.autovec_copy(cute.local_tile(params, (4,), (d // 2,)), pv)
+            for i in cutlass.range_constexpr(2):
+                x = Float32(qv[i])
+                sc = pv[2 * i]
+                part = part + x * (pv[2 * i + 1] + cfg.k_mid * sc)
                 y = x * sc
                 top = cute.arch.fmax(top, cute.arch.fmax(y, -y))
-                ys.append(y)
-        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's largest |Q'| over its lanes
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, lanes >> (sh + 1)))
+                r[w + 2 * i] = y
+        top = lanes_abs_max(top, lanes)  # the row's largest |Q'|
         e = scale_exponent(top)
-        scale = power_of_two(e)
         inv = power_of_two(-e)
+        r.store(r.load() * power_of_two(e))
+        hi.store(r.load().to(Float8E4M3FN))
+        hf = hi.load().to(Float32)
+        lo.store(((r.load() - hf) * 16.0).to(Float8E4M3FN))
+        lf = lo.load().to(Float32)
         held = Float32(0.0)  # sum_d Q' as the two terms hold it, in units of 2^-e
-        for i in cutlass.range_constexpr(FOLD_CHANNELS):
-            r = ys[i] * scale
-            hi = r.to(Float8E4M3FN)
-            lo = ((r - hi.to(Float32)) * 16.0).to(Float8E4M3FN)
-            held = held + hi.to(Float32) + lo.to(Float32) * 0.0625
-            pos = contraction_index(cfg.bits, fold_channel(D, c, i))
-            if h < cfg.gqa:
-                sQk[h, pos, buf] = hi
-                sQk[gp + h, pos, buf] = lo
-            elif h < gp:  # a padded head: both its term columns zero
-                sQk[h, pos, buf] = zero
-                sQk[gp + h, pos, buf] = zero
-            elif h >= 2 * gp and h < cfg.cols:
-                sQk[h, pos, buf] = zero
+        for v in cutlass.range_constexpr(TERM_CHANNELS):
+            held = held + hf[v] + lf[v] * 0.0625
+        if h < cfg.gqa:
+            cute.autovec_copy(hi, cute.local_tile(sQk[(h, None, buf)], (TERM_CHANNELS,), (k,)))
+            cute.autovec_copy(lo, cute.local_tile(sQk[(gp + h, None, buf)], (TERM_CHANNELS,), (k,)))
         part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
-        if t % lanes == 0 and h < cfg.cols:
+        if k == 0 and h < cfg.gqa:
             sKf[buf, h] = part
             sKf[buf, cfg.cols + h] = inv
+    zero = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
+    zero.store(cute.full_like(r.load(), 0.0).to(Float8E4M3FN))
+    for c in cutlass.range_constexpr(cfg.cols):  # the columns of no term: padded heads, past both terms
+        if cutlass.const_expr(not (c < cfg.gqa or gp <= c < gp + cfg.gqa)):
+            if h0 == c % rows:
+                cute.autovec_copy(zero, cute.local_tile(sQk[(c, None, buf)], (TERM_CHANNELS,), (k,)))
+    if t < cfg.cols - cfg.gqa:  # the other columns' scores: finite (no term, no correction)
+        sKf[buf, cfg.gqa + t] = Float32(0.0)
+        sKf[buf, cfg.cols + cfg.gqa + t] = Float32(1.0)
+
+
+def lanes_abs_max(x: Float32, lanes: int) -> Float32:
+    """The largest of ``x >= 0`` (or NaN) over groups of ``lanes`` consecutive lanes: a whole warp's as one
+    unsigned integer reduction of the bits (non-negative floats order as their bits; NaN above infinity), else a
+    butterfly of maxima."""
+    if lanes == 32:
+        bits = (x.bitcast(Int32) & 0x7FFFFFFF).to(Uint32)
+        return cute.arch.warp_redux_sync(bits, "max").to(Int32).bitcast(Float32)
+    for sh in range(lanes.bit_length() - 1):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, lanes >> (sh + 1)))
+    return x
 
 
 @cute.jit
 def k_operand_fold(cfg, wg, param, buf):
     """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` (E4M3 K operands:
-    :func:`fold_q_terms`) into buffer ``buf``, then one barrier of the warpgroup (the writes fenced for the
-    wgmma's proxy first): the buffers alternate (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of
-    this one is left."""
+    :func:`fold_q_terms`, ``param`` the group's ``(s', z')`` row) into buffer ``buf``, then one barrier of the
+    warpgroup (the writes fenced for the wgmma's proxy first): the buffers alternate
+    (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of this one is left."""
     thr = wg.thr
     if cutlass.const_expr(cfg.k_e4m3):
         fold_q_terms(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
@@ -322,16 +349,17 @@ def k_operand_fold(cfg, wg, param, buf):
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
 
 
-def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf) -> list:
+def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf, summed: bool = False) -> list:
     """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements (``buf``: the
     tile's ``Q'`` buffer). E4M3 K operands: ``Q' y`` from the two terms (``(hi + lo / 16) 2^-e``,
-    :func:`~foscar.cute.operands_e4m3.sum_q_terms`) times the operand's factor of the row's token half."""
-    col0 = 2 * wg.thr.quad
+    :func:`~foscar.cute.operands_e4m3.sum_q_terms`, unless ``summed``: two tiles a pass, summed where they are
+    joined) times the operand's factor of the row's token half."""
+    col0 = wg.thr.col0
     n_el = cute.size(accS)
     sKf = wg.smem.sKf
     kc = [sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
-    if cutlass.const_expr(cfg.k_e4m3):
+    if cutlass.const_expr(cfg.k_e4m3 and not summed):
         sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
         a = [qk_scale * cfg.k_factors[0], qk_scale * cfg.k_factors[1]]
         return [accS[e] * a[row_half(e)] + kc[s_slot(e)] * qk_scale for e in range(n_el)]

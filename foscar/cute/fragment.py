@@ -17,6 +17,10 @@ for the one-warpgroup ``(64, N)`` tiled MMA the kernels use. ``tests/test_cute_f
 the two agree for K (``S^T = K Q^T``: rows = tokens, k = channels) and V (``O^T = V^T P^T``: rows =
 channels, k = tokens), at every bit width and head dim, against :func:`foscar.format.pack_codes`: the
 cache layout of ``docs/layout.md`` is the fragment CuTe builds.
+
+The accumulators (C fragments) by column slot: :func:`slot_column`, :func:`s_slot`, :func:`row_half`,
+:func:`o_slot`, :func:`o_block` say which query column, token row and head-dim block each element of a thread's
+``S^T`` and ``O^T`` accumulators is, and :func:`column_token` which step token a column is.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import warnings
 import torch
 
 from ..format import K_BLOCK_TOKENS, v_block_tokens, words_per_block
+from .config import HEADS
 
 TILE_TOKENS = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
 THREADS = 128  #: one warpgroup
@@ -199,3 +204,44 @@ def rs_accumulator_ownership(m: int, n: int = 8, make_mma=None) -> torch.Tensor:
         warnings.simplefilter("ignore")
         cute.compile(probe)
     return own
+
+
+def slot_column(k: int, col0):
+    """The N column of a thread's column slot ``k`` (``col0``: its first column, ``2 quad``): slots ``2j``
+    and ``2j + 1`` are the thread's two columns of 8-column block ``j``."""
+    return HEADS * (k // 2) + col0 + k % 2
+
+
+def s_slot(e: int) -> int:
+    """The column slot of ``S^T`` accumulator element ``e`` (CuTe's ``m64nN`` C fragment, element
+    ``e = c + 2 r + 4 j``: column ``8 j + 2 quad + c``, row ``row0 + 8 r``)."""
+    return 2 * (e // 4) + e % 2
+
+
+def row_half(e: int) -> int:
+    """The token row of accumulator element ``e``: 0 for ``row0``, 1 for ``row0 + 8``."""
+    return (e // 2) % 2
+
+
+def o_slot(e: int, nb: int) -> int:
+    """The column slot of O^T accumulator element ``e`` (``e = c + 2 r + 4 j + 4 nb m``, ``m`` the m64 block
+    of the head dim)."""
+    return 2 * ((e // 4) % nb) + e % 2
+
+
+def o_block(e: int, nb: int) -> int:
+    """The m64 block of the head dim (V^T's rows) of O^T accumulator element ``e``."""
+    return e // (4 * nb)
+
+
+def column_token(c, gqa: int, step: int):
+    """The step token of N column ``c`` (the padding columns: the last token's)."""
+    return cutlass_min(c // gqa, step - 1)
+
+
+def cutlass_min(a, b):
+    """``min`` of a traced value and a Python int (``cutlass.min``), or of two Python ints."""
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    import cutlass
+    return cutlass.min(a, b)

@@ -20,16 +20,14 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .config import (FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, slot_column,
-                     ws_registers)
-from .fold_map import fold_chunk, fold_param
-from .folds import fold_q, q_sums
-from .fragment import k_word, v_word
-from .folds import kf_layout
+from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, ws_registers
+from .fold_map import fold_chunk, fold_param, k_fold_buffer
+from .folds import fold_q, fold_q_terms, k_operand_fold, kf_layout, q_sums
+from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
 from .softmax import reduction_layout
@@ -191,8 +189,8 @@ class FoldDecodeSm90WS(TileKernel):
 
         if tidx == 0:
             for i in cutlass.range_constexpr(slots):
-                # the TMA issuer's arrival, and the Q' folders' (one a warp) with producer_fold
-                cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if cfg.producer_fold else 0))
+                # the TMA issuer's arrival, and the Q' folders' (one a warp) where the producer folds the slot's Q'
+                cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if self._folded_slot(i) else 0))
                 cute.arch.mbarrier_init(empty + i, THREADS)
                 if cutlass.const_expr(cfg.producer_fold):
                     cute.arch.mbarrier_init(ring.kpar + i, 1)
@@ -265,9 +263,10 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(cfg.producer_fold):
             kpar = alloc.allocate_array(Int64, slots)
             qk_layout = sqk_layout(cfg, slots)
-            sQk_ring = alloc.allocate_tensor(BFloat16, qk_layout.outer, byte_alignment=1024, swizzle=qk_layout.inner)
-            sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, cfg.cols), stride=(cfg.cols, 1)),
-                                             byte_alignment=16)
+            sQk_ring = alloc.allocate_tensor(qk_element_type(cfg), qk_layout.outer, byte_alignment=1024,
+                                             swizzle=qk_layout.inner)
+            kf = cute.size(kf_layout(cfg), mode=[1])  # a slot's corrections (and E4M3 terms' 2^-e)
+            sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, kf), stride=(kf, 1)), byte_alignment=16)
         return StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
@@ -384,21 +383,31 @@ class FoldDecodeSm90WS(TileKernel):
         cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=kbar)
         cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
 
+    def _folded_slot(self, i: int) -> bool:
+        """``producer_fold``: whether the producer folds ring slot ``i``'s ``Q'``: every slot's, or with two tiles a
+        pass tile A's (an even ``k``: an even slot, the stages a power of two), which tile B's pass shares."""
+        return self.cfg.producer_fold and (self.cfg.tiles_per_pass == 1 or i % 2 == 0)
+
     @cute.jit
     def _fold_stages(self, ring: StageRing, sQ: cute.Tensor, ftid, t_lo, t_hi):
         """``producer_fold``: the producer's :data:`~foscar.cute.config.FOLD_WARPS` warps besides the TMA
-        issuer's (``ftid``: this thread among them) fold each stage's ``Q'`` once its K ``(s', z')`` has landed
-        (:func:`foscar.cute.folds.fold_q`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on the
+        issuer's (``ftid``: this thread among them) fold each stage's ``Q'`` (two tiles a pass: each pass's tile
+        A's) once its K ``(s', z')`` has landed (:func:`foscar.cute.folds.fold_q`, E4M3 terms
+        :func:`foscar.cute.folds.fold_q_terms`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on the
         stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
         its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
         cfg = self.cfg
         threads = FOLD_WARPS * 32
         _, fc = fold_chunk(cfg.head_dim, ftid, 0, threads)
-        for tile in cutlass.range(t_lo, t_hi, unroll=1):
+        for tile in cutlass.range(t_lo, t_hi, cfg.tiles_per_pass, unroll=1):  # a pass's tile A: an even k
             c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
             slot = ring_slot(c, k, cfg.stages)
             cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
-            fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, lambda j: ring.sKP[fold_param(cfg.head_dim, fc, j), slot])
+            if cutlass.const_expr(cfg.k_e4m3):
+                fold_q_terms(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, ring.sKP[(None, slot)])
+            else:
+                fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot,
+                       lambda j: ring.sKP[fold_param(cfg.head_dim, fc, j), slot])
             cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
             cute.arch.sync_warp()
             if ftid % 32 == 0:
@@ -431,19 +440,32 @@ class FoldDecodeSm90WS(TileKernel):
                     regs.par[o + 2 * r + 1] = Float32(0.0)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
-            for tile in cutlass.range(t_lo + c, t_hi, 4, unroll=1):  # two consumers (config: not wide)
+            run = cfg.tile_run  # tiles A and B: 1, the split's c + 4j and c + 4j + 2; 2, its 2c + 4j and 2c + 4j + 1
+            for tile in cutlass.range(t_lo + run * c, t_hi, 4, unroll=1):  # two consumers (config: not wide)
                 k = (tile - t_lo) >> 1  # (tile - t_lo) // 2, even
+                if cutlass.const_expr(run == 2):
+                    k = ((tile - t_lo) >> 2) << 1
                 slot = ring_slot(c, k, cfg.stages)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
-                has_b = tile + 2 < t_hi
+                has_b = tile + 3 - run < t_hi
                 if has_b:
                     slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
                 cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
                 if has_b:
                     cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
+                qbuf = None
+                if cutlass.const_expr(cfg.producer_fold):  # tile A's stage holds the pass's Q'
+                    qbuf = slot
+                elif cutlass.const_expr(cfg.k_channel):  # both tiles in one token group: Q' from tile A's stage
+                    # (before the words are in registers: fewer live across the fold); groups of two tiles: every pass
+                    qbuf = k_fold_buffer(cfg, tile * TILE, self.consumers)
+                    if cutlass.const_expr(cfg.group_size == 2 * TILE):
+                        k_operand_fold(cfg, wg, self._fold_source(ring, slot, thr), qbuf)
+                    else:
+                        state.kgroup = self._fold_q(wg, state.kgroup, tile * TILE, self._fold_source(ring, slot, thr))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
-                t0_b = second_tile_start(tile + 2, t_hi, n)
+                t0_b = second_tile_start(tile + 3 - run, t_hi, n)
                 slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
                 if thr.half == 1:
                     slot_own = slot_b
@@ -452,10 +474,16 @@ class FoldDecodeSm90WS(TileKernel):
                                       (self._fp4_scales(ring, slot), self._fp4_scales(ring, slot_b),
                                        self._fp4_scales(ring, slot_own)),
                                       lambda: self._release_pair(ring, slot, slot_b, has_b))
+                elif cutlass.const_expr(cfg.producer_fold):  # tile A's stage (its Q') freed after the pass's scores
+                    self._read_params(ring, slot_own, regs, thr_c, thr)
+                    if has_b:
+                        cute.arch.mbarrier_arrive(ring.empty + slot_b)
+                    state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b,
+                                      release=lambda: cute.arch.mbarrier_arrive(ring.empty + slot), qbuf=qbuf)
                 else:
                     self._read_params(ring, slot_own, regs, thr_c, thr)
                     self._release_pair(ring, slot, slot_b, has_b)
-                    state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b)
+                    state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b, qbuf=qbuf)
         elif cutlass.const_expr(cfg.tile_run == 1 and self.consumers == 3):  # every third tile
             for k in cutlass.range(0, (t_hi - t_lo - c + 2) // 3, unroll=1):
                 state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, t_lo + c + 3 * k)
@@ -490,13 +518,20 @@ class FoldDecodeSm90WS(TileKernel):
                                     lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
         else:
             if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage
-                _, fc = fold_chunk(cfg.head_dim, thr.tidx, 0)
-                state.kgroup = self._fold_q(wg, state.kgroup, t0,
-                                            lambda i: ring.sKP[fold_param(cfg.head_dim, fc, i), slot])
+                state.kgroup = self._fold_q(wg, state.kgroup, t0, self._fold_source(ring, slot, thr))
             cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
             state = self._tile_step(wg, regs, state, k, t0, 0)
         return state
 
+
+    def _fold_source(self, ring: StageRing, slot, thr: WarpgroupThread):
+        """Channel-wise K: where this thread's fold reads the token group's ``(s', z')`` in stage ``slot``: the
+        stage's row (E4M3 terms, :func:`foscar.cute.folds.fold_q_terms`), or its ``i``-th float of them
+        (:func:`foscar.cute.folds.fold_q`)."""
+        if cutlass.const_expr(self.cfg.k_e4m3):
+            return ring.sKP[(None, slot)]
+        _, fc = fold_chunk(self.cfg.head_dim, thr.tidx, 0)
+        return lambda i: ring.sKP[fold_param(self.cfg.head_dim, fc, i), slot]
 
     def _fp4_scales(self, ring: StageRing, slot) -> list:
         """FP4 formats: the K and V block-scale bytes of stage ``slot`` as Int32 words (:mod:`foscar.cute.operands_fp4`)."""
@@ -527,8 +562,6 @@ class FoldDecodeSm90WS(TileKernel):
     def _read_params(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
         """The ``(s', z')`` of this thread's two token rows of the tile in stage ``slot``, into ``regs``."""
         cfg = self.cfg
-        D = cfg.head_dim
-        ctid = thr.tidx
         row0 = thr.row0
         sKP = ring.sKP
         sVP = ring.sVP

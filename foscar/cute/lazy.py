@@ -15,7 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
 
-from .config import RESCALE_HEADROOM, THREADS, s_slot
+from .config import RESCALE_HEADROOM, THREADS
+from .fragment import s_slot
 from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
 from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
 
@@ -134,7 +135,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
 
 
 def add_slot_sums(sums: cute.Tensor, p: list):
-    """A pass's ``P`` (element ``e``: column slot :func:`~foscar.cute.config.s_slot`) added to the running sums
+    """A pass's ``P`` (element ``e``: column slot :func:`~foscar.cute.fragment.s_slot`) added to the running sums
     by column slot, a slot's two token rows in turn."""
     for k in range(cute.size(sums)):
         e = 4 * (k // 2) + k % 2

@@ -26,11 +26,12 @@ from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
 
 
 @cute.jit
-def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup) -> cute.Tensor:
+def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup, qinv: list) -> cute.Tensor:
     """The pass's S^T elements of this thread, in ``acc_a``: tile A's in quads 0 and 1, tile B's heads in
     quads 2 and 3 (element ``e``: head ``col0 + e % 2``). E4M3 K operands with the ``lo`` terms two quads
     over (``gp`` 4): the shuffle that moves B also brings each head's other term, and the terms are summed
-    here (``(hi + lo / 16) 2^-e``); else each tile's terms are summed first (:func:`sum_q_terms`)."""
+    here (``(hi + lo / 16) 2^-e``, ``qinv``: the ``2^-e`` of this thread's two columns); else each tile's terms
+    are summed first (:func:`sum_q_terms`)."""
     thr = wg.thr
     half = thr.half
     if cutlass.const_expr(cfg.k_e4m3 and term_columns(cfg.gqa) == 4):
@@ -46,15 +47,15 @@ def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup) -> cu
             if half == 1:
                 hi = other
                 lo = mine
-            s = (hi + lo * 0.0625) * wg.qinv[e % 2]
+            s = (hi + lo * 0.0625) * qinv[e % 2]
             if cutlass.const_expr(cfg.gqa < 4):
                 if thr.col0 + e % 2 >= cfg.gqa:  # a padded head
                     s = Float32(0.0)
             acc_a[e] = s
     else:
         if cutlass.const_expr(cfg.k_e4m3):  # each tile's scores in its quads 0 and 1 (2^-e by quad)
-            sum_q_terms(acc_a, cfg.gqa, thr.quad, wg.qinv[0], wg.qinv[1])
-            sum_q_terms(acc_b, cfg.gqa, thr.quad, wg.qinv[0], wg.qinv[1])
+            sum_q_terms(acc_a, cfg.gqa, thr.quad, qinv[0], qinv[1])
+            sum_q_terms(acc_b, cfg.gqa, thr.quad, qinv[0], qinv[1])
         for e in cutlass.range_constexpr(cute.size(acc_a)):
             moved = cute.arch.shuffle_sync_bfly(acc_b[e], 2)
             if half == 1:
@@ -64,14 +65,17 @@ def join_tiles(cfg, acc_a: cute.Tensor, acc_b: cute.Tensor, wg: Warpgroup) -> cu
 
 @cute.jit
 def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, state: RunningState, step, t0,
-              t0_b, scales=None, release=None) -> RunningState:
+              t0_b, scales=None, release=None, qbuf=None) -> RunningState:
     """One pass over tiles A (words in ``regs``, starting at token ``t0``) and B (``regs_b``, ``t0_b``; the
     sequence's length or more when the warpgroup has no second tile: its rows are masked). ``regs.par``
     holds the ``(s', z')`` of this thread's rows in its own tile (``half``). ``step``: the pass's index in
     the warpgroup's sequence. The same folds as :meth:`~foscar.cute.warpgroup.TileKernel._tile_step`, with
     the online softmax's rescale made lazy (:func:`~foscar.cute.lazy.lazy_softmax`). FP4 formats: ``scales``, the
     block-scale words of tiles A and B (:mod:`foscar.cute.operands_fp4`; MXFP4: a third, those of this thread's
-    tile), and ``release`` called once V^T's registers of both are built."""
+    tile), and ``release`` called once V^T's registers of both are built. Channel-wise K (both tiles in one token
+    group): ``qbuf``, the group's ``Q'`` buffer, its terms' ``2^-e`` and offset corrections
+    (:func:`~foscar.cute.folds.fold_q_terms`), and ``release`` (the producer's ``Q'``) called once the scores
+    are formed."""
     cfg = kern.cfg
     thr = wg.thr
     frags = wg.frags
@@ -88,14 +92,19 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
         parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
         parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
     else:  # both tiles' QK products in flight together, one wait for both
-        parts_a, steps_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None, wait=False)
-        parts_b, steps_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False,
-                                    scales=scales[1] if fp4 else None, wait=False)
+        parts_a, steps_a = kern._qk(wg, regs, sc, t0, None, False, qbuf, scales[0] if fp4 else None, wait=False)
+        parts_b, steps_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, qbuf,
+                                    scales[1] if fp4 else None, wait=False)
         warpgroup.wait_group(0)
         parts_a = kern._qk_finish(wg, parts_a, steps_a, False)
         parts_b = kern._qk_finish(wg, parts_b, steps_b, False)
-    parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg) for i in range(len(parts_a))]
-    s = kern._scores(wg, regs, sc, parts, mu=state.softmax.m)  # less the maxima (lazy_softmax)
+    qinv = wg.qinv
+    if cutlass.const_expr(cfg.k_channel):  # the group's 2^-e of this thread's two columns
+        qinv = [wg.smem.sKf[qbuf, cfg.cols + thr.col0 + j] for j in range(2)]
+    parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg, qinv) for i in range(len(parts_a))]
+    s = kern._scores(wg, regs, sc, parts, qbuf=qbuf, mu=state.softmax.m, summed=True)  # less the maxima (lazy)
+    if cutlass.const_expr(release is not None and not fp4):  # the stage's Q' read: the producer may refill it
+        release()
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
     if cutlass.const_expr(cfg.fp4_mx):
         from .operands_fp4 import build_vt_registers_mx, mx_views

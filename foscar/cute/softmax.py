@@ -1,7 +1,7 @@
 """Online softmax (base 2) over the token axis of ``S^T``, per query-row column, for one warpgroup.
 
 A thread holds ``4 nb`` elements of a tile's ``S^T`` (``nb = cols / 8`` column blocks; element ``e``: column
-slot :func:`~foscar.cute.config.s_slot`, the column ``8 (e // 4) + 2 quad + e % 2``, token row
+slot :func:`~foscar.cute.fragment.s_slot`, the column ``8 (e // 4) + 2 quad + e % 2``, token row
 ``row0 + 8 ((e // 2) % 2)``), two columns per block; a column's 64 tokens sit on the eight lanes sharing
 ``quad`` in each of the four warps, so a column reduction is three butterfly shuffles, then the warps
 through shared memory. With two tiles per pass (``thr.pair``, :mod:`foscar.cute.pair`, 8 columns) quads 2
@@ -16,7 +16,8 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .config import HEADS, THREADS, s_slot
+from .config import HEADS, THREADS
+from .fragment import s_slot
 
 
 class OnlineSoftmax:

@@ -22,7 +22,8 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
-from .config import CORRECTION_TILES, TILE, Sm90Config, column_token, o_slot, row_half, s_slot, slot_column
+from .config import CORRECTION_TILES, TILE, Sm90Config
+from .fragment import column_token, o_slot, row_half, s_slot, slot_column
 from .fold_map import k_fold_buffer
 from .folds import (
     OutputAccumulator,
@@ -438,15 +439,15 @@ class TileKernel:
 
     @cute.jit
     def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None,
-                mu=None) -> list:
+                mu=None, summed: cutlass.Constexpr = False) -> list:
         """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
         ``row0 + 8 row_half(e)``) from K's fold, less ``mu`` (by column slot) where given; ``-inf`` on rows past
         the sequence and, in a step of several tokens, past each column's causal limit (the tile starting at
-        token ``t0``)."""
+        token ``t0``). Channel-wise K with E4M3 terms: ``summed``, the partials hold the terms' sum already."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
-            s = k_operand_fold_scores(cfg, partials[0], wg, qbuf)
+            s = k_operand_fold_scores(cfg, partials[0], wg, qbuf, summed)
             if cutlass.const_expr(mu is not None):
                 s = less_maxima(s, mu)
         else:
