@@ -65,6 +65,8 @@ def test_two_tiles_a_pass_within_one_token_group(pass_switch, g, v_axis, k_opera
         config_for(fmt, 4, 64, k_operand, 2)
     cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel"), 4, 64, "e4m3", 2)
     assert cfg.tiles_per_pass == 2 and cfg.tile_run == 2 and cfg.lazy_rescale and cfg.producer_fold == pass_switch
+    from foscar.cute.launch import default_variant  # an untuned launch takes the pass
+    assert default_variant(foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel"), 3, 64) == ("e4m3", 2)
     if pass_switch:  # the producer folds a pass's Q' once: one tile a pass would fold every tile
         with pytest.raises(UnsupportedError, match="two tiles a pass where the producer folds"):
             config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel"), 4, 64, "e4m3", 1)

@@ -33,6 +33,9 @@ LAZY_ONE_TILE = True
 #: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`).
 #: Measured on the H200 (``docs/bench/h200/axes-lazy-vchannel.json``): 0.88-1.00x the time, B 8, L 128K INT2 0.88x
 LAZY_CHANNEL_V = True
+#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`, its acc-fold once a pass): off
+#: until its GPU tests run (``docs/hopper-e4m3-plan.md``)
+PAIR_CHANNEL_V = False
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
@@ -211,8 +214,8 @@ class Sm90Config:
     #: streams half INT4's bytes in as many instructions, so twice the stages keep as many bytes in flight),
     #: else :data:`STAGES`; a tuned entry may ask for more where its CTAs per SM leave the shared memory
     stages: int = STAGES
-    #: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): token-wise V two tiles a pass always,
-    #: one tile a pass where :data:`LAZY_ONE_TILE`; channel-wise V (one tile a pass) where :data:`LAZY_CHANNEL_V`
+    #: the online softmax's rescale made lazy (:mod:`foscar.cute.lazy`): two tiles a pass always, one tile a pass
+    #: where :data:`LAZY_ONE_TILE` (token-wise V) or :data:`LAZY_CHANNEL_V` (channel-wise V)
     lazy_rescale: bool = False
     #: v1: how a CTA begins, one of :data:`PROLOGUES` (:data:`PROLOGUE_BY_BITS`)
     prologue: str = "q_first"
@@ -245,7 +248,8 @@ class Sm90Config:
         fold for both tiles, where alternate tiles would fold every tile) or takes them as one pass (one ``Q'``,
         whoever folds it), else 1."""
         fold_pairs = self.k_channel and (not self.producer_fold or self.tiles_per_pass == 2)
-        return 2 if fold_pairs and self.group_size >= 2 * TILE else 1
+        one_group = fold_pairs or (self.v_channel and self.tiles_per_pass == 2)  # channel-wise V: one acc-fold a pass
+        return 2 if one_group and self.group_size >= 2 * TILE else 1
 
     @property
     def rows(self) -> int:
@@ -520,11 +524,13 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
                                "pass (the second tile's scores sit in the columns two terms leave free)")
     k_pass = fmt.k_axis == "token" or (e4m3 and g >= 2 * TILE)  # channel-wise K: a pass within one token group
-    if tiles_per_pass == 2 and (not k_pass or fmt.v_axis != "token" or gqa > HEADS // 2 or step > 1):
+    v_pass = fmt.v_axis == "token" or (PAIR_CHANNEL_V and g >= 2 * TILE)
+    if tiles_per_pass == 2 and (not k_pass or not v_pass or gqa > HEADS // 2 or step > 1):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
                                f"q_len={step}, k_operand={k_operand!r}, group_size={g}", "two tiles per softmax pass "
-                               "take token-wise V, gqa <= 4, one token, and token-wise K or (E4M3 K operands) "
-                               "channel-wise K with token groups of two tiles or more")
+                               "take gqa <= 4, one token, token-wise K or (E4M3 K operands) channel-wise K, and "
+                               "token-wise V or (foscar.cute.config.PAIR_CHANNEL_V) channel-wise V, with token groups "
+                               "of two tiles or more for a channel-wise axis")
     if e4m3:
         k = {"K_PATTERN": 0, "K_SHL": 0, **fold_constants("K", E4M3_PLACEMENT, fmt)}
     else:
@@ -562,8 +568,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
-                      lazy_rescale=(tiles_per_pass == 2 or LAZY_ONE_TILE) if fmt.v_axis == "token" else
-                      tiles_per_pass == 1 and LAZY_CHANNEL_V,
+                      lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2

@@ -480,9 +480,10 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
 
 @cute.jit
 def publish_p(cfg, wg, q: list, buf):
-    """Channel-wise V: a tile's ``P~ = fp16(P)`` elements of this thread (``q``) into the B operand, and each
-    warp's column sums of them (its 16 token rows) into slots ``cols..2 cols - 1`` of ``sRed``'s buffer ``buf``,
-    then the proxy fence the wgmma reads need; the caller's barrier publishes both (:func:`p_column_sums`)."""
+    """Channel-wise V: a pass's ``P~ = fp16(P)`` elements of this thread (``q``) into the B operand, and each
+    warp's column sums of them (its 16 token rows of each tile of the pass) into slots ``cols..2 cols - 1`` of
+    ``sRed``'s buffer ``buf``, then the proxy fence the wgmma reads need; the caller's barrier publishes both
+    (:func:`p_column_sums`)."""
     thr = wg.thr
     store_p(cfg, wg.smem.sP[0], thr, q)
     slots = len(q) // 2
@@ -490,19 +491,23 @@ def publish_p(cfg, wg, q: list, buf):
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 4 << sh)
+    if cutlass.const_expr(thr.pair):  # two tiles a pass: the same heads of the other tile, two quads over
+        for k in cutlass.range_constexpr(slots):
+            ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 2)
     sRed = wg.smem.sRed
     lane = thr.lane
     warp = thr.warp
     cols = cfg.cols
     if lane < 4:
         for k in cutlass.range_constexpr(slots):
-            sRed[buf, warp, cols + slot_column(k, 2 * lane)] = ps[k]
+            sRed[buf, warp, cols + slot_column(k, 2 * lane)] = ps[k]  # two tiles a pass: lanes 2, 3 as 0, 1
     cute.arch.fence_view_async_shared()
 
 
 def p_column_sums(cfg, wg, buf, slots: int) -> list:
-    """The column sums of a tile's ``P~`` (the four warps' of :func:`publish_p`, after the barrier), by this
-    thread's column slot."""
+    """The column sums of a pass's ``P~`` (the four warps' of :func:`publish_p`, after the barrier), by this
+    thread's column slot (two tiles a pass: quads 2 and 3 read the copies lanes 2 and 3 published of their
+    heads)."""
     sRed = wg.smem.sRed
     col0 = 2 * wg.thr.quad
     psum = [sRed[buf, 0, cfg.cols + slot_column(k, col0)] for k in range(slots)]
@@ -513,22 +518,26 @@ def p_column_sums(cfg, wg, buf, slots: int) -> list:
 
 
 @cute.jit
-def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=None):
-    """Channel-wise V: the tile's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`), centred,
-    scaled per channel (``regs.vpar``: the group's ``(s', z')`` of this thread's accumulator channels) and added
-    to the accumulator, rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P~) + mid sum
-    P~`` (``psum``: :func:`p_column_sums`)."""
+def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=None, regs_b=None):
+    """Channel-wise V: the pass's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`; two tiles a
+    pass: both tiles' products, ``regs_b`` the second's words, in one partial), centred, scaled per channel
+    (``regs.vpar``: the group's ``(s', z')`` of this thread's accumulator channels) and added to the accumulator,
+    rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P~) + mid sum P~`` (``psum``:
+    :func:`p_column_sums`)."""
     accO = out.acc
-    build_vt_registers(cfg, wg.frags.tOrV_u32, regs.vw)
     tOrV = wg.frags.tOrV
     tOrP = wg.frags.tOrP[0]
+    n_kb = cute.size(tOrV, mode=[2])
     accT = cute.make_rmem_tensor(accO.layout, Float32)
     accT.fill(0.0)
-    warpgroup.fence()
-    for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-        cute.gemm(wg.pv_mma, accT, tOrV[None, None, kb], tOrP[None, None, kb], accT)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)
+    tiles = [regs] if regs_b is None else [regs, regs_b]
+    for i in cutlass.range_constexpr(len(tiles)):
+        build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(n_kb):
+            cute.gemm(wg.pv_mma, accT, tOrV[None, None, kb], tOrP[None, None, i * n_kb + kb], accT)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)  # V^T's registers are built again for the next tile
     vpar = regs.vpar
     for e in cutlass.range_constexpr(cute.size(accO)):
         k = o_slot(e, cfg.nb)

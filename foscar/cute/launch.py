@@ -159,13 +159,17 @@ def default_waves(rows: int) -> int:
 @functools.lru_cache(maxsize=256)  # host time per call: a refusal is an exception, which config_for does not cache
 def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: int = 1) -> tuple[str, int]:
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
-    given) and two tiles per softmax pass, each where the format takes it (:func:`takes`).
+    given) and two tiles per softmax pass, each where the format takes it (:func:`takes`; E4M3 K with one tile a
+    pass where it takes no pair, before BF16 K).
     Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
     cases and E4M3 K operands in 21; beyond 4 query rows (Q's terms in separate column blocks,
     ``Sm90Config.term_blocks``) E4M3 K is 5-15% faster than BF16 K at GQA 8 and 16
     (``docs/bench/h200/rows-e4m3.md``) and 3-4% at GQA 32 (``docs/bench/h200/heads-e4m3-32.md``)."""
-    k_operand = k_operand or ("e4m3" if takes(fmt, G, page, "e4m3", 1, step) else "bf16")
-    return k_operand, (2 if takes(fmt, G, page, k_operand, 2, step) else 1)
+    for k in (k_operand,) if k_operand else ("e4m3", "bf16"):
+        for tiles in (2, 1):
+            if takes(fmt, G, page, k, tiles, step):
+                return k, tiles
+    return k_operand or "bf16", 1
 
 
 def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int, step: int = 1) -> bool:

@@ -18,8 +18,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from .config import CORRECTION_TILES, TILE
-from .folds import fold_corrections
-from .lazy import lazy_softmax
+from .folds import fold_corrections, v_acc_fold_product
+from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, term_columns
 from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
@@ -105,6 +105,10 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     s = kern._scores(wg, regs, sc, parts, qbuf=qbuf, mu=state.softmax.m, summed=True)  # less the maxima (lazy)
     if cutlass.const_expr(release is not None and not fp4):  # the stage's Q' read: the producer may refill it
         release()
+    if cutlass.const_expr(cfg.v_channel):  # P~ of both tiles, one acc-fold of both tiles' products
+        softmax, out, psum = lazy_softmax_acc_fold(cfg, wg, state, s, step)
+        v_acc_fold_product(cfg, wg, out, regs, psum, regs_b=regs_b)
+        return RunningState(softmax, out, state.kgroup)
     softmax, out = lazy_softmax(cfg, wg, state, sc, s, step)
     if cutlass.const_expr(cfg.fp4_mx):
         from .operands_fp4 import build_vt_registers_mx, mx_views
