@@ -29,8 +29,8 @@
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
 #                                                                #   against the split count, stress study, time
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending          # the windowed combine's GPU tests
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-cost     # its compute-sanitizer runs and cost
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed    # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -204,20 +204,30 @@ case "$step" in
       > "$OUT/accuracy.log" 2>&1; grep "^| INT" "$OUT/accuracy.log" | cut -d'|' -f2,3,7,8
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
       > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
-  pending)  # after install-cute: the windowed combine (a CTA per KV head's rows, the window staged in shared memory;
-            # the dependent launch where v1 runs two CTAs an SM): its GPU tests, the decode oracle cases (channel-wise
-            # K has a ring), the g256 channel-wise K E4M3 case
-    timeout 420 python3 -m pytest -q -m gpu tests/test_cute_combine.py tests/test_cute_pdl.py tests/test_cute_channel_e4m3.py \
-      tests/test_cute_decode.py -k "combine or pdl or lens5 or (against_the_oracle and (not v0 or lens3))" \
-      > "$OUT/pending-tests.log" 2>&1
-    echo "pending tests: $(tail -1 "$OUT/pending-tests.log")" ;;
-  pending-cost)  # compute-sanitizer over the windowed combine at two CTAs an SM (dependent launch), the windows' cost
-    for tool in racecheck memcheck; do
-      timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 --report-api-errors no \
-        python3 benchmarks/sanitize_one.py cute_ws2 > "$OUT/sanitize-$tool-cute_ws2.log" 2>&1
-      echo "$tool rc=$? $(tail -2 "$OUT/sanitize-$tool-cute_ws2.log" | tr '\n' ' ')"
-    done
-    timeout 200 python3 benchmarks/window_cost.py --iters 7 > "$OUT/window-cost.md" 2>&1; grep -v Warn "$OUT/window-cost.md" ;;
+  pending)  # after install-cute: the GPU tests of the switches built and not yet run on a GPU (pending [FILTER]:
+            # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
+            # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass
+    while read -r name cmd; do
+      case "$name" in *${2:-}*) ;; *) continue ;; esac
+      timeout 420 $cmd > "$OUT/pending-$name.log" 2>&1
+      echo "$name rc=$? $(tail -1 "$OUT/pending-$name.log")"
+    done <<'TESTS'
+stacked python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k stacked_terms_against
+stacked-steps python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest -q -s -m gpu tests/test_multitoken.py -k cute_kernel_takes_a_step
+p-layout python3 -m pytest -q -s -m gpu tests/test_cute_p_layout.py
+channel-k python3 -m pytest -q -s -m gpu tests/test_cute_channel_e4m3.py
+channel-v python3 -m pytest -q -s -m gpu tests/test_cute_channel_v_pair.py
+TESTS
+    ;;
+  pending-speed)  # after install-cute and the pending tests: the switches against the shipped kernels, one process
+                  # each (sweep_switches.py): GQA 32 and 16 with the stacked terms, the channel-wise combinations
+    timeout 280 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:1 32:2 --variants shipped \
+      "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1" \
+      > "$OUT/sweep-stacked.md" 2>&1; echo "stacked rc=$?"; tail -3 "$OUT/sweep-stacked.md"
+    timeout 300 python3 benchmarks/sweep_switches.py --shapes 8:32K,8:128K --axes token:token channel:token \
+      token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" \
+      "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" > "$OUT/sweep-channel.md" 2>&1
+    echo "channel rc=$?"; tail -3 "$OUT/sweep-channel.md" ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2

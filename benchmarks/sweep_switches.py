@@ -1,11 +1,12 @@
 """v1's kernel switches (``foscar.cute.config``) timed through ``foscar.decode`` (the tuned configs) on the paper grid:
 
     python benchmarks/sweep_switches.py --variants shipped "PROLOGUE_BY_BITS=2:q_first" "COMBINE_PDL=1" \
-        [--shapes 1:8K,8:32K] [--bits 2 4] [--heads 32:1] [--choose FILE]
+        [--shapes 1:8K,8:32K] [--bits 2 4] [--heads 32:1] [--axes token:token channel:token] [--choose FILE]
 
 Each variant is ``shipped`` (the switches as committed) or ``run_with.py`` words (``NAME=VALUE`` separated by
 spaces, one argument), set on top of the shipped switches. Per shape and bits (random codes, Hq 32, Hkv 8 or
-``--heads``, D 128, g 128, token-wise K and V, page 64, shuffled pages): each variant's output is first held to the Triton kernel's
+``--heads``, D 128, g 128, token-wise K and V or each ``--axes`` K:V pair, page 64, shuffled pages): each variant's
+output is first held to the Triton kernel's
 (a wrong one is printed and not timed), then timed as a CUDA-graph replay with the L2 flushed
 (``fixed_cost.timed``, median of ``--iters``), all in one process. The last columns: each variant's time over the
 first's. With ``--kernels`` the kernels' own durations (torch profiler, ``fixed_cost.kernel_rows``) follow each
@@ -44,6 +45,7 @@ def main():
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(PAPER))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     p.add_argument("--heads", type=parse_heads, default=(32, 8), help="HQ:HKV (default 32:8)")
+    p.add_argument("--axes", nargs="+", default=["token:token"], help="K:V quantization axes (default token:token)")
     p.add_argument("--variants", nargs="+", default=["shipped"], help="'shipped' or run_with.py words")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
@@ -53,13 +55,15 @@ def main():
         set_variant(v)  # a bad variant fails here, before any timing
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    print(f"| B | L | bits | {' | '.join(a.variants)} µs | {' | '.join(v + ' / first' for v in a.variants[1:])} |")
-    print("|" + "---|" * (3 + 2 * len(a.variants) - 1))
+    axes = [tuple(x.split(":")) for x in a.axes]
+    print(f"| B | L | bits | K/V | {' | '.join(a.variants)} µs | {' | '.join(v + ' / first' for v in a.variants[1:])} |")
+    print("|" + "---|" * (4 + 2 * len(a.variants) - 1))
     logs = {(v, bits): [] for v in a.variants for bits in a.bits}
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // 64, "shuffled", 0).to(dev)
-        for bits in a.bits:
-            cache = random_cache(foscar.KVFormat(bits, 128, 128), bt, L, kv_heads=a.heads[1], page=64)
+        for bits, (k_axis, v_axis) in ((b, x) for b in a.bits for x in axes):
+            fmt = foscar.KVFormat(bits, 128, 128, k_axis=k_axis, v_axis=v_axis)
+            cache = random_cache(fmt, bt, L, kv_heads=a.heads[1], page=64)
             q = torch.randn(B, a.heads[0], 128, dtype=torch.bfloat16, device=dev)
             want = foscar.decode(q, cache, backend="triton").double()
             out = torch.empty_like(q)
@@ -80,7 +84,8 @@ def main():
             for v, t in zip(a.variants, times):
                 logs[v, bits].append(math.log(t / times[0]))
             ratios = " | ".join(f"{t / times[0]:.3f}" for t in times[1:])
-            print(f"| {B} | {L // 1024}K | INT{bits} | {' | '.join(f'{t:.1f}' for t in times)} | {ratios} |", flush=True)
+            print(f"| {B} | {L // 1024}K | INT{bits} | {k_axis[:3]}/{v_axis[:3]} | {' | '.join(f'{t:.1f}' for t in times)} "
+                  f"| {ratios} |", flush=True)
             for n in notes:
                 print(f"    {n}", flush=True)
             del cache
