@@ -27,6 +27,7 @@ from bench_decode import Case, make_random_cache, parse_shapes
 
 import foscar
 from foscar.bench import as_graph, make_block_table, time_call
+from foscar.bench.common import flush_l2
 
 FLUSH_BYTES = 512 * 2 ** 20
 
@@ -74,7 +75,7 @@ def kernel_rows(fn, flush, iters):
     replay = as_graph(fn)
     runs = []
     for _ in range(iters):
-        flush.zero_()
+        flush_l2(flush)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             replay()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import foscar
-from foscar.bench.common import L2_FLUSH_BYTES, make_block_table, random_cache
+from foscar.bench.common import L2_FLUSH_BYTES, flush_l2, make_block_table, random_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a benchmark of GPU kernels")
 SHAPES = [(1, 8192), (8, 32768), (8, 131072), (64, 32768)]
@@ -25,7 +25,7 @@ def flush():
 
 def _run(benchmark, fn, flush):
     def setup():
-        flush.zero_()
+        flush_l2(flush)
         torch.cuda.synchronize()
 
     def call():

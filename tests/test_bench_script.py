@@ -605,6 +605,27 @@ def test_kernel_time_sums_the_calls_gpu_events(monkeypatch):
     assert got["kernels_per_call"] == 2 and got["kernel_all_us"] == [40.0] * 5
 
 
+def test_the_l2_flush_writes_or_reads_its_buffer(monkeypatch):
+    from foscar.bench.common import flush_l2, l2_flush_mode
+    from foscar.errors import InvalidArgumentError
+    monkeypatch.delenv("FOSCAR_L2_FLUSH", raising=False)
+    buf = torch.full((64,), 7, dtype=torch.uint8)
+    assert l2_flush_mode() == "write"
+    flush_l2(buf)
+    assert not buf.any()  # written
+    monkeypatch.setenv("FOSCAR_L2_FLUSH", "read")
+    buf.fill_(7)
+    flush_l2(buf)
+    assert (buf == 7).all()  # read, left as it was
+    monkeypatch.setenv("FOSCAR_L2_FLUSH", "zero")
+    with pytest.raises(InvalidArgumentError, match="FOSCAR_L2_FLUSH"):
+        flush_l2(buf)
+    monkeypatch.setenv("FOSCAR_L2_FLUSH", "write")  # restored after the test: parse_args sets it for the run
+    assert bd.parse_args(["--flush", "read"]).flush == "read" and l2_flush_mode() == "read"
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--flush", "zero"])
+
+
 def test_iters_below_five_are_refused():
     with pytest.raises(SystemExit):
         bd.parse_args(["--iters", "3"])

@@ -23,6 +23,28 @@ from ..errors import FoscarError, InvalidArgumentError
 from ..format import CHANNEL, KVFormat
 
 L2_FLUSH_BYTES = 512 * 2 ** 20
+#: How the L2 is flushed before each timed call (:func:`flush_l2`): ``"write"`` zeroes the flush buffer, whose dirty
+#: lines are then written back inside the timed call (about 8 µs where it reads 151 MB or more on the H200,
+#: ``docs/bench/h200/flush-writeback.md``); ``"read"`` reads it, leaving the L2 cold and clean, the state FlashInfer's
+#: rotating-buffer benchmarks time in. Set by the environment's ``FOSCAR_L2_FLUSH`` or ``foscar bench speed --flush``.
+L2_FLUSHES = ("write", "read")
+
+
+def l2_flush_mode() -> str:
+    """The flush :func:`flush_l2` does: ``FOSCAR_L2_FLUSH`` (one of :data:`L2_FLUSHES`), ``"write"`` when unset."""
+    mode = os.environ.get("FOSCAR_L2_FLUSH", "write")
+    if mode not in L2_FLUSHES:
+        raise InvalidArgumentError("FOSCAR_L2_FLUSH", f"one of {L2_FLUSHES}", mode)
+    return mode
+
+
+def flush_l2(flush: torch.Tensor) -> None:
+    """Evict the L2 before a timed call by streaming through ``flush`` (a buffer several times its size): written
+    (zeroed) or read, as :func:`l2_flush_mode` says."""
+    if l2_flush_mode() == "read":
+        torch.sum(flush.view(torch.int32), dtype=torch.int32)
+    else:
+        flush.zero_()
 
 
 def int_in(minimum: int, maximum: int | None = None, want: str | None = None):
@@ -246,14 +268,14 @@ def summarize_us(times_us: list[float]) -> dict:
 
 
 def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
-    """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed (``flush`` zeroed) before
-    each, CUDA events around the call alone."""
+    """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed before each (:func:`flush_l2`),
+    CUDA events around the call alone."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
-        flush.zero_()
+        flush_l2(flush)
         start.record()
         fn()
         end.record()

@@ -71,8 +71,8 @@ import sys
 import torch
 
 from ..format import SUPPORTED_HEAD_DIMS
-from .common import (as_graph, cache_to, int_in, make_block_table, one_head_cache, parse_heads, positive_float,
-                     random_cache, rel_l2, writable_dir)
+from .common import (L2_FLUSHES, as_graph, cache_to, int_in, make_block_table, one_head_cache, parse_heads,
+                     positive_float, random_cache, rel_l2, writable_dir)
 from .ceiling import measure_read_ceiling, read_kernel, read_rates, xor_reduce
 from .grid import (AXES_SHAPES, AXIS_COMBOS, BF16_BYTES_PER_TOKEN, CHANNEL, FLUSH_BYTES, GIB, GQA, GRIDS, GROUP,
                    HEAD_DIM, HKV, HQ, KI, LENGTH_QUANTUM, MIB, PAGE, PAPER_SHAPES, QUICK_SHAPES, SM_SCALE, TOKEN, Case,
@@ -145,6 +145,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="timed calls per kernel, at least 5 (the median; default: 5)")
     p.add_argument("--warmup", type=int_in(1), default=5,
                    help="untimed calls per kernel first, at least 1 (default: 5)")
+    p.add_argument("--flush", choices=L2_FLUSHES, default=None,
+                   help="how the L2 is flushed before each call: the 512 MiB buffer written (its write-back then "
+                        "falls in the timed call) or read (the L2 cold and clean) (default: $FOSCAR_L2_FLUSH, else "
+                        "write)")
     p.add_argument("--out", type=writable_dir, default=os.environ.get("OUT") or "/tmp", metavar="DIR",
                    help="folder of the output files, made if missing (default: $OUT, else /tmp)")
     p.add_argument("--max-gb", type=positive_float, default=None,
@@ -175,6 +179,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def parse_args(argv=None, prog: str = PROG) -> argparse.Namespace:
     args = build_parser(prog).parse_args(argv)
+    if args.flush:  # one home for the mode: every timer of the run reads it (foscar.bench.common.flush_l2)
+        os.environ["FOSCAR_L2_FLUSH"] = args.flush
     args.bits = tuple(sorted(set(args.bits)))
     args.kernels = list(dict.fromkeys(args.kernels))
     return args

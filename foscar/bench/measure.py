@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import as_graph, rel_l2, time_call
+from .common import as_graph, flush_l2, rel_l2, time_call
 from .inputs import QuantInputs, SliceRef, quant_slice_reference
 
 SLICE_FACTOR = 3.0  # a candidate's slice error may be at most this times BF16 attention's
@@ -143,7 +143,7 @@ def kernel_time_fn(fn: Callable[[], object], *, iters: int, flush: torch.Tensor)
     from torch.profiler import ProfilerActivity, profile
     sums, spans, count = [], [], 0
     for _ in range(iters):
-        flush.zero_()
+        flush_l2(flush)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()

@@ -22,7 +22,7 @@ from ..progress import Progress
 from ..reference import attend, decode_exact
 from ..synthetic import stress_inputs
 from .ceiling import measure_read_ceiling, read_kernel
-from .common import cache_to, make_block_table, rel_l2
+from .common import cache_to, l2_flush_mode, make_block_table, rel_l2
 from .grid import (FLUSH_BYTES, HEAD_DIM, MIB, PAGE, Case, build_grid, fmt_len, group_by_shape, group_for,
                    plan_shapes, sm_scale)
 from .inputs import QuantInputs, bf16_slice_reference, make_bf16_inputs, make_random_cache, quant_slice_reference
@@ -177,7 +177,8 @@ def device_meta(args, argv: list[str], prog: str, flush_bytes: int = FLUSH_BYTES
             "cudnn": torch.backends.cudnn.version(), "triton": triton.__version__, "flashinfer": flashinfer_version(),
             "command": f"{prog} {shlex.join(argv)}".strip(), "argv": argv, "args": vars(args),
             "timing": ("CUDA-graph replay" if args.cuda_graph else "eager calls")
-            + f", L2 flushed ({flush_bytes // MIB} MiB), median of {args.iters} after {args.warmup} warm-up",
+            + f", L2 flushed ({flush_bytes // MIB} MiB {'written' if l2_flush_mode() == 'write' else 'read'}), "
+            f"median of {args.iters} after {args.warmup} warm-up",
             "page_order": args.page_order,
             "problem": {"Hq": hq, "Hkv": hkv, "D": args.head_dim, "g": group_for(args.head_dim), "page": PAGE},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
