@@ -4,14 +4,15 @@ Warpgroup 0 is the producer: one thread walks the split's KV tiles through the p
 copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``(s', z')`` into a
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
 (exact transaction bytes). Warpgroups 1 and 2 (and 3 where :attr:`~foscar.cute.config.Sm90Config.wide`, at one
-CTA an SM) are the consumers, on alternating tiles (channel-wise K with token groups of two tiles or more:
-alternating runs of two tiles, :func:`ring_tile`): each waits for its
+CTA an SM) are the consumers, on alternating tiles (alternating runs of two tiles of one token group where
+channel-wise K's fold or a pass of two tiles over a channel-wise axis takes them, :func:`ring_tile`): each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits'.
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
-Channel-wise K: each consumer folds ``Q'`` before each of its tiles, or (``cfg.producer_fold``) the producer's
-other warps fold it into a ``Q'`` per stage (:meth:`FoldDecodeSm90WS._fold_stages`).
+Channel-wise K: each consumer folds ``Q'`` at each token group it reaches (two tiles of one group a pass: once a
+pass), or (``cfg.producer_fold``) the producer's other warps fold it into a ``Q'`` per stage (two tiles a pass:
+each pass's tile A's stage; :meth:`FoldDecodeSm90WS._fold_stages`).
 Q is staged by the producer before any copy, or by the first consumer while the producer copies
 (``cfg.prologue``).
 """
