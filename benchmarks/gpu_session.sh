@@ -30,7 +30,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
 #                                                                #   against the split count, stress study, time
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed    # those switches against the shipped kernels
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -219,15 +219,19 @@ channel-k python3 -m pytest -q -s -m gpu tests/test_cute_channel_e4m3.py
 channel-v python3 -m pytest -q -s -m gpu tests/test_cute_channel_v_pair.py
 TESTS
     ;;
-  pending-speed)  # after install-cute and the pending tests: the switches against the shipped kernels, one process
-                  # each (sweep_switches.py): GQA 32 and 16 with the stacked terms, the channel-wise combinations
-    timeout 280 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:1 32:2 --variants shipped \
-      "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1" \
-      > "$OUT/sweep-stacked.md" 2>&1; echo "stacked rc=$?"; tail -3 "$OUT/sweep-stacked.md"
-    timeout 300 python3 benchmarks/sweep_switches.py --shapes 8:32K,8:128K --axes token:token channel:token \
-      token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" \
-      "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" > "$OUT/sweep-channel.md" 2>&1
-    echo "channel rc=$?"; tail -3 "$OUT/sweep-channel.md" ;;
+  pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
+                  # kernels, each sweep one process (sweep_switches.py): GQA 32 and 16 with the stacked terms, the
+                  # channel-wise combinations, P^T column-major on the ratio and read-share shapes
+    while read -r name args; do
+      case "$name" in *${2:-}*) ;; *) continue ;; esac
+      eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
+      echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
+    done <<'SWEEPS'
+stacked --shapes 8:128K --heads 32:1 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1"
+channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1"
+p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
+SWEEPS
+    ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2
