@@ -227,7 +227,8 @@ TESTS
       eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
-stacked --shapes 8:128K --heads 32:1 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1"
+stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1"
+stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 SWEEPS
