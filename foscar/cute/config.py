@@ -469,9 +469,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
     ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
     operands take token-wise K (up to 4 query rows the two Q terms share the 8 columns, beyond they take separate
-    column blocks, :attr:`Sm90Config.term_blocks`); two
-    tiles per pass take token-wise K and V, one token and at most 4 query heads per KV head (the second tile's
-    scores in the other four columns); a step of several tokens takes a cache without BF16 windows (its causal
+    column blocks, :attr:`Sm90Config.term_blocks`), and channel-wise K where :data:`CHANNEL_K_E4M3` is set; two
+    tiles per pass take one token and at most 4 query heads per KV head (the second tile's scores in the other four
+    columns), token-wise K and V or, switched on, a channel-wise axis whose token groups hold a pass (E4M3 K's
+    ``Q'``, :data:`PAIR_CHANNEL_V`); a step of several tokens takes a cache without BF16 windows (its causal
     limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
     :func:`default_stages`); whether they fit the CTAs of an SM is the launch's check
     (:func:`fits_shared_memory`)."""
