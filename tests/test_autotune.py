@@ -363,6 +363,29 @@ def test_cute_candidates_take_a_ring_their_ctas_hold():
                                   c["ctas_per_sm"])
 
 
+@pytest.mark.parametrize("producer", (False, True))
+def test_cute_candidates_of_channel_wise_k_passes(monkeypatch, producer):
+    """With the channel-wise switches on, ``foscar tune`` tries E4M3 K's passes of two tiles for channel-wise K and
+    V (each at the BF16 kernel's splits), and one tile a pass only where the format takes it (not where the producer
+    folds ``Q'``); every candidate's config is one ``config_for`` takes and its ring fits its CTAs."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from _helpers import cute_switches
+    from foscar import backends, tune
+    from foscar.cute.config import config_for, fits_shared_memory
+    argv = ["--backend", "cute", "--shapes", "8:32K", "--bits", "4", "--k-axis", "channel", "--v-axis", "channel"]
+    case = tune.cases(tune.build_parser().parse_args(argv))[0]
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PAIR_CHANNEL_V=True, PRODUCER_Q_FOLD=producer):
+        cands = [c for c in backends.get("cute").candidates(case, torch.device("cpu")) if c["warp_specialized"]]
+        variants = {(c["k_operand"], c["tiles_per_pass"]) for c in cands}
+        assert variants == ({("bf16", 1), ("e4m3", 2)} if producer else {("bf16", 1), ("e4m3", 1), ("e4m3", 2)})
+        bf16 = {(c["ctas_per_sm"], c["num_splits"]) for c in cands if c["k_operand"] == "bf16"}
+        assert bf16 <= {(c["ctas_per_sm"], c["num_splits"]) for c in cands if c["tiles_per_pass"] == 2}
+        fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
+        for c in cands:
+            assert fits_shared_memory(config_for(fmt, 4, 64, c["k_operand"], c["tiles_per_pass"], stages=c["stages"]),
+                                      c["ctas_per_sm"])
+
+
 def test_a_launch_that_names_no_stages_takes_a_ring_its_ctas_hold():
     """``default_ring``: the format's default stages where the CTAs of an SM hold them, else the deepest choice
     below that they hold (what a decode without a tuned entry runs)."""

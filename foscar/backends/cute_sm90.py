@@ -92,13 +92,15 @@ class CuteSm90(Backend):
                 out.append({"warp_specialized": ws, "num_splits": s, **({"ctas_per_sm": ctas} if ws else {}),
                             "k_operand": "bf16", "tiles_per_pass": 1})
         fmt, gqa, page = case.fmt, case.q_heads // case.kv_heads, case.page
-        v1 = [c for c in out if c["warp_specialized"]]
+        e4m3 = [{**c, "k_operand": "e4m3"} for c in out if c["warp_specialized"]]
         if takes(fmt, gqa, page, "e4m3", 1):
-            out += [{**c, "k_operand": "e4m3"} for c in v1]
+            out += e4m3
         # every variant field given: a candidate left to the defaults would run what an earlier tuned
         # entry of the case says, and be recorded as another
         out += [{**c, "tiles_per_pass": 2} for c in out if c["warp_specialized"]
                 and takes(fmt, gqa, page, c["k_operand"], 2)]
+        if not takes(fmt, gqa, page, "e4m3", 1) and takes(fmt, gqa, page, "e4m3", 2):  # E4M3 K a pass of two only
+            out += [{**c, "tiles_per_pass": 2} for c in e4m3]  # (the producer's fold of channel-wise K's Q')
         # the fastest variant on the H200 (E4M3 K, two tiles a pass, two CTAs per SM, where the format takes
         # them) over a wider range of splits: its best split count was half the heuristic's or less in 18 of
         # the 26 paper cases (docs/hopper-e4m3-plan.md)
