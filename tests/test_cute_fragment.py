@@ -211,6 +211,29 @@ def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
         assert [fold_param(head_dim, 0, 4 * p + k) for k in range(4)] == list(range(words[0], words[0] + 4))
 
 
+def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
+    """Two tiles a pass (``pass_tiles``): consumer ``c``'s ``j``-th pass takes tiles A and B that the producer put
+    in its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
+    both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
+    ``FoldDecodeSm90WS._folded_slot``), and the producer's fold loop (every other tile) meets exactly the passes'
+    tiles A."""
+    from foscar.cute.kernel_v1 import pass_tiles, ring_slot, ring_tile
+    for run in (1, 2):
+        for n in range(1, 23):
+            seen = []
+            for c in (0, 1):
+                for i in range(run * c, n, 4):
+                    k, i_b = pass_tiles(i, run)
+                    assert k % 2 == 0 and ring_tile(i, run) == (c, k) and ring_tile(i_b, run) == (c, k + 1)
+                    seen += [i] + ([i_b] if i_b < n else [])
+                    if run == 2:
+                        assert i % 2 == 0 and i_b == i + 1  # one group of two tiles (splits start at even tiles)
+                        assert all(ring_slot(c, k, stages) % 2 == 0 for stages in (4, 8, 16))
+            assert sorted(seen) == list(range(n))
+            if run == 2:
+                assert [i for i in range(0, n, 2)] == sorted(i for c in (0, 1) for i in range(2 * c, n, 4))
+
+
 @pytest.mark.parametrize("group_size", (64, 128, 256))
 @pytest.mark.parametrize("consumers", (1, 2))
 def test_a_warpgroups_token_groups_alternate_between_the_q_buffers(group_size, consumers):

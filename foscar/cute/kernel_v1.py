@@ -76,6 +76,16 @@ def run_tile(c, k, run: int):
     return ((k >> 1) << 2) + (c << 1) + (k & 1)
 
 
+def pass_tiles(i, run: int):
+    """Two tiles a pass: ``(k, i_b)`` of the pass whose tile A is the split's ``i``-th tile (``i = run c + 4 j`` for
+    consumer ``c``'s ``j``-th pass): tile A's place ``k`` (even) in its consumer's sequence, tile B the ``i_b``-th
+    (the consumer's next: ``k + 1``, :func:`ring_tile`); runs of two keep both in one token group."""
+    assert run in (1, 2)
+    if run == 1:
+        return i >> 1, i + 2
+    return (i >> 2) << 1, i + 1
+
+
 def run_bound(n):
     """A bound of the ``k`` of either consumer's tiles of a split of ``n`` tiles (none where ``n <= 0``) in runs of
     two (:func:`ring_tile`): the loop runs to it and skips the ``k`` whose tile is past the split's end (the exact
@@ -443,12 +453,11 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
             run = cfg.tile_run  # tiles A and B: 1, the split's c + 4j and c + 4j + 2; 2, its 2c + 4j and 2c + 4j + 1
             for tile in cutlass.range(t_lo + run * c, t_hi, 4, unroll=1):  # two consumers (config: not wide)
-                k = (tile - t_lo) >> 1  # (tile - t_lo) // 2, even
-                if cutlass.const_expr(run == 2):
-                    k = ((tile - t_lo) >> 2) << 1
+                k, i_b = pass_tiles(tile - t_lo, run)
+                tile_b = t_lo + i_b
                 slot = ring_slot(c, k, cfg.stages)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
-                has_b = tile + 3 - run < t_hi
+                has_b = tile_b < t_hi
                 if has_b:
                     slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
                 cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
@@ -466,7 +475,7 @@ class FoldDecodeSm90WS(TileKernel):
                         state.kgroup = self._fold_q(wg, state.kgroup, tile * TILE, self._fold_source(ring, slot, thr))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
-                t0_b = second_tile_start(tile + 3 - run, t_hi, n)
+                t0_b = second_tile_start(tile_b, t_hi, n)
                 slot_own = slot  # the stage of this thread's tile (half): its rows' (s', z')
                 if thr.half == 1:
                     slot_own = slot_b
