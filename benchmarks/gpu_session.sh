@@ -30,6 +30,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
 #                                                                #   against the split count, stress study, time
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
+#                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
@@ -54,6 +55,22 @@ OUT="${OUT:-/tmp/foscar-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|rows WHEELS|lazy WHEELS|terms WHEELS|fa4 WHEELS}"
+parallel_pytest() {  # parallel_pytest NAME RUNNER SELECTION: SELECTION's GPU tests over $JOBS processes of RUNNER
+  local name=$1 runner=$2 sel=$3 jobs=${JOBS:-6} f
+  $runner --collect-only -q -m gpu $sel 2> /dev/null | grep "::" > "$OUT/ids-$name"
+  split -n "l/$jobs" -d "$OUT/ids-$name" "$OUT/ids-$name-"  # contiguous: a kernel's cases mostly in one process
+  for f in "$OUT/ids-$name"-*; do
+    [ -s "$f" ] || continue
+    (mapfile -t ids < "$f"; timeout 420 $runner -q -s -m gpu -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1
+     echo "rc=$?" >> "$f.log") &
+  done
+  wait
+  cat "$OUT/ids-$name"-*.log > "$OUT/pending-$name.log" 2> /dev/null
+  rm -f "$OUT/ids-$name" "$OUT/ids-$name"-*
+  echo "$name: $(grep -cE "^rc=0" "$OUT/pending-$name.log") of $jobs processes rc=0;" \
+    "$(grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$OUT/pending-$name.log" | tr '\n' ' ')"
+}
+
 case "$step" in
   tests)  # one pytest per file, each with its summary line (a timeout loses at most the file it was in)
     for f in tests/test_triton.py tests/test_api.py tests/test_append.py tests/test_nonfinite.py tests/test_fuzz_api.py \
@@ -206,17 +223,17 @@ case "$step" in
       > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
   pending)  # after install-cute: the GPU tests of the switches built and not yet run on a GPU (pending [FILTER]:
             # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
-            # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass
-    while read -r name cmd; do
+            # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass. Each set's
+            # tests split over $JOBS (default 6) pytest processes at once: their kernels compile in parallel
+    while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
-      timeout 420 $cmd > "$OUT/pending-$name.log" 2>&1
-      echo "$name rc=$? $(tail -1 "$OUT/pending-$name.log")"
+      parallel_pytest "$name" "$runner" "$sel"
     done <<'TESTS'
-stacked python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k stacked_terms_against
-stacked-steps python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest -q -s -m gpu tests/test_multitoken.py -k cute_kernel_takes_a_step
-p-layout python3 -m pytest -q -s -m gpu tests/test_cute_p_layout.py
-channel-k python3 -m pytest -q -s -m gpu tests/test_cute_channel_e4m3.py
-channel-v python3 -m pytest -q -s -m gpu tests/test_cute_channel_v_pair.py
+channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
+channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
+stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
+stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
+p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
