@@ -241,6 +241,13 @@ TESTS
                   # channel-wise combinations, P^T column-major on the ratio and read-share shapes
     while read -r name args; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
+      eval "set -- $args"; pre=()  # the options before --variants; then each variant's kernels compiled at once
+      while [ $# -gt 0 ] && [ "$1" != "--variants" ]; do pre+=("$1"); shift; done
+      [ $# -gt 0 ] && shift
+      for v in "$@"; do
+        (timeout 200 python3 benchmarks/sweep_switches.py "${pre[@]}" --warm --variants "$v" > /dev/null 2>&1) &
+      done
+      wait
       eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'

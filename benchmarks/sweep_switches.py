@@ -50,6 +50,8 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--kernels", action="store_true", help="each kernel's own duration too (torch profiler)")
     p.add_argument("--choose", help="write the fastest variant here as run_with.py words")
+    p.add_argument("--warm", action="store_true", help="decode each case once per variant and time nothing: the "
+                   "kernels compiled into the disk cache (processes of one variant each at once, then the timed run)")
     a = p.parse_args()
     for v in a.variants:
         set_variant(v)  # a bad variant fails here, before any timing
@@ -65,6 +67,11 @@ def main():
             fmt = foscar.KVFormat(bits, 128, 128, k_axis=k_axis, v_axis=v_axis)
             cache = random_cache(fmt, bt, L, kv_heads=a.heads[1], page=64)
             q = torch.randn(B, a.heads[0], 128, dtype=torch.bfloat16, device=dev)
+            if a.warm:
+                for v in a.variants:
+                    set_variant(v)
+                    foscar.decode(q, cache)
+                continue
             want = foscar.decode(q, cache, backend="triton").double()
             out = torch.empty_like(q)
             times, notes = [], []
@@ -91,6 +98,8 @@ def main():
             del cache
             torch.cuda.empty_cache()
     set_variant("shipped")
+    if a.warm:
+        return
     geo = {k: math.exp(sum(x) / len(x)) for k, x in logs.items()}  # NaN where a case was wrong
     print("\ngeomean over the first: " + ", ".join(f"{v} INT{b} {g:.3f}" for (v, b), g in geo.items()))
     if a.choose:
