@@ -217,7 +217,7 @@ def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
     both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
     ``FoldDecodeSm90WS._folded_slot``), and the producer's fold loop (every other tile) meets exactly the passes'
     tiles A."""
-    from foscar.cute.kernel_v1 import pass_tiles, ring_slot, ring_tile
+    from foscar.cute.ring import pass_tiles, ring_slot, ring_tile
     for run in (1, 2):
         for n in range(1, 23):
             seen = []
@@ -245,7 +245,7 @@ def test_a_warpgroups_token_groups_alternate_between_the_q_buffers(group_size, c
 
     from foscar.cute.config import TILE
     from foscar.cute.fold_map import k_fold_buffer
-    from foscar.cute.kernel_v1 import ring_tile, run_bound, run_tile
+    from foscar.cute.ring import ring_tile, run_bound, run_tile
     for n in range(-3, 13):  # run_bound: the k up to it whose tile is in the split are each consumer's tiles
         for c in (0, 1):
             assert [run_tile(c, k, 2) for k in range(max(run_bound(n), 0)) if run_tile(c, k, 2) < n] == \

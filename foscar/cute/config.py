@@ -53,6 +53,12 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct on the H200 and
 #: neutral there (geomean 0.992 INT2, 0.997 INT4, ``docs/results-h200.md``), so off
 COMBINE_PDL = False
+#: v1: the split merge inside stage 1 for short decodes (:mod:`foscar.cute.merge`, :attr:`Sm90Config.fused_merge`):
+#: the last CTA of a KV head's splits merges them, with all of a round trip's loads in flight; off until its GPU
+#: tests run (a first form, whose loads waited on one another, measured 1.11-1.22x the time: ``sweep-fused-merge.md``)
+FUSED_MERGE = False
+MERGE_ROWS = 8  #: the most query rows of a KV head the fused merge takes
+MERGE_PARTS = 64  #: the most partials a row (splits times consumers) the fused merge takes
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
 COMBINE_WINDOWS = True
@@ -144,6 +150,8 @@ STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3)
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
                   ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1),
                   ("tensor_scales", "f32", 1))
+#: Then, with the split merge inside stage 1 (``Sm90Config.fused_merge``), the output, its LSE and the counters
+MERGE_TENSORS = (("out", "bf16", 3), ("lse", "f32", 2), ("merge_counters", "i32", 1))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -234,6 +242,9 @@ class Sm90Config:
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
     #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
     stacked_terms: bool = False
+    #: v1: the last CTA of a KV head's splits merges them into the output (:data:`FUSED_MERGE`), and the LSE
+    fused_merge: bool = False
+    merge_lse: bool = False
     #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
     #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
@@ -243,7 +254,7 @@ class Sm90Config:
 
     @property
     def tile_run(self) -> int:
-        """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.kernel_v1.ring_tile`):
+        """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.ring.ring_tile`):
         2 where channel-wise K's token group spans two tiles or more and each consumer folds its own ``Q'`` (one
         fold for both tiles, where alternate tiles would fold every tile) or takes them as one pass (one ``Q'``,
         whoever folds it), else 1."""

@@ -5,7 +5,7 @@ copies (``cp.async.bulk.tensor``) of each tile's packed K and V words and its ``
 ``cfg.stages``-deep shared-memory ring per consumer, each stage guarded by a full and an empty mbarrier
 (exact transaction bytes). Warpgroups 1 and 2 (and 3 where :attr:`~foscar.cute.config.Sm90Config.wide`, at one
 CTA an SM) are the consumers, on alternating tiles (alternating runs of two tiles of one token group where
-channel-wise K's fold or a pass of two tiles over a channel-wise axis takes them, :func:`ring_tile`): each waits for its
+channel-wise K's fold or a pass of two tiles over a channel-wise axis takes them, :func:`~foscar.cute.ring.ring_tile`): each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits'.
@@ -31,6 +31,7 @@ from .folds import fold_q, fold_q_terms, k_operand_fold, kf_layout, q_sums
 from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
+from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile
 from .softmax import reduction_layout
 from .warpgroup import (
     Fragments,
@@ -48,51 +49,6 @@ from .warpgroup import (
 CONSUMERS_BARRIER = 4
 
 
-def ring_slot(c, k, stages: int):
-    """The slot of consumer ``c``'s ``k``-th tile (``k >= 0``) in a ring of ``stages`` (a power of two) per
-    consumer: ``c * stages + k % stages`` as a mask (a signed ``%`` costs the loop a sign fix of a dozen
-    uniform instructions)."""
-    assert stages & (stages - 1) == 0
-    return c * stages + (k & (stages - 1))
-
-
-def ring_tile(i, run: int, consumers: int = 2):
-    """``(consumer, k)`` of a split's ``i``-th tile (``i >= 0``): runs of ``run`` consecutive tiles (1 or 2,
-    :attr:`~foscar.cute.config.Sm90Config.tile_run`; 2 with two consumers only) go to the ``consumers`` in turn,
-    ``k`` the tile's place in its consumer's sequence."""
-    assert run in (1, 2) and (run == 1 or consumers == 2)
-    if consumers == 3:
-        return i % 3, i // 3
-    if run == 1:
-        return i & 1, i >> 1
-    return (i >> 1) & 1, ((i >> 2) << 1) | (i & 1)
-
-
-def run_tile(c, k, run: int):
-    """The split's tile index ``i`` of consumer ``c``'s ``k``-th tile: :func:`ring_tile`'s inverse."""
-    assert run in (1, 2)
-    if run == 1:
-        return (k << 1) + c
-    return ((k >> 1) << 2) + (c << 1) + (k & 1)
-
-
-def pass_tiles(i, run: int):
-    """Two tiles a pass: ``(k, i_b)`` of the pass whose tile A is the split's ``i``-th tile (``i = run c + 4 j`` for
-    consumer ``c``'s ``j``-th pass): tile A's place ``k`` (even) in its consumer's sequence, tile B the ``i_b``-th
-    (the consumer's next: ``k + 1``, :func:`ring_tile`); runs of two keep both in one token group."""
-    assert run in (1, 2)
-    if run == 1:
-        return i >> 1, i + 2
-    return (i >> 2) << 1, i + 1
-
-
-def run_bound(n):
-    """A bound of the ``k`` of either consumer's tiles of a split of ``n`` tiles (none where ``n <= 0``) in runs of
-    two (:func:`ring_tile`): the loop runs to it and skips the ``k`` whose tile is past the split's end (the exact
-    count, a clamp of ``n % 4``, left the tile loop a spilled register)."""
-    return (n + 3) >> 1
-
-
 def consumer_buffer(spec: tuple, c):
     """Consumer ``c``'s buffer (``c`` a run-time value) of a kind allocated for every consumer at a fixed stride
     (``spec``: ``(base, stride, align, dtype, layout, swizzle)``, :meth:`FoldDecodeSm90WS._shared_memory`): its
@@ -102,28 +58,6 @@ def consumer_buffer(spec: tuple, c):
     ptr = cute.make_ptr(dtype, base.toint() + c * stride, cute.AddressSpace.smem, assumed_align=align,
                         swizzle_=swizzle)
     return cute.make_tensor(ptr, layout)
-
-
-def ring_phase(k, stages: int):
-    """The mbarrier phase of a consumer's ``k``-th tile (``k >= 0``): ``(k // stages) % 2``."""
-    return (k >> (stages.bit_length() - 1)) & 1
-
-
-class StageRing:
-    """The shared-memory stages of both consumers (slot :func:`ring_slot` ``(c, k)`` holds consumer ``c``'s
-    ``k``-th tile): packed K and V words (``sK``, ``sV``), their ``(s', z')`` (``sKP``, ``sVP``), and the
-    full and empty mbarriers of each slot."""
-
-    def __init__(self, sK, sV, sKP, sVP, full, empty, kpar=None, sQk=None, sKf=None):
-        self.kpar = kpar  # producer_fold: each slot's barrier of its K (s', z') copy
-        self.sQk = sQk  # producer_fold: each slot's Q' and its offset corrections
-        self.sKf = sKf
-        self.sK = sK
-        self.sV = sV
-        self.sKP = sKP
-        self.sVP = sVP
-        self.full = full
-        self.empty = empty
 
 
 class FoldDecodeSm90WS(TileKernel):
@@ -429,7 +363,7 @@ class FoldDecodeSm90WS(TileKernel):
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
                  qk_scale: Float32, n_kvh, mTS: cute.Tensor):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + consumers, ...`` from its stage ring, or its runs
-        of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`ring_tile`)."""
+        of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`~foscar.cute.ring.ring_tile`)."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         pair = cfg.tiles_per_pass == 2
