@@ -16,7 +16,8 @@ import sys
 SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
             "V_PLACEMENT": bool, "PRODUCER_Q_FOLD": bool, "LAZY_CHANNEL_V": bool, "COMBINE_WINDOWS": bool,
             "COMBINE_PDL_WINDOWS": bool, "CHANNEL_K_E4M3": bool, "P_COLUMN_MAJOR": bool, "WIDE_CONSUMERS": bool,
-            "STACKED_TERMS": bool, "SHARED_Q_SCALE": bool, "PAIR_CHANNEL_V": bool}
+            "STACKED_TERMS": bool, "SHARED_Q_SCALE": bool, "PAIR_CHANNEL_V": bool,
+            "FUSED_MERGE": bool}
 
 
 def settings(words: list[str]) -> dict:
