@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -661,3 +662,18 @@ def test_the_first_call_script_parses_its_options():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_call.py"
     res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--shapes" in res.stdout and "cold" in res.stdout
+
+
+def test_ptxas_reports_a_cute_kernels_registers_spills_and_injected_waits():
+    """``benchmarks/ptxas_info.py`` (CPU: the kernel's PTX through Triton's bundled ptxas): the shipped INT2 kernel of
+    two tiles a pass at two CTAs an SM spills nothing under its launch bound."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root), CUTE_DSL_ARCH="sm_90a")
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "ptxas_info.py"), "--bits", "2", "--k-operand",
+                          "e4m3", "--tiles-per-pass", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    m = re.search(r"registers (\d+) .* spill stores (\d+) B, loads (\d+) B; injected wgmma\.wait_group: (\d+)",
+                  res.stdout)
+    assert m and int(m.group(1)) <= 80 and m.group(2) == m.group(3) == "0", res.stdout

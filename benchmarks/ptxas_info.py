@@ -1,0 +1,71 @@
+"""What ptxas says of a CuTe DSL stage-1 kernel, on any machine (no GPU): registers, spill bytes, and the
+``wgmma.wait_group`` waits it injects (C7517: a product that was meant to stay in flight waits).
+
+    python benchmarks/ptxas_info.py --bits 2 --k-operand e4m3 --tiles-per-pass 2 [--gqa 4] [--ctas 2]
+    python benchmarks/run_with.py CHANNEL_K_E4M3=1 -- benchmarks/ptxas_info.py --bits 2 --k-axis channel ...
+
+Compiles the kernel's PTX (``foscar.cute.compile.compile_stage1(..., keep_ptx=True)``) and assembles it with
+Triton's bundled ``ptxas-blackwell`` for ``sm_90a`` with ``-v``. cutlass-dsl 4.8.1 writes PTX ISA 9.4 and that
+ptxas (CUDA 13.3) reads up to 9.3: the version line is lowered, which these kernels allow (they use no 9.4
+instruction). The cubin CuTe DSL builds itself comes from its own ptxas: counts can differ by a few registers.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+
+
+def ptxas_report(ptx: str) -> str:
+    """``ptxas -v`` of ``ptx`` for sm_90a (its ISA version lowered to 9.3), its messages as text."""
+    ptx = re.sub(r"^\.version 9\.[4-9]", ".version 9.3", ptx, flags=re.M)
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d, "k.ptx")
+        src.write_text(ptx)
+        run = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", "-O3", str(src), "-o", str(Path(d, "k.cubin"))],
+                             capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"ptxas failed: {run.stderr.strip()[:500]}")
+    return run.stderr + run.stdout
+
+
+def main() -> int:
+    import foscar
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import config_for
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bits", type=int, default=2, choices=(2, 4))
+    p.add_argument("--k-axis", default="token")
+    p.add_argument("--v-axis", default="token")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--gqa", type=int, default=4)
+    p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
+    p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3", "e4m3x3"))
+    p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2))
+    p.add_argument("--q-len", type=int, default=1)
+    a = p.parse_args()
+    fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis,
+                          v_axis=a.v_axis)
+    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
+    text = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=a.ctas).__ptx__)
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    waits = re.findall(r"\(C7517\) wgmma\.wait_group is injected in around line (\d+)", text)
+    print(f"registers {regs.group(1) if regs else '?'} (the launch bound; consumers take setmaxnreg's), spill stores "
+          f"{spills.group(1) if spills else '?'} B, loads {spills.group(2) if spills else '?'} B; injected "
+          f"wgmma.wait_group: {len(waits)}" + (f" (PTX lines {', '.join(waits)})" if waits else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
