@@ -9,7 +9,6 @@ Triton's bundled ``ptxas-blackwell`` for ``sm_90a`` with ``-v``. cutlass-dsl 4.8
 ptxas (CUDA 13.3) reads up to 9.3: the version line is lowered, which these kernels allow (they use no 9.4
 instruction). The cubin CuTe DSL builds itself comes from its own ptxas: counts can differ by a few registers.
 """
-import argparse
 import os
 import re
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
@@ -39,25 +39,14 @@ def ptxas_report(ptx: str) -> str:
 
 
 def main() -> int:
-    import foscar
+    from sass_stats_cute import kernel_config, kernel_parser
+
     from foscar.cute.compile import compile_stage1
-    from foscar.cute.config import config_for
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bits", type=int, default=2, choices=(2, 4))
-    p.add_argument("--k-axis", default="token")
-    p.add_argument("--v-axis", default="token")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--gqa", type=int, default=4)
-    p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
-    p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3", "e4m3x3"))
-    p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2))
-    p.add_argument("--q-len", type=int, default=1)
-    a = p.parse_args()
-    fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis,
-                          v_axis=a.v_axis)
-    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
-    text = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=a.ctas).__ptx__)
+    a = kernel_parser(__doc__.splitlines()[0]).parse_args()
+    if a.v0:
+        raise SystemExit("ptxas_info: v1 kernels only (--v0 is sass_stats_cute.py's)")
+    text = ptxas_report(compile_stage1(kernel_config(a), keep_ptx=True, warp_specialized=True,
+                                       ctas_per_sm=a.ctas).__ptx__)
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     waits = re.findall(r"\(C7517\) wgmma\.wait_group is injected in around line (\d+)", text)

@@ -85,11 +85,10 @@ def rescale_branch(sass: str) -> int:
     return 0
 
 
-def main() -> int:
-    import foscar
-    from foscar.cute.compile import compile_stage1
-    from foscar.cute.config import TILE, config_for
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def kernel_parser(description: str) -> argparse.ArgumentParser:
+    """The options that name a stage-1 kernel (the format, the rows, the variant): this script's and
+    ``ptxas_info.py``'s; :func:`kernel_config` reads them."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--bits", type=int, default=2, choices=(2, 4))
     p.add_argument("--k-axis", default="token")
     p.add_argument("--v-axis", default="token")
@@ -106,15 +105,29 @@ def main() -> int:
                    "query rows, the wgmma N 8, 16 or 32")
     p.add_argument("--scheme", default="affine", choices=("affine", "nvfp4", "mxfp4"),
                    help="the cache's codes: affine (--bits), or the NVFP4 block format (INT4 words)")
-    p.add_argument("--top", type=int, default=20, help="opcodes listed")
-    a = p.parse_args()
+    return p
+
+
+def kernel_config(a: argparse.Namespace):
+    """The ``Sm90Config`` of :func:`kernel_parser`'s options (an FP4 scheme sets ``a``'s bits, group and axes)."""
+    import foscar
+    from foscar.cute.config import config_for
     if a.scheme == "affine":
         fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis,
                               v_axis=a.v_axis)
     else:
         fmt = foscar.KVFormat.fp4(a.scheme, a.head_dim)
         a.bits, a.group_size, a.k_axis, a.v_axis = 4, fmt.group_size, fmt.k_axis, fmt.v_axis
-    cfg = config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
+    return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
+
+
+def main() -> int:
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import TILE
+    p = kernel_parser(__doc__.splitlines()[0])
+    p.add_argument("--top", type=int, default=20, help="opcodes listed")
+    a = p.parse_args()
+    cfg = kernel_config(a)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     sass = sass_of(cubin)
     loop = tile_loop(sass)
