@@ -43,6 +43,11 @@ def test_which_calls_merge_in_stage_1(monkeypatch):
     assert takes(o=heads_major) and not takes(o=heads_major, lv=None, B=1, Hr=16)
     assert not takes(lv=torch.empty(8, 2).t()), "an LSE that does not view as rows"
     assert not takes(o=torch.empty(2 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 128)), "a misaligned output"
+    full = config.SM90_SHARED_BYTES  # an SM whose shared memory holds two CTAs' rings but not the merge's too
+    monkeypatch.setattr(config, "SM90_SHARED_BYTES", 2 * config.shared_bytes(cfg))
+    assert config.fits_shared_memory(cfg, 2) and not takes(), "the merge's shared memory beside the ring"
+    assert config.merge_bytes(dataclasses.replace(cfg, fused_merge=True)) > 0 == config.merge_bytes(cfg)
+    monkeypatch.setattr(config, "SM90_SHARED_BYTES", full)
     monkeypatch.setattr(config, "FUSED_MERGE", False)
     assert not takes()
 

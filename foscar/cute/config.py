@@ -446,7 +446,18 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
-    return cfg.stages * consumers * slot + q_bytes + p_bytes + 8 * 1024
+    return cfg.stages * consumers * slot + q_bytes + p_bytes + merge_bytes(cfg) + 8 * 1024
+
+
+def merge_bytes(cfg: Sm90Config) -> int:
+    """The shared memory of the split merge inside stage 1 (:attr:`Sm90Config.fused_merge`,
+    :func:`foscar.cute.merge.allocate`): the count, each row's :data:`MERGE_PARTS` weights, its weight sum and
+    maximum, and each rank's channel sums (``CONSUMERS * THREADS / head_dim`` ranks), each buffer 16-byte aligned;
+    0 without it."""
+    if not cfg.fused_merge:
+        return 0
+    ranks = CONSUMERS * THREADS // cfg.head_dim
+    return 16 + 4 * cfg.rows * MERGE_PARTS + 16 + 8 * cfg.rows + 16 + 4 * ranks * cfg.rows * cfg.head_dim
 
 
 def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:

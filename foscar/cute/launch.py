@@ -339,11 +339,14 @@ def merges_in_stage1(fmt, cfg, ctas_per_sm: int, parts: int, out: torch.Tensor, 
     windows or rotation (the combine attends and rotates those), two consumers, at most
     :data:`~foscar.cute.config.MERGE_ROWS` rows a KV head and :data:`~foscar.cute.config.MERGE_PARTS` partials, and
     a BF16 output (and LSE) that view as rows with unit last stride on a 16-byte aligned base (and the counters on
-    one)."""
+    one), where the stage ring and the merge's shared memory fit the CTAs of an SM together."""
+    from dataclasses import replace
+
     from ..splitkv import num_window_parts
-    from .config import ALIGN, CONSUMERS, FUSED_MERGE, MERGE_PARTS, MERGE_ROWS, consumers_for
+    from .config import ALIGN, CONSUMERS, FUSED_MERGE, MERGE_PARTS, MERGE_ROWS, consumers_for, fits_shared_memory
     if (not FUSED_MERGE or num_window_parts(fmt) or fmt.rotation is not None or cfg.rows > MERGE_ROWS
-            or parts > MERGE_PARTS or consumers_for(cfg, ctas_per_sm) != CONSUMERS or out.dtype != torch.bfloat16):
+            or parts > MERGE_PARTS or consumers_for(cfg, ctas_per_sm) != CONSUMERS or out.dtype != torch.bfloat16
+            or not fits_shared_memory(replace(cfg, fused_merge=True), ctas_per_sm)):
         return None
     try:
         o = out.view(B, Hr, -1)
