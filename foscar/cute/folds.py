@@ -334,17 +334,21 @@ def lanes_abs_max(x: Float32, lanes: int) -> Float32:
     return x
 
 
+def q_fold(cfg):
+    """Channel-wise K's operand-fold of ``cfg``'s K operands: :func:`fold_q` (BF16) or :func:`fold_q_terms` (E4M3),
+    whoever folds (a consumer warpgroup, :func:`k_operand_fold`; the producer's warps,
+    :meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._fold_stages`)."""
+    return fold_q_terms if cfg.k_e4m3 else fold_q
+
+
 @cute.jit
 def k_operand_fold(cfg, wg, param, buf):
-    """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`fold_q` (E4M3 K operands:
-    :func:`fold_q_terms`, ``param`` the group's ``(s', z')`` row) into buffer ``buf``, then one barrier of the
-    warpgroup (the writes fenced for the wgmma's proxy first): the buffers alternate
+    """Channel-wise K, at a token group's first tile, by the computing warpgroup: :func:`q_fold` (``param``: the
+    group's ``(s', z')``, :meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._fold_source`) into buffer ``buf``, then one
+    barrier of the warpgroup (the writes fenced for the wgmma's proxy first): the buffers alternate
     (:func:`~foscar.cute.fold_map.k_fold_buffer`), so no reader of this one is left."""
     thr = wg.thr
-    if cutlass.const_expr(cfg.k_e4m3):
-        fold_q_terms(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
-    else:
-        fold_q(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
+    q_fold(cfg)(cfg, thr.tidx, THREADS, wg.smem.sQ, wg.smem.sQk, wg.smem.sKf, buf, param)
     cute.arch.fence_view_async_shared()  # sQk is read by the wgmma (async proxy)
     cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
 

@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator
 
 from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
-from .folds import fold_q, fold_q_terms, k_operand_fold, kf_layout, q_sums
+from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
@@ -366,17 +366,11 @@ class FoldDecodeSm90WS(TileKernel):
         stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
         its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
         cfg = self.cfg
-        threads = FOLD_WARPS * 32
-        _, fc = fold_chunk(cfg.head_dim, ftid, 0, threads)
         for tile in cutlass.range(t_lo, t_hi, cfg.tiles_per_pass, unroll=1):  # a pass's tile A: an even k
             c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
             slot = ring_slot(c, k, cfg.stages)
             cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
-            if cutlass.const_expr(cfg.k_e4m3):
-                fold_q_terms(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot, ring.sKP[(None, slot)])
-            else:
-                fold_q(cfg, ftid, threads, sQ, ring.sQk, ring.sKf, slot,
-                       lambda j: ring.sKP[fold_param(cfg.head_dim, fc, j), slot])
+            q_fold(cfg)(cfg, ftid, FOLD_WARPS * 32, sQ, ring.sQk, ring.sKf, slot, self._fold_source(ring, slot, ftid))
             cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
             cute.arch.sync_warp()
             if ftid % 32 == 0:
@@ -428,9 +422,10 @@ class FoldDecodeSm90WS(TileKernel):
                     # (before the words are in registers: fewer live across the fold); groups of two tiles: every pass
                     qbuf = k_fold_buffer(cfg, tile * TILE, self.consumers)
                     if cutlass.const_expr(cfg.group_size == 2 * TILE):
-                        k_operand_fold(cfg, wg, self._fold_source(ring, slot, thr), qbuf)
+                        k_operand_fold(cfg, wg, self._fold_source(ring, slot, thr.tidx), qbuf)
                     else:
-                        state.kgroup = self._fold_q(wg, state.kgroup, tile * TILE, self._fold_source(ring, slot, thr))
+                        state.kgroup = self._fold_q(wg, state.kgroup, tile * TILE,
+                                                    self._fold_source(ring, slot, thr.tidx))
                 self._read_words(ring, slot, regs, thr)
                 self._read_words(ring, slot_b, regs_b, thr)
                 t0_b = second_tile_start(tile_b, t_hi, n)
@@ -486,19 +481,20 @@ class FoldDecodeSm90WS(TileKernel):
                                     lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
         else:
             if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage
-                state.kgroup = self._fold_q(wg, state.kgroup, t0, self._fold_source(ring, slot, thr))
+                state.kgroup = self._fold_q(wg, state.kgroup, t0, self._fold_source(ring, slot, thr.tidx))
             cute.arch.mbarrier_arrive(ring.empty + slot)  # the stage is in registers: the producer may refill it
             state = self._tile_step(wg, regs, state, k, t0, 0)
         return state
 
 
-    def _fold_source(self, ring: StageRing, slot, thr: WarpgroupThread):
-        """Channel-wise K: where this thread's fold reads the token group's ``(s', z')`` in stage ``slot``: the
-        stage's row (E4M3 terms, :func:`foscar.cute.folds.fold_q_terms`), or its ``i``-th float of them
-        (:func:`foscar.cute.folds.fold_q`)."""
+    def _fold_source(self, ring: StageRing, slot, t):
+        """Channel-wise K: where thread ``t`` of a fold (:func:`foscar.cute.folds.q_fold`) reads the token group's
+        ``(s', z')`` in stage ``slot``: the stage's row (E4M3 terms, :func:`foscar.cute.folds.fold_q_terms`), or its
+        ``i``-th float of them (:func:`foscar.cute.folds.fold_q`; a builder's place in its row, which
+        :func:`~foscar.cute.fold_map.fold_chunk` gives alike for any count of threads)."""
         if cutlass.const_expr(self.cfg.k_e4m3):
             return ring.sKP[(None, slot)]
-        _, fc = fold_chunk(self.cfg.head_dim, thr.tidx, 0)
+        _, fc = fold_chunk(self.cfg.head_dim, t, 0)
         return lambda i: ring.sKP[fold_param(self.cfg.head_dim, fc, i), slot]
 
     def _fp4_scales(self, ring: StageRing, slot) -> list:
