@@ -194,10 +194,8 @@ def k_acc_fold(cfg, accS: list, par: cute.Tensor, sc, wg, mu=None) -> list:
             ec = [ez[r] - cs[r] * a[r] for r in range(2)]
             for e in cutlass.range_constexpr(n_el):
                 r, k = row_half(e), s_slot(e)
-                x = acc[e] * aq[r] + qsum[k] * ec[r]
-                if cutlass.const_expr(mu is not None):
-                    x = acc[e] * aq[r] + (qsum[k] * ec[r] - mu[k])
-                s.append(x)
+                off = qsum[k] * ec[r] if mu is None else qsum[k] * ec[r] - mu[k]
+                s.append(acc[e] * aq[r] + off)
     return s
 
 
