@@ -161,10 +161,13 @@ def test_column_slots_are_cutes_accumulator(m, n):
     """The kernels' map of accumulator element ``e`` to its column slot and token row (``s_slot``, ``o_slot``,
     ``row_half``, ``o_block``, ``slot_column``: plain Python at trace time) is CuTe's C fragment of the
     ``(64, n)`` tiled MMA, for S^T (m 64) and O^T (m the head dim)."""
-    from foscar.cute.fragment import o_block, o_slot, row_half, s_slot, slot_column
+    from foscar.cute.fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_elements
     from foscar.cute.fragment import rs_accumulator_ownership
     own = rs_accumulator_ownership(m, n)
     nb = n // 8
+    if m == 64:  # a column slot's two elements: its token rows row0 and row0 + 8
+        for k in range(2 * nb):
+            assert [(s_slot(e), row_half(e)) for e in slot_elements(k)] == [(k, 0), (k, 1)]
     t = torch.arange(128)
     w, lane = t // 32, t % 32
     for e in range(own.shape[1]):

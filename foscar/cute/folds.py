@@ -23,7 +23,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
 from .config import THREADS
-from .fragment import o_block, o_slot, row_half, s_slot, slot_column
+from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_elements
 from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, TERM_CHANNELS, fold_chunk, fold_chunks, term_channels, term_chunk
 from .operands import build_vt_registers
 from .operands_e4m3 import power_of_two, scale_exponent, sum_q_terms, term_columns
@@ -454,7 +454,7 @@ def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: 
         c = out.corr[g]
         for k in range(len(p) // 2):  # slot k: elements e and e + 2, its two token rows (halves 0 and 1)
             acc = c[k] if al is None else c[k] * al[k]
-            for e in (4 * (k // 2) + k % 2, 4 * (k // 2) + k % 2 + 2):
+            for e in slot_elements(k):
                 h = row_half(e)
                 acc = acc + p[e] * mid[g][h]
                 acc = acc - cs[g][h] * Float32(q[g][e])
@@ -489,7 +489,7 @@ def publish_p(cfg, wg, q: list, buf):
     thr = wg.thr
     store_p(cfg, wg.smem.sP[0], thr, q)
     slots = len(q) // 2
-    ps = [Float32(q[4 * (k // 2) + k % 2]) + Float32(q[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
+    ps = [Float32(q[e]) + Float32(q[e2]) for e, e2 in map(slot_elements, range(slots))]
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 4 << sh)

@@ -218,6 +218,13 @@ def s_slot(e: int) -> int:
     return 2 * (e // 4) + e % 2
 
 
+def slot_elements(k: int) -> tuple[int, int]:
+    """The two ``S^T`` accumulator elements of column slot ``k`` (:func:`s_slot`'s inverse): its token rows
+    ``row0`` and ``row0 + 8``."""
+    e = 4 * (k // 2) + k % 2
+    return e, e + 2
+
+
 def row_half(e: int) -> int:
     """The token row of accumulator element ``e``: 0 for ``row0``, 1 for ``row0 + 8``."""
     return (e // 2) % 2

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
 
 from .config import RESCALE_HEADROOM, THREADS
-from .fragment import s_slot
+from .fragment import s_slot, slot_elements
 from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
 from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
 
@@ -138,8 +138,8 @@ def add_slot_sums(sums: cute.Tensor, p: list):
     """A pass's ``P`` (element ``e``: column slot :func:`~foscar.cute.fragment.s_slot`) added to the running sums
     by column slot, a slot's two token rows in turn."""
     for k in range(cute.size(sums)):
-        e = 4 * (k // 2) + k % 2
-        sums[k] = (sums[k] + p[e]) + p[e + 2]
+        e, e2 = slot_elements(k)
+        sums[k] = (sums[k] + p[e]) + p[e2]
 
 
 def _raised(mu: list, thr: list, tm: list):

@@ -17,7 +17,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .config import HEADS, THREADS
-from .fragment import s_slot
+from .fragment import s_slot, slot_elements
 
 
 class OnlineSoftmax:
@@ -59,9 +59,9 @@ class OnlineSoftmax:
         """``P = exp2(S - m)`` of a tile's elements ``s`` under the running maxima, added to the running sums
         (rescaled by ``al``, :meth:`advance`)."""
         p = [cute.math.exp2(s[e] - self.m_use[s_slot(e)], fastmath=True) for e in range(len(s))]
-        for k in range(len(s) // 2):  # slot k: elements e and e + 2 (its two token rows)
-            e = 4 * (k // 2) + k % 2
-            self.sums[k] = (self.sums[k] * al[k] + p[e]) + p[e + 2]
+        for k in range(len(s) // 2):  # slot k: its two token rows' elements
+            e, e2 = slot_elements(k)
+            self.sums[k] = (self.sums[k] * al[k] + p[e]) + p[e2]
         return p
 
 
@@ -130,7 +130,7 @@ def tile_maxima(cfg, thr, sRed: cute.Tensor, tile, s: list, vs: list):
     Lanes, then the four warps through ``sRed``'s buffer ``tile % 2``: ``(tm, tv)``, ``tm`` by column slot."""
     slots = 2 * cfg.nb
     units = not cfg.v_channel  # token-wise V: the largest bound on the P' units rides along
-    mx = [cute.arch.fmax(s[4 * (k // 2) + k % 2], s[4 * (k // 2) + k % 2 + 2]) for k in range(slots)]
+    mx = [cute.arch.fmax(s[e], s[e2]) for e, e2 in map(slot_elements, range(slots))]
     vmx = Float32(0.0)
     if cutlass.const_expr(units):
         vs0, vs1 = vs[0]
