@@ -77,15 +77,23 @@ def _both(q, cache, monkeypatch, **launch):
     checked to have run the merging kernel."""
     from foscar.cute import launch as cute_launch
     res = []
-    for fused in (True, False):
-        monkeypatch.setattr(config, "FUSED_MERGE", fused)
-        cute_launch._COMPILED.clear()
+    for fused in _merge_switch(monkeypatch):
         out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
         lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
         cute_launch.decode(q, cache, out=out, lse=lse, warp_specialized=True, **launch)
-        assert any(k[0].fused_merge for k in cute_launch._COMPILED if hasattr(k[0], "fused_merge")) == fused
         res.append((out, lse))
     return res
+
+
+def _merge_switch(monkeypatch):
+    """``FUSED_MERGE`` on, then off, the compiled kernels forgotten before each; after each the decode run in
+    between is checked to have compiled the merging kernel exactly when the switch was on."""
+    from foscar.cute import launch as cute_launch
+    for fused in (True, False):
+        monkeypatch.setattr(config, "FUSED_MERGE", fused)
+        cute_launch._COMPILED.clear()
+        yield fused
+        assert any(k[0].fused_merge for k in cute_launch._COMPILED if hasattr(k[0], "fused_merge")) == fused
 
 
 @pytest.mark.gpu
@@ -114,8 +122,7 @@ def test_against_the_oracle_beside_the_two_launch_merge_gpu(monkeypatch, fmt, G,
 @gpu
 def test_a_step_of_several_tokens_gpu(monkeypatch):
     q, cache = _make(FMT, [300, 1000], 2, 4, seed=5, T=2)
-    for fused in (True, False):
-        monkeypatch.setattr(config, "FUSED_MERGE", fused)
+    for fused in _merge_switch(monkeypatch):
         out = foscar.decode(q, cache, backend="cute", num_splits=3)
         exact = foscar.decode_exact(q, cache)
         assert bool(torch.isfinite(out).all()) and rel(out, exact) <= 2e-2, fused
