@@ -7,28 +7,14 @@ The benchmarks (``foscar.bench.decode``) flush the L2 by writing 512 MiB (``flus
 dirty lines of the flush buffer, which the timed call's reads evict, writing them back to DRAM inside its own time.
 Columns: ``zero_`` (that flush), ``zero_+read`` (the same, then a read of another 512 MiB, which takes the
 write-back before the timed region), ``read`` (only that read: the L2 left clean, holding other data) and
-``none``. Each a median of ``--iters`` calls (CUDA events around the call alone), after 5 warm-ups.
+``none``. Each a median of ``--iters`` calls (``foscar.bench.common.time_call``: CUDA events around the call alone),
+after 5 warm-ups.
 """
 import argparse
-import statistics
 
 import torch
 
-
-def timed(fn, before, iters: int) -> float:
-    """Median µs of ``fn`` with ``before()`` run ahead of each call, outside the events."""
-    for _ in range(5):
-        before()
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        before()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+from foscar.bench.common import time_call
 
 
 def main():
@@ -45,7 +31,8 @@ def main():
     print("|---" * (1 + len(ways)) + "|")
     for mb in a.mb:
         x = torch.ones(int(mb * 1e6) // 4, dtype=torch.float32, device=dev)
-        times = [timed(lambda: torch.sum(x), before, a.iters) for before in ways.values()]
+        times = [time_call(lambda: torch.sum(x), iters=a.iters, warmup=5, before=before)["median_us"]
+                 for before in ways.values()]
         print(f"| {mb} | " + " | ".join(f"{t:.1f} ({mb / t:.2f})" for t in times) + " |", flush=True)
         del x
 

@@ -13,11 +13,10 @@ kernels' static config (``Sm90Config``), so compiled kernels and the disk compil
 import runpy
 import sys
 
-SWITCHES = {"PROLOGUE_BY_BITS": dict, "LAZY_ONE_TILE": bool, "COMBINE_PDL": bool, "QK_PROMOTE_BITS": tuple,
-            "V_PLACEMENT": bool, "PRODUCER_Q_FOLD": bool, "LAZY_CHANNEL_V": bool, "COMBINE_WINDOWS": bool,
-            "COMBINE_PDL_WINDOWS": bool, "CHANNEL_K_E4M3": bool, "P_COLUMN_MAJOR": bool, "WIDE_CONSUMERS": bool,
-            "STACKED_TERMS": bool, "SHARED_Q_SCALE": bool, "PAIR_CHANNEL_V": bool,
-            "FUSED_MERGE": bool}
+from foscar.cute import config as _config
+
+#: each switch of ``foscar.cute.config.SWITCHES`` and its kind (bool, tuple or dict), from its shipped value
+SWITCHES = {name: type(getattr(_config, name)) for name in _config.SWITCHES}
 
 
 def settings(words: list[str]) -> dict:

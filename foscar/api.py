@@ -6,7 +6,7 @@ not):
 
 - ``"cute"``: the CuTe DSL sm_90a kernels (:mod:`foscar.cute`), on Hopper with nvidia-cutlass-dsl and
   apache-tvm-ffi installed (``foscar[cute]``), for the formats they support; ``auto`` takes them for
-  token-wise K, measured faster than Triton on every shape of the paper grid (``docs/results-h200.md``).
+  token-wise K, faster than Triton on every shape of the paper grid (``docs/results-h200.md``).
 - ``"triton"``: the Triton kernels, on any CUDA GPU.
 - ``"reference"``: :func:`foscar.decode_folded` in PyTorch (BF16 QK and FP16 PV operands, float32
   accumulation: the kernels' arithmetic), on any device. ``auto`` uses it on the CPU.
@@ -88,7 +88,7 @@ def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str
 @functools.lru_cache(maxsize=256)
 def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
     """The choice, made once per process and call signature (the status checks cost an eager decode
-    call about 100 us of host time: imports looked up, the device queried). An error is not cached.
+    call host time: imports looked up, the device queried). An error is not cached.
     :func:`clear_selection_cache` forgets the choices (after installing a backend, say)."""
     fmt = _fmt_from_values(fmt_values)
     choice = backend

@@ -677,3 +677,23 @@ def test_ptxas_reports_a_cute_kernels_registers_spills_and_injected_waits():
     m = re.search(r"registers (\d+) .* spill stores (\d+) B, loads (\d+) B; injected wgmma\.wait_group: (\d+)",
                   res.stdout)
     assert m and int(m.group(1)) <= 80 and m.group(2) == m.group(3) == "0", res.stdout
+
+
+def test_run_with_takes_every_kernel_switch_and_refuses_others():
+    """``benchmarks/run_with.py`` reads its switches from ``foscar.cute.config.SWITCHES``: each is a module
+    constant of a kind the words can set, and a word naming anything else is refused."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import run_with
+    finally:
+        sys.path.pop(0)
+    from foscar.cute import config
+    assert set(run_with.SWITCHES) == set(config.SWITCHES)
+    assert all(kind in (bool, tuple, dict) for kind in run_with.SWITCHES.values())
+    words = {bool: "1", tuple: "2,4", dict: "2:q_first"}
+    chosen = run_with.settings([f"{name}={words[kind]}" for name, kind in run_with.SWITCHES.items()])
+    assert chosen["QK_PROMOTE_BITS"] == (2, 4) and chosen["PROLOGUE_BY_BITS"] == {2: "q_first"}
+    assert chosen["FUSED_MERGE"] is True
+    for bad in ("STAGES=8", "FUSED_MERGE=2", "QK_PROMOTE_BITS=a"):
+        with pytest.raises(SystemExit, match="run_with: expected NAME=VALUE"):
+            run_with.settings([bad])

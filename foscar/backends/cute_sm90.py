@@ -49,13 +49,11 @@ class CuteSm90(Backend):
         return num_window_parts(fmt) == 0
 
     def preferred(self, fmt) -> bool:
-        """Every format but INT2 channel-wise K and V with token groups of 64. Measured on the H200 with v1, the
-        CuTe default (``docs/results-h200.md``): token-wise K and V 1.15-1.38x Triton, GQA 1 to 8 1.17-1.66x;
-        token-wise K, channel-wise V 1.16-1.40x; channel-wise K with token groups of 128 (each consumer folds
-        ``Q'`` once per group) 1.26-2.04x with token-wise V and 1.11-1.37x with channel-wise V
-        (``docs/bench/h200/axes-fold-runs.json``). With groups of 64 a consumer folds at every tile, as groups of 128
-        did when INT2 channel-wise K and V measured 0.90-1.02x Triton (``docs/bench/h200/axes-channel-fold.json``):
-        Triton is kept there. Head dim 256, INT4: 1.9-2.3x Triton (``docs/bench/h200/rows-d256.md``)."""
+        """Every format but INT2 channel-wise K and V with token groups of 64: v1, the CuTe default, is faster
+        than Triton on every other axis combination, GQA 1 to 8 and head dim 256 (``docs/results-h200.md``,
+        ``docs/bench/h200/axes-fold-runs.json``, ``docs/bench/h200/rows-d256.md``). With groups of 64 a consumer
+        folds channel-wise K's ``Q'`` at every tile, and INT2 channel-wise K and V folded so ran no faster than
+        Triton (``docs/bench/h200/axes-channel-fold.json``): Triton is kept there."""
         return fmt.k_axis == "token" or fmt.v_axis == "token" or fmt.bits == 4 or fmt.group_size >= 128
 
     def launch_config(self, problem) -> dict:

@@ -8,6 +8,7 @@ Used by ``foscar tune`` (:mod:`foscar.tune`), ``benchmarks/bench_decode.py`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -267,15 +268,19 @@ def summarize_us(times_us: list[float]) -> dict:
     return {"median_us": statistics.median(times_us), "min_us": min(times_us), "all_us": list(times_us)}
 
 
-def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
-    """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed before each (:func:`flush_l2`),
-    CUDA events around the call alone."""
+def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch.Tensor | None = None,
+              before: Callable[[], object] | None = None) -> dict:
+    """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed before each (:func:`flush_l2` of
+    ``flush``), or ``before()`` run instead (a study of the flush itself), CUDA events around the call alone."""
+    if (flush is None) == (before is None):
+        raise TypeError("time_call: give exactly one of flush and before")
+    before = before if before is not None else functools.partial(flush_l2, flush)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
-        flush_l2(flush)
+        before()
         start.record()
         fn()
         end.record()

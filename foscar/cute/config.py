@@ -28,10 +28,10 @@ CORRECTION_TILES = 8
 #: ``P <= 2^8``) and no token row asks for larger units; only then do the warps exchange maxima and rescale
 RESCALE_HEADROOM = 8.0
 #: Whether one-tile passes (more than 4 query rows, steps, head dim 256) take the lazy rescale too
-#: (:attr:`Sm90Config.lazy_rescale`): 0.80-0.91x the time at GQA 8-32 (``docs/bench/h200/lazy-one-tile-heads.md``)
+#: (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32 (``docs/bench/h200/lazy-one-tile-heads.md``)
 LAZY_ONE_TILE = True
-#: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`).
-#: Measured on the H200 (``docs/bench/h200/axes-lazy-vchannel.json``): 0.88-1.00x the time, B 8, L 128K INT2 0.88x
+#: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`):
+#: as fast or faster at every shape measured (``docs/bench/h200/axes-lazy-vchannel.json``)
 LAZY_CHANNEL_V = True
 #: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`, its acc-fold once a pass): off
 #: until its GPU tests run (``docs/hopper-e4m3-plan.md``)
@@ -43,27 +43,27 @@ DEEP_STAGE_BYTES = 4096
 #: of the CTAs resident on an SM (:func:`fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
-#: ``consumer_q``, the first consumer stages Q while the producer copies (the producer's copies issued before it
-#: stages Q failed on the H200 with an illegal instruction, ``docs/hopper-e4m3-plan.md``)
+#: ``consumer_q``, the first consumer stages Q while the producer copies. (A third order, the producer's copies
+#: issued before it stages Q, raises an illegal instruction on the H200: ``docs/hopper-e4m3-plan.md``.)
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
-#: ``consumer_q`` took INT2 0.88-0.98x the time of ``q_first`` on the H200, INT4 1.0-1.14x (spills)
+#: the faster of the two for each width (``consumer_q`` spills at INT4; ``docs/results-h200.md``)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: The split merge as a programmatic dependent launch (PDL): the combine waits for stage 1's grid
-#: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct on the H200 and
-#: neutral there (geomean 0.992 INT2, 0.997 INT4, ``docs/results-h200.md``), so off
+#: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct, but no faster
+#: than two launches (``docs/results-h200.md``), so off
 COMBINE_PDL = False
 #: v1: the split merge inside stage 1 for short decodes (:mod:`foscar.cute.merge`, :attr:`Sm90Config.fused_merge`):
 #: the last CTA of a KV head's splits merges them, with all of a round trip's loads in flight; off until its GPU
-#: tests run (a first form, whose loads waited on one another, measured 1.11-1.22x the time: ``sweep-fused-merge.md``)
+#: tests run (``docs/hopper-e4m3-plan.md``)
 FUSED_MERGE = False
 MERGE_ROWS = 8  #: the most query rows of a KV head the fused merge takes
 MERGE_PARTS = 64  #: the most partials a row (splits times consumers) the fused merge takes
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
-#: each. H200 (``docs/bench/h200/window-cost-kv-head.md``, INT2): B 1, L 8K 23.5 -> 14.0 us, B 64, L 8K 143.2 -> 138.0
+#: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
 COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
-#: (:func:`dependent_combine`; the same record: B 1, L 8K INT2 18.7 -> 14.0 us)
+#: (:func:`dependent_combine`; measured in the same record)
 COMBINE_PDL_WINDOWS = True
 
 
@@ -76,20 +76,20 @@ def combine_attends_windows(fmt) -> bool:
 def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
     """Whether a decode's combine launches as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`, or
     :data:`COMBINE_PDL_WINDOWS` where the combine attends ``fmt``'s windows and v1 runs two CTAs an SM: at one,
-    stage 1 fills the SMs it takes and the waiting combine CTAs crowd the few it leaves, B 1, L 8K INT4 20.6 ->
-    21.4 us on the H200). Stage 1 signals such a combine (:attr:`Sm90Config.trigger_dependents`)."""
+    stage 1 fills the SMs it takes and the waiting combine CTAs crowd the few it leaves: slower there,
+    ``docs/bench/h200/window-cost-kv-head.md``). Stage 1 signals such a combine (:attr:`Sm90Config.trigger_dependents`)."""
     return COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt) and warp_specialized
                            and ctas_per_sm > 1)
 
 
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
-#: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: on the H200 INT4's error 3.0-8.4e-4 ->
-#: 2.3-4.2e-4 for 0.4-1.2% of the time, INT2's 5% lower for 4-6% (``docs/results-h200.md``)
+#: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: INT4 only, where it lowers the error most for
+#: the least time (``docs/results-h200.md``: the FP8 accumulation rounds toward zero)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
 #: :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection (``q + 2^(10 - shl)``) makes the
-#: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: on the H200 the
-#: error grew with a split's tiles by injection (INT2 2.5e-4 -> 1.7e-3), not by placement, for the same time
+#: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
+#: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
 V_PLACEMENT = True
 #: P^T column-major (:attr:`Sm90Config.p_column_major`, 32-bit P stores): off until its GPU suite runs
 P_COLUMN_MAJOR = False
@@ -100,8 +100,8 @@ STACKED_TERMS = False
 #: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
 SHARED_Q_SCALE = False
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
-#: consumer (E4M3 terms: once a pass of two tiles): BF16 correct on the H200 but 3-5% faster only
-#: (``docs/bench/h200/axes-producer-fold.json``), so off
+#: consumer (E4M3 terms: once a pass of two tiles): off, as measured with BF16 K (correct, little faster:
+#: ``docs/bench/h200/axes-producer-fold.json``), until E4M3 K's GPU tests run
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
 #: off (``config_for`` refuses it) until its GPU tests run (``docs/hopper-e4m3-plan.md``)
@@ -111,7 +111,7 @@ FOLD_WARPS = 3
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM and 32 columns (:attr:`Sm90Config.wide`): more warps for the latency
-#: of GQA 32 (issue slots 43% busy). Off: at 160 registers they spill, and GQA 32 ran slower (``docs/results-h200.md``)
+#: of GQA 32. Off: at 160 registers a consumer spills, and GQA 32 runs slower (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -121,6 +121,11 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
 #: back 48 (128 x 48 = 256 x 24), keeping 32 for the fold
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
+#: The kernel switches above: module constants :func:`config_for` reads into the static config (a flag, a tuple of
+#: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
+SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
+            "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
+            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -139,7 +144,7 @@ def consumers_for(cfg, ctas_per_sm: int) -> int:
 def consumer_code_paths(cfg, ctas_per_sm: int) -> int:
     """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers'
     addresses constants), else one for all (the consumer's index a run-time value: half the instruction
-    footprint; H200, ``docs/results-h200.md``: faster at 16 columns and fewer, slower at 32)."""
+    footprint; faster at 16 columns and fewer, slower at 32: ``docs/results-h200.md``)."""
     return consumers_for(cfg, ctas_per_sm) if cfg.cols == MAX_COLS else 1
 
 #: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank); the

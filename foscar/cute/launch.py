@@ -47,8 +47,8 @@ def compile_seconds(detail: bool = False) -> dict:
 #: CTAs resident per SM: v0 (one warpgroup, 127 registers a thread) fits four.
 V0_RESIDENT = 4
 #: v1's default CTAs per SM (:data:`foscar.cute.config.WS_REGISTERS` gives their register budgets):
-#: two, four consumer warpgroups per SM (on the H200 0.98-1.39x the speed of one CTA, paper grid; the
-#: 0.98x at B = 1, 8K).
+#: two, four consumer warpgroups per SM (faster than one CTA on the paper grid but at B = 1, 8K:
+#: ``docs/results-h200.md``).
 WS_CTAS_PER_SM = 2
 
 
@@ -56,9 +56,8 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
                        resident: int = V0_RESIDENT, waves: int = 4) -> int:
     """KV splits per sequence: one wave of resident CTAs (a CTA pays a prologue, an epilogue and a merge
     slot, so short splits cost more than a wave's tail); where the splits of one wave would still be 64
-    tiles or longer, up to four waves (a shorter tail), never splits under 64 tiles; at most 64.
-    Measured on the H200 (``benchmarks/sweep_cute.py``, ``docs/results-h200.md``): at B = 8, L = 8K,
-    8 splits take 40.8 us where 32 (the Triton rule) take 53.6; at B = 64, L = 8K, 1 and 2 splits tie.
+    tiles or longer, up to four waves (a shorter tail), never splits under 64 tiles; at most 64 (the
+    Triton rule's shorter splits measured slower: ``benchmarks/sweep_cute.py``, ``docs/results-h200.md``).
     ``waves``: the most waves (1 for 16 and 32 query rows a KV head, :func:`default_waves`)."""
     from ..splitkv import sm_count
     heads = max(1, batch * kv_heads)
@@ -70,7 +69,7 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
 
 
 #: The variant a call runs when neither the caller nor the autotune cache says: v1 (warp-specialized), the
-#: faster on the H200 at every shape of the paper grid but one (B 1, 8K, where v0 is tuned in).
+#: faster at every shape of the paper grid but one (B 1, 8K, where the tuner may take v0).
 DEFAULT_WARP_SPECIALIZED = True
 
 
@@ -141,17 +140,15 @@ def default_ctas_per_sm(rows: int, head_dim: int = 128) -> int:
     """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` up to 16 columns, one at
     32 and at head dim 256 (the accumulators of 32 columns, the A fragments of 256 channels take the
     registers of one CTA per SM,
-    :data:`foscar.cute.config.WS_REGISTERS`). Measured on the H200 (``benchmarks/sweep_rows.py``, B 8,
-    L 128K, Hq 32, ``docs/bench/h200/sweep-rows.md``): GQA 16 at two CTAs 144.7 us (INT2) where one takes
-    159.5, though 16 columns spill at two; GQA 32 at one 117.4 us where two take 172.1."""
+    :data:`foscar.cute.config.WS_REGISTERS`). GQA 16 runs faster at two CTAs though 16 columns spill there,
+    GQA 32 at one (``benchmarks/sweep_rows.py``, ``docs/bench/h200/sweep-rows.md``)."""
     from .config import HEADS
     return WS_CTAS_PER_SM if rows <= 2 * HEADS and head_dim <= 128 else 1
 
 
 def default_waves(rows: int) -> int:
     """The most waves of CTAs :func:`default_num_splits` fills: 4, one beyond 8 query rows a KV head
-    (measured as :func:`default_ctas_per_sm`: GQA 32 at 16 splits 117.4 us where 32 take 124.7, GQA 16 at two
-    CTAs 144.7 where 32 take 148.4)."""
+    (the faster split count at GQA 16 and 32 in the record of :func:`default_ctas_per_sm`)."""
     from .config import HEADS
     return 4 if rows <= HEADS else 1
 
@@ -161,10 +158,9 @@ def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: 
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
     given) and two tiles per softmax pass, each where the format takes it (:func:`takes`; E4M3 K with one tile a
     pass where it takes no pair, before BF16 K).
-    Measured on the H200 (``docs/results-h200.md``): the tuner picks two tiles a pass in 25 of the 26 paper
-    cases and E4M3 K operands in 21; beyond 4 query rows (Q's terms in separate column blocks,
-    ``Sm90Config.term_blocks``) E4M3 K is 5-15% faster than BF16 K at GQA 8 and 16
-    (``docs/bench/h200/rows-e4m3.md``) and 3-4% at GQA 32 (``docs/bench/h200/heads-e4m3-32.md``)."""
+    Both are what the tuner picks in most paper cases (``docs/results-h200.md``); beyond 4 query rows (Q's terms
+    in separate column blocks, ``Sm90Config.term_blocks``) E4M3 K is faster than BF16 K at GQA 8, 16 and 32
+    (``docs/bench/h200/rows-e4m3.md``, ``docs/bench/h200/heads-e4m3-32.md``)."""
     for k in (k_operand,) if k_operand else ("e4m3", "bf16"):
         for tiles in (2, 1):
             if takes(fmt, G, page, k, tiles, step):

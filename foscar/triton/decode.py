@@ -206,8 +206,8 @@ def fold_decode_stage1(
         sigma = P_START
 
     # Software pipeline, by hand: while tile i is computed, the words and parameters of tile i+1 are in
-    # flight and the page of tile i+2 is being looked up. (Triton's pipeliner, measured on the H200,
-    # waits for a tile's copies right before using them: no overlap at all.)
+    # flight and the page of tile i+2 is being looked up. (Triton's pipeliner waits for a tile's copies
+    # right before using them: no overlap at all, docs/triton-perf.md.)
     bt_row = BT + b * stride_btb
     page = tl.load(bt_row + (t_lo * BLOCK_N) // PAGE, mask=t_lo < t_hi, other=0).to(tl.int64)
     kw, vw, k_s, k_z, v_s, v_z = _load_tile(
@@ -286,9 +286,9 @@ def fold_decode_stage1(
                 # the correction sum_t P mid - c sum_t P' sig, kept per element and folded into acc every
                 # CORR_EVERY tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the
                 # correction brings it back to the output's size, so a correction kept apart to the end
-                # of the split would cancel a sum over all of it (measured: an error growing with the
-                # split's tiles, 4-50x BF16 attention's at 60-400 tiles); CORR_EVERY tiles bound that growth
-                # at a fraction of the reduction's cost per tile
+                # of the split would cancel a sum over all of it (an error growing with the split's tiles,
+                # docs/triton-perf.md); CORR_EVERY tiles bound that growth at a fraction of the reduction's
+                # cost per tile
                 c_el = c_el * alpha[None, :] + (p * tl.reshape(vmid, (BLOCK_N,))[:, None]
                                                 - (V_PIVOT * sig_new) * pvr.to(tl.float32))
                 yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET),

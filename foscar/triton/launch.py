@@ -78,8 +78,7 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     """About sixteen programs per SM (three or four resident at a time keep the tail short), at most 64
     splits and at least four KV tiles per split (each split pays a prologue, an epilogue and a merge
     slot); and where the heads alone fill a wave of four programs per SM with splits of 32 tiles, no
-    split shorter than that. Measured on the H200 with ``benchmarks/sweep_triton.py``
-    (``docs/triton-perf.md``): B = 8, L = 32K runs best at 16 splits, B = 8, L = 128K at 33."""
+    split shorter than that (``benchmarks/sweep_triton.py``, ``docs/triton-perf.md``)."""
     heads = max(1, batch * kv_heads)
     sms = sm_count(device)
     splits = max(1, min(math.ceil(16 * sms / heads), 64, max_tiles // 4))
