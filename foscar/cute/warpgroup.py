@@ -108,6 +108,7 @@ class Fragments:
         self.tSrQ = None if cfg.k_channel else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk)) if cfg.k_channel else None
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
+        self.qk_overwrites = cfg.qk_overwrites  # no zero fill: each accS's first MMA overwrites it
         self.accS_b = None  # two tiles per pass: the second tile's S^T
         if cfg.tiles_per_pass == 2:
             self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
@@ -144,6 +145,13 @@ class Warpgroup:
         self.smem = smem
         self.frags = frags
         self.qk_mma = qk_mma
+        # the same MMA overwriting its accumulator (ACCUMULATE off), for the first k-block of a QK chain
+        # (:attr:`~foscar.cute.config.Sm90Config.qk_overwrites`, :meth:`TileKernel._qk`);
+        # made here, in the warpgroup's own code, so that no consumer's code path reads a value made in another's
+        self.qk_first = None
+        if cutlass.const_expr(frags.qk_overwrites):
+            self.qk_first = qk_mma.with_()
+            self.qk_first.set(warpgroup.Field.ACCUMULATE, False)
         self.pv_mma = pv_mma
         self.qsum = qsum
         self.n = n
@@ -380,12 +388,9 @@ class TileKernel:
             build_k_registers(cfg, frags.tSrK_u32, regs.kw)
         if cutlass.const_expr(accS is None):
             accS = frags.accS
-        accS.fill(0.0)  # the MMAs accumulate (ACCUMULATE is set once, by the kernel: no state set in here)
         partials = [accS]
         if cutlass.const_expr(cfg.kc == 2):  # token-wise K, 2 channel groups: the second group's partial
-            accS2 = cute.make_rmem_tensor(accS.layout, Float32)
-            accS2.fill(0.0)
-            partials.append(accS2)
+            partials.append(cute.make_rmem_tensor(accS.layout, Float32))
         tSrK = frags.tSrK
         warpgroup.fence()
         n_kb = cute.size(tSrK, mode=[2])
@@ -394,18 +399,25 @@ class TileKernel:
         steps = []  # FP32 promotion: each FP8 k-step into its own accumulator, summed in FP32 after the MMAs
         if cutlass.const_expr(cfg.qk_promote):
             steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
-            for acc in steps[1:]:
+        # Where several QK accumulators are in flight at once (a pass's two tiles, two channel groups' partials,
+        # promoted k-steps), ``qk_overwrites`` has each one's first MMA overwrite it (ACCUMULATE off); else they
+        # are zero-filled, sharing one zero register, and ptxas waits for each chain before the next. (With one
+        # accumulator the overwriting atom only costs uniform registers that ptxas recomputes in the loop.)
+        overwrite = cfg.qk_overwrites
+        if cutlass.const_expr(not overwrite):
+            for acc in partials + steps[1:]:
                 acc.fill(0.0)
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
-                cute.gemm(wg.qk_mma, steps[kb], tSrK[None, None, ka], frags.tSrQ[None, None, kb], steps[kb])
-            elif cutlass.const_expr(cfg.k_channel):
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, ka], frags.tSrQk[None, None, kb, qbuf], accS)
+                acc, first = steps[kb], True
             elif cutlass.const_expr(cfg.kc == 2 and ka >= n_kb // 2):  # group-local partials: one per group
-                cute.gemm(wg.qk_mma, accS2, tSrK[None, None, ka], frags.tSrQ[None, None, kb], accS2)
+                acc, first = partials[1], ka == n_kb // 2 and kb == ka
             else:
-                cute.gemm(wg.qk_mma, accS, tSrK[None, None, ka], frags.tSrQ[None, None, kb], accS)
+                acc, first = accS, kb == 0
+            q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
+            cute.gemm(wg.qk_first if cutlass.const_expr(first and overwrite) else wg.qk_mma, acc, tSrK[None, None, ka],
+                      q_frag, acc)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
