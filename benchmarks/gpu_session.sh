@@ -32,6 +32,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # pending and pending-speed of the likeliest gains
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -266,6 +267,10 @@ p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1"
 SWEEPS
     ;;
+  priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
+             # (QK chains overwriting their first MMAs with P^T column-major, the merge inside stage 1)
+    for name in qk-overwrite merge; do bash "$0" pending "$name"; done
+    for name in qk-overwrite merge; do bash "$0" pending-speed "$name"; done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2
