@@ -237,6 +237,7 @@ qk-overwrite-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
+stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_decode.py -k three_consumers_against
 stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 channel-overwrite|python3 benchmarks/run_with.py QK_OVERWRITE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
@@ -260,7 +261,7 @@ TESTS
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
 qk-overwrite --shapes 1:8K,1:32K,8:8K,8:32K,8:128K,64:8K,64:128K --variants shipped "QK_OVERWRITE=1" "P_COLUMN_MAJOR=1" "QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
-stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1"
+stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1 P_COLUMN_MAJOR=1"
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"

@@ -69,7 +69,8 @@ def tile_loop(sass: str) -> list[str]:
     # back into the middle of the loop's body (a rare path laid out after it) spans part of its MMAs, starting
     # inside the loop and ending past it, where loops nest
     nested = [not any(lo2 < lo <= hi2 < hi for lo2, hi2 in back) for lo, hi in back]
-    return min((ops for ops, n, ok in zip(spans, mmas, nested) if 2 * n >= max(mmas) and ok), key=len)
+    most = max(n for n, ok in zip(mmas, nested) if ok)  # of the loops proper (three consumers: three such loops)
+    return min((ops for ops, n, ok in zip(spans, mmas, nested) if 2 * n >= most and ok), key=len)
 
 
 def rescale_branch(sass: str) -> int:

@@ -697,3 +697,33 @@ def test_run_with_takes_every_kernel_switch_and_refuses_others():
     for bad in ("STAGES=8", "FUSED_MERGE=2", "QK_PROMOTE_BITS=a"):
         with pytest.raises(SystemExit, match="run_with: expected NAME=VALUE"):
             run_with.settings([bad])
+
+
+def test_sass_tile_loop_finds_each_consumers_loop():
+    """``benchmarks/sass_stats_cute.py``'s ``tile_loop``: of the backward-branch spans holding MMAs, the innermost whole
+    loop, also where three consumers' loops sit under longer spans (rare paths laid out after them branching back)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        from sass_stats_cute import tile_loop
+    finally:
+        sys.path.pop(0)
+    lines, addr = [], 0
+
+    def emit(op):
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {op} ;")
+        addr += 16
+        return addr - 16
+    loops = []
+    for _ in range(3):  # three consumers' loops: 2 MMAs and 3 other instructions each
+        start = emit("FADD R0, R0, R1")
+        emit("HGMMA.64x8x16.F32 R8, R24, gdesc[UR4], R8")
+        emit("HGMMA.64x8x16.F32 R8, R28, gdesc[UR4], R8")
+        emit("FMUL R2, R2, R3")
+        emit(f"@P0 BRA 0x{start:x}")
+        loops.append(start)
+    for start in loops:  # rare paths after the loops, branching back into them: spans holding several loops
+        emit("MOV R4, R5")
+        emit(f"BRA 0x{start + 16:x}")
+    body = tile_loop("\n".join(lines))
+    assert body == ["FADD", "HGMMA.64", "HGMMA.64", "FMUL", "BRA"]
