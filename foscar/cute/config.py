@@ -97,6 +97,9 @@ P_COLUMN_MAJOR = False
 #: instead of adding to a zero fill, which ptxas serializes (one wait a chain: ``benchmarks/ptxas_info.py``): off until
 #: its GPU tests run (``docs/hopper-e4m3-plan.md``)
 QK_OVERWRITE = False
+#: v1: the producer's thread prefetches the four TMA descriptors as the CTA starts (:attr:`Sm90Config.prefetch_descriptors`),
+#: so that the first copies do not wait for them: off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
+PREFETCH_DESCRIPTORS = False
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
 STACKED_TERMS = False
@@ -129,6 +132,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR", "QK_OVERWRITE",
+            "PREFETCH_DESCRIPTORS",
             "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "FUSED_MERGE")
 
 
@@ -248,6 +252,7 @@ class Sm90Config:
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
     qk_overwrite: bool = False  #: :data:`QK_OVERWRITE` (:attr:`qk_overwrites` says where it applies)
+    prefetch_descriptors: bool = False  #: v1: :data:`PREFETCH_DESCRIPTORS`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
     #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
@@ -613,7 +618,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=P_COLUMN_MAJOR, qk_overwrite=QK_OVERWRITE,
+                      p_column_major=P_COLUMN_MAJOR, qk_overwrite=QK_OVERWRITE, prefetch_descriptors=PREFETCH_DESCRIPTORS,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS

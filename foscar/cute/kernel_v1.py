@@ -148,6 +148,9 @@ class FoldDecodeSm90WS(TileKernel):
         sQsum = smem0.sQsum
 
         if tidx == 0:
+            if cutlass.const_expr(cfg.prefetch_descriptors):  # the first copies find their descriptors cached
+                for atom in (atom_kc, atom_vc, atom_kp, atom_vp):
+                    cpasync.prefetch_descriptor(atom)
             for i in cutlass.range_constexpr(slots):
                 # the TMA issuer's arrival, and the Q' folders' (one a warp) where the producer folds the slot's Q'
                 cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if self._folded_slot(i) else 0))
