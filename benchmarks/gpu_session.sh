@@ -242,7 +242,7 @@ stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 --
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 channel-overwrite|python3 benchmarks/run_with.py QK_OVERWRITE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 merge|python3 -m pytest|tests/test_cute_merge.py
-descriptors|python3 -m pytest|tests/test_cute_descriptor_prefetch.py
+start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -266,13 +266,13 @@ stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" 
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "PREFETCH_DESCRIPTORS=1" "FUSED_MERGE=1 PREFETCH_DESCRIPTORS=1"
+merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1"
 SWEEPS
     ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
              # (QK chains overwriting their first MMAs with P^T column-major, the merge inside stage 1 and the
              # TMA descriptors prefetched as a CTA starts)
-    for name in qk-overwrite merge descriptors; do bash "$0" pending "$name"; done
+    for name in qk-overwrite merge start-prefetch; do bash "$0" pending "$name"; done
     for name in qk-overwrite merge; do bash "$0" pending-speed "$name"; done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl

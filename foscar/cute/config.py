@@ -97,9 +97,10 @@ P_COLUMN_MAJOR = False
 #: instead of adding to a zero fill, which ptxas serializes (one wait a chain: ``benchmarks/ptxas_info.py``): off until
 #: its GPU tests run (``docs/hopper-e4m3-plan.md``)
 QK_OVERWRITE = False
-#: v1: the producer's thread prefetches the four TMA descriptors as the CTA starts (:attr:`Sm90Config.prefetch_descriptors`),
-#: so that the first copies do not wait for them: off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
-PREFETCH_DESCRIPTORS = False
+#: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
+#: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
+#: :attr:`Sm90Config.start_prefetch`): off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
+START_PREFETCH = False
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
 STACKED_TERMS = False
@@ -132,7 +133,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR", "QK_OVERWRITE",
-            "PREFETCH_DESCRIPTORS",
+            "START_PREFETCH",
             "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "FUSED_MERGE")
 
 
@@ -252,7 +253,7 @@ class Sm90Config:
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
     qk_overwrite: bool = False  #: :data:`QK_OVERWRITE` (:attr:`qk_overwrites` says where it applies)
-    prefetch_descriptors: bool = False  #: v1: :data:`PREFETCH_DESCRIPTORS`
+    start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
     #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
@@ -618,7 +619,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=P_COLUMN_MAJOR, qk_overwrite=QK_OVERWRITE, prefetch_descriptors=PREFETCH_DESCRIPTORS,
+                      p_column_major=P_COLUMN_MAJOR, qk_overwrite=QK_OVERWRITE, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS

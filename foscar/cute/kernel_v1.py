@@ -148,9 +148,8 @@ class FoldDecodeSm90WS(TileKernel):
         sQsum = smem0.sQsum
 
         if tidx == 0:
-            if cutlass.const_expr(cfg.prefetch_descriptors):  # the first copies find their descriptors cached
-                for atom in (atom_kc, atom_vc, atom_kp, atom_vp):
-                    cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(cfg.start_prefetch):
+                self._start_prefetch((atom_kc, atom_vc, atom_kp, atom_vp), mSEQ, mBT, b, split, n_splits)
             for i in cutlass.range_constexpr(slots):
                 # the TMA issuer's arrival, and the Q' folders' (one a warp) where the producer folds the slot's Q'
                 cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if self._folded_slot(i) else 0))
@@ -158,7 +157,8 @@ class FoldDecodeSm90WS(TileKernel):
                 if cutlass.const_expr(cfg.producer_fold):
                     cute.arch.mbarrier_init(ring.kpar + i, 1)
         cute.arch.mbarrier_init_fence()
-        n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
+        if cutlass.const_expr(not cfg.start_prefetch):
+            n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
         if cutlass.const_expr(cfg.prologue == "consumer_q"):
             cute.arch.sync_threads()  # the ring's barriers are initialised for every thread; Q: the first consumer
@@ -174,6 +174,8 @@ class FoldDecodeSm90WS(TileKernel):
             q_sums(cfg, sQ, sQsum, tidx, smem0.sQinv)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
+        if cutlass.const_expr(cfg.start_prefetch):  # the length read past the prologue's barriers (its line prefetched)
+            n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
 
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(ws_registers(cfg, self.ctas_per_sm)[0])
@@ -319,6 +321,27 @@ class FoldDecodeSm90WS(TileKernel):
         tKPs, tKPg = cpasync.tma_partition(atom_kp, 0, one, ring.sKP, cute.group_modes(gKP, 0, 1))
         tVPs, tVPg = cpasync.tma_partition(atom_vp, 0, one, ring.sVP, cute.group_modes(gVP, 0, 1))
         return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
+
+    @cute.jit
+    def _start_prefetch(self, atoms: tuple, mSEQ: cute.Tensor, mBT: cute.Tensor, b, split, n_splits):
+        """As the CTA starts (:attr:`~foscar.cute.config.Sm90Config.start_prefetch`): the line of the sequence's
+        length, the TMA descriptors, and the page-table line of the split's first page as it would be for a sequence
+        filling the table (:meth:`_split_tiles` with its capacity for the length). The length is then read past the
+        prologue's barriers (ptxas hoists the arithmetic on a value loaded before them to the load, stalling the
+        ring's initialisation and Q's staging behind it), and the first copies wait neither for a descriptor nor,
+        where the guess holds (a line spans 32 pages), for the table."""
+        cfg = self.cfg
+        cute.arch.prefetch((mSEQ.iterator + b).llvm_ptr)
+        for atom in atoms:
+            cpasync.prefetch_descriptor(atom)
+        pages = cute.size(mBT, mode=[1])
+        tiles = pages * (cfg.page // TILE)
+        per = (tiles + n_splits - 1) // n_splits
+        if cutlass.const_expr(cfg.tile_run > 1):
+            per = (per + cfg.tile_run - 1) // cfg.tile_run * cfg.tile_run
+        first = cutlass.min(split * per * TILE // cfg.page, pages - 1)
+        row = mBT[b, None]
+        cute.arch.prefetch((row.iterator + first).llvm_ptr)
 
     @cute.jit
     def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):

@@ -1,7 +1,9 @@
-"""The TMA descriptors prefetched as a v1 CTA starts (``foscar.cute.config.PREFETCH_DESCRIPTORS``,
-``Sm90Config.prefetch_descriptors``), so that a short split's first copies do not wait for them. CPU: one
-``prefetch.tensormap`` for each of the four descriptors, before the ring's barriers are initialised, and nothing
-else of the kernel changed. GPU (sm_90): decodes with it against the float64 oracle, and a CUDA graph's replay."""
+"""Prefetches as a v1 CTA starts (``foscar.cute.config.START_PREFETCH``, ``Sm90Config.start_prefetch``): the
+sequence's length, the TMA descriptors and the page-table line of the split's first page (guessed from the table's
+capacity), so that neither the ring's initialisation and Q's staging nor a short split's first copies wait for
+them. CPU: a ``prefetch.tensormap`` for each of the four descriptors and the two lines' prefetches before the ring's
+barriers are initialised, the length read past the prologue's barrier, and the kernel's MMAs, copies, barriers and
+global accesses as they were. GPU (sm_90): decodes with it against the float64 oracle."""
 import os
 import re
 
@@ -21,22 +23,24 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 def _ptx(monkeypatch, on: bool) -> str:
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
-    with cute_switches(monkeypatch, PREFETCH_DESCRIPTORS=on):
+    with cute_switches(monkeypatch, START_PREFETCH=on):
         cfg = config_for(fmt, 4, 64, "e4m3", 2)
-        assert cfg.prefetch_descriptors is on
+        assert cfg.start_prefetch is on
         return compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
 
 
-def test_the_four_descriptors_are_prefetched_before_the_barriers(monkeypatch):
+def test_the_descriptors_and_the_first_page_line_are_prefetched_first(monkeypatch):
     on, off = _ptx(monkeypatch, True), _ptx(monkeypatch, False)
-    assert "prefetch.tensormap" not in off
-    assert on.count("prefetch.tensormap") == 4
-    assert on.rindex("prefetch.tensormap") < on.index("mbarrier.init")
-    # the rest as it was: without the prefetches, their addresses (conversions of the parameters' addresses, which
-    # the copies also make) and the register declarations, with the registers' numbers (which they shift) dropped
-    drop = re.compile(r"^\s*(cvta\.param\.u64|prefetch\.tensormap|\.reg)\b.*$\n?", re.M)
-    names = re.compile(r"%(rd|rs|r|p)\d+")
-    assert names.sub("%x", drop.sub("", on)) == names.sub("%x", drop.sub("", off))
+    assert "prefetch." not in off
+    assert on.count("prefetch.tensormap") == 4 and on.count("prefetch.global.L1") == 2  # the length's, the page's
+    assert on.rindex("prefetch.") < on.index("mbarrier.init")
+    # the length read past the prologue's last CTA barrier (the stage-1 kernel's first global load without it)
+    length = re.compile(r"^\s*ld\.global\.b32\b", re.M)
+    assert length.search(off).start() < off.index("bar.sync")
+    assert length.search(on).start() > on.index("bar.sync")
+    # the kernel's work as it was: its MMAs, copies, barriers and global accesses
+    work = re.compile(r"^\s*((?:wgmma|cp\.async|mbarrier|bar|ld\.global|st\.global|red|atom)\.\S*)", re.M)
+    assert sorted(work.findall(on)) == sorted(work.findall(off))
 
 
 @pytest.mark.gpu
@@ -49,5 +53,5 @@ def test_the_four_descriptors_are_prefetched_before_the_barriers(monkeypatch):
 def test_prefetched_descriptors_against_the_oracle_gpu(monkeypatch, bits, lens, num_splits, fmt_kw, launch):
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    with cute_switches(monkeypatch, PREFETCH_DESCRIPTORS=True):
+    with cute_switches(monkeypatch, START_PREFETCH=True):
         _decode_against_the_oracle(fmt, lens, 4, "descriptors prefetched: error", num_splits=num_splits, **launch)
