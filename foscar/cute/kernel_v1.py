@@ -174,27 +174,33 @@ class FoldDecodeSm90WS(TileKernel):
             q_sums(cfg, sQ, sQsum, tidx, smem0.sQinv)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-        if cutlass.const_expr(cfg.start_prefetch):  # the length read past the prologue's barriers (its line prefetched)
-            n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
+        # START_PREFETCH: the length read past the prologue's barriers (its line prefetched); with Q staged by the
+        # first consumer, past each role's own: the producer's at once, the consumers' once Q is staged
+        split_tiles = None
+        if cutlass.const_expr(cfg.start_prefetch):
+            split_tiles = lambda: self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)  # noqa: E731
+            if cutlass.const_expr(cfg.prologue != "consumer_q"):
+                n, t_lo, t_hi = split_tiles()
+                split_tiles = None
+            else:
+                n = t_lo = t_hi = None
 
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(ws_registers(cfg, self.ctas_per_sm)[0])
-            if tidx == 0:
-                views = self._tma_views(tma, ring)
-                for tile in cutlass.range(t_lo, t_hi, unroll=1):
-                    self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
-            if cutlass.const_expr(cfg.producer_fold):
-                if tidx >= 32:
-                    self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
+            if cutlass.const_expr(split_tiles is None):
+                self._produce(tma, ring, mBT, sQ, b, kvh, t_lo, t_hi)
+            else:
+                _, p_lo, p_hi = split_tiles()
+                self._produce(tma, ring, mBT, sQ, b, kvh, p_lo, p_hi)
         if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, mOP, mLP, b, kvh, split, t_lo,
-                                   t_hi, n, qk_scale, n_kvh, mRot, mTS)
+                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, split_tiles)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, mOP, mLP, b, kvh, split,
-                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS)
+                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, split_tiles)
         if cutlass.const_expr(cfg.fused_merge):  # ---- the last CTA of the KV head's splits merges them ------------
             if role > 0:
                 from .merge import merge_if_last
@@ -202,16 +208,31 @@ class FoldDecodeSm90WS(TileKernel):
                               kvh, n_kvh, n_splits, tidx - THREADS)
 
     @cute.jit
+    def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
+        """The producer warpgroup over tiles ``[t_lo, t_hi)``: its first thread's TMA copies, and where it folds
+        channel-wise K's ``Q'`` (``producer_fold``), its other warps' folds."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            views = self._tma_views(tma, ring)
+            for tile in cutlass.range(t_lo, t_hi, unroll=1):
+                self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
+        if cutlass.const_expr(self.cfg.producer_fold):
+            if tidx >= 32:
+                self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
+
+    @cute.jit
     def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
                   smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
-                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor):
+                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, split_tiles=None):
         """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
         consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it, its tiles
-        (:meth:`_consume`)."""
+        (:meth:`_consume`); ``split_tiles``: where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
         cfg = self.cfg
         cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
         if cutlass.const_expr(cfg.prologue == "consumer_q"):
             self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
+        if cutlass.const_expr(split_tiles is not None):
+            n, t_lo, t_hi = split_tiles()
         self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS)
 
     def _ring(self, alloc: SmemAllocator) -> StageRing:
