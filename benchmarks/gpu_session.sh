@@ -266,7 +266,7 @@ stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" 
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1"
+merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 SWEEPS
     ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
