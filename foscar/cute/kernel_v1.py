@@ -360,7 +360,7 @@ class FoldDecodeSm90WS(TileKernel):
         per = (tiles + n_splits - 1) // n_splits
         if cutlass.const_expr(cfg.tile_run > 1):
             per = (per + cfg.tile_run - 1) // cfg.tile_run * cfg.tile_run
-        first = cutlass.min(split * per * TILE // cfg.page, pages - 1)
+        first = cutlass.max(cutlass.min(split * per * TILE // cfg.page, pages - 1), 0)  # an entry of the row
         row = mBT[b, None]
         cute.arch.prefetch((row.iterator + first).llvm_ptr)
 
