@@ -352,7 +352,8 @@ def test_cute_candidates_take_a_ring_their_ctas_hold():
     8: their candidates take 4, and every candidate's ring fits its CTAs (none is refused before it is timed)."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
     from foscar import backends, tune
-    from foscar.cute.config import config_for, fits_shared_memory
+    from foscar.cute.budget import fits_shared_memory
+    from foscar.cute.config import config_for
     argv = ["--backend", "cute", "--shapes", "8:128K", "--bits", "2", "--k-axis", "channel", "--v-axis", "channel"]
     case = tune.cases(tune.build_parser().parse_args(argv))[0]
     cands = [c for c in backends.get("cute").candidates(case, torch.device("cpu")) if c["warp_specialized"]]
@@ -371,7 +372,8 @@ def test_cute_candidates_of_channel_wise_k_passes(monkeypatch, producer):
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
     from _helpers import cute_switches
     from foscar import backends, tune
-    from foscar.cute.config import config_for, fits_shared_memory
+    from foscar.cute.budget import fits_shared_memory
+    from foscar.cute.config import config_for
     argv = ["--backend", "cute", "--shapes", "8:32K", "--bits", "4", "--k-axis", "channel", "--v-axis", "channel"]
     case = tune.cases(tune.build_parser().parse_args(argv))[0]
     with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PAIR_CHANNEL_V=True, PRODUCER_Q_FOLD=producer):
@@ -390,7 +392,8 @@ def test_a_launch_that_names_no_stages_takes_a_ring_its_ctas_hold():
     """``default_ring``: the format's default stages where the CTAs of an SM hold them, else the deepest choice
     below that they hold (what a decode without a tuned entry runs)."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
-    from foscar.cute.config import STAGE_CHOICES, config_for, default_ring, fits_shared_memory
+    from foscar.cute.budget import default_ring, fits_shared_memory
+    from foscar.cute.config import STAGE_CHOICES, config_for
     chan = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel", v_axis="channel")
     assert config_for(chan, 4, 64).stages == 8 and not fits_shared_memory(config_for(chan, 4, 64), 2)
     assert default_ring(chan, 4, 64, ctas_per_sm=2).stages == 4

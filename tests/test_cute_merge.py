@@ -16,7 +16,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 
 import foscar  # noqa: E402
 from _helpers import bf16_attention, rel  # noqa: E402
-from foscar.cute import config  # noqa: E402
+from foscar.cute import budget, config  # noqa: E402
 from foscar.cute.launch import merges_in_stage1  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -43,11 +43,11 @@ def test_which_calls_merge_in_stage_1(monkeypatch):
     assert takes(o=heads_major) and not takes(o=heads_major, lv=None, B=1, Hr=16)
     assert not takes(lv=torch.empty(8, 2).t()), "an LSE that does not view as rows"
     assert not takes(o=torch.empty(2 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 128)), "a misaligned output"
-    full = config.SM90_SHARED_BYTES  # an SM whose shared memory holds two CTAs' rings but not the merge's too
-    monkeypatch.setattr(config, "SM90_SHARED_BYTES", 2 * config.shared_bytes(cfg))
-    assert config.fits_shared_memory(cfg, 2) and not takes(), "the merge's shared memory beside the ring"
-    assert config.merge_bytes(dataclasses.replace(cfg, fused_merge=True)) > 0 == config.merge_bytes(cfg)
-    monkeypatch.setattr(config, "SM90_SHARED_BYTES", full)
+    full = budget.SM90_SHARED_BYTES  # an SM whose shared memory holds two CTAs' rings but not the merge's too
+    monkeypatch.setattr(budget, "SM90_SHARED_BYTES", 2 * budget.shared_bytes(cfg))
+    assert budget.fits_shared_memory(cfg, 2) and not takes(), "the merge's shared memory beside the ring"
+    assert budget.merge_bytes(dataclasses.replace(cfg, fused_merge=True)) > 0 == budget.merge_bytes(cfg)
+    monkeypatch.setattr(budget, "SM90_SHARED_BYTES", full)
     monkeypatch.setattr(config, "FUSED_MERGE", False)
     assert not takes()
 

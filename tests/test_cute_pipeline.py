@@ -14,8 +14,8 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 
 import foscar  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
-from foscar.cute.config import (DEEP_STAGES, STAGES, config_for, default_stages,  # noqa: E402
-                                fits_shared_memory, shared_bytes)
+from foscar.cute.budget import fits_shared_memory, shared_bytes  # noqa: E402
+from foscar.cute.config import DEEP_STAGES, STAGES, config_for, default_stages  # noqa: E402
 from foscar.errors import InvalidArgumentError  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

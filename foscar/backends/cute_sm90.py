@@ -78,7 +78,8 @@ class CuteSm90(Backend):
         the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
         an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of an SM do
         not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
-        from ..cute.config import STAGE_CHOICES, TILE, config_for, default_ring, fits_shared_memory
+        from ..cute.budget import default_ring, fits_shared_memory
+        from ..cute.config import STAGE_CHOICES, TILE, config_for
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]

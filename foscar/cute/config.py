@@ -40,7 +40,7 @@ STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Confi
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
 #: v1's stages a launch may ask for (a tuned entry's ``stages``): powers of two whose ring fits the shared memory
-#: of the CTAs resident on an SM (:func:`fits_shared_memory`)
+#: of the CTAs resident on an SM (:func:`foscar.cute.budget.fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
 #: ``consumer_q``, the first consumer stages Q while the producer copies. (A third order, the producer's copies
@@ -116,7 +116,6 @@ PRODUCER_Q_FOLD = False
 CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
-SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM and 32 columns (:attr:`Sm90Config.wide`): more warps for the latency
 #: of GQA 32. Off: at 160 registers a consumer spills, and GQA 32 runs slower (``docs/results-h200.md``)
@@ -458,53 +457,6 @@ def default_stages(bits: int, head_dim: int) -> int:
     return DEEP_STAGES if 2 * tile_words(bits, head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
 
 
-def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
-    """An upper estimate of one v1 CTA's shared memory (``consumers`` of them): the stage ring (codes, ``(s', z')``,
-    two mbarriers a slot), Q, channel-wise K each consumer's two ``Q s'``, P' (two with a second V channel group), and
-    8 KB for the reductions, sums and alignment."""
-    slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
-    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
-    if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
-        slot += cfg.cols * cfg.head_dim * 2 + 8 * cfg.cols + 8
-    p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
-    if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
-        p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
-    return cfg.stages * consumers * slot + q_bytes + p_bytes + merge_bytes(cfg) + 8 * 1024
-
-
-def merge_bytes(cfg: Sm90Config) -> int:
-    """The shared memory of the split merge inside stage 1 (:attr:`Sm90Config.fused_merge`,
-    :func:`foscar.cute.merge.allocate`): the count, each row's :data:`MERGE_PARTS` weights, its weight sum and
-    maximum, and each rank's channel sums (``CONSUMERS * THREADS / head_dim`` ranks), each buffer 16-byte aligned;
-    0 without it."""
-    if not cfg.fused_merge:
-        return 0
-    ranks = CONSUMERS * THREADS // cfg.head_dim
-    return 16 + 4 * cfg.rows * MERGE_PARTS + 16 + 8 * cfg.rows + 16 + 4 * ranks * cfg.rows * cfg.head_dim
-
-
-def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
-    """Whether ``ctas_per_sm`` v1 CTAs of ``cfg`` fit one SM's shared memory (:func:`shared_bytes`)."""
-    return ctas_per_sm * shared_bytes(cfg, consumers_for(cfg, ctas_per_sm)) <= SM90_SHARED_BYTES
-
-
-def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1, step: int = 1,
-                 ctas_per_sm: int = 2) -> Sm90Config:
-    """:func:`config_for`'s configuration at the format's default stages, or at the deepest choice below them
-    that ``ctas_per_sm`` v1 CTAs of an SM hold (:func:`fits_shared_memory`; the fewest where none does): what a
-    launch that names no stages runs, so that a ring never costs the SM a resident CTA (INT2 channel-wise K and
-    V at two CTAs an SM: 4 stages, not 8)."""
-    if ctas_per_sm not in WS_REGISTERS:
-        from ..errors import InvalidArgumentError
-        raise InvalidArgumentError("ctas_per_sm", f"one of {sorted(WS_REGISTERS)}", ctas_per_sm)
-    cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step)
-    for n in sorted((n for n in STAGE_CHOICES if n < cfg.stages), reverse=True):
-        if fits_shared_memory(cfg, ctas_per_sm):
-            break
-        cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, n)
-    return cfg
-
-
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
                step: int = 1, stages: int | None = None) -> Sm90Config:
@@ -520,7 +472,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     ``Q'``, :data:`PAIR_CHANNEL_V`); a step of several tokens takes a cache without BF16 windows (its causal
     limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
     :func:`default_stages`); whether they fit the CTAs of an SM is the launch's check
-    (:func:`fits_shared_memory`)."""
+    (:func:`foscar.cute.budget.fits_shared_memory`)."""
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError

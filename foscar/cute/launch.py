@@ -266,8 +266,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
-    from .config import (combine_attends_windows, config_for, default_ring, dependent_combine, fits_shared_memory,
-                         max_rows)
+    from .budget import default_ring, fits_shared_memory
+    from .config import combine_attends_windows, config_for, dependent_combine, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
@@ -291,7 +291,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
     if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
-                               "does not fit an SM's shared memory (foscar.cute.config.fits_shared_memory)")
+                               "does not fit an SM's shared memory (foscar.cute.budget.fits_shared_memory)")
     if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
                                  or (cfg.k_channel and cfg.k_e4m3) or cfg.fp4_block):
         from .config import V0_LIMITS
@@ -339,7 +339,8 @@ def merges_in_stage1(fmt, cfg, ctas_per_sm: int, parts: int, out: torch.Tensor, 
     from dataclasses import replace
 
     from ..splitkv import num_window_parts
-    from .config import ALIGN, CONSUMERS, FUSED_MERGE, MERGE_PARTS, MERGE_ROWS, consumers_for, fits_shared_memory
+    from .budget import fits_shared_memory
+    from .config import ALIGN, CONSUMERS, FUSED_MERGE, MERGE_PARTS, MERGE_ROWS, consumers_for
     if (not FUSED_MERGE or num_window_parts(fmt) or fmt.rotation is not None or cfg.rows > MERGE_ROWS
             or parts > MERGE_PARTS or consumers_for(cfg, ctas_per_sm) != CONSUMERS or out.dtype != torch.bfloat16
             or not fits_shared_memory(replace(cfg, fused_merge=True), ctas_per_sm)):

@@ -1,0 +1,56 @@
+"""The shared memory of a v1 CTA: what its stage ring, Q, P' and the split merge take (:func:`shared_bytes`), whether
+the CTAs resident on an SM hold it (:func:`fits_shared_memory`), and the deepest ring they hold where a launch names no
+stages (:func:`default_ring`)."""
+from __future__ import annotations
+
+from .config import (CONSUMERS, MERGE_PARTS, STAGE_CHOICES, THREADS, TILE, WS_REGISTERS, Sm90Config, config_for,
+                     consumers_for)
+
+SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
+
+
+def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
+    """An upper estimate of one v1 CTA's shared memory (``consumers`` of them): the stage ring (codes, ``(s', z')``,
+    two mbarriers a slot), Q, channel-wise K each consumer's two ``Q s'``, P' (two with a second V channel group), and
+    8 KB for the reductions, sums and alignment."""
+    slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
+    q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
+    if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
+        slot += cfg.cols * cfg.head_dim * 2 + 8 * cfg.cols + 8
+    p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
+    if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
+        p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
+    return cfg.stages * consumers * slot + q_bytes + p_bytes + merge_bytes(cfg) + 8 * 1024
+
+
+def merge_bytes(cfg: Sm90Config) -> int:
+    """The shared memory of the split merge inside stage 1 (:attr:`Sm90Config.fused_merge`,
+    :func:`foscar.cute.merge.allocate`): the count, each row's :data:`MERGE_PARTS` weights, its weight sum and
+    maximum, and each rank's channel sums (``CONSUMERS * THREADS / head_dim`` ranks), each buffer 16-byte aligned;
+    0 without it."""
+    if not cfg.fused_merge:
+        return 0
+    ranks = CONSUMERS * THREADS // cfg.head_dim
+    return 16 + 4 * cfg.rows * MERGE_PARTS + 16 + 8 * cfg.rows + 16 + 4 * ranks * cfg.rows * cfg.head_dim
+
+
+def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
+    """Whether ``ctas_per_sm`` v1 CTAs of ``cfg`` fit one SM's shared memory (:func:`shared_bytes`)."""
+    return ctas_per_sm * shared_bytes(cfg, consumers_for(cfg, ctas_per_sm)) <= SM90_SHARED_BYTES
+
+
+def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1, step: int = 1,
+                 ctas_per_sm: int = 2) -> Sm90Config:
+    """:func:`config_for`'s configuration at the format's default stages, or at the deepest choice below them
+    that ``ctas_per_sm`` v1 CTAs of an SM hold (:func:`fits_shared_memory`; the fewest where none does): what a
+    launch that names no stages runs, so that a ring never costs the SM a resident CTA (INT2 channel-wise K and
+    V at two CTAs an SM: 4 stages, not 8)."""
+    if ctas_per_sm not in WS_REGISTERS:
+        from ..errors import InvalidArgumentError
+        raise InvalidArgumentError("ctas_per_sm", f"one of {sorted(WS_REGISTERS)}", ctas_per_sm)
+    cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step)
+    for n in sorted((n for n in STAGE_CHOICES if n < cfg.stages), reverse=True):
+        if fits_shared_memory(cfg, ctas_per_sm):
+            break
+        cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, n)
+    return cfg
