@@ -42,13 +42,16 @@ def _injected_waits(ptx: str) -> int:
 
 @pytest.mark.parametrize("bits,fmt_kw,k_operand,tiles,ctas", [
     (2, {}, "e4m3", 2, 2),  # a pass's two tiles
+    (2, {"gqa": 1}, "e4m3", 2, 2),  # one query row: the terms in columns 0 and 1
     (4, {}, "e4m3", 2, 2),  # two tiles, each with INT4's promoted k-steps
     (4, {"group_size": 64}, "bf16", 1, 2),  # two channel groups' partials
     (4, {"head_dim": 256}, "bf16", 1, 1)])  # head dim 256: two channel groups of 128
 def test_overwriting_first_mmas_take_out_the_injected_waits(monkeypatch, bits, fmt_kw, k_operand, tiles, ctas):
+    fmt_kw = dict(fmt_kw)
+    gqa = fmt_kw.pop("gqa", 4)
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    off_cfg, off = _ptx(monkeypatch, fmt, 4, k_operand, tiles, ctas, False)
-    on_cfg, on = _ptx(monkeypatch, fmt, 4, k_operand, tiles, ctas, True)
+    off_cfg, off = _ptx(monkeypatch, fmt, gqa, k_operand, tiles, ctas, False)
+    on_cfg, on = _ptx(monkeypatch, fmt, gqa, k_operand, tiles, ctas, True)
     assert on_cfg.qk_overwrites and not off_cfg.qk_overwrites
     assert sorted(WGMMA.findall(on)) == sorted(WGMMA.findall(off))
     assert _injected_waits(off) > 0 and _injected_waits(on) == 0
@@ -67,6 +70,7 @@ def test_one_accumulator_compiles_as_before(monkeypatch):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("lens,G,num_splits,fmt_kw,launch", [
     ([5000, 700, 130, 1], 4, None, {}, {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2}),
+    ([3000, 130], 1, None, {}, {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2}),
     ([3000, 65], 4, 3, {}, {"warp_specialized": True, "k_operand": "bf16", "tiles_per_pass": 2, "ctas_per_sm": 1}),
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"warp_specialized": True, "k_operand": "e4m3",
                                                   "tiles_per_pass": 2}),

@@ -402,10 +402,15 @@ class TileKernel:
         # Where several QK accumulators are in flight at once (a pass's two tiles, two channel groups' partials,
         # promoted k-steps), ``qk_overwrites`` has each one's first MMA overwrite it (ACCUMULATE off); else they
         # are zero-filled, sharing one zero register, and ptxas waits for each chain before the next. (With one
-        # accumulator the overwriting atom only costs uniform registers that ptxas recomputes in the loop.)
+        # accumulator the overwriting atom only costs uniform registers that ptxas recomputes in the loop.) The
+        # overwritten values are distinct constants, which the MMA ignores and ptxas drops: left undefined, they
+        # are the last pass's registers, which the MMA's inline assembly lists as inputs (a wait again at GQA 1)
         overwrite = cfg.qk_overwrites
-        if cutlass.const_expr(not overwrite):
-            for acc in partials + steps[1:]:
+        for acc in partials + steps[1:]:
+            if cutlass.const_expr(overwrite):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = Float32(i + 1)
+            else:
                 acc.fill(0.0)
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
