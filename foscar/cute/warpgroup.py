@@ -401,8 +401,8 @@ class TileKernel:
             steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
         # Where several QK accumulators are in flight at once (a pass's two tiles, two channel groups' partials,
         # promoted k-steps), ``qk_overwrites`` has each one's first MMA overwrite it (ACCUMULATE off); else they
-        # are zero-filled, sharing one zero register, and ptxas waits for each chain before the next. (With one
-        # accumulator the overwriting atom only costs uniform registers that ptxas recomputes in the loop.) The
+        # are zero-filled, sharing one zero register, and ptxas waits for each chain before the next (one
+        # accumulator, zero-filled, serializes nothing: the same SASS either way). The
         # overwritten values are distinct constants, which the MMA ignores and ptxas drops: left undefined, they
         # are the last pass's registers, which the MMA's inline assembly lists as inputs (a wait again at GQA 1)
         overwrite = cfg.qk_overwrites
