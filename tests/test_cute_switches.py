@@ -1,0 +1,40 @@
+"""Every kernel switch of ``foscar.cute.config.SWITCHES`` that is off, switched on together: the v1 kernels of the
+formats and shapes they touch still compile for sm_90a (a GPU session runs them; a combination that no longer
+compiles is found here first), each configuration taking the switches it applies to."""
+import dataclasses
+import os
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from _helpers import cute_switches  # noqa: E402
+from foscar.cute import config  # noqa: E402
+from foscar.cute.compile import compile_stage1  # noqa: E402
+
+OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
+
+
+@pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [
+    ({"bits": 2}, 4, "e4m3", 2, 1, 2),  # two tiles a pass: the QK chains' overwrite, the prologue's prefetches
+    ({"bits": 4}, 4, "e4m3", 2, 1, 2),  # INT4's promoted k-steps
+    ({"bits": 2, "k_axis": "channel"}, 4, "e4m3", 2, 1, 2),  # channel-wise K on E4M3 terms, the producer's fold
+    ({"bits": 4, "k_axis": "channel", "v_axis": "channel"}, 4, "e4m3", 2, 1, 2),  # and channel-wise V's pass
+    ({"bits": 2}, 32, "e4m3", 1, 1, 1),  # 32 columns: stacked terms, one scale, three consumers
+    ({"bits": 4}, 4, "e4m3", 1, 4, 2),  # a step of 4 tokens: 16 columns
+    ({"scheme": "nvfp4"}, 4, "bf16", 2, 1, 2)])  # NVFP4, two tiles a pass
+def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_operand, tiles, step, ctas):
+    assert {"QK_OVERWRITE", "START_PREFETCH", "P_COLUMN_MAJOR"} <= set(OFF)
+    fmt = (foscar.KVFormat.fp4(fmt_kw["scheme"], 128) if "scheme" in fmt_kw
+           else foscar.KVFormat(head_dim=128, group_size=128, **fmt_kw))
+    with cute_switches(monkeypatch, **OFF):
+        cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
+        assert cfg.start_prefetch and cfg.p_column_major and cfg.qk_overwrite
+        assert cfg.qk_overwrites == (tiles == 2 or cfg.qk_promote)
+        assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
+        compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)
+        if cfg.rows <= config.MERGE_ROWS and ctas == 2:  # the merge inside stage 1 (chosen at launch)
+            compile_stage1(dataclasses.replace(cfg, fused_merge=True, merge_lse=True), warp_specialized=True,
+                           ctas_per_sm=ctas)
