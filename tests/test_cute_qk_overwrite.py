@@ -60,7 +60,7 @@ def test_overwriting_first_mmas_take_out_the_injected_waits(monkeypatch, bits, f
 def test_one_accumulator_compiles_as_before(monkeypatch):
     """One QK accumulator (one tile a pass, one channel group, no promotion): the switch changes nothing."""
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
-    off_cfg, off = _ptx(monkeypatch, fmt, 8, "e4m3", 1, 2, False)
+    _, off = _ptx(monkeypatch, fmt, 8, "e4m3", 1, 2, False)
     on_cfg, on = _ptx(monkeypatch, fmt, 8, "e4m3", 1, 2, True)
     assert not on_cfg.qk_overwrites and on == off
 

@@ -108,7 +108,6 @@ class Fragments:
         self.tSrQ = None if cfg.k_channel else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk)) if cfg.k_channel else None
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
-        self.qk_overwrites = cfg.qk_overwrites  # no zero fill: each accS's first MMA overwrites it
         self.accS_b = None  # two tiles per pass: the second tile's S^T
         if cfg.tiles_per_pass == 2:
             self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
@@ -145,13 +144,6 @@ class Warpgroup:
         self.smem = smem
         self.frags = frags
         self.qk_mma = qk_mma
-        # the same MMA overwriting its accumulator (ACCUMULATE off), for the first k-block of a QK chain
-        # (:attr:`~foscar.cute.config.Sm90Config.qk_overwrites`, :meth:`TileKernel._qk`);
-        # made here, in the warpgroup's own code, so that no consumer's code path reads a value made in another's
-        self.qk_first = None
-        if cutlass.const_expr(frags.qk_overwrites):
-            self.qk_first = qk_mma.with_()
-            self.qk_first.set(warpgroup.Field.ACCUMULATE, False)
         self.pv_mma = pv_mma
         self.qsum = qsum
         self.n = n
@@ -406,6 +398,9 @@ class TileKernel:
         # overwritten values are distinct constants, which the MMA ignores and ptxas drops: left undefined, they
         # are the last pass's registers, which the MMA's inline assembly lists as inputs (a wait again at GQA 1)
         overwrite = cfg.qk_overwrites
+        if cutlass.const_expr(overwrite):  # a copy of the kernel's atom, made where it is used (set on the shared
+            qk_first = wg.qk_mma.with_()  # atom, one consumer's code path would read a value made in another's)
+            qk_first.set(warpgroup.Field.ACCUMULATE, False)
         for acc in partials + steps[1:]:
             if cutlass.const_expr(overwrite):
                 for i in cutlass.range_constexpr(cute.size(acc)):
@@ -421,7 +416,7 @@ class TileKernel:
             else:
                 acc, first = accS, kb == 0
             q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
-            cute.gemm(wg.qk_first if cutlass.const_expr(first and overwrite) else wg.qk_mma, acc, tSrK[None, None, ka],
+            cute.gemm(qk_first if cutlass.const_expr(first and overwrite) else wg.qk_mma, acc, tSrK[None, None, ka],
                       q_frag, acc)
         warpgroup.commit_group()
         result = (partials, steps)
