@@ -31,7 +31,7 @@ from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .pair import pair_step, second_tile_start
-from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile
+from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
 from .softmax import reduction_layout
 from .warpgroup import (
     Fragments,
@@ -356,10 +356,7 @@ class FoldDecodeSm90WS(TileKernel):
         for atom in atoms:
             cpasync.prefetch_descriptor(atom)
         pages = cute.size(mBT, mode=[1])
-        tiles = pages * (cfg.page // TILE)
-        per = (tiles + n_splits - 1) // n_splits
-        if cutlass.const_expr(cfg.tile_run > 1):
-            per = (per + cfg.tile_run - 1) // cfg.tile_run * cfg.tile_run
+        per = split_tiles_each(pages * (cfg.page // TILE), n_splits, cfg.tile_run)
         first = cutlass.max(cutlass.min(split * per * TILE // cfg.page, pages - 1), 0)  # an entry of the row
         row = mBT[b, None]
         cute.arch.prefetch((row.iterator + first).llvm_ptr)

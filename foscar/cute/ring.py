@@ -46,6 +46,16 @@ def pass_tiles(i, run: int):
     return (i >> 2) << 1, i + 1
 
 
+def split_tiles_each(n_tiles, n_splits, run: int):
+    """The tiles of each of ``n_splits`` splits of ``n_tiles`` (the last split takes what is left): equal runs, each
+    a multiple of ``run`` tiles (:attr:`~foscar.cute.config.Sm90Config.tile_run`), so that no run of two crosses a
+    split."""
+    per = (n_tiles + n_splits - 1) // n_splits
+    if run > 1:
+        per = (per + run - 1) // run * run
+    return per
+
+
 def run_bound(n):
     """A bound of the ``k`` of either consumer's tiles of a split of ``n`` tiles (none where ``n <= 0``) in runs of
     two (:func:`ring_tile`): the loop runs to it and skips the ``k`` whose tile is past the split's end (the exact

@@ -24,6 +24,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ..format import P_UNITS_START
 from .config import CORRECTION_TILES, TILE, Sm90Config
 from .fragment import column_token, o_slot, row_half, s_slot, slot_column
+from .ring import split_tiles_each
 from .fold_map import k_fold_buffer
 from .folds import (
     OutputAccumulator,
@@ -278,9 +279,7 @@ class TileKernel:
         split's start a multiple of ``run`` tiles (:attr:`~foscar.cute.config.Sm90Config.tile_run`)."""
         n = quantized_length(self.cfg, mSEQ[b])
         n_tiles = (n + TILE - 1) // TILE
-        per = (n_tiles + n_splits - 1) // n_splits
-        if cutlass.const_expr(run > 1):
-            per = (per + run - 1) // run * run
+        per = split_tiles_each(n_tiles, n_splits, run)
         t_lo = split * per
         t_hi = cutlass.min(t_lo + per, n_tiles)
         return n, t_lo, t_hi
