@@ -226,7 +226,8 @@ case "$step" in
             # a grep of the names below): the QK chains' overwriting first MMAs (alone and with P^T column-major),
             # Q's stacked terms and shared scale, P^T column-major, channel-wise K on
             # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the split
-            # merge inside stage 1. Each set's tests split over $JOBS (default 6) pytest processes at once: their
+            # merge inside stage 1, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
+            # kernels' steps over windows too). Each set's tests split over $JOBS (default 6) pytest processes at once: their
             # kernels compile in parallel
     while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
@@ -243,6 +244,7 @@ p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 channel-overwrite|python3 benchmarks/run_with.py QK_OVERWRITE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 merge|python3 -m pytest|tests/test_cute_merge.py
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
+windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped

@@ -106,6 +106,10 @@ def kernel_parser(description: str) -> argparse.ArgumentParser:
                    "query rows, the wgmma N 8, 16 or 32")
     p.add_argument("--scheme", default="affine", choices=("affine", "nvfp4", "mxfp4"),
                    help="the cache's codes: affine (--bits), or the NVFP4 block format (INT4 words)")
+    p.add_argument("--sink", type=int, default=0, help="the format's BF16 sink (KVFormat.sink)")
+    p.add_argument("--recent", type=int, default=0, help="the format's BF16 recent window (KVFormat.recent)")
+    p.add_argument("--tail", type=int, default=0, help="a part of a longer step: its tokens end this many before "
+                   "the sequence's (Sm90Config.tail)")
     return p
 
 
@@ -115,11 +119,11 @@ def kernel_config(a: argparse.Namespace):
     from foscar.cute.config import config_for
     if a.scheme == "affine":
         fmt = foscar.KVFormat(bits=a.bits, head_dim=a.head_dim, group_size=a.group_size, k_axis=a.k_axis,
-                              v_axis=a.v_axis)
+                              v_axis=a.v_axis, sink=a.sink, recent=a.recent)
     else:
-        fmt = foscar.KVFormat.fp4(a.scheme, a.head_dim)
+        fmt = foscar.KVFormat.fp4(a.scheme, a.head_dim, sink=a.sink, recent=a.recent)
         a.bits, a.group_size, a.k_axis, a.v_axis = 4, fmt.group_size, fmt.k_axis, fmt.v_axis
-    return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len)
+    return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len, tail=a.tail)
 
 
 def main() -> int:

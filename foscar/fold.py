@@ -68,6 +68,7 @@ from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
 from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
+from .multitoken import SequenceStep
 from .rotation import rotate
 from .reference import attend
 from .splitkv import split_ranges
@@ -268,8 +269,9 @@ class _FoldedSequence:
             out += sp[:, gi][:, None] * (partial - c * p_sum) + mid[:, gi][:, None] * p_sum
         return out
 
-    def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float):
-        """Online softmax over a run of tiles: ``(acc / l, m + log l)``."""
+    def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float, step=None):
+        """Online softmax over a run of tiles: ``(acc / l, m + log l)``; a row that sees no token of the split
+        (``step``, a :class:`~foscar.multitoken.SequenceStep`: its causal mask) ``(0, -inf)``."""
         H, G, D = Qt.shape
         m = Qt.new_full((H, G), -math.inf)
         l = Qt.new_zeros(H, G)
@@ -277,15 +279,18 @@ class _FoldedSequence:
         for i in tiles:
             tile = self.tile(i * tile_tokens, tile_tokens)
             s = self.scores(Qt, tile) * sm_scale  # K corrections already in
+            if step is not None:
+                s = step.mask(s, tile.t0)
             m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp(m - m_new)
-            p = torch.exp(s - m_new[..., None])
+            m_use = torch.where(m_new == -math.inf, 0.0, m_new)  # a row that has seen nothing yet weighs 0
+            alpha = torch.exp(m - m_use)
+            p = torch.exp(s - m_use[..., None])
             l = l * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + self.values(p, tile)  # V corrections inside, before / l
             m = m_new
-        if l.eq(0).all():
-            return acc, m
-        return acc / l[..., None], m + torch.log(l)
+        empty = l == 0  # NaN != 0: a NaN sum divides and stays NaN
+        safe = torch.where(empty, 1.0, l)
+        return acc / safe[..., None], torch.where(empty, -math.inf, m + torch.log(safe))
 
 
 def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = None, tile_tokens: int = 64,
@@ -313,9 +318,17 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     the terms stacked along the contraction, ``foscar.cute.config.STACKED_TERMS``) or ``"stacked_kv_head"``
     (and one power of two per KV head, ``SHARED_Q_SCALE``). The sink and recent windows are attended with BF16
     operands, the query as two BF16 terms.
-    Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log).
+    Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log). ``q [B, q_len, Hq, D]``: a step of ``q_len``
+    tokens already in the cache, causal among them (:mod:`foscar.multitoken`), the KV head's rows its heads
+    times the step's tokens (as the kernels take a step); ``out [B, q_len, Hq, D]``, ``lse [B, q_len, Hq]``.
     """
-    G, sm_scale = check_decode_inputs(q, cache, sm_scale, dtype)
+    T, step = 1, isinstance(q, torch.Tensor) and q.dim() == 4
+    if step:  # its rows
+        from .multitoken import check_step
+        check_step(q, cache, read_lengths=True)
+        B, T = q.shape[:2]
+        q = q.reshape(B * T, *q.shape[2:])
+    G, sm_scale = check_decode_inputs(q if T == 1 else q[::T], cache, sm_scale, dtype)
     if dtype is None:
         raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     fmt = cache.fmt
@@ -338,44 +351,54 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     q_in = q if fmt.rotation is None else rotate(q.to(dtype), fmt)  # rotated in the accumulation dtype
     out, lse = folded(q_in, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits,
                       dtype=dtype, operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype,
-                      operand_terms=operand_terms, q_terms=q_terms)
+                      operand_terms=operand_terms, q_terms=q_terms, q_len=T)
     out = rotate(out, fmt, inverse=True)  # a rotated cache: the query rotated in, the output back out
     if cache.k_mean is not None:  # centred keys: the scores' shift back into the LSE (foscar.centring)
         from .centring import lse_correction
-        lse = lse + lse_correction(q, cache.k_mean, sm_scale, lse.dtype)
+        lse = lse + lse_correction(q, cache.k_mean.repeat_interleave(T, 0), sm_scale, lse.dtype)
+    if step:
+        out, lse = out.view(-1, T, *out.shape[1:]), lse.view(-1, T, lse.shape[1])
     return (out, lse) if return_lse else out
 
 
 def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, tile_tokens: int = 64,
            num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
            pv_operand_dtype: torch.dtype | None = None, operand_terms: int | None = None, q_terms: str = "columns",
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_folded` of validated arguments (``G`` query heads per KV head) in the cache's space (a
-    rotated cache's query already rotated, its output not rotated back): ``(out, lse)``. An FP4 block format:
-    :func:`foscar.fold_fp4.folded_fp4`."""
+    rotated cache's query already rotated, its output not rotated back): ``(out, lse)``. ``q_len > 1``: ``q``,
+    ``out`` and ``lse`` are the rows ``[B q_len, ...]`` of steps of ``q_len`` tokens (:mod:`foscar.multitoken`).
+    An FP4 block format: :func:`foscar.fold_fp4.folded_fp4`."""
     if cache.fmt.is_fp4:
         if E4M3 in (operand_dtype, pv_operand_dtype):
             raise UnsupportedError(f"operand_dtype={operand_dtype}, pv_operand_dtype={pv_operand_dtype}",
                                    f"the {cache.fmt.scheme} spec takes BF16, FP16, FP32 or exact operands")
         from .fold_fp4 import folded_fp4
         return folded_fp4(q, cache, G, sm_scale, tile_tokens=tile_tokens, num_splits=num_splits, dtype=dtype,
-                          operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype)
+                          operand_dtype=operand_dtype, pv_operand_dtype=pv_operand_dtype, q_len=q_len)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
-    out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
-    lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
+    T = q_len
+    out = torch.empty(B * T, Hkv * G, D, dtype=dtype, device=q.device)
+    lse = torch.empty(B * T, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
         seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms, q_terms)
-        Qt = seq.rnd(q[b].to(dtype).reshape(Hkv, G, D))
+        step = SequenceStep(cache, b, T, G) if T > 1 else None
+        rows = q[b * T:(b + 1) * T].to(dtype)
+        Qt = seq.rnd(step.rows(rows) if step else rows[0].reshape(Hkv, G, D))
         n_tiles = -(-seq.n_quant // tile_tokens)
         outs, lses = [], []
         for tiles in split_ranges(n_tiles, num_splits):  # the split rule every kernel follows
-            o, l_ = seq.split(Qt, tiles, tile_tokens, sm_scale)
+            o, l_ = seq.split(Qt, tiles, tile_tokens, sm_scale, step)
             outs.append(o)
             lses.append(l_)
         kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-        o, l_ = attend(seq.window_query(Qt), kw, vw, sm_scale)
+        wq = seq.window_query(Qt)
+        o, l_ = step.attend_windows(wq, kw, vw, sm_scale) if step else attend(wq, kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)
-        out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
+        if step:
+            out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
+        else:
+            out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
     return out, lse

@@ -28,6 +28,7 @@ import torch
 from .cache import QuantKVCache
 from .fp4 import decode_scale
 from .format import e2m1_decode
+from .multitoken import SequenceStep
 from .reference import attend
 from .splitkv import split_ranges
 
@@ -38,35 +39,43 @@ def _round(x: torch.Tensor, dt: torch.dtype | None, dtype: torch.dtype) -> torch
 
 def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, tile_tokens: int = 64,
                num_splits: int = 1, dtype: torch.dtype = torch.float64, operand_dtype: torch.dtype | None = None,
-               pv_operand_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`foscar.fold.folded` of an FP4 cache (validated arguments, the cache's space): ``(out, lse)``."""
+               pv_operand_dtype: torch.dtype | None = None, q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`foscar.fold.folded` of an FP4 cache (validated arguments, the cache's space): ``(out, lse)``; ``q_len
+    > 1``: ``q``, ``out`` and ``lse`` the rows of steps (:class:`~foscar.multitoken.SequenceStep`)."""
     from .fold import combine_partials
     fmt = cache.fmt
     spec = fmt.fp4_spec
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    T = q_len
     nb = D // spec.block
     t_k, t_v = cache.tensor_scale("k"), cache.tensor_scale("v")
-    out = torch.empty(B, Hkv * G, D, dtype=dtype, device=q.device)
-    lse = torch.empty(B, Hkv * G, dtype=dtype, device=q.device)
+    out = torch.empty(B * T, Hkv * G, D, dtype=dtype, device=q.device)
+    lse = torch.empty(B * T, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
-        Qt = _round(q[b].to(dtype).reshape(Hkv, G, D), operand_dtype, dtype)
+        step = SequenceStep(cache, b, T, G) if T > 1 else None
+        rows = q[b * T:(b + 1) * T].to(dtype)
+        Qt = _round(step.rows(rows) if step else rows[0].reshape(Hkv, G, D), operand_dtype, dtype)
+        R = Qt.shape[1]  # query rows of a KV head
         n = int(cache.split()[1][b])
         vk, vv = (e2m1_decode(cache.quantized_codes(t, b)).to(dtype) for t in ("k", "v"))  # [H, n, D]
         sk, sv = (decode_scale(cache.quantized_scales(t, b), spec, dtype) for t in ("k", "v"))  # [H, n, nb]
         xv = (vv.reshape(Hkv, n, nb, spec.block) * sv[..., None]).reshape(Hkv, n, D)  # the V operand, v s
         outs, lses = [], []
         for tiles in split_ranges(-(-n // tile_tokens), num_splits):
-            m = torch.full((Hkv, G), float("-inf"), dtype=dtype, device=q.device)
-            acc = torch.zeros(Hkv, G, D, dtype=dtype, device=q.device)
-            l_ = torch.zeros(Hkv, G, dtype=dtype, device=q.device)
+            m = torch.full((Hkv, R), float("-inf"), dtype=dtype, device=q.device)
+            acc = torch.zeros(Hkv, R, D, dtype=dtype, device=q.device)
+            l_ = torch.zeros(Hkv, R, dtype=dtype, device=q.device)
             for t in tiles:
                 t0, t1 = t * tile_tokens, min(n, (t + 1) * tile_tokens)
-                partials = torch.einsum("hgjc,htjc->hgtj", Qt.reshape(Hkv, G, nb, spec.block),
+                partials = torch.einsum("hgjc,htjc->hgtj", Qt.reshape(Hkv, R, nb, spec.block),
                                         vk[:, t0:t1].reshape(Hkv, t1 - t0, nb, spec.block))  # block-local
                 s = (partials * sk[:, None, t0:t1]).sum(-1) * (t_k * sm_scale)  # the acc-fold: [H, G, tile]
+                if step is not None:
+                    s = step.mask(s, t0)
                 m_new = torch.maximum(m, s.amax(-1))
-                alpha = torch.exp(m - m_new)
-                p = torch.exp(s - m_new[..., None])
+                m_use = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing weighs 0
+                alpha = torch.exp(m - m_use)
+                p = torch.exp(s - m_use[..., None])
                 acc = acc * alpha[..., None] + _round(p, pv_operand_dtype, dtype) @ xv[:, t0:t1]
                 l_ = l_ * alpha + p.sum(-1)
                 m = m_new
@@ -75,9 +84,12 @@ def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *,
             outs.append(torch.where(empty[..., None], torch.zeros_like(acc), acc * t_v / safe[..., None]))
             lses.append(torch.where(empty, torch.full_like(l_, float("-inf")), m + torch.log(safe)))
         kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-        o, l_ = attend(Qt, kw, vw, sm_scale)
+        o, l_ = step.attend_windows(Qt, kw, vw, sm_scale) if step else attend(Qt, kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)
-        out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
+        if step:
+            out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
+        else:
+            out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
     return out, lse

@@ -16,12 +16,56 @@ complete) is refused there: its ring holds the newest tokens of the full length 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 from ._checks import check_tensor
 from .cache import PageTable, QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
+
+
+class SequenceStep:
+    """A step of ``q_len`` tokens of sequence ``b`` as the folded specs take it (:func:`foscar.fold.folded`): the
+    step's query rows of a KV head, ``[Hkv, q_len G, D]`` with row ``j G + g`` query head ``kvh G + g`` of step
+    token ``j``, over the cache as it is. Row ``j`` sees the first ``L - q_len + 1 + j`` tokens of the sequence's
+    ``L``, each as the cache holds it: of the quantized tokens (positions ``n_sink ..``) the first
+    :attr:`quantized_seen`, of the BF16 windows (the sink, then the ring's tokens in order) a prefix,
+    :attr:`window_seen`."""
+
+    def __init__(self, cache: QuantKVCache, b: int, q_len: int, G: int):
+        n_sink, n_quant, n_recent = (int(x[b]) for x in cache.split())
+        self.q_len, self.G, self.Hkv = q_len, G, cache.num_kv_heads
+        limit = int(cache.seq_lens[b]) - (q_len - 1) + torch.arange(q_len)  # tokens each step token sees
+        #: quantized tokens each row sees, ``[q_len G]``
+        self.quantized_seen = (limit - n_sink).repeat_interleave(G).to(cache.device)
+        #: window tokens each step token sees (a prefix of the sink and the ring, which hold positions in order)
+        self.window_seen = [min(int(n), n_sink) + min(max(int(n) - n_sink - n_quant, 0), n_recent) for n in limit]
+
+    def rows(self, q: torch.Tensor) -> torch.Tensor:
+        """The step's queries ``q [q_len, Hq, D]`` as rows of their KV heads, ``[Hkv, q_len G, D]``."""
+        T, _, D = q.shape
+        return q.reshape(T, self.Hkv, self.G, D).transpose(0, 1).reshape(self.Hkv, T * self.G, D)
+
+    def unrows(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``[Hkv, q_len G, ...]`` back as the step's ``[q_len, Hq, ...]``."""
+        T, rest = self.q_len, x.shape[2:]
+        return x.reshape(self.Hkv, T, self.G, *rest).transpose(0, 1).reshape(T, self.Hkv * self.G, *rest)
+
+    def mask(self, s: torch.Tensor, t0: int) -> torch.Tensor:
+        """Scores ``s [Hkv, q_len G, n]`` of the quantized tokens ``t0 ..`` with ``-inf`` where a row does not
+        see the token."""
+        seen = torch.arange(t0, t0 + s.shape[-1], device=s.device)[None, :] < self.quantized_seen[:, None]
+        return s.masked_fill(~seen[None], -math.inf)
+
+    def attend_windows(self, wq: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, sm_scale: float):
+        """Attention of the rows ``wq [Hkv, q_len G, D]`` over the windows' ``kw, vw [Hkv, n, D]``, each step
+        token over the prefix it sees: ``(out, lse)``."""
+        from .reference import attend
+        G = self.G
+        parts = [attend(wq[:, j * G:(j + 1) * G], kw[:, :n], vw[:, :n], sm_scale)
+                 for j, n in enumerate(self.window_seen)]
+        return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
 
 
 def causal_view(cache: QuantKVCache, q_len: int) -> QuantKVCache:

@@ -86,16 +86,18 @@ def num_window_parts(fmt) -> int:
 
 
 def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale: float, gqa: int,
-                    interp: bool) -> None:
+                    interp: bool, step: int = 1, tail: int = 0) -> None:
     """The BF16 sink and recent ring of ``cache`` as partials ``part0, part0 + 1, ...`` (any backend's
     stage 1 writes the KV splits before them; the combine merges all). ``gqa``: query heads per KV head;
     ``qk_scale``: the softmax scale times log2(e) (the partial LSEs are base 2). ``q`` as the caller has it:
-    rotated here into a rotated cache's space (the windows hold rotated values)."""
+    rotated here into a rotated cache's space (the windows hold rotated values). ``step``: ``q``, ``o_part``
+    and ``l_part`` are the rows ``[B step, ...]`` of steps of that many tokens, causal among them
+    (:mod:`foscar.multitoken`), ending ``tail`` tokens before the sequence's (a part of a longer step)."""
     G = gqa
     if cache.fmt.rotation is not None and num_window_parts(cache.fmt):
         from .rotation import rotate
         q = rotate(q, cache.fmt, work=torch.float32)
-    block_h = max(16, triton.next_power_of_2(G))  # heads along M in the BF16 kernel
+    block_h = max(16, triton.next_power_of_2(G * step))  # a KV head's rows along M in the BF16 kernel
     fmt = cache.fmt
     split = (fmt.sink, fmt.recent, fmt.flush)
     lens = cache.seq_lens  # the kernel derives each window's range from the length: nothing computed here
@@ -103,20 +105,21 @@ def window_partials(q, cache: QuantKVCache, o_part, l_part, part0: int, qk_scale
     if fmt.sink > 0:
         bf16_stage1(q, cache.k_sink, cache.v_sink, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
                     page=cache.k_sink.shape[2], part0=part, num_splits=1, wrap=False, interp=interp, window=1,
-                    split=split)
+                    split=split, step=step, tail=tail)
         part += 1
     if fmt.recent_capacity > 0:
         bf16_stage1(q, cache.k_recent, cache.v_recent, None, lens, lens, o_part, l_part, qk_scale, G, block_h,
                     page=cache.k_recent.shape[2], part0=part, num_splits=1, wrap=True, interp=interp, window=2,
-                    split=split)
+                    split=split, step=step, tail=tail)
 
 
 def bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block_h, *, page, part0, num_splits,
-                wrap, interp, block_n=16, num_warps=4, num_stages=2, window=0, split=(0, 0, 1)):
+                wrap, interp, block_n=16, num_warps=4, num_stages=2, window=0, split=(0, 0, 1), step=1,
+                tail=0):
     """Launch :func:`foscar.triton.bf16.bf16_decode_stage1` (plain BF16 attention) over ``kb, vb``: a
     foscar cache's window (``window`` 1 = sink, 2 = recent ring) or a paged BF16 cache."""
     from .triton.bf16 import bf16_decode_stage1
-    B, _, D = q.shape
+    B, D = q.shape[0] // step, q.shape[2]
     identity = bt is None
     bt_ = start if identity else bt  # unused pointer when the pages are the batch entries
     bf16_decode_stage1[(B, kb.shape[1], num_splits)](
@@ -125,8 +128,8 @@ def bf16_stage1(q, kb, vb, bt, start, length, o_part, l_part, qk_scale, G, block
         0 if identity else bt.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         l_part.stride(0), l_part.stride(1), part0,
         D=D, G=G, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page, IDENTITY_PAGES=identity,
-        WRAP=wrap, INTERPRET=interp, WINDOW=window, SINK=split[0], RECENT=split[1], FLUSH=split[2],
-        num_warps=num_warps, num_stages=num_stages)
+        WRAP=wrap, INTERPRET=interp, WINDOW=window, SINK=split[0], RECENT=split[1], FLUSH=split[2], STEP=step,
+        TAIL=tail, num_warps=num_warps, num_stages=num_stages)
 
 
 def combine(o_part, l_part, out, lse, rotation: torch.Tensor | None = None):

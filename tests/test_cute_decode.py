@@ -117,8 +117,8 @@ def test_unsupported_configurations_say_why(kw, what):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 64, 64)
     with pytest.raises(UnsupportedError, match="gqa \\* q_len <= 32"):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 8, 64, step=5)
-    with pytest.raises(UnsupportedError, match="without BF16 windows"):
-        config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128, recent=16), 4, 64, step=2)
+    windowed = config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128, recent=16), 4, 64, step=2)
+    assert windowed.windows and windowed.causal  # a step over windows: tests/test_steps_windows.py
     with pytest.raises(UnsupportedError, match="pages of 64k"):
         config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128), 4, 48)
 

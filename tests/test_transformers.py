@@ -208,6 +208,32 @@ def test_a_step_of_several_tokens_is_one_foscar_decode(monkeypatch):
     assert torch.allclose(step, dense, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("fmt_kw", ({"recent": 16}, {"k_axis": "channel"}, {"sink": 4, "recent": 8}))
+def test_a_step_over_a_ring_is_one_foscar_decode(monkeypatch, fmt_kw):
+    """A step of 4 tokens over a cache with BF16 windows (a recent window; channel-wise K's incomplete group) is
+    one foscar.decode too, each token over the cache as it holds the tokens after the step's append: its logits
+    are those of the same step over the dequantized cache (SDPA with the model's causal mask)."""
+    ref, ours = tiny_models()
+    ids = torch.randint(0, 97, (1, 104), generator=torch.Generator().manual_seed(6))
+
+    def run(calls: list):
+        cache = fit.FoscarCache(bits=4, group_size=64, **fmt_kw)
+        kw = fit.cache_kwargs(ours, cache)
+        with torch.no_grad():
+            ours(ids[:, :100], use_cache=True, **kw)
+            return ours(ids[:, 100:104], use_cache=True, **kw).logits
+
+    real = fit.foscar.decode
+    calls = []
+    monkeypatch.setattr(fit.foscar, "decode",
+                        lambda q, cache, **kw: calls.append(tuple(q.shape)) or real(q, cache, **kw))
+    step = run(calls)
+    assert calls == [(1, 4, 4, 64)] * 2
+    monkeypatch.setattr(fit, "MAX_STEP", 1)  # the step over the dequantized cache instead
+    dense = run(calls)
+    assert len(calls) == 2 and torch.allclose(step, dense, atol=1e-3, rtol=0)
+
+
 def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
     """transformers' assisted decoding with prompt-lookup drafts (``prompt_lookup_num_tokens``): each
     verification is one foscar.decode step of the drafts, the rejected ones cropped off the cache; with the

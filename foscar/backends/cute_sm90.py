@@ -43,10 +43,13 @@ class CuteSm90(Backend):
         return True
 
     def steps(self, fmt) -> bool:
-        """A step's tokens are N columns of the kernel beside the heads (``gqa * q_len <= 32``; more rows run
-        as the causal view's, one token each) where the cache has no BF16 windows."""
+        """A step's tokens are N columns of the kernel beside the heads, causal among them, where the cache has no
+        BF16 windows; with :data:`foscar.cute.config.WINDOWED_STEPS` over windows too (rows of the combine's
+        windows), and more rows than the columns in parts of the step's tokens (:func:`foscar.cute.launch.step_parts`;
+        else the causal view's rows, one token each)."""
+        from ..cute.config import WINDOWED_STEPS
         from ..splitkv import num_window_parts
-        return num_window_parts(fmt) == 0
+        return WINDOWED_STEPS or num_window_parts(fmt) == 0
 
     def preferred(self, fmt) -> bool:
         """Every format but INT2 channel-wise K and V with token groups of 64: v1, the CuTe default, is faster
@@ -57,9 +60,16 @@ class CuteSm90(Backend):
         return fmt.k_axis == "token" or fmt.v_axis == "token" or fmt.bits == 4 or fmt.group_size >= 128
 
     def launch_config(self, problem) -> dict:
-        from ..cute.launch import launch_config
-        return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits,
-                             step=problem.q_len)._asdict()
+        """The launch of the step, of its first part where it runs in parts (:func:`foscar.cute.launch.step_parts`)."""
+        from ..cute.config import WINDOWED_STEPS, max_rows
+        from ..cute.launch import launch_config, step_parts
+        T = problem.q_len
+        parts = step_parts(problem.gqa, T, max_rows(problem.fmt))
+        step, tail = T, 0
+        if len(parts) > 1:  # the first part's, or one token of the causal view's rows
+            step, tail = (parts[0][1], T - parts[0][1]) if WINDOWED_STEPS else (1, 0)
+        return launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits, step=step,
+                             tail=tail)._asdict()
 
     def num_parts(self, problem, config: dict) -> int:
         from ..cute.launch import num_parts, split_partials

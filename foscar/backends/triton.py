@@ -29,9 +29,8 @@ class Triton(Backend):
         return not fmt.is_fp4
 
     def steps(self, fmt) -> bool:
-        """A step's tokens are rows of each program (causal among them) where the cache has no BF16 windows."""
-        from ..splitkv import num_window_parts
-        return num_window_parts(fmt) == 0
+        """A step's tokens are rows of each program (causal among them), of stage 1 and of the BF16 windows'."""
+        return True
 
     def launch_config(self, problem) -> dict:
         from ..triton.launch import launch_config

@@ -40,7 +40,7 @@ def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
 
 
 def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1, step: int = 1,
-                 ctas_per_sm: int = 2) -> Sm90Config:
+                 ctas_per_sm: int = 2, tail: int = 0) -> Sm90Config:
     """:func:`config_for`'s configuration at the format's default stages, or at the deepest choice below them
     that ``ctas_per_sm`` v1 CTAs of an SM hold (:func:`fits_shared_memory`; the fewest where none does): what a
     launch that names no stages runs, so that a ring never costs the SM a resident CTA (INT2 channel-wise K and
@@ -48,9 +48,9 @@ def default_ring(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pa
     if ctas_per_sm not in WS_REGISTERS:
         from ..errors import InvalidArgumentError
         raise InvalidArgumentError("ctas_per_sm", f"one of {sorted(WS_REGISTERS)}", ctas_per_sm)
-    cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step)
+    cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, tail=tail)
     for n in sorted((n for n in STAGE_CHOICES if n < cfg.stages), reverse=True):
         if fits_shared_memory(cfg, ctas_per_sm):
             break
-        cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, n)
+        cfg = config_for(fmt, gqa, page, k_operand, tiles_per_pass, step, n, tail)
     return cfg

@@ -51,6 +51,11 @@ class CombineConfig:
     ring: int = 0
     gqa: int = 1
     window_dtype: str = "bf16"
+    #: the rows are those of steps of ``step`` tokens (row ``b`` token ``b % step`` of sequence ``b // step``),
+    #: ending ``tail`` tokens before the sequence's (:attr:`foscar.cute.config.Sm90Config.tail`): each row attends
+    #: the window tokens it sees (:func:`foscar.cute.windows.window_state`)
+    step: int = 1
+    tail: int = 0
 
     @property
     def windows(self) -> bool:

@@ -101,6 +101,11 @@ QK_OVERWRITE = False
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
 #: :attr:`Sm90Config.start_prefetch`): off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
 START_PREFETCH = False
+#: The CuTe backend takes steps of several tokens over BF16 windows (each column's causal limit from the sequence's
+#: end, the windows' rows in the combine) and runs a step of more rows than the columns in parts of its tokens
+#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: steps over windows go to another backend,
+#: more rows run as the causal view's. Off until its GPU tests run (``tests/test_steps_windows.py``)
+WINDOWED_STEPS = False
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
 STACKED_TERMS = False
@@ -132,7 +137,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR", "QK_OVERWRITE",
-            "START_PREFETCH",
+            "START_PREFETCH", "WINDOWED_STEPS",
             "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "FUSED_MERGE")
 
 
@@ -228,6 +233,9 @@ class Sm90Config:
     #: query tokens per sequence (a decode step, :mod:`foscar.multitoken`): column ``c`` of the N axis is
     #: token ``c // gqa``, head ``c % gqa``, and sees the tokens up to its own (:func:`~foscar.cute.fragment.column_token`)
     step: int = 1
+    #: a step's tokens end this many tokens before the sequence's (a part of a longer step: the launch runs a step
+    #: of more rows than :func:`max_rows` as parts of its tokens, :func:`foscar.cute.launch.step_parts`)
+    tail: int = 0
     #: the wgmma N: ``gqa * step`` query rows padded to 8, 16 or 32 (:func:`columns_for`)
     cols: int = HEADS
     #: v1: shared-memory stages per consumer (a power of two, :data:`STAGE_CHOICES`); by default
@@ -369,6 +377,16 @@ class Sm90Config:
         return self.group_size if (self.k_channel or self.v_channel) else 1
 
     @property
+    def causal(self) -> bool:
+        """Whether the columns have causal limits: a step of several tokens, or a part of one (:attr:`tail`)."""
+        return self.step > 1 or self.tail > 0
+
+    @property
+    def windows(self) -> bool:
+        """Whether the format keeps BF16 windows (a sink, or a recent ring: a window or a channel-wise group)."""
+        return self.sink > 0 or self.recent + self.flush - 1 > 0
+
+    @property
     def k_param_words(self) -> int:
         """Floats of a tile's K ``(s', z')``: per token and channel group, or the token group's row; FP4: words of
         the tile's block-scale bytes."""
@@ -459,7 +477,7 @@ def default_stages(bits: int, head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
-               step: int = 1, stages: int | None = None) -> Sm90Config:
+               step: int = 1, stages: int | None = None, tail: int = 0) -> Sm90Config:
     """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
     page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query
     tokens per sequence (``step``); the injection constants are the Triton kernels'
@@ -469,8 +487,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     column blocks, :attr:`Sm90Config.term_blocks`), and channel-wise K where :data:`CHANNEL_K_E4M3` is set; two
     tiles per pass take one token and at most 4 query heads per KV head (the second tile's scores in the other four
     columns), token-wise K and V or, switched on, a channel-wise axis whose token groups hold a pass (E4M3 K's
-    ``Q'``, :data:`PAIR_CHANNEL_V`); a step of several tokens takes a cache without BF16 windows (its causal
-    limits are the quantized tokens'). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
+    ``Q'``, :data:`PAIR_CHANNEL_V`); ``tail``: the step's tokens end that many before the sequence's (a part of a
+    longer step). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
     :func:`default_stages`); whether they fit the CTAs of an SM is the launch's check
     (:func:`foscar.cute.budget.fits_shared_memory`)."""
     import torch
@@ -484,7 +502,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise InvalidArgumentError("tiles_per_pass", f"one of {TILES_PER_PASS}", tiles_per_pass)
     if fmt.is_fp4:
         from .config_fp4 import fp4_config
-        return fp4_config(fmt, gqa, page, k_operand, tiles_per_pass, step, stages)
+        return fp4_config(fmt, gqa, page, k_operand, tiles_per_pass, step, stages, tail)
     g = fmt.group_size
     if g % TILE or ("token" in (fmt.k_axis, fmt.v_axis) and fmt.head_dim % g):
         raise UnsupportedError(f"k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, group_size={g}",
@@ -502,10 +520,6 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                                f"k_operand={k_operand!r}, tiles_per_pass={tiles_per_pass}",
                                "head dim 256 takes token-wise K, groups of 128 or 256, gqa * q_len <= 8, BF16 K "
                                "operands and one tile a pass (the registers of one CTA per SM)")
-    from ..splitkv import num_window_parts
-    if step > 1 and num_window_parts(fmt):
-        raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
-                               "the CuTe kernels take steps of several tokens over caches without BF16 windows")
     e4m3 = k_operand in ("e4m3", "e4m3x3")
     q_terms = 3 if k_operand == "e4m3x3" else 2
     rows = gqa * step
@@ -523,7 +537,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                                "pass (the second tile's scores sit in the columns two terms leave free)")
     k_pass = fmt.k_axis == "token" or (e4m3 and g >= 2 * TILE)  # channel-wise K: a pass within one token group
     v_pass = fmt.v_axis == "token" or (PAIR_CHANNEL_V and g >= 2 * TILE)
-    if tiles_per_pass == 2 and (not k_pass or not v_pass or gqa > HEADS // 2 or step > 1):
+    if tiles_per_pass == 2 and (not k_pass or not v_pass or gqa > HEADS // 2 or step > 1 or tail):
         raise UnsupportedError(f"tiles_per_pass=2 with k_axis={fmt.k_axis!r}, v_axis={fmt.v_axis!r}, gqa={gqa}, "
                                f"q_len={step}, k_operand={k_operand!r}, group_size={g}", "two tiles per softmax pass "
                                "take gqa <= 4, one token, token-wise K or (E4M3 K operands) channel-wise K, and "
@@ -565,7 +579,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
-                      rotation=fmt.rotation is not None, step=step, cols=columns_for(gqa * step), stages=stages,
+                      rotation=fmt.rotation is not None, step=step, tail=tail, cols=columns_for(gqa * step),
+                      stages=stages,
                       lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),

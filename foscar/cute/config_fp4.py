@@ -22,22 +22,20 @@ FP4_LIMITS = ("the CuTe kernel takes NVFP4 and MXFP4 at head dim 64 or 128 with 
 FP4_UNIT_SHIFT = 14
 
 
-def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, step: int, stages: int | None):
+def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, step: int, stages: int | None,
+               tail: int = 0):
     """:func:`~foscar.cute.config.config_for` of an FP4 block format ``fmt``: its
     :class:`~foscar.cute.config.Sm90Config`, or an ``UnsupportedError`` naming what the kernel does not take (the
     limits every format shares, then :data:`FP4_LIMITS`). The switches of :mod:`foscar.cute.config` are read
     when it is called."""
     from ..errors import UnsupportedError
-    from ..splitkv import num_window_parts
     from . import config as c
     if gqa * step > c.MAX_COLS or page % c.TILE:
         raise UnsupportedError(f"gqa={gqa}, q_len={step}, page={page}", f"the CuTe kernels need gqa * q_len <= "
                                f"{c.MAX_COLS} query rows per KV head and pages of 64k tokens")
-    if step > 1 and num_window_parts(fmt):
-        raise UnsupportedError(f"q_len={step} with sink={fmt.sink}, recent={fmt.recent}",
-                               "the CuTe kernels take steps of several tokens over caches without BF16 windows")
-    if (fmt.scheme not in ("nvfp4", "mxfp4") or fmt.head_dim not in (64, 128) or k_operand != "bf16" or tiles_per_pass not in (1, 2)
-            or (tiles_per_pass == 2 and (gqa > 4 or step > 1))):
+    if (fmt.scheme not in ("nvfp4", "mxfp4") or fmt.head_dim not in (64, 128) or k_operand != "bf16"
+            or tiles_per_pass not in (1, 2)
+            or (tiles_per_pass == 2 and (gqa > 4 or step > 1 or tail))):
         raise UnsupportedError(f"scheme={fmt.scheme!r}, head_dim={fmt.head_dim}, k_operand={k_operand!r}, "
                                f"tiles_per_pass={tiles_per_pass}", FP4_LIMITS)
     if stages is None:
@@ -50,7 +48,8 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
     return c.Sm90Config(bits=4, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=0, k_shl=0, k_pivots=(0.0, 0.0),
                         k_mid=0.0, v_patterns=(0, 0), v_shls=(0, 0), v_pivots=(0.0, 0.0), v_mid=0.0, sink=fmt.sink,
                         recent=fmt.recent, group_size=fmt.head_dim, rotation=fmt.rotation is not None, step=step,
-                        cols=c.columns_for(gqa * step), stages=stages,
-                        lazy_rescale=c.LAZY_ONE_TILE or tiles_per_pass == 2, prologue=prologue, tiles_per_pass=tiles_per_pass, trigger_dependents=trigger,
+                        tail=tail, cols=c.columns_for(gqa * step), stages=stages,
+                        lazy_rescale=c.LAZY_ONE_TILE or tiles_per_pass == 2, prologue=prologue,
+                        tiles_per_pass=tiles_per_pass, trigger_dependents=trigger,
                         fp4_block=fmt.group_size, p_column_major=c.P_COLUMN_MAJOR,
                         qk_overwrite=c.QK_OVERWRITE, start_prefetch=c.START_PREFETCH)

@@ -42,6 +42,7 @@ from .warpgroup import (
     WarpgroupThread,
     allocate_registers,
     causal_limits,
+    causal_seen,
 )
 
 
@@ -196,11 +197,11 @@ class FoldDecodeSm90WS(TileKernel):
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, mOP, mLP, b, kvh, split, t_lo,
-                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, split_tiles)
+                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, mOP, mLP, b, kvh, split,
-                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, split_tiles)
+                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
         if cutlass.const_expr(cfg.fused_merge):  # ---- the last CTA of the KV head's splits merges them ------------
             if role > 0:
                 from .merge import merge_if_last
@@ -223,7 +224,8 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
                   smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
-                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, split_tiles=None):
+                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, mSEQ: cute.Tensor,
+                  split_tiles=None):
         """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
         consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it, its tiles
         (:meth:`_consume`); ``split_tiles``: where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
@@ -233,7 +235,8 @@ class FoldDecodeSm90WS(TileKernel):
             self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
         if cutlass.const_expr(split_tiles is not None):
             n, t_lo, t_hi = split_tiles()
-        self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS)
+        self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS,
+                      mSEQ)
 
     def _ring(self, alloc: SmemAllocator) -> StageRing:
         """The stage ring (:class:`StageRing`), the first of the CTA's shared memory: each slot's packed K and V
@@ -423,7 +426,7 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _consume(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
-                 qk_scale: Float32, n_kvh, mTS: cute.Tensor):
+                 qk_scale: Float32, n_kvh, mTS: cute.Tensor, mSEQ: cute.Tensor):
         """Consumer warpgroup ``c``: tiles ``t_lo + c, t_lo + c + consumers, ...`` from its stage ring, or its runs
         of :attr:`~foscar.cute.config.Sm90Config.tile_run` tiles (:func:`~foscar.cute.ring.ring_tile`)."""
         cfg = self.cfg
@@ -435,7 +438,10 @@ class FoldDecodeSm90WS(TileKernel):
         qinv = None
         if cutlass.const_expr(cfg.q_scaled):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, causal_limits(cfg, thr.col0, n))
+        limits = None
+        if cutlass.const_expr(cfg.causal):
+            limits = causal_limits(cfg, thr.col0, causal_seen(cfg, mSEQ, b, n))
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits)
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT

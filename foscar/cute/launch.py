@@ -89,8 +89,9 @@ class LaunchConfig(NamedTuple):
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   warp_specialized: bool | None = None, ctas_per_sm: int | None = None,
                   k_operand: str | None = None, tiles_per_pass: int | None = None,
-                  stages: int | None = None, use_tuned: bool = True, step: int = 1) -> LaunchConfig:
-    """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows): the
+                  stages: int | None = None, use_tuned: bool = True, step: int = 1, tail: int = 0) -> LaunchConfig:
+    """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows; ``tail``: a
+    part of a longer step, :attr:`~foscar.cute.config.Sm90Config.tail`): the
     given values, else the autotune cache's (backend ``"cute"``, one-token decodes; only where its entry is
     the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
     :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
@@ -101,7 +102,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
-    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned and step == 1 else {}
+    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned and step == 1 and not tail else {}
     if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:
@@ -111,7 +112,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
         ctas_per_sm = tuned.get("ctas_per_sm") or default_ctas_per_sm(G * step, cache.fmt.head_dim)
     check_int("ctas_per_sm", ctas_per_sm, allowed=(1, 2))
     default_k, default_tiles = ("bf16", 1) if tuned or not warp_specialized else default_variant(
-        cache.fmt, G, cache.page_size, k_operand, step)
+        cache.fmt, G, cache.page_size, k_operand, step, tail)
     if k_operand is None:
         k_operand = tuned.get("k_operand", default_k)
     if tiles_per_pass is None:
@@ -154,7 +155,8 @@ def default_waves(rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a refusal is an exception, which config_for does not cache
-def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: int = 1) -> tuple[str, int]:
+def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: int = 1,
+                    tail: int = 0) -> tuple[str, int]:
     """``(k_operand, tiles_per_pass)`` of an untuned v1 launch: E4M3 K operands (unless ``k_operand`` is
     given) and two tiles per softmax pass, each where the format takes it (:func:`takes`; E4M3 K with one tile a
     pass where it takes no pair, before BF16 K).
@@ -163,17 +165,17 @@ def default_variant(fmt, G: int, page: int, k_operand: str | None = None, step: 
     (``docs/bench/h200/rows-e4m3.md``, ``docs/bench/h200/heads-e4m3-32.md``)."""
     for k in (k_operand,) if k_operand else ("e4m3", "bf16"):
         for tiles in (2, 1):
-            if takes(fmt, G, page, k, tiles, step):
+            if takes(fmt, G, page, k, tiles, step, tail):
                 return k, tiles
     return k_operand or "bf16", 1
 
 
-def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int, step: int = 1) -> bool:
+def takes(fmt, G: int, page: int, k_operand: str, tiles_per_pass: int, step: int = 1, tail: int = 0) -> bool:
     """Whether the kernels take the format with these K operands, tiles per pass and query tokens per
-    sequence (:func:`foscar.cute.config.config_for` does not refuse them)."""
+    sequence (and ``tail``) (:func:`foscar.cute.config.config_for` does not refuse them)."""
     from .config import config_for
     try:
-        config_for(fmt, G, page, k_operand, tiles_per_pass, step)
+        config_for(fmt, G, page, k_operand, tiles_per_pass, step, tail=tail)
     except (UnsupportedError, InvalidArgumentError):
         return False
     return True
@@ -205,7 +207,8 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False, consumers: i
 def split_partials(fmt, G: int, page: int, step: int, config: dict) -> int:
     """The partials one split of a launch ``config`` (:class:`LaunchConfig` as a dict) writes per (sequence, query
     head): v1's consumer warpgroups (:func:`~foscar.cute.config.consumers_for`), v0's one. A step of more rows
-    than the columns runs as the rows of a causal view, one token each (:func:`run`)."""
+    than the columns runs in parts of its tokens (:func:`step_parts`, each with a workspace of its own) with
+    :data:`~foscar.cute.config.WINDOWED_STEPS`, else as the rows of a causal view, one token each."""
     from .config import config_for, consumers_for, max_rows
     if not config["warp_specialized"]:
         return 1
@@ -259,21 +262,55 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     return (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
 
 
+def step_parts(gqa: int, q_len: int, rows: int) -> list[tuple[int, int]]:
+    """``(first token, tokens)`` of each part a step of ``q_len`` tokens runs in where its ``gqa * q_len`` rows
+    are more than a kernel's ``rows`` (:func:`~foscar.cute.config.max_rows`): as many tokens a part as fill the
+    columns (at least one); one part otherwise."""
+    per = max(1, rows // gqa)
+    return [(j, min(per, q_len - j)) for j in range(0, q_len, per)]
+
+
+def _run_parts(problem: DecodeProblem, parts: list, tail: int, **launch) -> None:
+    """:func:`run` of a step in ``parts`` (:func:`step_parts`): each part's tokens a step of their own that ends
+    ``tail`` plus the later parts' tokens before the sequence's end, its rows copied in and its output out."""
+    from dataclasses import replace
+    B, T = problem.cache.batch_size, problem.q_len
+    Hq, D = problem.q.shape[1:]
+    q, out = problem.q.reshape(B, T, Hq, D), problem.out.view(B, T, Hq, D)
+    lse = None if problem.lse is None else problem.lse.view(B, T, Hq)
+    launch["workspace"] = None  # a plan's workspace is the whole step's
+    for j, n in parts:
+        part = replace(problem, q=q[:, j:j + n].reshape(B * n, Hq, D), out=out.new_empty(B * n, Hq, D),
+                       lse=None if lse is None else lse.new_empty(B * n, Hq), q_len=n)
+        run(part, tail=tail + T - j - n, **launch)
+        out[:, j:j + n] = part.out.view(B, n, Hq, D)
+        if lse is not None:
+            lse[:, j:j + n] = part.lse.view(B, n, Hq)
+
+
 def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specialized: bool | None = None,
         ctas_per_sm: int | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-        k_operand: str | None = None, tiles_per_pass: int | None = None, stages: int | None = None) -> None:
+        k_operand: str | None = None, tiles_per_pass: int | None = None, stages: int | None = None,
+        tail: int = 0) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
-    the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches."""
+    the CuTe backend's own checks (an sm_90 device, a format the kernels take), then the launches. A step of more
+    rows than a kernel's columns runs in parts of its tokens (:func:`step_parts`,
+    :data:`~foscar.cute.config.WINDOWED_STEPS`; else as the causal view's rows); ``tail``: the step's tokens end
+    that many before the sequence's (a part of a longer step)."""
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
     from .budget import default_ring, fits_shared_memory
-    from .config import combine_attends_windows, config_for, dependent_combine, max_rows
+    from .config import WINDOWED_STEPS, combine_attends_windows, config_for, dependent_combine, max_rows
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     T = problem.q_len
-    viewed = G * T > max_rows(cache.fmt)
-    if viewed:  # more rows than the columns: the causal view's rows, one token each
+    pieces = step_parts(G, T, max_rows(cache.fmt))
+    if len(pieces) > 1 and WINDOWED_STEPS:  # more rows than the columns
+        return _run_parts(problem, pieces, tail, num_splits=num_splits, warp_specialized=warp_specialized,
+                          ctas_per_sm=ctas_per_sm, k_operand=k_operand, tiles_per_pass=tiles_per_pass, stages=stages)
+    viewed = len(pieces) > 1
+    if viewed:  # the causal view's rows, one token each
         from dataclasses import replace
 
         from ..multitoken import causal_view
@@ -284,15 +321,15 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     warp_specialized, ctas, num_splits, k_operand, tiles_per_pass, stages = launch_config(
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
-        tiles_per_pass=tiles_per_pass, stages=stages, step=T)
+        tiles_per_pass=tiles_per_pass, stages=stages, step=T, tail=tail)
     if stages is None and warp_specialized:  # the default ring, or the deepest that the CTAs of an SM hold
-        cfg = default_ring(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, ctas)
+        cfg = default_ring(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, ctas, tail)
     else:
-        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages)
+        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages, tail)
     if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.budget.fits_shared_memory)")
-    if not warp_specialized and (cfg.step > 1 or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
+    if not warp_specialized and (cfg.causal or cfg.cols > 8 or cfg.head_dim > 128 or cfg.term_blocks
                                  or (cfg.k_channel and cfg.k_e4m3) or cfg.fp4_block):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
@@ -321,9 +358,11 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     windows = None
     if combine_attends_windows(fmt):  # no launch of their own
         rows = (_row_aligned(t) for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent))
-        windows = CombineWindows(tensors[0], *rows, tensors[6], qk_scale, G, fmt)
+        windows = CombineWindows(tensors[0].view(B * T, -1, fmt.head_dim), *rows, tensors[6], qk_scale, G, fmt, T,
+                                 tail)
     elif num_window_parts(fmt):
-        window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False)
+        window_partials(q, cache, o_part, l_part, parts - num_window_parts(fmt), qk_scale, G, interp=False, step=T,
+                        tail=tail)
     combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows,
             dependent_combine(fmt, warp_specialized, ctas))
 
@@ -372,7 +411,8 @@ _OUT_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"
 class CombineWindows(NamedTuple):
     """What the combine reads to attend a cache's BF16 windows itself (:mod:`foscar.cute.windows`): the query
     (BF16 ``[B, Hq, D]``), the sink and the recent ring (``[B, Hkv, slots, D]``, rows 16-byte aligned), the
-    lengths, the softmax scale times ``log2(e)``, the GQA ratio and the format (its split of a length)."""
+    lengths, the softmax scale times ``log2(e)``, the GQA ratio and the format (its split of a length); the query's
+    rows those of steps of ``step`` tokens ending ``tail`` before the sequence's (``[B step, Hq, D]``)."""
 
     q: torch.Tensor
     k_sink: torch.Tensor
@@ -383,6 +423,8 @@ class CombineWindows(NamedTuple):
     qk_scale: float
     gqa: int
     fmt: object
+    step: int = 1
+    tail: int = 0
 
 
 def _row_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -404,7 +446,8 @@ def combine(o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor, lse: 
     if windows is not None:
         fmt = windows.fmt
         win = {"sink": fmt.sink, "recent": fmt.recent, "flush": fmt.flush, "ring": fmt.recent_capacity,
-               "gqa": windows.gqa, "window_dtype": _OUT_TYPES[windows.k_sink.dtype]}
+               "gqa": windows.gqa, "window_dtype": _OUT_TYPES[windows.k_sink.dtype], "step": windows.step,
+               "tail": windows.tail}
     cfg = CombineConfig(o_part.shape[-1], _OUT_TYPES[out.dtype], lse is not None, combine_chunk(o_part.shape[2]),
                         rotation is not None, pdl, **win)
     args = (o_part, l_part, out, lse if lse is not None else l_part[:, :, 0],

@@ -211,7 +211,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     # every column empty: its maximum -inf, or with the lazy rescale's relative scores 0 and a threshold of -inf
     m0 = 0.0 if cfg.lazy_rescale else -Float32.inf
     thr = [Float32(-Float32.inf) for _ in range(2 * cfg.nb)] if cfg.lazy_rescale else None
-    softmax = OnlineSoftmax([Float32(m0) for _ in range(2 * cfg.nb)], sums, guard=cfg.step > 1, thr=thr)
+    softmax = OnlineSoftmax([Float32(m0) for _ in range(2 * cfg.nb)], sums, guard=cfg.causal, thr=thr)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
     out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
@@ -250,12 +250,26 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
 
 
-def causal_limits(cfg: Sm90Config, col0, n) -> list | None:
-    """A step of several tokens (``cfg.step``): the tokens each of this thread's columns sees (by column slot;
-    ``col0`` its first column), ``n - (step - 1 - j)`` for the column's step token ``j``; else None."""
-    if cfg.step == 1:
+def causal_limits(cfg: Sm90Config, col0, seen) -> list | None:
+    """A step of several tokens, or a part of one (``cfg.causal``): the quantized tokens each of this thread's
+    columns sees (by column slot; ``col0`` its first column), ``seen - tail - (step - 1 - j)`` for the column's step
+    token ``j`` (``seen``: :func:`causal_seen`); else None."""
+    if not cfg.causal:
         return None
-    return [n - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step)) for k in range(2 * cfg.nb)]
+    last = seen - cfg.tail if cfg.tail else seen  # what the step's last token sees
+    return [last - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step)) for k in range(2 * cfg.nb)]
+
+
+@cute.jit
+def causal_seen(cfg: Sm90Config, mSEQ: cute.Tensor, b, n):
+    """The quantized tokens (from position ``n_sink``) a sequence's last token sees: its ``n`` quantized tokens,
+    or with BF16 windows up to its end, ``L - n_sink`` (the ring's tokens past the quantized ones masked as rows
+    past the sequence)."""
+    seen = n
+    if cutlass.const_expr(cfg.windows):
+        L = mSEQ[b]
+        seen = L - cutlass.min(L, cfg.sink)
+    return seen
 
 
 @cute.jit
@@ -469,7 +483,7 @@ class TileKernel:
             x = s[e]
             if not valid[row_half(e)]:
                 x = -Float32.inf
-            if cutlass.const_expr(cfg.step > 1):
+            if cutlass.const_expr(cfg.causal):
                 if t0 + wg.thr.row0 + 8 * row_half(e) >= wg.limits[s_slot(e)]:
                     x = -Float32.inf
             out.append(x)

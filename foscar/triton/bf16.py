@@ -24,29 +24,41 @@ def bf16_decode_stage1(
     D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     IDENTITY_PAGES: tl.constexpr, WRAP: tl.constexpr, INTERPRET: tl.constexpr,
     WINDOW: tl.constexpr = 0, SINK: tl.constexpr = 0, RECENT: tl.constexpr = 0, FLUSH: tl.constexpr = 1,
+    STEP: tl.constexpr = 1, TAIL: tl.constexpr = 0,
 ):
     """Token ``i < LEN[b]`` of sequence ``b`` sits at position ``START[b] + i`` (modulo ``PAGE`` when
-    ``WRAP``: a ring in one page) of its pages, ``BT[b, :]`` (page ``b`` when ``IDENTITY_PAGES``)."""
+    ``WRAP``: a ring in one page) of its pages, ``BT[b, :]`` (page ``b`` when ``IDENTITY_PAGES``). A foscar
+    cache's window and a step of ``STEP`` tokens (:mod:`foscar.multitoken`): row ``hh`` is head ``kvh G + hh % G``
+    of step token ``hh // G`` (row ``b STEP + hh // G`` of ``Q`` and of the partials), which sees the window's
+    tokens at sequence positions below ``L - TAIL - STEP + 1 + hh // G`` (``TAIL``: a part of a longer step); a
+    row that sees none of them writes an empty partial (``lse = -inf``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    first = 0  # the sequence position of the window's first token, and the last step token's limit
+    limit = 0
     if WINDOW == 0:  # explicit ranges
         n = tl.load(LEN + b)
         start = tl.load(START + b)
     else:  # a foscar cache's window, from its length (START holds the lengths): 1 = sink, 2 = recent ring
-        n_sink, n_quant, n_recent = split_of(tl.load(START + b), SINK, RECENT, FLUSH)
+        L = tl.load(START + b)
+        n_sink, n_quant, n_recent = split_of(L, SINK, RECENT, FLUSH)
+        limit = L - TAIL
         if WINDOW == 1:
             n = n_sink
             start = 0 * n_sink
         else:
             n = n_recent
             start = n_quant
+            first = n_sink + n_quant
     t_lo, t_hi = split_range(n, BLOCK_N)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)
-    hmask = hh < G
-    q = tl.load(Q + b * stride_qb + (kvh * G + hh)[:, None] * stride_qh + dd[None, :], mask=hmask[:, None],
+    hmask = hh < G * STEP
+    q_row = b * STEP + hh // G  # a step's rows (one token: b)
+    head = kvh * G + hh % G
+    q = tl.load(Q + q_row[:, None] * stride_qb + head[:, None] * stride_qh + dd[None, :], mask=hmask[:, None],
                 other=0.0).to(tl.bfloat16)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -68,12 +80,15 @@ def bf16_decode_stage1(
                     mask=valid[:, None], other=0.0)
         k = round_operand(k, INTERPRET)  # FP16 windows too: the MMA takes BF16 operands on both sides
         v = round_operand(v, INTERPRET)
-        s = tl.where(valid[None, :], dot(q, tl.trans(k), INTERPRET) * qk_scale, float("-inf"))
-        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s)
+        seen = valid[None, :]
+        if STEP > 1 or TAIL > 0:  # causal among the step's tokens
+            seen = seen & ((first + i)[None, :] < (limit - (STEP - 1) + hh // G)[:, None])
+        s = tl.where(seen, dot(q, tl.trans(k), INTERPRET) * qk_scale, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s, STEP > 1 or TAIL > 0)
         acc = acc * alpha[:, None] + dot(round_operand(p, INTERPRET), v, INTERPRET)
     den, lse = partial_result(m_i, l_i)
     out = acc / den[:, None]
     slot = PART0 + split
-    tl.store(OP + b * stride_opb + (kvh * G + hh)[:, None] * stride_oph + slot * stride_ops + dd[None, :], out,
+    tl.store(OP + q_row[:, None] * stride_opb + head[:, None] * stride_oph + slot * stride_ops + dd[None, :], out,
              mask=hmask[:, None])
-    tl.store(LP + b * stride_lpb + (kvh * G + hh) * stride_lph + slot, lse, mask=hmask)
+    tl.store(LP + q_row * stride_lpb + head * stride_lph + slot, lse, mask=hmask)

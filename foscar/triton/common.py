@@ -28,26 +28,31 @@ def split_of(L, SINK: tl.constexpr, RECENT: tl.constexpr, FLUSH: tl.constexpr):
 
 
 @triton.jit
-def online_softmax(m_i, l_i, s):
+def online_softmax(m_i, l_i, s, GUARD: tl.constexpr = False):
     """One tile of base-2 online softmax over scores ``s [H, N]``: ``(m_new, alpha, p, l_new)``; the caller
-    rescales its accumulator by ``alpha`` and adds ``p``'s contribution."""
+    rescales its accumulator by ``alpha`` and adds ``p``'s contribution. ``GUARD``: a row may have seen no
+    token yet (every score ``-inf``); its P and rescale stay 0."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = m_new
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
-def causal_softmax_step(st, valid, t0, tt, hh, n_quant, m_i, l_el, G: tl.constexpr, STEP: tl.constexpr):
+def causal_softmax_step(st, valid, t0, tt, hh, n_seen, m_i, l_el, G: tl.constexpr, STEP: tl.constexpr):
     """One KV tile of the stage-1 kernels' base-2 online softmax over scores ``S^T [BLOCK_N, BLOCK_H]``:
-    tokens past the sequence (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask among
-    them (row ``hh`` is step token ``hh // G``, which sees the first ``n_quant - STEP + 1 + hh // G``). A row
-    may see no token of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p,
-    l_el)``: the running maxima, the rescale of what came before, ``P^T``, the per-element sums."""
+    tokens past the quantized ones (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask
+    among them (row ``hh`` is step token ``hh // G``, which sees the first ``n_seen - STEP + 1 + hh // G``
+    quantized tokens; ``n_seen``: those the step's last token sees, :func:`quantized_seen`). A row may see no
+    token of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p, l_el)``: the
+    running maxima, the rescale of what came before, ``P^T``, the per-element sums."""
     if STEP == 1:
         st = tl.where(valid[:, None], st, float("-inf"))
     else:
-        st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_quant - (STEP - 1) + hh // G)[None, :]), st,
+        st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_seen - (STEP - 1) + hh // G)[None, :]), st,
                       float("-inf"))
     m_new = tl.maximum(m_i, tl.max(st, axis=0))
     m_use = m_new
@@ -56,6 +61,18 @@ def causal_softmax_step(st, valid, t0, tt, hh, n_quant, m_i, l_el, G: tl.constex
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(st - m_use[None, :])
     return m_new, alpha, p, l_el * alpha[None, :] + p
+
+
+@triton.jit
+def quantized_seen(L, n_sink, n_quant, WINDOWS: tl.constexpr):
+    """The quantized tokens (from position ``n_sink``) the last token of a step sees in a sequence of ``L``: all
+    ``n_quant`` without windows, else up to the sequence's end, ``L - n_sink`` (the recent ring's tokens past
+    the quantized ones are masked by the kernel's own ``valid``)."""
+    if WINDOWS == 0:
+        seen = n_quant
+    else:
+        seen = L - n_sink
+    return seen
 
 
 @triton.jit

@@ -128,7 +128,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :class:`foscar.DecodePlan` holds them): the call then allocates nothing. Without it, the counters
     are a zeroed buffer kept per device and stream (they reset themselves after each call).
     """
-    if isinstance(q, torch.Tensor) and q.dim() == 4:  # a step of q_len tokens: its rows, the cache as it is
+    step = isinstance(q, torch.Tensor) and q.dim() == 4
+    if step:  # a step of q_len tokens: its rows, the cache as it is
         from ..multitoken import step_problem
         problem = step_problem(q, cache, sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                                num_splits=num_splits)
@@ -140,7 +141,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
         prefetch=prefetch, fused_combine=fused_combine, workspace=workspace)
     problem.finish(solved, lse_wanted=False)
     result = (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
-    if problem.q_len == 1:
+    if not step:
         return result
     from ..multitoken import unflatten
     return unflatten(result, q.shape[0], problem.q_len)
@@ -153,8 +154,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     the Triton backend's own checks (a CUDA device or the interpreter, the ``bf16`` mapping, unit-stride
     ``q``), then the launches, writing ``problem.out`` and ``problem.lse``. ``problem.q_len > 1``: its
     ``q``, ``out`` and ``lse`` are a step's rows (``[B q_len, Hq, ...]``, :mod:`foscar.multitoken`) over its
-    cache as it is, each program taking all the step's tokens of its KV head (a cache without BF16
-    windows)."""
+    cache as it is, each program taking all the step's tokens of its KV head (and the BF16 windows' kernel
+    too)."""
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     _check_device(q)
     fmt = cache.fmt
@@ -170,9 +171,6 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     rows, Hq, D = q.shape
     B = rows // q_len
     Hkv = cache.num_kv_heads
-    if q_len > 1 and num_window_parts(fmt):
-        raise UnsupportedError(f"q_len={q_len} with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
-                               "the Triton kernel takes steps of several tokens over caches without BF16 windows")
     bn, num_splits, num_warps, prefetch = launch_config(
         q[::q_len], cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
         num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting())
@@ -189,7 +187,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     regs = {} if interp or cap is None else {"maxnreg": cap}
     rot = rotation_factors(fmt, q.device)  # a rotated cache: stage 1 rotates Q in, the merge the output back
     if fused_combine:  # the windows' partials first: stage 1's last split merges them
-        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
+        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp, q_len)
     lse_buf = lse if lse is not None else l_part
     if fmt.is_fp4:
         from .launch_fp4 import launch_stage1_fp4
@@ -207,7 +205,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
                                 write_lse=lse is not None, step=q_len),
             num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
-        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp)
+        window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp, q_len)
         combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None)
 
 

@@ -1,0 +1,288 @@
+"""Decode steps of several tokens (``q [B, q_len, Hq, D]``) over caches with BF16 windows: a sink, a recent ring,
+or the ring of a channel-wise axis's incomplete group. The step's tokens are appended first; token ``j`` sees the
+first ``L - q_len + 1 + j`` of the ``L`` tokens, each as the cache holds it now (quantized, or BF16 in a window),
+what ``decode_exact`` computes. The folded spec (hypothesis, float64), the reference backend, the Triton kernels
+(the interpreter on a CPU machine) and the CuTe kernels (sm_90a compiles here, the oracle on a GPU) are held to
+it; a step of more rows than a CuTe kernel's columns runs in parts of its tokens."""
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from _helpers import rel  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_fold import PAPER, build, decode_case  # noqa: E402
+
+import foscar  # noqa: E402
+from foscar.errors import UnsupportedError  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+HOPPER = GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+@st.composite
+def step_case(draw, fp4: bool = False):
+    """A case of ``tests/test_fold.py`` (every format, windows included) with a step of ``T`` tokens, every
+    length at least ``T``."""
+    case = draw(decode_case(fp4))
+    T = draw(st.integers(1, 8))
+    return {**case, "T": T, "lens": [max(n, T) for n in case["lens"]]}
+
+
+def step_query(case, cache) -> torch.Tensor:
+    """A step's query ``[B, T, Hq, D]`` (logits O(1), as ``build``'s)."""
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    B, D = cache.batch_size, cache.head_dim
+    q = torch.randn(B, case["T"], cache.num_kv_heads * case["G"], D, generator=gen, dtype=torch.float64)
+    return (q / case["k_mag"]).float()
+
+
+WINDOWED = {**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis="channel", sink=3, recent=5),
+            "lens": [4, 33, 300], "T": 4, "page": 32, "splits": 3}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step_case())
+@example(WINDOWED)
+@example({**WINDOWED, "lens": [8, 9], "T": 8, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, sink=6)})
+@example({**WINDOWED, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, v_axis="channel", recent=2)})
+def test_the_folded_step_is_the_oracles(case):
+    """``decode_folded(q [B, T, Hq, D])`` (each KV head's rows its heads times the step's tokens, the causal mask
+    on the quantized tokens' positions, each token over the prefix of the windows it sees) is the oracle's step
+    within 1e-10 in float64; the step's last token is a one-token decode of the same cache."""
+    _, cache = build(case)
+    q = step_query(case, cache)
+    exact, lse_e = foscar.decode_exact(q, cache, return_lse=True)
+    folded, lse_f = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"],
+                                         return_lse=True)
+    assert folded.shape == q.shape and lse_f.shape == q.shape[:3]
+    assert bool(torch.isfinite(folded).all()) and rel(folded, exact) <= 1e-10
+    assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
+    last = foscar.decode_exact(q[:, -1], cache)
+    assert torch.equal(exact[:, -1], last)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step_case(fp4=True))
+@example({**WINDOWED, "fmt": foscar.KVFormat.fp4("nvfp4", 64, sink=2, recent=16)})
+def test_the_fp4_folded_step_is_the_oracles(case):
+    _, cache = build(case)
+    q = step_query(case, cache)
+    exact = foscar.decode_exact(q, cache)
+    folded = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"])
+    assert bool(torch.isfinite(folded).all()) and rel(folded, exact) <= 1e-10
+
+
+def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, D = len(lens), max(lens), fmt.head_dim
+    k, v = torch.randn(2, B, Hkv, L, D, generator=gen).unbind(0)
+    cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, page_size=64,
+                               seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
+    return torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16).to(DEV), cache
+
+
+#: windowed formats: a sink; a recent window; channel-wise K (its group's ring); channel-wise K and V with a sink
+#: and a window; FP4 blocks with a window
+FORMATS = [dict(bits=4, group_size=64, sink=4), dict(bits=2, group_size=64, recent=16),
+           dict(bits=2, group_size=64, k_axis="channel"),
+           dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", sink=3, recent=5),
+           dict(scheme="nvfp4", recent=8)]
+
+
+def _fmt(kw, head_dim=64):
+    kw = dict(kw)
+    if "scheme" in kw:
+        return foscar.KVFormat.fp4(kw.pop("scheme"), head_dim, **kw)
+    return foscar.KVFormat(head_dim=head_dim, **kw)
+
+
+@pytest.mark.parametrize("kw", FORMATS)
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+def test_a_step_over_windows_is_the_oracles(kw, backend):
+    """``foscar.decode`` of a step over a windowed cache, the reference and the Triton kernels (stage 1's causal
+    limit on the quantized tokens' positions, the windows' kernel with the step's rows), the merge in stage 1's
+    epilogue and as a kernel of its own: NaN-poisoned outputs written, the oracle's output and LSE (the
+    interpreter's arithmetic: 1e-5; the GPU's, 1e-2). Lengths: the step alone (its first token sees part of the
+    sink), a step within the ring, one across a flush, long."""
+    import foscar.triton as ft
+    fmt = _fmt(kw)
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, 4)}
+    if not status[backend].usable and (GPU or backend != "triton"):  # a CPU machine: the interpreter
+        pytest.skip(status[backend].why)
+    T = 3
+    q, cache = _step(fmt, [T, 9, 70, 161], T, seed=T)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    runs = ((True, False) if backend == "triton" else (None,))
+    for fused in runs:
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+        if fused is None:
+            foscar.decode(q, cache, out=out, lse=lse, backend=backend)
+        else:
+            ft.decode(q, cache, out=out, lse=lse, num_splits=3, fused_combine=fused)
+        assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+        bound = 1e-2 if GPU or backend == "reference" else 1e-5
+        assert rel(out, exact) < bound
+        assert float((lse.double() - lse_exact).abs().max()) < bound * 10
+
+
+def test_a_one_token_query_with_a_step_axis_keeps_it():
+    """``q [B, 1, Hq, D]`` is a step of one token: ``out [B, 1, Hq, D]``, from every entry point."""
+    import foscar.triton as ft
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, recent=8)
+    q, cache = _step(fmt, [5, 70], 1)
+    assert ft.decode(q, cache).shape == q.shape
+    assert foscar.decode(q, cache).shape == q.shape
+    assert foscar.decode_folded(q, cache).shape == q.shape
+
+
+def test_the_causal_view_still_refuses_a_ring():
+    """The causal view (the fallback of a backend that takes no steps) cuts lengths, which a ring's slots do not
+    follow: refused by name."""
+    from foscar.multitoken import causal_view
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
+    _, cache = _step(fmt, [30, 40], 2)
+    with pytest.raises(UnsupportedError, match="recent ring"):
+        causal_view(cache, 2)
+
+
+def test_auto_gives_a_ring_step_to_a_backend_that_takes_it(monkeypatch):
+    """On a CUDA device ``auto`` takes the CuTe kernel for a step over a ring where it takes such steps
+    (:data:`foscar.cute.config.WINDOWED_STEPS`), else the Triton kernel (the causal view refuses a ring); a step
+    over a sink alone, and one token, stay with the CuTe kernel."""
+    from _helpers import cute_switches
+
+    import foscar.api as api
+    from foscar import backends
+    from foscar.api import BackendStatus, _fmt_values, _select
+    for name in ("triton", "cute"):
+        monkeypatch.setattr(backends.get(name), "status", lambda key, n=name: BackendStatus(n, True, "Fake GPU"))
+    ring, sink = (foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel"),
+                  foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4))
+    for on, want in ((False, "triton"), (True, "cute")):
+        with cute_switches(monkeypatch, WINDOWED_STEPS=on):
+            api.clear_selection_cache()
+            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", True) == want
+            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", False) == "cute"
+            assert _select("cuda:0", _fmt_values(sink), 4, 64, "auto", "auto", False) == "cute"
+    api.clear_selection_cache()
+
+
+def test_a_step_of_more_rows_than_the_columns_runs_in_parts():
+    from foscar.cute.launch import step_parts
+    assert step_parts(4, 8, 32) == [(0, 8)]
+    assert step_parts(8, 8, 32) == [(0, 4), (4, 4)]
+    assert step_parts(2, 8, 8) == [(0, 4), (4, 4)]
+    assert step_parts(8, 3, 8) == [(0, 1), (1, 1), (2, 1)]
+    assert step_parts(16, 5, 32) == [(0, 2), (2, 2), (4, 1)]
+
+
+CUTE = [  # (format, gqa, step, tail)
+    (dict(bits=2, group_size=128, sink=4, recent=16), 4, 4, 0),
+    (dict(bits=4, group_size=128, k_axis="channel"), 4, 2, 0),
+    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8), 8, 4, 4),
+    (dict(bits=4, group_size=128, sink=4), 8, 1, 3),  # a part of one token of a longer step
+    (dict(scheme="nvfp4", recent=8), 2, 4, 0)]
+
+
+@pytest.mark.parametrize("kw,gqa,step,tail", CUTE)
+def test_the_cute_kernels_of_a_windowed_step_compile(kw, gqa, step, tail):
+    """v1 with a step's columns over a windowed format (the causal limit from the sequence's end, less ``tail``
+    for a part of a longer step) and the combine that attends the windows with the step's rows compile for
+    sm_90a; a part takes one tile a pass."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+    from foscar.cute.combine_config import CombineConfig
+    from foscar.cute.compile import compile_combine, compile_stage1
+    from foscar.cute.config import config_for
+    from foscar.errors import UnsupportedError as Refused
+    fmt = _fmt(kw, 128)
+    k_operand = "e4m3" if gqa * step > 4 and not fmt.is_fp4 and fmt.k_axis == "token" else "bf16"
+    cfg = config_for(fmt, gqa, 64, k_operand, 1, step, tail=tail)
+    assert cfg.causal and cfg.windows and cfg.tail == tail
+    compile_stage1(cfg, warp_specialized=True, ctas_per_sm=1 if gqa * step > 16 else 2)
+    if tail:
+        with pytest.raises(Refused, match="two tiles per softmax pass"):
+            config_for(fmt, gqa, 64, k_operand, 2, step, tail=tail)
+    win = CombineConfig(128, "bf16", True, 16, False, sink=fmt.sink, recent=fmt.recent, flush=fmt.flush,
+                        ring=fmt.recent_capacity, gqa=gqa, step=step, tail=tail)
+    compile_combine(win)
+
+
+def _bf16_step_attention(q, cache):
+    """BF16 attention of a step over the dequantized cache as it is, token ``j`` over its first ``L - T + 1 + j``
+    tokens (``foscar.reference.attend`` with BF16 operands and P, FP32 math, a BF16 output)."""
+    import math
+    B, T, Hq, D = q.shape
+    Hkv = cache.num_kv_heads
+    kd, vd = cache.dequantize(torch.float32)
+    out = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for j in range(T):
+            n = int(cache.seq_lens[b]) - T + 1 + j
+            o, _ = foscar.reference.attend(q[b, j].float().reshape(Hkv, Hq // Hkv, D), kd[b, :, :n], vd[b, :, :n],
+                                           1 / math.sqrt(D), operand_dtype=torch.bfloat16)
+            out[b, j] = o.reshape(Hq, D).bfloat16().float()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("kw,head_dim,G,T", [
+    (dict(bits=2, group_size=128, sink=4, recent=16), 128, 4, 4),
+    (dict(bits=4, group_size=128, k_axis="channel"), 128, 4, 2),
+    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8), 128, 8, 8),  # 64 rows: 2 parts
+    (dict(bits=4, group_size=128), 128, 8, 8),  # no windows, in parts
+    (dict(bits=4, group_size=128, sink=4, recent=32), 256, 2, 8),  # head dim 256: parts of 4 tokens
+    (dict(bits=4, group_size=128, sink=4), 256, 8, 3),  # parts of one token
+    (dict(scheme="nvfp4", recent=8), 128, 4, 4)])
+def test_the_cute_kernel_takes_a_windowed_step_gpu(monkeypatch, kw, head_dim, G, T):
+    """The CuTe kernels over a windowed cache (stage 1's columns with the causal limit from the sequence's end,
+    the combine's window rows), and steps of more rows than the columns in parts (:data:`WINDOWED_STEPS` on):
+    NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle (BF16 attention's error on
+    the same cache), the LSE within 1e-2; a CUDA graph replays it."""
+    from _helpers import cute_switches
+    with cute_switches(monkeypatch, WINDOWED_STEPS=True):
+        _check_windowed_step(kw, head_dim, G, T, "cute")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,head_dim,G,T", [
+    (dict(bits=2, group_size=64, sink=4, recent=16), 128, 4, 4),
+    (dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", recent=8), 128, 8, 8),
+    (dict(bits=4, group_size=128, sink=4, recent=32), 256, 2, 8),
+    (dict(scheme="nvfp4", recent=8), 128, 4, 4)])
+def test_the_triton_kernel_takes_a_windowed_step_gpu(kw, head_dim, G, T):
+    """The Triton kernels' steps over windows on the GPU (the interpreter's cases above, compiled): the same
+    checks as the CuTe kernels'."""
+    _check_windowed_step(kw, head_dim, G, T, "triton")
+
+
+def _check_windowed_step(kw, head_dim, G, T, backend):
+    from _helpers import kernel_error_bound
+
+    from foscar.bench import as_graph
+    fmt = _fmt(kw, head_dim)
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
+    if not status[backend].usable:
+        pytest.skip(status[backend].why)
+    lens = [T, 64 * 7 + T - 1, 4099]
+    q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=T)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    foscar.decode(q, cache, out=out, lse=lse, backend=backend)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    err, ref_err = rel(out, exact), rel(_bf16_step_attention(q, cache), exact)
+    print(f"\n{fmt} G {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
+    assert err <= kernel_error_bound(fmt, ref_err)
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    plan = foscar.plan(q, cache, backend=backend)
+    again = torch.full_like(out, float("nan"))
+    replay = as_graph(lambda: plan.run(q, cache, out=again))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, out)
