@@ -65,13 +65,13 @@ def _fmt_values(fmt: KVFormat) -> tuple:
     """The format as plain values (what the custom op takes, and what ``torch.compile`` can hold as a
     constant: older Dynamo cannot rebuild a frozen dataclass)."""
     return (fmt.bits, fmt.head_dim, fmt.group_size, fmt.k_axis, fmt.v_axis, fmt.mapping, fmt.sink, fmt.recent,
-            fmt.scheme)
+            fmt.scheme, fmt.rollback)
 
 
 def _fmt_from_values(values: tuple) -> KVFormat:
     """The :class:`KVFormat` of :func:`_fmt_values` (a rotation is applied outside the custom op)."""
-    *head, scheme = values
-    return KVFormat(*head, scheme=scheme)
+    *head, scheme, rollback = values
+    return KVFormat(*head, scheme=scheme, rollback=rollback)
 
 
 def _constant_for_compile(fn):
@@ -148,10 +148,10 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
                v_params: torch.Tensor, tensor_scales: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                num_pages: torch.Tensor, k_sink: torch.Tensor, v_sink: torch.Tensor, k_recent: torch.Tensor,
                v_recent: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bits: int, head_dim: int, group: int,
-               k_axis: str, v_axis: str, mapping: str, sink: int, recent: int, scheme: str, page_size: int,
-               contiguous: bool, sm_scale: float, backend: str, num_splits: int, q_len: int) -> None:
-    cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, page_size,
-                               contiguous),
+               k_axis: str, v_axis: str, mapping: str, sink: int, recent: int, scheme: str, rollback: int,
+               page_size: int, contiguous: bool, sm_scale: float, backend: str, num_splits: int, q_len: int) -> None:
+    cache = _cache_from_parts((bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, rollback,
+                               page_size, contiguous),
                               (k_codes, v_codes, k_params, v_params, tensor_scales, seq_lens, block_table, num_pages,
                                k_sink, v_sink, k_recent, v_recent))
     run = backends.get(backend)
@@ -165,8 +165,8 @@ def _decode_op(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_
 
 @_decode_op.register_fake
 def _(q, k_codes, v_codes, k_params, v_params, tensor_scales, seq_lens, block_table, num_pages, k_sink, v_sink,
-      k_recent, v_recent, out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, page_size,
-      contiguous, sm_scale, backend, num_splits, q_len) -> None:
+      k_recent, v_recent, out, lse, bits, head_dim, group, k_axis, v_axis, mapping, sink, recent, scheme, rollback,
+      page_size, contiguous, sm_scale, backend, num_splits, q_len) -> None:
     return None
 
 

@@ -111,6 +111,9 @@ class QuantKVCache:
         self.page_size = page_size
         self.contiguous = contiguous
         self._check_pages()
+        #: per sequence, the oldest post-sink position whose BF16 value the recent ring still holds (the window's
+        #: start as built; appends move it on, :meth:`advance_ring`): how far :meth:`rewind` can go back
+        self.ring_from = fmt.split_length(self.seq_lens)[1].to(torch.int32)
 
     # ---- shape facts -----------------------------------------------------------------------
     @property
@@ -475,6 +478,45 @@ class QuantKVCache:
         from .write_path import append, tokens_to_store
         with tokens_to_store(self, k_new, v_new) as (k_new, v_new):
             append(self, k_new, v_new, quantizer=quantizer, clip=clip)
+
+    def advance_ring(self) -> None:
+        """After an append (every write path calls it, on the device): :attr:`ring_from` moved on to where the
+        appends' ring writes start (:meth:`foscar.KVFormat.ring_keep_from`), the older slots written over."""
+        self.ring_from = torch.maximum(self.ring_from, self.fmt.ring_keep_from(self.seq_lens).to(torch.int32))
+
+    def rewind(self, tokens) -> None:
+        """Take the last ``tokens`` tokens of every sequence back (an int, or an int tensor ``[B]`` of counts): the
+        lengths go back and the next appends write over them (speculative decoding's rejected drafts). A cache
+        with a BF16 recent ring takes back the tokens whose window it still holds in BF16: up to
+        :attr:`foscar.KVFormat.rollback` after appends of that many (its ring keeps that many more slots);
+        without a ring, any. Reads the lengths back (a host sync); a refused call leaves the cache as it was."""
+        B = self.batch_size
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, torch.Tensor)):
+            raise InvalidArgumentError("tokens", "an int or an int tensor of counts per sequence",
+                                       type(tokens).__name__)
+        if isinstance(tokens, torch.Tensor):
+            check_tensor("tokens", tokens, shape=(B,), dtypes=INDEX_DTYPES + (torch.int16, torch.uint8))
+            n = tokens.long().cpu()
+        else:
+            n = torch.full((B,), tokens, dtype=torch.long)
+        lens = self.seq_lens.long().cpu()
+        bad = ((n < 0) | (n > lens)).nonzero()
+        if bad.numel():
+            b = int(bad[0])
+            raise InvalidArgumentError("tokens", f"a count in [0, {int(lens[b])}] for sequence {b} (its length)",
+                                       int(n[b]))
+        if self.fmt.recent_capacity:
+            held = self.ring_from.long().cpu()
+            n_quant = self.fmt.split_length(lens - n)[1]
+            bad = (n_quant < held).nonzero()
+            if bad.numel():
+                b = int(bad[0])
+                back = torch.arange(int(lens[b]) + 1)
+                most = int(back[self.fmt.split_length(lens[b] - back)[1] >= held[b]].max())
+                raise InvalidArgumentError(
+                    "tokens", f"at most {most} for sequence {b}: the tokens its BF16 ring still holds back to "
+                    f"(rollback={self.fmt.rollback} slots more than the window; KVFormat.rollback)", int(n[b]))
+        self.seq_lens.sub_(n.to(device=self.seq_lens.device, dtype=torch.int32))
 
     def _check_append(self, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
         from .write_path import check_append

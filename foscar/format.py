@@ -344,6 +344,10 @@ class KVFormat:
     32, 64, 128 or 256 tokens. k_axis / v_axis: "token" or "channel". mapping: the tensor-core
     operand the cache's folded constants are made for ("bf16" injection by default).
     sink / recent: tokens kept unquantized (BF16) at the start / end of each sequence.
+    rollback: tokens a cache with a BF16 recent ring (``recent > 0`` or a channel-wise axis) can take back
+    (:meth:`foscar.QuantKVCache.rewind`: speculative decoding's rejected drafts): its ring keeps that many more
+    slots, so that the tokens an append moved on to the quantized pages are still there in BF16. A cache without
+    a ring takes tokens back whatever this is.
     rotation: ``None``, or ``"hadamard"``: K and V are stored rotated per head by the orthonormal
     :func:`rotation_matrix` (a normalized Walsh-Hadamard transform, with a random +-1 sign per channel
     first when ``rotation_seed`` is given), which spreads outlier channels over every channel before
@@ -367,6 +371,7 @@ class KVFormat:
     rotation: str | None = None
     rotation_seed: int | None = None
     scheme: str = AFFINE
+    rollback: int = 0
     layout: str = LAYOUT_TAG
 
     @classmethod
@@ -394,6 +399,7 @@ class KVFormat:
             raise UnsupportedError("mapping='e2m1'", f"E2M1 holds 2-bit codes only (bits={self.bits})")
         check_int("sink", self.sink, minimum=0)
         check_int("recent", self.recent, minimum=0)
+        check_int("rollback", self.rollback, minimum=0)
         if self.rotation not in ROTATIONS:
             raise InvalidArgumentError("rotation", f"one of {ROTATIONS}", repr(self.rotation))
         if self.rotation_seed is not None:
@@ -453,8 +459,23 @@ class KVFormat:
 
     @property
     def recent_capacity(self) -> int:
-        """Slots of the BF16 recent ring: the window plus the tokens of a not yet complete group."""
-        return self.recent + self.flush - 1
+        """Slots of the BF16 recent ring: the window plus the tokens of a not yet complete group, and
+        :attr:`rollback` more where there is a ring."""
+        ring = self.recent + self.flush - 1
+        return ring + self.rollback if ring else 0
+
+    def ring_keep_from(self, length):
+        """The post-sink position from which an append that leaves ``length`` tokens writes the new tokens into
+        the ring (ints or int tensors): those the ring keeps, the window's (from ``n_quant``), or with
+        :attr:`rollback` the last :attr:`recent_capacity` (so that a rewind finds the tokens it takes back into
+        the window). The ring then holds every post-sink token from there to the end."""
+        n_sink, n_quant, n_recent = self.split_length(length)
+        if not self.rollback:
+            return n_quant
+        rest = n_quant + n_recent
+        if isinstance(rest, torch.Tensor):
+            return torch.clamp(rest - self.recent_capacity, min=0)
+        return max(rest - self.recent_capacity, 0)
 
     @property
     def token_alignment(self) -> int:

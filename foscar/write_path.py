@@ -48,6 +48,7 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
     writes = []  # (destination tensor, index, value): applied only after everything is computed
     for b in range(B):
         L0, L1, a, z = int(old[b]), int(new[b]), int(q0[b]), int(q1[b])
+        keep_from = int(fmt.ring_keep_from(L1))  # the ring keeps the new tokens from here
         P0 = max(0, L0 - sink)  # post-sink tokens before the call
         for tensor, x_new, win_sink, ring in (("k", k_new, cache.k_sink, cache.k_recent),
                                               ("v", v_new, cache.v_sink, cache.v_recent)):
@@ -69,13 +70,14 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
                 writes.append((win_sink, (b, slice(None), i[in_sink].to(cache.device)),
                                x_new[b][:, in_sink.nonzero().flatten().to(cache.device)].to(win_sink.dtype)))
             pp = i - sink
-            keep = (~in_sink) & (pp >= z)  # new tokens that stay in the BF16 ring
+            keep = (~in_sink) & (pp >= keep_from)  # new tokens the BF16 ring keeps
             if keep.any():
                 writes.append((ring, (b, slice(None), (pp[keep] % cap).to(cache.device)),
                                x_new[b][:, keep.nonzero().flatten().to(cache.device)].to(ring.dtype)))
     for dest, index, value in writes:
         dest[index] = value
     cache.seq_lens.add_(T)
+    cache.advance_ring()
 
 def check_append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
     """Everything :meth:`append` checks before writing (it reads lengths back: a host sync). Returns

@@ -244,8 +244,8 @@ def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
     motif = torch.randint(0, 97, (1, 12), generator=gen)
     ids = torch.cat([motif, torch.randint(0, 97, (1, 70), generator=gen), motif, motif[:, :4]], dim=1)  # repeats
 
-    def generate(**kw):  # the prompt but its last token prefilled: every new token attends through the cache
-        cache = fit.FoscarCache(bits=4, group_size=64)
+    def generate(fmt_kw=None, **kw):  # the prompt but its last token prefilled: every new token attends through
+        cache = fit.FoscarCache(bits=4, group_size=64, **(fmt_kw or {}))  # the cache
         ckw = fit.cache_kwargs(ours, cache)
         with torch.no_grad():
             ours(ids[:, :-1], use_cache=True, **ckw)
@@ -265,8 +265,16 @@ def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
     assisted = generate(prompt_lookup_num_tokens=7)
     assert torch.equal(plain, assisted)
     assert any(t and t > 1 for t in steps), "no step of several tokens was verified"
-    cache = fit.FoscarCache(bits=4, group_size=64, recent=16)  # a ring cannot be cropped: said before a step
+    # a ring that keeps no tokens to take back (rollback=0) cannot be cropped: said before a step
+    cache = fit.FoscarCache(bits=4, group_size=64, recent=16, rollback=0)
     with pytest.raises(ValueError, match="can be cropped"):
         ours.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=7, **fit.cache_kwargs(ours, cache))
-    with pytest.raises(fit.UnsupportedError, match="crops caches without BF16 windows"):
-        cache.layers[0].crop(-1)
+    # a ring with rollback (FoscarCache's default): the drafts verified as steps, the rejected ones taken back (the
+    # window's tokens at a step are those after its append, so the logits may differ from plain decoding's in the
+    # last bits: the output's length is checked, not its tokens)
+    rewinds = []
+    real_rewind = fit.QuantKVCache.rewind
+    monkeypatch.setattr(fit.QuantKVCache, "rewind", lambda c, n: rewinds.append(n) or real_rewind(c, n))
+    steps.clear()
+    ringed = generate({"k_axis": "channel", "recent": 16}, prompt_lookup_num_tokens=7)
+    assert ringed.shape[1] == plain.shape[1] and any(t and t > 1 for t in steps) and any(rewinds)

@@ -45,8 +45,10 @@ class FoscarLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Whether :meth:`crop` can take tokens off (assisted decoding asks before its first crop): a cache
-        without BF16 windows."""
-        return not self.is_initialized or not (self.cache.fmt.sink or self.cache.fmt.recent_capacity)
+        without a BF16 recent ring, or whose ring keeps tokens to take back (``KVFormat.rollback``)."""
+        fmt = (self.cache.fmt if self.is_initialized
+               else KVFormat(head_dim=max(64, self.fmt_kwargs["group_size"]), **self.fmt_kwargs))
+        return not fmt.recent_capacity or fmt.rollback > 0
 
     def __init__(self, fmt_kwargs: dict, quantizer: str = "minmax", backend: str = "auto", key_mean: str | None = None,
                  tensor_scales=None, key_weights: str | None = None):
@@ -86,6 +88,7 @@ class FoscarLayer(CacheLayerMixin):
         for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
             getattr(grown, name).copy_(getattr(cache, name))
         grown.seq_lens.copy_(cache.seq_lens)
+        grown.ring_from.copy_(cache.ring_from)
         grown.k_mean, grown.k_mean_pending, grown.k_weights = cache.k_mean, cache.k_mean_pending, cache.k_weights
         self.cache = grown
 
@@ -144,9 +147,9 @@ class FoscarLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), as
-        assisted decoding does with the rejected candidates: the lengths go back, and the next appends write
-        over their codes. A cache with BF16 windows is refused (its ring holds the forgotten tokens in place
-        of older ones)."""
+        assisted decoding does with the rejected candidates: :meth:`foscar.QuantKVCache.rewind` (the lengths go
+        back, the next appends write over them; a BF16 recent ring takes back as many as its format's
+        ``rollback`` after appends of that many)."""
         if tokens_to_remove > 0:
             raise InvalidArgumentError("tokens_to_remove", "a negative count of tokens to remove (or 0)",
                                        tokens_to_remove)
@@ -155,12 +158,7 @@ class FoscarLayer(CacheLayerMixin):
             return
         if n > self.length:
             raise InvalidArgumentError("tokens_to_remove", f"at most the {self.length} tokens cached", n)
-        fmt = self.cache.fmt
-        if fmt.sink or fmt.recent_capacity:
-            raise UnsupportedError(f"crop with sink={fmt.sink}, recent={fmt.recent}, flush={fmt.flush}",
-                                   "a FoscarCache crops caches without BF16 windows (token-wise K and V, "
-                                   "sink=0, recent=0)")
-        self.cache.seq_lens.sub_(n)
+        self.cache.rewind(n)
         self.length -= n
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -169,7 +167,8 @@ class FoscarLayer(CacheLayerMixin):
 
 class FoscarCache(Cache):
     """A transformers ``Cache`` of foscar-quantized layers: ``bits``, ``k_axis``, ``v_axis``, ``group_size``,
-    ``sink``, ``recent``, ``rotation``, ``rotation_seed`` and ``scheme`` as in :class:`foscar.KVFormat` (``group_size``:
+    ``sink``, ``recent``, ``rotation``, ``rotation_seed``, ``scheme`` and ``rollback`` as in :class:`foscar.KVFormat`
+    (``rollback``: :data:`MAX_STEP` by default, so that a ring takes back a verification step's drafts; ``group_size``:
     64, or an FP4 scheme's block); ``key_mean="prefill"`` centres each layer's keys by its prompt's mean
     (:mod:`foscar.centring`); ``key_weights="prefill"`` rounds each layer's key codes for the scores of its prompt's
     queries (:mod:`foscar.key_weights`: the prompt written after its attention has seen them, and every later key
@@ -179,19 +178,20 @@ class FoscarCache(Cache):
     def __init__(self, *, bits: int = 4, k_axis: str = "token", v_axis: str = "token", group_size: int | None = None,
                  sink: int = 0, recent: int = 0, rotation: str | None = None, rotation_seed: int | None = None,
                  key_mean: str | None = None, quantizer: str = "minmax", backend: str = "auto",
-                 scheme: str = "affine", tensor_scales=None, key_weights: str | None = None):
+                 scheme: str = "affine", tensor_scales=None, key_weights: str | None = None,
+                 rollback: int = MAX_STEP):
         if group_size is None:
             from ..fp4 import SPECS
             group_size = SPECS[scheme].block if scheme in SPECS else 64
         fmt = KVFormat(bits=bits, head_dim=max(64, group_size), group_size=group_size, k_axis=k_axis, v_axis=v_axis,
                        sink=sink, recent=recent, rotation=rotation, rotation_seed=rotation_seed,
-                       scheme=scheme)  # fail now, not at the first layer, on a bad format
+                       scheme=scheme, rollback=rollback)  # fail now, not at the first layer, on a bad format
         if tensor_scales is not None:
             from ..fp4 import check_tensor_scales
             tensor_scales = check_tensor_scales(fmt, tensor_scales, "cpu").tolist()
         self.tensor_scales = tensor_scales
         self.fmt_kwargs = dict(bits=bits, group_size=group_size, k_axis=k_axis, v_axis=v_axis, sink=sink, recent=recent,
-                               rotation=rotation, rotation_seed=rotation_seed, scheme=scheme)
+                               rotation=rotation, rotation_seed=rotation_seed, scheme=scheme, rollback=rollback)
         if key_mean not in (None, "prefill"):
             raise InvalidArgumentError("key_mean", "None or 'prefill' (each layer's prompt keys' mean)", repr(key_mean))
         if key_weights not in (None, "prefill"):

@@ -212,13 +212,14 @@ def append_token_kernel(
     BITS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
     TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
-    FP4: tl.constexpr, E8M0: tl.constexpr, SEARCH: tl.constexpr,
+    FP4: tl.constexpr, E8M0: tl.constexpr, SEARCH: tl.constexpr, ROLLBACK: tl.constexpr = 0,
 ):
     """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
     the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
     tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels;
     ``PASS_WINDOW``: the format has a recent ring, so a token is quantized from the ring's dtype
-    (:meth:`foscar.KVFormat.as_quantized`) even when it never sat there."""
+    (:meth:`foscar.KVFormat.as_quantized`) even when it never sat there; ``ROLLBACK``: the ring keeps every new
+    token (:meth:`foscar.KVFormat.ring_keep_from`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     dd = tl.arange(0, D)
@@ -241,7 +242,7 @@ def append_token_kernel(
             _quantize_unit(src, t, b, h, BT, NP, CODES, PARAMS, TS, stride_btb, stride_cp, stride_ch, stride_pp,
                            stride_ph, BITS, D, GROUP, PAGE, FLUSH, CHANNEL, BETA, TENSOR_V, BLOCK_TOKENS, RATIO,
                            FP4, E8M0, SEARCH)
-        if p >= q1:  # the new token stays in the ring; after the reads above, which may share its slot
+        if ROLLBACK > 0 or p >= q1:  # the ring keeps the new token; after the reads above, which may share its slot
             tl.debug_barrier()
             tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))
 
@@ -297,17 +298,19 @@ def append_window_kernel(
     stride_xb, stride_xh, stride_xt,
     stride_sb, stride_sh, stride_st, stride_rb, stride_rh, stride_rt,
     D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, ROLLBACK: tl.constexpr = 0,
 ):
     """Appending ``T`` tokens, part 2 of 2: program (sequence, head, block of ``BLOCK_T`` input tokens)
-    writes the tokens that go to the BF16 sink and those that stay in the recent ring (after part 1 has
-    read the ring tokens that left)."""
+    writes the tokens that go to the BF16 sink and those the recent ring keeps (after part 1 has read the ring
+    tokens that left): the window's, or with ``ROLLBACK`` the last ``CAP`` (:meth:`foscar.KVFormat.ring_keep_from`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     jj = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     dd = tl.arange(0, D)
     L0 = tl.load(SEQ + b)
-    _, q1 = _post_sink_counts(L0 + T, SINK, RECENT, FLUSH)
+    p1, keep = _post_sink_counts(L0 + T, SINK, RECENT, FLUSH)
+    if ROLLBACK > 0:
+        keep = tl.maximum(p1 - CAP, 0)
     i = L0 + jj  # the tokens' indices in the sequence
     live = jj < T
     x = tl.load(X + b * stride_xb + h * stride_xh + jj[:, None] * stride_xt + dd[None, :], mask=live[:, None],
@@ -316,6 +319,6 @@ def append_window_kernel(
     tl.store(SINKW + b * stride_sb + h * stride_sh + i[:, None] * stride_st + dd[None, :],
              x.to(SINKW.dtype.element_ty), mask=in_sink[:, None])
     p = i - SINK
-    stay = live & (i >= SINK) & (p >= q1)
+    stay = live & (i >= SINK) & (p >= keep)
     tl.store(RING + b * stride_rb + h * stride_rh + (p % CAP)[:, None] * stride_rt + dd[None, :],
              x.to(RING.dtype.element_ty), mask=stay[:, None])
