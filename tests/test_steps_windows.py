@@ -1,9 +1,9 @@
 """Decode steps of several tokens (``q [B, q_len, Hq, D]``) over caches with BF16 windows: a sink, a recent ring,
 or the ring of a channel-wise axis's incomplete group. The step's tokens are appended first; token ``j`` sees the
-first ``L - q_len + 1 + j`` of the ``L`` tokens, each as the cache holds it now (quantized, or BF16 in a window),
-what ``decode_exact`` computes. The folded spec (hypothesis, float64), the reference backend, the Triton kernels
-(the interpreter on a CPU machine) and the CuTe kernels (sm_90a compiles here, the oracle on a GPU) are held to
-it; a step of more rows than a CuTe kernel's columns runs in parts of its tokens."""
+first ``L - q_len + 1 + j`` of the ``L`` tokens, each as the cache holds it after the append (quantized, or BF16
+in a window), what ``decode_exact`` computes. The folded spec (hypothesis, float64), the reference backend, the
+Triton kernels (the interpreter on a CPU machine) and the CuTe kernels (sm_90a compiles here, the oracle on a GPU)
+are held to it; a step of more rows than a CuTe kernel's columns runs in parts of its tokens."""
 import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
