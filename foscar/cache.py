@@ -59,6 +59,7 @@ class QuantKVCache:
     k_mean: torch.Tensor | None = None
     k_mean_pending: bool = False
     k_weights: torch.Tensor | None = None
+    ring_from: torch.Tensor | None = None  # set by the constructor (a cache a compiled graph rebuilds: unknown)
 
     def __init__(self, fmt: KVFormat, *, k_codes, k_params, v_codes, v_params, seq_lens, page_table: PageTable,
                  k_sink, v_sink, k_recent, v_recent, contiguous: bool = False, tensor_scales=None):

@@ -265,6 +265,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, *, seq_lens: to
                 cache._store_quantized(tensor, b, codes, sp, zp)
         keep = torch.cat([torch.arange(ns), torch.arange(ns + nq, Lb)]).to(k.device)
         cache._store_windows(b, k[b][:, keep], v[b][:, keep])
+        if fmt.rollback and fmt.recent_capacity:  # the ring holds the last recent_capacity tokens, as appends leave it
+            lo = int(fmt.ring_keep_from(Lb))
+            slots = (torch.arange(lo, nq) % fmt.recent_capacity).to(k.device)
+            for x, ring in ((k, cache.k_recent), (v, cache.v_recent)):
+                ring[b][:, slots] = x[b][:, ns + lo: ns + nq].to(ring.dtype)
+            cache.ring_from[b] = lo
     return cache
 
 

@@ -391,9 +391,12 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
             o, l_ = seq.split(Qt, tiles, tile_tokens, sm_scale, step)
             outs.append(o)
             lses.append(l_)
-        kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
         wq = seq.window_query(Qt)
-        o, l_ = step.attend_windows(wq, kw, vw, sm_scale) if step else attend(wq, kw, vw, sm_scale)
+        if step:  # each token's windows, of its length
+            o, l_ = step.attend_windows(wq, sm_scale, dtype)
+        else:
+            kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
+            o, l_ = attend(wq, kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)

@@ -83,8 +83,11 @@ def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *,
             safe = torch.where(empty, torch.ones_like(l_), l_)
             outs.append(torch.where(empty[..., None], torch.zeros_like(acc), acc * t_v / safe[..., None]))
             lses.append(torch.where(empty, torch.full_like(l_, float("-inf")), m + torch.log(safe)))
-        kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-        o, l_ = step.attend_windows(Qt, kw, vw, sm_scale) if step else attend(Qt, kw, vw, sm_scale)
+        if step:  # each token's windows, of its length
+            o, l_ = step.attend_windows(Qt, sm_scale, dtype)
+        else:
+            kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
+            o, l_ = attend(Qt, kw, vw, sm_scale)
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)

@@ -346,8 +346,9 @@ class KVFormat:
     sink / recent: tokens kept unquantized (BF16) at the start / end of each sequence.
     rollback: tokens a cache with a BF16 recent ring (``recent > 0`` or a channel-wise axis) can take back
     (:meth:`foscar.QuantKVCache.rewind`: speculative decoding's rejected drafts): its ring keeps that many more
-    slots, so that the tokens an append moved on to the quantized pages are still there in BF16. A cache without
-    a ring takes tokens back whatever this is.
+    slots, so that the tokens an append moved on to the quantized pages are still there in BF16; a decode step of
+    up to ``rollback + 1`` tokens reads each token's window from them (:mod:`foscar.multitoken`). A cache without a
+    ring takes tokens back, and steps, whatever this is.
     rotation: ``None``, or ``"hadamard"``: K and V are stored rotated per head by the orthonormal
     :func:`rotation_matrix` (a normalized Walsh-Hadamard transform, with a random +-1 sign per channel
     first when ``rotation_seed`` is given), which spreads outlier channels over every channel before

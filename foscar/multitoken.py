@@ -1,17 +1,18 @@
 """Decode steps of several query tokens per sequence (speculative verification, multi-token prediction):
 ``q [B, q_len, Hq, D]``, the step's ``q_len`` tokens appended to the cache first, as serving engines do, and
 token ``j`` of a step attending to the cache up to itself: the first ``L - q_len + 1 + j`` of the
-sequence's ``L`` tokens (causal among the new tokens).
+sequence's ``L`` tokens (causal among the new tokens), each as a one-token decode at that length reads it. A cache
+with a BF16 recent ring (a recent window, or a channel-wise axis's incomplete group) holds the newest tokens in
+BF16 and moves them on to the pages as the sequence grows; token ``j`` reads the window of its own length, which
+the ring still holds where its format keeps ``q_len - 1`` slots more (``KVFormat.rollback``, :func:`check_ring`):
+a step is then the one-token decodes of its tokens, and speculative decoding is plain decoding's.
 
 A backend whose ``steps`` says so takes the step as it is (:func:`step_problem`: a problem of the step's
-rows ``[B q_len, ...]`` over the cache, ``q_len`` set): the Triton kernel, each program taking all of a KV
-head's step tokens as rows, for caches without BF16 windows. Elsewhere the step runs as one decode of
+rows ``[B q_len, ...]`` over the cache, ``q_len`` set). Elsewhere the step runs as one decode of
 ``B * q_len`` single-token rows over a view of the cache (:func:`causal_view`): row ``(b, j)`` is sequence
-``b`` cut at ``L_b - q_len + 1 + j`` tokens, its pages the same pages (no code is copied). Every backend
+``b`` cut at ``L_b - q_len + 1 + j`` tokens, its pages and ring the same (no code is copied). Every backend
 serves that as it serves one token, and a CUDA graph captures it (the view's lengths and page table are
-made on the device); it reads the cache once per token of the step. A cache whose BF16 recent ring is not
-empty (``KVFormat.recent_capacity``: a recent window, or the tokens of a channel-wise group not yet
-complete) is refused there: its ring holds the newest tokens of the full length only.
+made on the device); it reads the cache once per token of the step.
 """
 from __future__ import annotations
 
@@ -28,19 +29,16 @@ from .errors import InvalidArgumentError, UnsupportedError
 class SequenceStep:
     """A step of ``q_len`` tokens of sequence ``b`` as the folded specs take it (:func:`foscar.fold.folded`): the
     step's query rows of a KV head, ``[Hkv, q_len G, D]`` with row ``j G + g`` query head ``kvh G + g`` of step
-    token ``j``, over the cache as it is. Row ``j`` sees the first ``L - q_len + 1 + j`` tokens of the sequence's
-    ``L``, each as the cache holds it: of the quantized tokens (positions ``n_sink ..``) the first
-    :attr:`quantized_seen`, of the BF16 windows (the sink, then the ring's tokens in order) a prefix,
-    :attr:`window_seen`."""
+    token ``j``. Row ``j`` reads the cache at its length ``L_j = L - q_len + 1 + j``: of the quantized tokens
+    (positions ``n_sink ..``) the first :attr:`quantized_seen`, ``n_quant(L_j)``, then the BF16 windows of that
+    length (:meth:`window`: the sink, and the ring's tokens from ``n_quant(L_j)``)."""
 
     def __init__(self, cache: QuantKVCache, b: int, q_len: int, G: int):
-        n_sink, n_quant, n_recent = (int(x[b]) for x in cache.split())
         self.q_len, self.G, self.Hkv = q_len, G, cache.num_kv_heads
-        limit = int(cache.seq_lens[b]) - (q_len - 1) + torch.arange(q_len)  # tokens each step token sees
+        self.view, self.rows0 = causal_view(cache, q_len), b * q_len  # row j: the view's row b q_len + j
+        lengths = self.view.seq_lens[self.rows0:self.rows0 + q_len].long().cpu()
         #: quantized tokens each row sees, ``[q_len G]``
-        self.quantized_seen = (limit - n_sink).repeat_interleave(G).to(cache.device)
-        #: window tokens each step token sees (a prefix of the sink and the ring, which hold positions in order)
-        self.window_seen = [min(int(n), n_sink) + min(max(int(n) - n_sink - n_quant, 0), n_recent) for n in limit]
+        self.quantized_seen = cache.fmt.split_length(lengths)[1].repeat_interleave(G).to(cache.device)
 
     def rows(self, q: torch.Tensor) -> torch.Tensor:
         """The step's queries ``q [q_len, Hq, D]`` as rows of their KV heads, ``[Hkv, q_len G, D]``."""
@@ -58,23 +56,47 @@ class SequenceStep:
         seen = torch.arange(t0, t0 + s.shape[-1], device=s.device)[None, :] < self.quantized_seen[:, None]
         return s.masked_fill(~seen[None], -math.inf)
 
-    def attend_windows(self, wq: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, sm_scale: float):
-        """Attention of the rows ``wq [Hkv, q_len G, D]`` over the windows' ``kw, vw [Hkv, n, D]``, each step
-        token over the prefix it sees: ``(out, lse)``."""
+    def window(self, tensor: str, j: int) -> torch.Tensor:
+        """Step token ``j``'s BF16 tokens of ``tensor`` (``"k"``, ``"v"``), ``[Hkv, n, D]``: its length's sink and
+        ring (:meth:`foscar.QuantKVCache.windows` at that length)."""
+        return self.view.windows(tensor, self.rows0 + j)
+
+    def attend_windows(self, wq: torch.Tensor, sm_scale: float, dtype: torch.dtype):
+        """Attention of the rows ``wq [Hkv, q_len G, D]`` over each step token's windows: ``(out, lse)``."""
         from .reference import attend
         G = self.G
-        parts = [attend(wq[:, j * G:(j + 1) * G], kw[:, :n], vw[:, :n], sm_scale)
-                 for j, n in enumerate(self.window_seen)]
+        parts = [attend(wq[:, j * G:(j + 1) * G], self.window("k", j).to(dtype), self.window("v", j).to(dtype),
+                        sm_scale) for j in range(self.q_len)]
         return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
+
+
+def check_ring(cache: QuantKVCache, q_len: int, read_lengths: bool = True) -> None:
+    """That a step of ``q_len`` tokens can read each token's window from ``cache``'s BF16 recent ring (a cache without
+    one: nothing to check): the format keeps ``q_len - 1`` slots more (``KVFormat.rollback``), and where
+    ``read_lengths``, every sequence's ring still holds the window of the step's first token (``ring_from``: the
+    step's tokens appended first, as every write path does; a cache built by ``from_quantized`` holds its window
+    alone)."""
+    fmt = cache.fmt
+    if q_len <= 1 or not fmt.recent_capacity:
+        return
+    if fmt.rollback < q_len - 1:
+        raise UnsupportedError(f"q_len={q_len} with recent={fmt.recent}, flush={fmt.flush}, rollback={fmt.rollback}",
+                               "a step over a BF16 recent ring reads each token's window as it was at that token: "
+                               f"the ring keeps them with KVFormat(rollback >= {q_len - 1})")
+    if read_lengths and cache.ring_from is not None:
+        first = fmt.split_length((cache.seq_lens.long() - (q_len - 1)).clamp_min(0).cpu())[1]
+        bad = (first < cache.ring_from.long().cpu()).nonzero()
+        if bad.numel():
+            b = int(bad[0])
+            raise InvalidArgumentError("cache", f"a ring that holds the windows of the step's tokens (appended "
+                                       f"through foscar's write paths) at sequence {b}",
+                                       f"its ring from post-sink position {int(cache.ring_from[b])}")
 
 
 def causal_view(cache: QuantKVCache, q_len: int) -> QuantKVCache:
     """``cache`` as ``B * q_len`` sequences, row ``b * q_len + j`` sequence ``b`` cut at ``L_b - q_len + 1 + j``
-    tokens (at least 0), on the same pools and pages."""
-    if cache.fmt.recent_capacity:
-        raise UnsupportedError(f"q_len={q_len} with recent={cache.fmt.recent}, flush={cache.fmt.flush}",
-                               "decode steps of several tokens take caches without a BF16 recent ring "
-                               "(token-wise K and V, recent=0) for now")
+    tokens (at least 0), on the same pools, pages and ring (:func:`check_ring`: the ring holds each row's window)."""
+    check_ring(cache, q_len, read_lengths=cache.seq_lens.device.type == "cpu" and not torch.compiler.is_compiling())
     B, T = cache.batch_size, q_len
     dev = cache.seq_lens.device
     cut = torch.arange(1 - T, 1, device=dev, dtype=cache.seq_lens.dtype)  # -(T-1) ... 0
@@ -85,6 +107,8 @@ def causal_view(cache: QuantKVCache, q_len: int) -> QuantKVCache:
     view.page_table = PageTable(pt.block_table.repeat_interleave(T, 0), pt.num_pages.repeat_interleave(T, 0))
     for name in ("k_sink", "v_sink", "k_recent", "v_recent"):
         setattr(view, name, getattr(cache, name).repeat_interleave(T, 0))
+    if cache.ring_from is not None:
+        view.ring_from = cache.ring_from.repeat_interleave(T, 0)
     if cache.k_mean is not None:
         view.k_mean = cache.k_mean.repeat_interleave(T, 0)
     return view
@@ -119,6 +143,7 @@ def check_step(q: torch.Tensor, cache: QuantKVCache, read_lengths: bool | None =
             b = int(short[0])
             raise InvalidArgumentError("cache.seq_lens", f"lengths >= q_len={T}: the step's tokens appended first",
                                        f"{int(lens[b])} at sequence {b}")
+    check_ring(cache, T, read_lengths)
 
 
 def step_rows(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None):

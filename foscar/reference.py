@@ -45,8 +45,9 @@ def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None
     GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``. Returns ``out [B, Hq, D]`` in ``dtype``
     (and ``lse [B, Hq]``, natural log, when ``return_lse``). A sequence of length 0 gives zeros and
     ``lse = -inf``. ``q [B, q_len, Hq, D]``: a step of ``q_len`` tokens already in the cache, token ``j``
-    attending to the first ``L - q_len + 1 + j`` tokens (:mod:`foscar.multitoken`); ``out [B, q_len, Hq, D]``,
-    ``lse [B, q_len, Hq]``.
+    attending to the first ``L - q_len + 1 + j`` tokens as the cache held them at that length (a one-token decode
+    of the cache cut there: :func:`foscar.multitoken.causal_view`; :mod:`foscar.multitoken`);
+    ``out [B, q_len, Hq, D]``, ``lse [B, q_len, Hq]``.
     """
     step = isinstance(q, torch.Tensor) and q.dim() == 4
     if step:
@@ -57,15 +58,19 @@ def decode_exact(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None
         raise InvalidArgumentError("dtype", "torch.float64 or torch.float32", None)
     B, Hkv, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     T = q.shape[1] if step else 1
-    lens = cache.seq_lens.long().cpu()
     q4 = q if step else q.unsqueeze(1)
+    if step:  # row b T + j: sequence b at token j's length
+        from .multitoken import causal_view
+        cache = causal_view(cache, T)
+    lens = cache.seq_lens.long().cpu()
     k, v = cache.dequantize(dtype)
     out = torch.empty(B, T, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B, T, Hkv * G, dtype=dtype, device=q.device)
     for b in range(B):
         for j in range(T):
-            L = int(lens[b]) - T + 1 + j
-            o, s = attend(q4[b, j].to(dtype).reshape(Hkv, G, D), k[b, :, :L], v[b, :, :L], sm_scale)
+            r = b * T + j
+            L = int(lens[r])
+            o, s = attend(q4[b, j].to(dtype).reshape(Hkv, G, D), k[r, :, :L], v[r, :, :L], sm_scale)
             out[b, j], lse[b, j] = o.reshape(Hkv * G, D), s.reshape(Hkv * G)
     if not step:
         out, lse = out[:, 0], lse[:, 0]

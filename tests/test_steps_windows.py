@@ -1,9 +1,11 @@
 """Decode steps of several tokens (``q [B, q_len, Hq, D]``) over caches with BF16 windows: a sink, a recent ring,
-or the ring of a channel-wise axis's incomplete group. The step's tokens are appended first; token ``j`` sees the
-first ``L - q_len + 1 + j`` of the ``L`` tokens, each as the cache holds it after the append (quantized, or BF16
-in a window), what ``decode_exact`` computes. The folded spec (hypothesis, float64), the reference backend, the
-Triton kernels (the interpreter on a CPU machine) and the CuTe kernels (sm_90a compiles here, the oracle on a GPU)
-are held to it; a step of more rows than a CuTe kernel's columns runs in parts of its tokens."""
+or the ring of a channel-wise axis's incomplete group. The step's tokens are appended first; token ``j`` reads the
+first ``L - q_len + 1 + j`` of the ``L`` tokens as a one-token decode at that length would (the windows of that
+length, which a ring with ``KVFormat.rollback >= q_len - 1`` still holds), what ``decode_exact`` computes: a step is
+the one-token decodes of its tokens. The folded spec (hypothesis, float64), the reference backend, the Triton
+kernels (the interpreter on a CPU machine) and the CuTe kernels (sm_90a compiles here, the oracle on a GPU) are held
+to it; a step of more rows than a CuTe kernel's columns runs in parts of its tokens."""
+import dataclasses
 import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
@@ -16,7 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_fold import PAPER, build, decode_case  # noqa: E402
 
 import foscar  # noqa: E402
-from foscar.errors import UnsupportedError  # noqa: E402
+from foscar.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -29,7 +31,10 @@ def step_case(draw, fp4: bool = False):
     length at least ``T``."""
     case = draw(decode_case(fp4))
     T = draw(st.integers(1, 8))
-    return {**case, "T": T, "lens": [max(n, T) for n in case["lens"]]}
+    fmt = case["fmt"]
+    if fmt.recent_capacity:  # a ring keeps the step's windows
+        fmt = dataclasses.replace(fmt, rollback=draw(st.sampled_from((T - 1, 8))))
+    return {**case, "fmt": fmt, "T": T, "lens": [max(n, T) for n in case["lens"]]}
 
 
 def step_query(case, cache) -> torch.Tensor:
@@ -40,19 +45,22 @@ def step_query(case, cache) -> torch.Tensor:
     return (q / case["k_mag"]).float()
 
 
-WINDOWED = {**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis="channel", sink=3, recent=5),
-            "lens": [4, 33, 300], "T": 4, "page": 32, "splits": 3}
+WINDOWED = {**PAPER, "fmt": foscar.KVFormat(bits=2, head_dim=64, group_size=32, k_axis="channel", sink=3, recent=5,
+                                             rollback=3), "lens": [4, 33, 300], "T": 4, "page": 32, "splits": 3}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step_case())
 @example(WINDOWED)
 @example({**WINDOWED, "lens": [8, 9], "T": 8, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, sink=6)})
-@example({**WINDOWED, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, v_axis="channel", recent=2)})
+@example({**WINDOWED, "fmt": foscar.KVFormat(bits=4, head_dim=64, group_size=64, v_axis="channel", recent=2,
+                                             rollback=8)})
 def test_the_folded_step_is_the_oracles(case):
-    """``decode_folded(q [B, T, Hq, D])`` (each KV head's rows its heads times the step's tokens, the causal mask
-    on the quantized tokens' positions, each token over the prefix of the windows it sees) is the oracle's step
-    within 1e-10 in float64; the step's last token is a one-token decode of the same cache."""
+    """``decode_folded(q [B, T, Hq, D])`` (each KV head's rows its heads times the step's tokens, each row's
+    quantized tokens up to its length's quantized count, each token over its length's windows) is the oracle's
+    step within 1e-10 in float64, and the one-token decodes of the causal view's rows (the cache cut at each
+    token, on the same ring) as the folded spec runs them; the step's last token is a one-token decode of the cache."""
+    from foscar.multitoken import causal_view
     _, cache = build(case)
     q = step_query(case, cache)
     exact, lse_e = foscar.decode_exact(q, cache, return_lse=True)
@@ -61,13 +69,15 @@ def test_the_folded_step_is_the_oracles(case):
     assert folded.shape == q.shape and lse_f.shape == q.shape[:3]
     assert bool(torch.isfinite(folded).all()) and rel(folded, exact) <= 1e-10
     assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
+    rows = foscar.decode_folded(q.reshape(-1, *q.shape[2:]), causal_view(cache, case["T"]), tile_tokens=case["tile"])
+    assert rel(rows.view(q.shape), exact) <= 1e-10
     last = foscar.decode_exact(q[:, -1], cache)
     assert torch.equal(exact[:, -1], last)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step_case(fp4=True))
-@example({**WINDOWED, "fmt": foscar.KVFormat.fp4("nvfp4", 64, sink=2, recent=16)})
+@example({**WINDOWED, "fmt": foscar.KVFormat.fp4("nvfp4", 64, sink=2, recent=16, rollback=7)})
 def test_the_fp4_folded_step_is_the_oracles(case):
     _, cache = build(case)
     q = step_query(case, cache)
@@ -87,10 +97,10 @@ def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
 
 #: windowed formats: a sink; a recent window; channel-wise K (its group's ring); channel-wise K and V with a sink
 #: and a window; FP4 blocks with a window
-FORMATS = [dict(bits=4, group_size=64, sink=4), dict(bits=2, group_size=64, recent=16),
-           dict(bits=2, group_size=64, k_axis="channel"),
-           dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", sink=3, recent=5),
-           dict(scheme="nvfp4", recent=8)]
+FORMATS = [dict(bits=4, group_size=64, sink=4), dict(bits=2, group_size=64, recent=16, rollback=2),
+           dict(bits=2, group_size=64, k_axis="channel", rollback=8),
+           dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", sink=3, recent=5, rollback=4),
+           dict(scheme="nvfp4", recent=8, rollback=8)]
 
 
 def _fmt(kw, head_dim=64):
@@ -140,36 +150,23 @@ def test_a_one_token_query_with_a_step_axis_keeps_it():
     assert foscar.decode_folded(q, cache).shape == q.shape
 
 
-def test_the_causal_view_still_refuses_a_ring():
-    """The causal view (the fallback of a backend that takes no steps) cuts lengths, which a ring's slots do not
-    follow: refused by name."""
+def test_a_ring_that_cannot_hold_the_steps_windows_is_refused():
+    """A step over a ring reads each token's window, which a ring without ``rollback >= q_len - 1`` lost: refused by
+    name, by the backends and the oracle alike; a ring that keeps them but was built without the step's tokens
+    (``from_quantized`` holds the window alone) is refused where the lengths are read."""
     from foscar.multitoken import causal_view
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
-    _, cache = _step(fmt, [30, 40], 2)
-    with pytest.raises(UnsupportedError, match="recent ring"):
-        causal_view(cache, 2)
-
-
-def test_auto_gives_a_ring_step_to_a_backend_that_takes_it(monkeypatch):
-    """On a CUDA device ``auto`` takes the CuTe kernel for a step over a ring where it takes such steps
-    (:data:`foscar.cute.config.WINDOWED_STEPS`), else the Triton kernel (the causal view refuses a ring); a step
-    over a sink alone, and one token, stay with the CuTe kernel."""
-    from _helpers import cute_switches
-
-    import foscar.api as api
-    from foscar import backends
-    from foscar.api import BackendStatus, _fmt_values, _select
-    for name in ("triton", "cute"):
-        monkeypatch.setattr(backends.get(name), "status", lambda key, n=name: BackendStatus(n, True, "Fake GPU"))
-    ring, sink = (foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel"),
-                  foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4))
-    for on, want in ((False, "triton"), (True, "cute")):
-        with cute_switches(monkeypatch, WINDOWED_STEPS=on):
-            api.clear_selection_cache()
-            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", True) == want
-            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", False) == "cute"
-            assert _select("cuda:0", _fmt_values(sink), 4, 64, "auto", "auto", False) == "cute"
-    api.clear_selection_cache()
+    q, cache = _step(fmt, [30, 40], 2)
+    for call in (lambda: causal_view(cache, 2), lambda: foscar.decode(q, cache), lambda: foscar.decode_exact(q, cache)):
+        with pytest.raises(UnsupportedError, match=r"rollback >= 1\)"):
+            call()
+    kept = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel", rollback=1)
+    q, cache = _step(kept, [64, 70], 2)  # the first token's window: the group that the second one completed
+    foscar.decode_exact(q, cache)  # quantize_kv fills the ring as appends do
+    cache.ring_from.copy_(kept.split_length(cache.seq_lens)[1])  # a ring that holds its window alone
+    if not GPU:
+        with pytest.raises(InvalidArgumentError, match="^cache: expected a ring that holds the windows"):
+            foscar.decode(q, cache)
 
 
 def test_a_step_of_more_rows_than_the_columns_runs_in_parts():
@@ -182,11 +179,11 @@ def test_a_step_of_more_rows_than_the_columns_runs_in_parts():
 
 
 CUTE = [  # (format, gqa, step, tail)
-    (dict(bits=2, group_size=128, sink=4, recent=16), 4, 4, 0),
-    (dict(bits=4, group_size=128, k_axis="channel"), 4, 2, 0),
-    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8), 8, 4, 4),
+    (dict(bits=2, group_size=128, sink=4, recent=16, rollback=8), 4, 4, 0),
+    (dict(bits=4, group_size=128, k_axis="channel", rollback=8), 4, 2, 0),
+    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8, rollback=8), 8, 4, 4),
     (dict(bits=4, group_size=128, sink=4), 8, 1, 3),  # a part of one token of a longer step
-    (dict(scheme="nvfp4", recent=8), 2, 4, 0)]
+    (dict(scheme="nvfp4", recent=8, rollback=8), 2, 4, 0)]
 
 
 @pytest.mark.parametrize("kw,gqa,step,tail", CUTE)
@@ -213,17 +210,21 @@ def test_the_cute_kernels_of_a_windowed_step_compile(kw, gqa, step, tail):
 
 
 def _bf16_step_attention(q, cache):
-    """BF16 attention of a step over the dequantized cache as it is, token ``j`` over its first ``L - T + 1 + j``
-    tokens (``foscar.reference.attend`` with BF16 operands and P, FP32 math, a BF16 output)."""
+    """BF16 attention of a step over the dequantized cache, token ``j`` over the cache at its length (the causal
+    view's row; ``foscar.reference.attend`` with BF16 operands and P, FP32 math, a BF16 output)."""
     import math
+
+    from foscar.multitoken import causal_view
     B, T, Hq, D = q.shape
     Hkv = cache.num_kv_heads
-    kd, vd = cache.dequantize(torch.float32)
+    view = causal_view(cache, T)
+    kd, vd = view.dequantize(torch.float32)
     out = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
     for b in range(B):
         for j in range(T):
-            n = int(cache.seq_lens[b]) - T + 1 + j
-            o, _ = foscar.reference.attend(q[b, j].float().reshape(Hkv, Hq // Hkv, D), kd[b, :, :n], vd[b, :, :n],
+            r = b * T + j
+            n = int(view.seq_lens[r])
+            o, _ = foscar.reference.attend(q[b, j].float().reshape(Hkv, Hq // Hkv, D), kd[r, :, :n], vd[r, :, :n],
                                            1 / math.sqrt(D), operand_dtype=torch.bfloat16)
             out[b, j] = o.reshape(Hq, D).bfloat16().float()
     return out
@@ -232,29 +233,32 @@ def _bf16_step_attention(q, cache):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("kw,head_dim,G,T", [
-    (dict(bits=2, group_size=128, sink=4, recent=16), 128, 4, 4),
-    (dict(bits=4, group_size=128, k_axis="channel"), 128, 4, 2),
-    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8), 128, 8, 8),  # 64 rows: 2 parts
+    (dict(bits=2, group_size=128, sink=4, recent=16, rollback=8), 128, 4, 4),
+    (dict(bits=4, group_size=128, k_axis="channel", rollback=8), 128, 4, 2),
+    # 64 rows: 2 parts
+    (dict(bits=2, group_size=128, k_axis="channel", v_axis="channel", recent=8, rollback=8), 128, 8, 8),
     (dict(bits=4, group_size=128), 128, 8, 8),  # no windows, in parts
-    (dict(bits=4, group_size=128, sink=4, recent=32), 256, 2, 8),  # head dim 256: parts of 4 tokens
+    (dict(bits=4, group_size=128, sink=4, recent=32, rollback=8), 256, 2, 8),  # head dim 256: parts of 4 tokens
     (dict(bits=4, group_size=128, sink=4), 256, 8, 3),  # parts of one token
-    (dict(scheme="nvfp4", recent=8), 128, 4, 4)])
-def test_the_cute_kernel_takes_a_windowed_step_gpu(monkeypatch, kw, head_dim, G, T):
-    """The CuTe kernels over a windowed cache (stage 1's columns with the causal limit from the sequence's end,
-    the combine's window rows), and steps of more rows than the columns in parts (:data:`WINDOWED_STEPS` on):
-    NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle (BF16 attention's error on
-    the same cache), the LSE within 1e-2; a CUDA graph replays it."""
+    (dict(scheme="nvfp4", recent=8, rollback=8), 128, 4, 4)])
+@pytest.mark.parametrize("columns", (True, False))
+def test_the_cute_kernel_takes_a_windowed_step_gpu(monkeypatch, kw, head_dim, G, T, columns):
+    """The CuTe kernels over a windowed cache, as columns (:data:`WINDOWED_STEPS` on: stage 1's columns with each
+    token's quantized count, the combine's window rows of each token's length, and steps of more rows than the
+    columns in parts) or as the causal view's rows (off): NaN-poisoned outputs, every element within the kernels'
+    bound of the float64 oracle (BF16 attention's error on the same cache), the LSE within 1e-2; a CUDA graph
+    replays it."""
     from _helpers import cute_switches
-    with cute_switches(monkeypatch, WINDOWED_STEPS=True):
+    with cute_switches(monkeypatch, WINDOWED_STEPS=columns):
         _check_windowed_step(kw, head_dim, G, T, "cute")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw,head_dim,G,T", [
-    (dict(bits=2, group_size=64, sink=4, recent=16), 128, 4, 4),
-    (dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", recent=8), 128, 8, 8),
-    (dict(bits=4, group_size=128, sink=4, recent=32), 256, 2, 8),
-    (dict(scheme="nvfp4", recent=8), 128, 4, 4)])
+    (dict(bits=2, group_size=64, sink=4, recent=16, rollback=8), 128, 4, 4),
+    (dict(bits=4, group_size=64, k_axis="channel", v_axis="channel", recent=8, rollback=8), 128, 8, 8),
+    (dict(bits=4, group_size=128, sink=4, recent=32, rollback=8), 256, 2, 8),
+    (dict(scheme="nvfp4", recent=8, rollback=8), 128, 4, 4)])
 def test_the_triton_kernel_takes_a_windowed_step_gpu(kw, head_dim, G, T):
     """The Triton kernels' steps over windows on the GPU (the interpreter's cases above, compiled): the same
     checks as the CuTe kernels'."""

@@ -211,27 +211,26 @@ def test_a_step_of_several_tokens_is_one_foscar_decode(monkeypatch):
 @pytest.mark.parametrize("fmt_kw", ({"recent": 16}, {"k_axis": "channel"}, {"sink": 4, "recent": 8}))
 def test_a_step_over_a_ring_is_one_foscar_decode(monkeypatch, fmt_kw):
     """A step of 4 tokens over a cache with BF16 windows (a recent window; channel-wise K's incomplete group) is
-    one foscar.decode too, each token over the cache as it holds the tokens after the step's append: its logits
-    are those of the same step over the dequantized cache (SDPA with the model's causal mask)."""
+    one foscar.decode too, each token over the cache as it was at that token (its ring keeps them: ``rollback``):
+    its logits are those of 4 one-token steps."""
     ref, ours = tiny_models()
     ids = torch.randint(0, 97, (1, 104), generator=torch.Generator().manual_seed(6))
 
-    def run(calls: list):
+    def run(step: int, calls: list):
         cache = fit.FoscarCache(bits=4, group_size=64, **fmt_kw)
         kw = fit.cache_kwargs(ours, cache)
         with torch.no_grad():
             ours(ids[:, :100], use_cache=True, **kw)
-            return ours(ids[:, 100:104], use_cache=True, **kw).logits
+            return torch.cat([ours(ids[:, t:t + step], use_cache=True, **kw).logits for t in range(100, 104, step)], 1)
 
     real = fit.foscar.decode
     calls = []
     monkeypatch.setattr(fit.foscar, "decode",
                         lambda q, cache, **kw: calls.append(tuple(q.shape)) or real(q, cache, **kw))
-    step = run(calls)
+    step = run(4, calls)
     assert calls == [(1, 4, 4, 64)] * 2
-    monkeypatch.setattr(fit, "MAX_STEP", 1)  # the step over the dequantized cache instead
-    dense = run(calls)
-    assert len(calls) == 2 and torch.allclose(step, dense, atol=1e-3, rtol=0)
+    single = run(1, calls)
+    assert torch.allclose(step, single, atol=1e-5, rtol=0)
 
 
 def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
@@ -269,12 +268,13 @@ def test_prompt_lookup_decoding_gives_the_plain_greedy_output(monkeypatch):
     cache = fit.FoscarCache(bits=4, group_size=64, recent=16, rollback=0)
     with pytest.raises(ValueError, match="can be cropped"):
         ours.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=7, **fit.cache_kwargs(ours, cache))
-    # a ring with rollback (FoscarCache's default): the drafts verified as steps, the rejected ones taken back (the
-    # window's tokens at a step are those after its append, so the logits may differ from plain decoding's in the
-    # last bits: the output's length is checked, not its tokens)
+    # a ring with rollback (FoscarCache's default): the drafts verified as steps, each token over its own length's
+    # window, the rejected ones taken back: plain decoding's output through the same kind of cache
     rewinds = []
     real_rewind = fit.QuantKVCache.rewind
     monkeypatch.setattr(fit.QuantKVCache, "rewind", lambda c, n: rewinds.append(n) or real_rewind(c, n))
+    ring = {"k_axis": "channel", "recent": 16}
+    plain_ring = generate(ring)
     steps.clear()
-    ringed = generate({"k_axis": "channel", "recent": 16}, prompt_lookup_num_tokens=7)
-    assert ringed.shape[1] == plain.shape[1] and any(t and t > 1 for t in steps) and any(rewinds)
+    assisted_ring = generate(ring, prompt_lookup_num_tokens=7)
+    assert torch.equal(plain_ring, assisted_ring) and any(t and t > 1 for t in steps) and any(rewinds)

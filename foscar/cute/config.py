@@ -101,10 +101,10 @@ QK_OVERWRITE = False
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
 #: :attr:`Sm90Config.start_prefetch`): off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
 START_PREFETCH = False
-#: The CuTe backend takes steps of several tokens over BF16 windows (each column's causal limit from the sequence's
-#: end, the windows' rows in the combine) and runs a step of more rows than the columns in parts of its tokens
-#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: steps over windows go to another backend,
-#: more rows run as the causal view's. Off until its GPU tests run (``tests/test_steps_windows.py``)
+#: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
+#: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
+#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows. Off
+#: until its GPU tests run (``tests/test_steps_windows.py``)
 WINDOWED_STEPS = False
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)

@@ -42,7 +42,7 @@ from .warpgroup import (
     WarpgroupThread,
     allocate_registers,
     causal_limits,
-    causal_seen,
+    causal_last,
 )
 
 
@@ -440,7 +440,7 @@ class FoldDecodeSm90WS(TileKernel):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         limits = None
         if cutlass.const_expr(cfg.causal):
-            limits = causal_limits(cfg, thr.col0, causal_seen(cfg, mSEQ, b, n))
+            limits = causal_limits(cfg, thr.col0, causal_last(cfg, mSEQ, b, n))
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits)
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset

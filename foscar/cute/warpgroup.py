@@ -250,26 +250,30 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
 
 
-def causal_limits(cfg: Sm90Config, col0, seen) -> list | None:
+def causal_limits(cfg: Sm90Config, col0, last) -> list | None:
     """A step of several tokens, or a part of one (``cfg.causal``): the quantized tokens each of this thread's
-    columns sees (by column slot; ``col0`` its first column), ``seen - tail - (step - 1 - j)`` for the column's step
-    token ``j`` (``seen``: :func:`causal_seen`); else None."""
+    columns sees (by column slot; ``col0`` its first column), those of its step token ``j``'s length (``last``,
+    :func:`causal_last`, less ``tail + step - 1 - j``): without windows that length's count, with them its quantized
+    count (the rest of that length is read from the ring, as a one-token decode at that length); else None."""
     if not cfg.causal:
         return None
-    last = seen - cfg.tail if cfg.tail else seen  # what the step's last token sees
-    return [last - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step)) for k in range(2 * cfg.nb)]
+    if cfg.tail:
+        last = last - cfg.tail
+    limits = []
+    for k in range(2 * cfg.nb):
+        n = last - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step))
+        limits.append(quantized_length(cfg, n) if cfg.windows else n)
+    return limits
 
 
 @cute.jit
-def causal_seen(cfg: Sm90Config, mSEQ: cute.Tensor, b, n):
-    """The quantized tokens (from position ``n_sink``) a sequence's last token sees: its ``n`` quantized tokens,
-    or with BF16 windows up to its end, ``L - n_sink`` (the ring's tokens past the quantized ones masked as rows
-    past the sequence)."""
-    seen = n
+def causal_last(cfg: Sm90Config, mSEQ: cute.Tensor, b, n):
+    """What :func:`causal_limits` counts back from: the sequence's ``n`` quantized tokens, or with BF16 windows its
+    length ``L``."""
+    last = n
     if cutlass.const_expr(cfg.windows):
-        L = mSEQ[b]
-        seen = L - cutlass.min(L, cfg.sink)
-    return seen
+        last = mSEQ[b]
+    return last
 
 
 @cute.jit

@@ -19,9 +19,9 @@ phases with a barrier between them:
 Token ``i`` of the window (``i < n_sink + n_recent``, from the sequence's length as
 :meth:`foscar.KVFormat.split_length` splits it) is sink token ``i`` for ``i < n_sink``, else the ring's slot
 ``(n_quant + i - n_sink) % ring``, as the Triton window kernel (:func:`foscar.triton.bf16.bf16_decode_stage1`)
-reads them. A step's row (token ``j`` of ``q_len``, :mod:`foscar.multitoken`) sees the tokens at sequence
-positions below ``L - q_len + 1 + j``: the window's first ones, since the sink and the ring hold positions in
-order. A rotated cache's windows hold rotated values: the query is rotated into the cache's space first
+reads them. A step's row (token ``j`` of ``q_len``, :mod:`foscar.multitoken`) reads the windows of its own length
+``L - q_len + 1 + j``, which the ring still holds (``KVFormat.rollback``): a one-token decode's at that length.
+A rotated cache's windows hold rotated values: the query is rotated into the cache's space first
 (:func:`foscar.cute.rotation.walsh_hadamard`). Products and sums are FP32 of the window's BF16/FP16 values. A
 NaN score or value makes its row's sums NaN; an infinite score makes them NaN (``2^(inf - inf)``).
 """
@@ -171,7 +171,7 @@ def window_state(cfg, wtype, mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor
                  mSEQ: cute.Tensor, mRot: cute.Tensor, qk_scale: Float32, sm: WindowSmem, b, h0, tid):
     """``(m, total, acc)``, a list each: the base-2 softmax state over its windows of query rows ``h0 ..
     h0 + rows - 1`` of row ``b`` (sequence ``b``; a step's: token ``b % step`` of sequence ``b // step``, over the
-    window tokens before its causal limit, a prefix of the sink and the ring), for the thread of channel
+    windows of that token's length), for the thread of channel
     ``tid % D`` and rank ``tid // D`` (``m`` the window's largest scaled score, ``-inf`` for an empty window;
     ``total`` the sum of ``2^(s - m)`` on rank 0, 0 on the others; ``acc`` the rank's sum of ``2^(s - m) v`` over
     its tokens: the combine adds the ranks' sums).
@@ -183,14 +183,13 @@ def window_state(cfg, wtype, mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor
     if cutlass.const_expr(cfg.step > 1):
         seq = b // cfg.step
     L = mSEQ[seq]
+    if cutlass.const_expr(cfg.step > 1 or cfg.tail > 0):  # row b's step token reads the windows of its length
+        L = L - cfg.tail
+        if cutlass.const_expr(cfg.step > 1):
+            L = L - (cfg.step - 1 - b % cfg.step)
     n_sink = cutlass.min(L, cfg.sink)
     n_quant = cutlass.max(L - n_sink - cfg.recent, 0) // cfg.flush * cfg.flush
     n_win = L - n_quant  # the sink's tokens and the ring's
-    if cutlass.const_expr(cfg.step > 1 or cfg.tail > 0):  # the prefix of them row b's step token sees
-        limit = L - cfg.tail
-        if cutlass.const_expr(cfg.step > 1):
-            limit = limit - (cfg.step - 1 - b % cfg.step)
-        n_win = cutlass.min(limit, n_sink) + cutlass.max(limit - n_sink - n_quant, 0)
     kvh = h0 // cfg.gqa
     # the query rows, in the cache's space (a rotated cache: q R = H (q s / sqrt(D))), and the running maxima
     for k in cutlass.range_constexpr((cfg.rows * D + cfg.threads - 1) // cfg.threads):

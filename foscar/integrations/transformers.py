@@ -12,7 +12,8 @@ own unquantized keys and values, as KIVI-style caches do. Each decode step appen
 attends with ``foscar.decode`` over the cache: the quantized tokens read as packed codes, the BF16 sink
 and recent windows as they are. A step of up to :data:`MAX_STEP` new tokens after the prompt (assisted
 decoding, speculative verification) is one ``foscar.decode`` of ``q [B, q_len, Hq, D]``, causal among the
-step's tokens (:mod:`foscar.multitoken`), the windows included; longer runs of new tokens (chunked prefill)
+step's tokens, each as its own one-token step would attend (:mod:`foscar.multitoken`; over a BF16 ring, one that
+keeps the step's windows: ``rollback``, :data:`MAX_STEP` by default); longer runs of new tokens (chunked prefill)
 attend over the dequantized cache with SDPA. Pages (64 tokens) are added as sequences grow.
 """
 from __future__ import annotations
@@ -108,8 +109,9 @@ class FoscarLayer(CacheLayerMixin):
         self.length += T
         if prior == 0:  # the prompt: SDPA over its own keys and values
             return key_states, value_states
-        if T <= MAX_STEP:  # a decode step: the attention
-            keys = key_states.detach().clone()  # function reads the cache through the tag
+        fmt = self.cache.fmt
+        if T == 1 or (T <= MAX_STEP and (not fmt.recent_capacity or fmt.rollback >= T - 1)):  # a decode step: the
+            keys = key_states.detach().clone()  # attention function reads the cache through the tag
             keys._foscar_layer = self
             return keys, value_states
         k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA

@@ -29,30 +29,38 @@ def bf16_decode_stage1(
     """Token ``i < LEN[b]`` of sequence ``b`` sits at position ``START[b] + i`` (modulo ``PAGE`` when
     ``WRAP``: a ring in one page) of its pages, ``BT[b, :]`` (page ``b`` when ``IDENTITY_PAGES``). A foscar
     cache's window and a step of ``STEP`` tokens (:mod:`foscar.multitoken`): row ``hh`` is head ``kvh G + hh % G``
-    of step token ``hh // G`` (row ``b STEP + hh // G`` of ``Q`` and of the partials), which sees the window's
-    tokens at sequence positions below ``L - TAIL - STEP + 1 + hh // G`` (``TAIL``: a part of a longer step); a
-    row that sees none of them writes an empty partial (``lse = -inf``)."""
+    of step token ``hh // G`` (row ``b STEP + hh // G`` of ``Q`` and of the partials), which reads the window of
+    its own length ``L - TAIL - STEP + 1 + hh // G`` (``TAIL``: a part of a longer step): the sink's tokens below
+    it, the ring's from that length's quantized count (the ring holds them: ``KVFormat.rollback``); a row that
+    sees none of them writes an empty partial (``lse = -inf``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    first = 0  # the sequence position of the window's first token, and the last step token's limit
-    limit = 0
+    hh = tl.arange(0, BLOCK_H)
+    causal: tl.constexpr = WINDOW > 0 and (STEP > 1 or TAIL > 0)
+    lo = 0  # a step's rows: the window tokens (from the first) each row sees, [lo, hi)
+    hi = 0
     if WINDOW == 0:  # explicit ranges
         n = tl.load(LEN + b)
         start = tl.load(START + b)
     else:  # a foscar cache's window, from its length (START holds the lengths): 1 = sink, 2 = recent ring
         L = tl.load(START + b)
         n_sink, n_quant, n_recent = split_of(L, SINK, RECENT, FLUSH)
-        limit = L - TAIL
+        L_row = L - TAIL - (STEP - 1) + hh // G  # each row's length: its windows are that length's
+        sink_row, quant_row, _ = split_of(L_row, SINK, RECENT, FLUSH)
         if WINDOW == 1:
             n = n_sink
             start = 0 * n_sink
+            hi = sink_row
         else:
             n = n_recent
             start = n_quant
-            first = n_sink + n_quant
+            if causal:  # from the first row's quantized count (the ring holds it: KVFormat.rollback)
+                _, start, _ = split_of(L - TAIL - (STEP - 1), SINK, RECENT, FLUSH)
+                n = L - TAIL - tl.minimum(L - TAIL, SINK) - start
+            lo = quant_row - start
+            hi = L_row - sink_row - start
     t_lo, t_hi = split_range(n, BLOCK_N)
-    hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)
     hmask = hh < G * STEP
@@ -81,10 +89,10 @@ def bf16_decode_stage1(
         k = round_operand(k, INTERPRET)  # FP16 windows too: the MMA takes BF16 operands on both sides
         v = round_operand(v, INTERPRET)
         seen = valid[None, :]
-        if STEP > 1 or TAIL > 0:  # causal among the step's tokens
-            seen = seen & ((first + i)[None, :] < (limit - (STEP - 1) + hh // G)[:, None])
+        if causal:  # each row over its own length's window
+            seen = seen & (i[None, :] >= lo[:, None]) & (i[None, :] < hi[:, None])
         s = tl.where(seen, dot(q, tl.trans(k), INTERPRET) * qk_scale, float("-inf"))
-        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s, STEP > 1 or TAIL > 0)
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, s, causal)
         acc = acc * alpha[:, None] + dot(round_operand(p, INTERPRET), v, INTERPRET)
     den, lse = partial_result(m_i, l_i)
     out = acc / den[:, None]

@@ -42,18 +42,16 @@ def online_softmax(m_i, l_i, s, GUARD: tl.constexpr = False):
 
 
 @triton.jit
-def causal_softmax_step(st, valid, t0, tt, hh, n_seen, m_i, l_el, G: tl.constexpr, STEP: tl.constexpr):
+def causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP: tl.constexpr):
     """One KV tile of the stage-1 kernels' base-2 online softmax over scores ``S^T [BLOCK_N, BLOCK_H]``:
-    tokens past the quantized ones (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask
-    among them (row ``hh`` is step token ``hh // G``, which sees the first ``n_seen - STEP + 1 + hh // G``
-    quantized tokens; ``n_seen``: those the step's last token sees, :func:`quantized_seen`). A row may see no
-    token of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p, l_el)``: the
-    running maxima, the rescale of what came before, ``P^T``, the per-element sums."""
+    tokens past the quantized ones (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask among
+    them (row ``hh`` sees the first ``row_seen[hh]`` quantized tokens, :func:`step_seen`). A row may see no token
+    of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p, l_el)``: the running
+    maxima, the rescale of what came before, ``P^T``, the per-element sums."""
     if STEP == 1:
         st = tl.where(valid[:, None], st, float("-inf"))
     else:
-        st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < (n_seen - (STEP - 1) + hh // G)[None, :]), st,
-                      float("-inf"))
+        st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < row_seen[None, :]), st, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(st, axis=0))
     m_use = m_new
     if STEP > 1:
@@ -64,14 +62,16 @@ def causal_softmax_step(st, valid, t0, tt, hh, n_seen, m_i, l_el, G: tl.constexp
 
 
 @triton.jit
-def quantized_seen(L, n_sink, n_quant, WINDOWS: tl.constexpr):
-    """The quantized tokens (from position ``n_sink``) the last token of a step sees in a sequence of ``L``: all
-    ``n_quant`` without windows, else up to the sequence's end, ``L - n_sink`` (the recent ring's tokens past
-    the quantized ones are masked by the kernel's own ``valid``)."""
+def step_seen(L, n_quant, hh, G: tl.constexpr, STEP: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+              FLUSH: tl.constexpr, WINDOWS: tl.constexpr):
+    """The quantized tokens each row of a step sees (row ``hh``: step token ``hh // G``, of length
+    ``L - STEP + 1 + hh // G``): the quantized count at that length, which a BF16 window makes smaller than the
+    length (the row reads the rest from the ring, as a one-token decode at that length); without windows
+    ``n_quant - STEP + 1 + hh // G``."""
     if WINDOWS == 0:
-        seen = n_quant
+        seen = n_quant - (STEP - 1) + hh // G
     else:
-        seen = L - n_sink
+        _, seen, _ = split_of(L - (STEP - 1) + hh // G, SINK, RECENT, FLUSH)
     return seen
 
 

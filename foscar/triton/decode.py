@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .combine import merge_parts
-from .common import (causal_softmax_step, dot, dot_acc, partial_result, quantized_seen, round_operand, split_of,
-                     split_range, walsh_hadamard)
+from .common import (causal_softmax_step, dot, dot_acc, partial_result, round_operand, split_of,
+                     split_range, step_seen, walsh_hadamard)
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -154,14 +154,14 @@ def fold_decode_stage1(
     HALF: tl.constexpr = ((1 << BITS) - 1) / 2  # the middle code: x = s' (q - HALF) + mid
 
     L = tl.load(SEQ + b)
-    n_sink, n_quant, _ = split_of(L, SINK, RECENT, FLUSH)
-    n_seen = quantized_seen(L, n_sink, n_quant, WINDOWS)  # a step's causal limit, in quantized tokens
+    _, n_quant, _ = split_of(L, SINK, RECENT, FLUSH)
     t_lo, t_hi = split_range(n_quant, BLOCK_N)
 
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, D)
     tt = tl.arange(0, BLOCK_N)
     hmask = hh < G * STEP
+    row_seen = step_seen(L, n_quant, hh, G, STEP, SINK, RECENT, FLUSH, WINDOWS)  # a step's causal limits
     # row hh: query head kvh G + hh % G of token hh // G of the step, a row b STEP + hh // G of Q (and of the
     # partials and the output); one token (STEP 1): head kvh G + hh of row b
     if STEP == 1:
@@ -271,7 +271,7 @@ def fold_decode_stage1(
         if not (K_TOKEN and FOLD):
             st = st * qk_scale
         # ---- online softmax (base 2) over the token axis, masked (causal among a step's tokens) -------
-        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, hh, n_seen, m_i, l_el, G, STEP)  # p: P^T
+        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP)  # p: P^T
         # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
         vs = v_s
         vmid = _middle(v_s, v_z, V_MID, INTERPRET)

@@ -27,7 +27,7 @@ the fused merge and the step rows (``STEP``, causal among a step's tokens) are t
 import triton
 import triton.language as tl
 
-from .common import causal_softmax_step, dot, partial_result, quantized_seen, split_of, split_range
+from .common import causal_softmax_step, dot, partial_result, split_of, split_range, step_seen
 from .decode import finish_split
 from .tiles import k_words, v_words
 from .tiles_fp4 import block_scales, k_operand_fp4, v_operand_t_fp4
@@ -95,8 +95,7 @@ def fp4_decode_stage1(
     NB: tl.constexpr = D // BLOCK  # blocks per token
 
     L = tl.load(SEQ + b)
-    n_sink, n_quant, _ = split_of(L, SINK, RECENT, FLUSH)
-    n_seen = quantized_seen(L, n_sink, n_quant, WINDOWS)  # a step's causal limit, in quantized tokens
+    _, n_quant, _ = split_of(L, SINK, RECENT, FLUSH)
     t_lo, t_hi = split_range(n_quant, BLOCK_N)
 
     hh = tl.arange(0, BLOCK_H)
@@ -104,6 +103,7 @@ def fp4_decode_stage1(
     tt = tl.arange(0, BLOCK_N)
     cc = tl.arange(0, NB)
     hmask = hh < G * STEP
+    row_seen = step_seen(L, n_quant, hh, G, STEP, SINK, RECENT, FLUSH, WINDOWS)  # a step's causal limits
     step_row = hh // G if STEP > 1 else 0  # row hh: head kvh G + hh % G of the step's token hh // G
     head = kvh * G + (hh % G if STEP > 1 else hh)
     row_off = (b * STEP + step_row) * stride_qb + head * stride_qh
@@ -144,7 +144,7 @@ def fp4_decode_stage1(
         yk = k_operand_fp4(kw, ks * _pow2_over(k_top, 15)[:, None], BLOCK_N, D, BLOCK, INTERPRET)  # 2 v s / 2^E_t
         st = dot(yk, q2t, INTERPRET) * (_pow2(k_top, -1) * k_fac)[:, None] * row_fac[None, :]
         # ---- online softmax (base 2) over the token axis, masked (causal among a step's tokens) -------
-        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, hh, n_seen, m_i, l_el, G, STEP)  # p: P^T
+        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP)  # p: P^T
         # ---- O^T += V^T P^T: the scale in the A operand, a power of two per block on the product -------
         vs = block_scales(vb.to(tl.int32), E8M0)  # [NB, BLOCK_N]
         top = _pow2_bits(tl.max(vs, axis=1))  # [NB]: 2^E_b at or above the tile's scales of block b
