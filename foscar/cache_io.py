@@ -101,6 +101,9 @@ def from_quantized(fmt: KVFormat, *, k_codes, k_scale, v_codes, v_scale, seq_len
     ``[B, Hkv, Q, D/block]`` as their bytes (uint8: E4M3 for NVFP4, E8M0 for MXFP4; or
     ``torch.float8_e4m3fn`` for NVFP4), stored as they are; no offsets; NVFP4's per-tensor scales
     ``tensor_scales=(k, v)`` (default 1). The values are codes times block scale times tensor scale.
+    A format with a BF16 recent ring holds the window alone (``ring_from``): a decode step of several tokens reads
+    earlier windows, which the ring has once the step's tokens are appended through foscar
+    (:func:`foscar.multitoken.check_ring` refuses it before, where the lengths are read on the host).
     """
     if not isinstance(fmt, KVFormat):
         raise InvalidArgumentError("fmt", "a foscar.KVFormat", type(fmt).__name__)
