@@ -486,20 +486,29 @@ class QuantKVCache:
         (:meth:`foscar.KVFormat.ring_keep_from`), the older slots written over."""
         torch.maximum(self.ring_from, self.fmt.ring_keep_from(self.seq_lens).to(torch.int32), out=self.ring_from)
 
-    def rewind(self, tokens) -> None:
+    def rewind(self, tokens, *, check: bool = True) -> None:
         """Take the last ``tokens`` tokens of every sequence back (an int, or an int tensor ``[B]`` of counts): the
         lengths go back and the next appends write over them (speculative decoding's rejected drafts). A cache
         with a BF16 recent ring takes back the tokens whose window it still holds in BF16: up to
         :attr:`foscar.KVFormat.rollback` after appends of that many (its ring keeps that many more slots);
-        without a ring, any. Reads the lengths back (a host sync); a refused call leaves the cache as it was."""
+        without a ring, any. The checks read the lengths back (a host sync); a refused call leaves the cache as it
+        was. ``check=False`` (inside a CUDA graph, as ``foscar.triton.append``'s): the lengths go back on the
+        device, unchecked (the caller keeps within the contract above)."""
         B = self.batch_size
         if isinstance(tokens, bool) or not isinstance(tokens, (int, torch.Tensor)):
             raise InvalidArgumentError("tokens", "an int or an int tensor of counts per sequence",
                                        type(tokens).__name__)
         if isinstance(tokens, torch.Tensor):
-            check_tensor("tokens", tokens, shape=(B,), dtypes=INDEX_DTYPES + (torch.int16, torch.uint8))
+            check_tensor("tokens", tokens, shape=(B,), dtypes=INDEX_DTYPES + (torch.int16, torch.uint8),
+                         device=None if check else self.device)
+            if not check:
+                self.seq_lens.sub_(tokens.to(torch.int32))
+                return
             n = tokens.long().cpu()
         else:
+            if not check:
+                self.seq_lens.sub_(tokens)
+                return
             n = torch.full((B,), tokens, dtype=torch.long)
         lens = self.seq_lens.long().cpu()
         bad = ((n < 0) | (n > lens)).nonzero()

@@ -142,6 +142,23 @@ def test_rewinds_are_checked():
     assert cache.seq_lens.tolist() == [1]
 
 
+def test_an_unchecked_rewind_is_the_checked_one():
+    """``rewind(tokens, check=False)`` (a CUDA graph's): the lengths go back on the device, as the checked call's."""
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32, k_axis="channel", rollback=8)
+    caches = [foscar.QuantKVCache.empty(fmt, 2, 1, max_len=128, page_size=64, device=DEV) for _ in range(2)]
+    x = torch.randn(2, 2, 1, 40, 64).bfloat16().float().to(DEV)
+    for c in caches:
+        c.append(*x.unbind(0))
+    counts = torch.tensor([5, 2], dtype=torch.int32, device=DEV)
+    caches[0].rewind(counts)
+    caches[1].rewind(counts, check=False)
+    assert torch.equal(caches[0].seq_lens, caches[1].seq_lens) and caches[1].seq_lens.tolist() == [35, 38]
+    caches[1].rewind(1, check=False)
+    assert caches[1].seq_lens.tolist() == [34, 37]
+    with pytest.raises(InvalidArgumentError, match="^tokens: expected"):
+        caches[1].rewind(counts.cpu() if GPU else counts.float(), check=False)
+
+
 def test_rollback_is_ring_slots():
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32, recent=16, rollback=8)
     assert fmt.recent_capacity == 24 and fmt.ring_keep_from(100) == 100 - 24
