@@ -290,3 +290,43 @@ def _check_windowed_step(kw, head_dim, G, T, backend):
     replay()
     torch.cuda.synchronize()
     assert torch.equal(again, out)
+
+
+COMPILE_WINDOWED = """
+import sys
+sys.path.insert(0, "benchmarks")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sass_stats import compile_stage1, resources
+from foscar.format import KVFormat
+from foscar.triton.bf16 import bf16_decode_stage1
+for kw in (dict(sink=4, recent=16, rollback=8), dict(k_axis="channel", rollback=8)):
+    print(resources(compile_stage1(KVFormat(bits=4, head_dim=128, group_size=128, **kw), q_len=3, G=4)))
+ptr = dict(Q="*bf16", KB="*bf16", VB="*bf16", BT="*i32", START="*i32", LEN="*i32", OP="*fp32", LP="*fp32")
+ints = ("stride_qb stride_qh stride_kp stride_kh stride_kt stride_vp stride_vh stride_vt stride_btb stride_opb "
+        "stride_oph stride_ops stride_lpb stride_lph PART0").split()
+for window, tail in ((1, 0), (2, 0), (2, 2)):
+    cx = dict(D=128, G=4, BLOCK_H=16, BLOCK_N=16, PAGE=33, IDENTITY_PAGES=True, WRAP=window == 2, INTERPRET=False,
+              WINDOW=window, SINK=4, RECENT=16, FLUSH=1, STEP=3, TAIL=tail)
+    sig = dict(ptr, qk_scale="fp32", **{s: "i32" for s in ints}, **{k: "constexpr" for k in cx})
+    src = ASTSource(fn=bf16_decode_stage1, signature=sig, constexprs=cx)
+    print(resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})))
+"""
+
+
+def test_the_triton_kernels_of_a_windowed_step_compile_for_sm90():
+    """Stage 1 with a step's per-row limits over windowed formats, and the windows' kernel with a step's rows (the
+    sink, the ring, a part of a longer step), compile for sm_90 with Triton's bundled ptxas (no GPU; out of the
+    interpreter the CPU tests run the kernels in), without spilling."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", COMPILE_WINDOWED], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stacks = re.findall(r"'stack': (\d+)", out.stdout)
+    assert len(stacks) == 5 and set(stacks) == {"0"}, out.stdout
