@@ -330,3 +330,35 @@ def test_the_triton_kernels_of_a_windowed_step_compile_for_sm90():
     assert out.returncode == 0, out.stderr[-2000:]
     stacks = re.findall(r"'stack': (\d+)", out.stdout)
     assert len(stacks) == 5 and set(stacks) == {"0"}, out.stdout
+
+
+@pytest.mark.parametrize("kw,G,T,rows", [(dict(bits=4, group_size=64, k_axis="channel", rollback=8), 8, 8, 32),
+                                         (dict(bits=2, group_size=64, sink=3, recent=5, rollback=8), 2, 7, 8),
+                                         (dict(bits=4, group_size=64), 8, 3, 8)])
+def test_a_step_in_parts_is_the_step(monkeypatch, kw, G, T, rows):
+    """The CuTe launcher's parts of a step (:func:`foscar.cute.launch._run_parts`) on the CPU, each part's launch
+    replaced by the oracle of a step ending ``tail`` tokens early: the parts' rows copied in and their outputs and
+    LSEs copied out make the whole step's."""
+    import copy
+
+    import foscar.cute.launch as launch
+    from foscar.multitoken import step_problem
+
+    def oracle_part(part, *, tail=0, **_):
+        B, n = part.cache.batch_size, part.q_len
+        cut = copy.copy(part.cache)
+        cut.seq_lens = part.cache.seq_lens - tail
+        o, s = foscar.decode_exact(part.q.view(B, n, *part.q.shape[1:]), cut, return_lse=True)
+        part.out.copy_(o.reshape(part.out.shape))
+        part.lse.copy_(s.reshape(part.lse.shape))
+
+    fmt = _fmt(kw)
+    q, cache = _step(fmt, [T, 70, 161], T, Hkv=1, G=G, seed=T)
+    problem = step_problem(q, cache, out=torch.full(q.shape, float("nan")), lse=torch.full(q.shape[:3], float("nan")))
+    parts = launch.step_parts(G, T, rows)
+    assert len(parts) > 1
+    monkeypatch.setattr(launch, "run", oracle_part)
+    launch._run_parts(problem, parts, 0)
+    exact, lse = foscar.decode_exact(q, cache, return_lse=True)
+    assert rel(problem.out.view(q.shape), exact) < 1e-6
+    assert float((problem.lse.view(q.shape[:3]).double() - lse).abs().max()) < 1e-5
