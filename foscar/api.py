@@ -56,7 +56,9 @@ def select_backend(q: torch.Tensor, cache: QuantKVCache, backend: str = "auto") 
     run, else an :class:`UnsupportedError` saying why; ``"auto"``: the first usable of
     :data:`AUTO_ORDER` (the reference only on the CPU)."""
     G = q.shape[-2] // cache.num_kv_heads  # q [B, Hq, D] or a step's [B, q_len, Hq, D]
-    return _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"))
+    ring_step = q.dim() == 4 and q.shape[1] > 1 and cache.fmt.recent_capacity > 0
+    return _select(str(q.device), _fmt_values(cache.fmt), G, cache.page_size, backend, os.environ.get(ENV, "auto"),
+                   ring_step)
 
 
 def _fmt_values(fmt: KVFormat) -> tuple:
@@ -81,15 +83,19 @@ def _constant_for_compile(fn):
 
 
 @_constant_for_compile  # host facts only: a compiled graph bakes the choice in
-def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
-    return _cached_select(device, fmt_values, G, page_size, backend, env)
+def _select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str,
+            ring_step: bool = False) -> str:
+    return _cached_select(device, fmt_values, G, page_size, backend, env, ring_step)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str) -> str:
+def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backend: str, env: str,
+                   ring_step: bool = False) -> str:
     """The choice, made once per process and call signature (the status checks cost an eager decode
     call host time: imports looked up, the device queried). An error is not cached.
-    :func:`clear_selection_cache` forgets the choices (after installing a backend, say)."""
+    :func:`clear_selection_cache` forgets the choices (after installing a backend, say). ``ring_step``: a step
+    of several tokens over a cache with a BF16 recent ring, which ``auto`` gives a backend that takes it as it
+    is (the causal view's rows would copy the ring once per token)."""
     fmt = _fmt_from_values(fmt_values)
     choice = backend
     source = "backend"
@@ -106,7 +112,7 @@ def _cached_select(device: str, fmt_values: tuple, G: int, page_size: int, backe
         return choice
     for name in AUTO_ORDER:
         b = backends.get(name)
-        if status[name].usable and dev.type in b.auto_devices and b.preferred(fmt):
+        if status[name].usable and dev.type in b.auto_devices and b.preferred(fmt) and (not ring_step or b.steps(fmt)):
             return name
     raise UnsupportedError(f"backend='auto' on {dev}",
                            "; ".join(f"{s.name}: {s.why}" for s in status.values() if not s.usable))

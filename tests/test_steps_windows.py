@@ -169,6 +169,28 @@ def test_a_ring_that_cannot_hold_the_steps_windows_is_refused():
             foscar.decode(q, cache)
 
 
+def test_auto_gives_a_ring_step_to_a_backend_that_takes_it(monkeypatch):
+    """On a CUDA device ``auto`` takes the CuTe kernel for a step over a ring where it takes such steps as its
+    columns (:data:`foscar.cute.config.WINDOWED_STEPS`), else the Triton kernel (the causal view's rows would copy
+    the ring once per token); a step over a sink alone, and one token, stay with the CuTe kernel."""
+    from _helpers import cute_switches
+
+    import foscar.api as api
+    from foscar import backends
+    from foscar.api import BackendStatus, _fmt_values, _select
+    for name in ("triton", "cute"):
+        monkeypatch.setattr(backends.get(name), "status", lambda key, n=name: BackendStatus(n, True, "Fake GPU"))
+    ring, sink = (foscar.KVFormat(bits=4, head_dim=128, group_size=128, k_axis="channel", rollback=8),
+                  foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4))
+    for on, want in ((False, "triton"), (True, "cute")):
+        with cute_switches(monkeypatch, WINDOWED_STEPS=on):
+            api.clear_selection_cache()
+            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", True) == want
+            assert _select("cuda:0", _fmt_values(ring), 4, 64, "auto", "auto", False) == "cute"
+            assert _select("cuda:0", _fmt_values(sink), 4, 64, "auto", "auto", False) == "cute"
+    api.clear_selection_cache()
+
+
 def test_a_step_of_more_rows_than_the_columns_runs_in_parts():
     from foscar.cute.launch import step_parts
     assert step_parts(4, 8, 32) == [(0, 8)]
