@@ -481,9 +481,9 @@ class QuantKVCache:
             append(self, k_new, v_new, quantizer=quantizer, clip=clip)
 
     def advance_ring(self) -> None:
-        """After an append (every write path calls it, on the device, in place: a CUDA graph's replay moves the
-        same tensor on): :attr:`ring_from` moved on to where the appends' ring writes start
-        (:meth:`foscar.KVFormat.ring_keep_from`), the older slots written over."""
+        """After an append to a cache with a ring (the PyTorch write path; the Triton append kernels do it
+        themselves): :attr:`ring_from` moved on, on the device and in place, to where the append's ring writes
+        start (:meth:`foscar.KVFormat.ring_keep_from`), the older slots written over."""
         torch.maximum(self.ring_from, self.fmt.ring_keep_from(self.seq_lens).to(torch.int32), out=self.ring_from)
 
     def rewind(self, tokens, *, check: bool = True) -> None:

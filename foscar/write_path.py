@@ -77,7 +77,8 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, qua
     for dest, index, value in writes:
         dest[index] = value
     cache.seq_lens.add_(T)
-    cache.advance_ring()
+    if fmt.recent_capacity:
+        cache.advance_ring()
 
 def check_append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, quantizer: str):
     """Everything :meth:`append` checks before writing (it reads lengths back: a host sync). Returns

@@ -275,13 +275,12 @@ def append_step(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *
     _check_append_inputs(cache, k_new, v_new, (B, H, D), check, quantizer)
     for tensor, x, codes, params, sink, ring, c in _append_tensors(cache, k_new, v_new, quantizer):
         append_token_kernel[(B, H)](
-            x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring, cache.tensor_scales,
+            x, cache.seq_lens, c["bt"], c["np"], codes, params, sink, ring, cache.tensor_scales, cache.ring_from,
             x.stride(0), x.stride(1), c["bt"].stride(0), codes.stride(0), codes.stride(1), params.stride(0),
             params.stride(1), sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1),
-            ring.stride(2), **c["constexprs"], ROLLBACK=_ring_rollback(cache.fmt), num_warps=4,
-            enable_fp_fusion=False)
+            ring.stride(2), **c["constexprs"], ROLLBACK=_ring_rollback(cache.fmt),
+            UPDATE_RING=tensor == "k" and cache.fmt.recent_capacity > 0, num_warps=4, enable_fp_fusion=False)
     cache.seq_lens.add_(1)
-    cache.advance_ring()
 
 
 def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, check: bool = True,
@@ -313,12 +312,11 @@ def append(cache: QuantKVCache, k_new: torch.Tensor, v_new: torch.Tensor, *, che
     for tensor, x, codes, params, sink, ring, c in tensors:  # after every read of the ring
         k = c["constexprs"]
         append_window_kernel[(B, H, triton.cdiv(T, block_t))](
-            x, cache.seq_lens, sink, ring, T, x.stride(0), x.stride(1), x.stride(2),
+            x, cache.seq_lens, sink, ring, T, cache.ring_from, x.stride(0), x.stride(1), x.stride(2),
             sink.stride(0), sink.stride(1), sink.stride(2), ring.stride(0), ring.stride(1), ring.stride(2),
             D=D, SINK=k["SINK"], RECENT=k["RECENT"], CAP=k["CAP"], FLUSH=k["FLUSH"], BLOCK_T=block_t,
-            ROLLBACK=_ring_rollback(fmt), num_warps=4)
+            ROLLBACK=_ring_rollback(fmt), UPDATE_RING=tensor == "k" and fmt.recent_capacity > 0, num_warps=4)
     cache.seq_lens.add_(T)
-    cache.advance_ring()
 
 
 def _ring_rollback(fmt) -> int:

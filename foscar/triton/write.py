@@ -202,7 +202,7 @@ def _quantize_affine(src, t, b, h, BT, NP, CODES, PARAMS, stride_btb, stride_cp,
 
 @triton.jit
 def append_token_kernel(
-    X, SEQ, BT, NP, CODES, PARAMS, SINKW, RING, TS,
+    X, SEQ, BT, NP, CODES, PARAMS, SINKW, RING, TS, RING_FROM,
     stride_xb, stride_xh,
     stride_btb,
     stride_cp, stride_ch,  # codes [pages, Hkv, W]
@@ -213,13 +213,15 @@ def append_token_kernel(
     RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, CHANNEL: tl.constexpr, BETA: tl.constexpr,
     TENSOR_V: tl.constexpr, BLOCK_TOKENS: tl.constexpr, PASS_WINDOW: tl.constexpr, RATIO: tl.constexpr,
     FP4: tl.constexpr, E8M0: tl.constexpr, SEARCH: tl.constexpr, ROLLBACK: tl.constexpr = 0,
+    UPDATE_RING: tl.constexpr = False,
 ):
     """Program (sequence ``b``, KV head ``h``) of one tensor. ``FLUSH`` tokens are quantized together when
     the quantized count grows (1 when both tensors are token-wise, else a whole group); ``CHANNEL``: this
     tensor's groups run along tokens (one ``(s', z')`` per channel of the group) rather than channels;
     ``PASS_WINDOW``: the format has a recent ring, so a token is quantized from the ring's dtype
     (:meth:`foscar.KVFormat.as_quantized`) even when it never sat there; ``ROLLBACK``: the ring keeps every new
-    token (:meth:`foscar.KVFormat.ring_keep_from`)."""
+    token (:meth:`foscar.KVFormat.ring_keep_from`); ``UPDATE_RING`` (one tensor's launch of a format with a ring):
+    head 0's program moves the sequence's ``RING_FROM`` on (:meth:`foscar.QuantKVCache.advance_ring`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     dd = tl.arange(0, D)
@@ -245,6 +247,12 @@ def append_token_kernel(
         if ROLLBACK > 0 or p >= q1:  # the ring keeps the new token; after the reads above, which may share its slot
             tl.debug_barrier()
             tl.store(ring + (p % CAP) * stride_rt + dd, x.to(RING.dtype.element_ty))
+        if UPDATE_RING:
+            if h == 0:
+                keep = q1
+                if ROLLBACK > 0:
+                    keep = tl.maximum(p + 1 - CAP, 0)
+                tl.store(RING_FROM + b, tl.maximum(tl.load(RING_FROM + b), keep))
 
 
 @triton.jit
@@ -294,15 +302,17 @@ def append_quantize_kernel(
 
 @triton.jit
 def append_window_kernel(
-    X, SEQ, SINKW, RING, T,
+    X, SEQ, SINKW, RING, T, RING_FROM,
     stride_xb, stride_xh, stride_xt,
     stride_sb, stride_sh, stride_st, stride_rb, stride_rh, stride_rt,
     D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr,
-    BLOCK_T: tl.constexpr, ROLLBACK: tl.constexpr = 0,
+    BLOCK_T: tl.constexpr, ROLLBACK: tl.constexpr = 0, UPDATE_RING: tl.constexpr = False,
 ):
     """Appending ``T`` tokens, part 2 of 2: program (sequence, head, block of ``BLOCK_T`` input tokens)
     writes the tokens that go to the BF16 sink and those the recent ring keeps (after part 1 has read the ring
-    tokens that left): the window's, or with ``ROLLBACK`` the last ``CAP`` (:meth:`foscar.KVFormat.ring_keep_from`)."""
+    tokens that left): the window's, or with ``ROLLBACK`` the last ``CAP`` (:meth:`foscar.KVFormat.ring_keep_from`);
+    ``UPDATE_RING``: the sequence's first program moves its ``RING_FROM`` on there
+    (:meth:`foscar.QuantKVCache.advance_ring`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     jj = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -320,5 +330,8 @@ def append_window_kernel(
              x.to(SINKW.dtype.element_ty), mask=in_sink[:, None])
     p = i - SINK
     stay = live & (i >= SINK) & (p >= keep)
+    if UPDATE_RING:
+        if (h == 0) & (tl.program_id(2) == 0):
+            tl.store(RING_FROM + b, tl.maximum(tl.load(RING_FROM + b), keep))
     tl.store(RING + b * stride_rb + h * stride_rh + (p % CAP)[:, None] * stride_rt + dd[None, :],
              x.to(RING.dtype.element_ty), mask=stay[:, None])
