@@ -4,7 +4,8 @@ against FlashInfer BF16 with the same step, in one process:
     FLASHINFER_WORKSPACE_BASE=/tmp/fi python benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K \\
         --bits 2 4 --q-len 1 2 4 8
 
-Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V, random codes) and step length: the time of
+Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V unless ``--k-axis``/``--v-axis``, BF16 windows
+with ``--sink``/``--recent``, a ring keeping the longest step's windows, random codes) and step length: the time of
 ``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
 of one launch) as a CUDA-graph replay, the L2 flushed before each (``fixed_cost.timed``: median of
 ``--iters``), its ratio to the same backend's one-token decode, and FlashInfer's paged prefill wrapper with
@@ -18,11 +19,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import Case, make_random_cache, parse_shapes
+from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, timed
 
 import foscar
-from foscar.bench import make_block_table, time_call
+from foscar.bench import make_block_table, random_cache, time_call
 from foscar.bench.grid import FI_WORKSPACE_BYTES
 from foscar.bench.inputs import make_bf16_inputs
 
@@ -51,10 +52,17 @@ def flashinfer_step(inp, T: int):
     return lambda: w.run(q, (inp.k_cache, inp.v_cache), out=out), (ws, w, qo, kv, last, q, out)
 
 
-def check(steps, dev) -> None:
+def step_cache(a, bits: int, bt: torch.Tensor, L: int):
+    """The timed cache: random codes in the options' format (a ring keeping the longest step's windows)."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=D, group_size=128, k_axis=a.k_axis, v_axis=a.v_axis, sink=a.sink,
+                          recent=a.recent, rollback=max(a.q_len) - 1)
+    return random_cache(fmt, bt, L, kv_heads=HKV, page=PAGE)
+
+
+def check(a, steps, dev) -> None:
     """Each step length's output against the oracle at B 2, L 1K (INT4 and INT2)."""
     for bits in (4, 2):
-        cache = make_random_cache(Case(2, 1024, bits), make_block_table(2, 1024 // PAGE, "shuffled", 0).to(dev))
+        cache = step_cache(a, bits, make_block_table(2, 1024 // PAGE, "shuffled", 0).to(dev), 1024)
         for T in steps:
             q = torch.randn(2, T, HQ, D, dtype=torch.bfloat16, device=dev)
             exact = foscar.decode_exact(q, cache)
@@ -70,10 +78,14 @@ def main():
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     p.add_argument("--q-len", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--k-axis", default="token", choices=("token", "channel"))
+    p.add_argument("--v-axis", default="token", choices=("token", "channel"))
+    p.add_argument("--sink", type=int, default=0, help="BF16 sink tokens")
+    p.add_argument("--recent", type=int, default=0, help="BF16 recent window")
     a = p.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    check(a.q_len, dev)
+    check(a, a.q_len, dev)
     print(f"\nGPU {torch.cuda.get_device_name(dev)}; CUDA-graph replays, L2 flushed, median of {a.iters}\n")
     print("| B | L | bits | q_len | auto µs (x its q_len 1) | triton µs (x its q_len 1) | FlashInfer BF16 µs "
           "(x its q_len 1) |\n|---|---|---|---|---|---|---|")
@@ -89,7 +101,7 @@ def main():
                 print(f"FlashInfer q_len {T}: no CUDA-graph capture ({type(e).__name__}: {str(e)[:80]}), timed eagerly")
                 fi[T] = time_call(run[0], iters=a.iters, warmup=5, flush=flush)["median_us"]
         for bits in a.bits:
-            cache = make_random_cache(Case(B, L, bits), bt)
+            cache = step_cache(a, bits, bt, L)
             base = {}
             for T in a.q_len:
                 q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)

@@ -33,6 +33,9 @@
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # pending and pending-speed of the likeliest gains
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
+#                                                                #   (KIVI-style), auto and Triton, the CuTe columns
+#                                                                #   (WINDOWED_STEPS=1) against the causal view's rows
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -271,6 +274,12 @@ p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 SWEEPS
     ;;
+  steps-windows)  # after install-cute: a step over a ring, the shipped routing (auto: Triton) and the CuTe columns
+    for v in "" "WINDOWED_STEPS=1"; do
+      timeout 280 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
+        --q-len 1 4 8 --k-axis channel --recent 32 > "$OUT/steps-windows${v:+-columns}.md" 2>&1
+      echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows${v:+-columns}.md"
+    done ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
              # (QK chains overwriting their first MMAs with P^T column-major, the merge inside stage 1 and the
              # TMA descriptors prefetched as a CTA starts)

@@ -215,8 +215,9 @@ def _random_params(fmt: KVFormat, tensor: str, block_table: torch.Tensor, page: 
 def random_cache(fmt: KVFormat, block_table: torch.Tensor, seq_len: int, *, kv_heads: int, page: int,
                  seed: int = 0) -> QuantKVCache:
     """A full cache of random packed codes (every int32 word is valid) and random finite ``(s', z')``, on
-    ``block_table``'s device; every sequence ``seq_len`` tokens (whole pages and channel-wise groups), no
-    BF16 window tokens. Decode speed does not depend on the values: no quantization pass needed."""
+    ``block_table``'s device; every sequence ``seq_len`` tokens (whole pages and channel-wise groups), its BF16
+    windows zeros (a ring of zeros in every slot: a step reads any of them). Decode speed does not depend on the
+    values: no quantization pass needed."""
     B, pages = block_table.shape
     dev = block_table.device
     gen = torch.Generator(device=dev).manual_seed(seed)  # on the device: caches of many GB build in moments
@@ -226,12 +227,14 @@ def random_cache(fmt: KVFormat, block_table: torch.Tensor, seq_len: int, *, kv_h
 
     def window(n):
         return torch.zeros(B, kv_heads, n, fmt.head_dim, dtype=torch.bfloat16, device=dev)
-    return QuantKVCache(fmt, k_codes=codes[0], k_params=_random_params(fmt, "k", block_table, page, kv_heads, gen),
-                        v_codes=codes[1], v_params=_random_params(fmt, "v", block_table, page, kv_heads, gen),
-                        seq_lens=torch.full((B,), seq_len, dtype=torch.int32, device=dev),
-                        page_table=PageTable.from_block_table(block_table),
-                        k_sink=window(fmt.sink), v_sink=window(fmt.sink),
-                        k_recent=window(fmt.recent_capacity), v_recent=window(fmt.recent_capacity))
+    cache = QuantKVCache(fmt, k_codes=codes[0], k_params=_random_params(fmt, "k", block_table, page, kv_heads, gen),
+                         v_codes=codes[1], v_params=_random_params(fmt, "v", block_table, page, kv_heads, gen),
+                         seq_lens=torch.full((B,), seq_len, dtype=torch.int32, device=dev),
+                         page_table=PageTable.from_block_table(block_table),
+                         k_sink=window(fmt.sink), v_sink=window(fmt.sink),
+                         k_recent=window(fmt.recent_capacity), v_recent=window(fmt.recent_capacity))
+    cache.ring_from = fmt.ring_keep_from(cache.seq_lens).to(torch.int32)
+    return cache
 
 
 _FIELDS = ("k_codes", "k_params", "v_codes", "v_params", "tensor_scales", "k_sink", "v_sink", "k_recent", "v_recent")
