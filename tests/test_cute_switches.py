@@ -24,6 +24,7 @@ OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
     ({"bits": 4, "k_axis": "channel", "v_axis": "channel"}, 4, "e4m3", 2, 1, 2),  # and channel-wise V's pass
     ({"bits": 2}, 32, "e4m3", 1, 1, 1),  # 32 columns: stacked terms, one scale, three consumers
     ({"bits": 4}, 4, "e4m3", 1, 4, 2),  # a step of 4 tokens: 16 columns
+    ({"bits": 2, "sink": 4, "recent": 16, "rollback": 8}, 8, "e4m3", 1, 4, 1),  # a step over windows: 32 columns
     ({"scheme": "nvfp4"}, 4, "bf16", 2, 1, 2)])  # NVFP4, two tiles a pass
 def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_operand, tiles, step, ctas):
     assert {"QK_OVERWRITE", "START_PREFETCH", "P_COLUMN_MAJOR"} <= set(OFF)
