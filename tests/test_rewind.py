@@ -24,9 +24,12 @@ def rewind_case(draw):
     k_axis, v_axis = draw(st.sampled_from((("token", "token"), ("channel", "token"), ("channel", "channel"),
                                            ("token", "channel"))))
     g = draw(st.sampled_from((32, 64)))
-    fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=g, k_axis=k_axis, v_axis=v_axis,
-                          sink=draw(st.sampled_from((0, 0, 3))), recent=draw(st.sampled_from((0, 5, 16))),
-                          rollback=draw(st.sampled_from((0, 4, 8))))
+    windows = dict(sink=draw(st.sampled_from((0, 0, 3))), recent=draw(st.sampled_from((0, 5, 16))),
+                   rollback=draw(st.sampled_from((0, 4, 8))))
+    if draw(st.integers(0, 4)) == 0:  # an FP4 block format (token-wise blocks: a ring only with a window)
+        fmt = foscar.KVFormat.fp4(draw(st.sampled_from(("nvfp4", "mxfp4"))), 64, **windows)
+    else:
+        fmt = foscar.KVFormat(bits=bits, head_dim=64, group_size=g, k_axis=k_axis, v_axis=v_axis, **windows)
     ops = draw(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=1, max_size=6))
     return dict(fmt=fmt, ops=ops, seed=draw(st.integers(0, 2 ** 16)))
 
