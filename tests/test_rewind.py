@@ -127,7 +127,7 @@ def test_rewinds_are_checked():
     none of the tokens it moved on; without a ring any count up to the length."""
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32, k_axis="channel")
     cache = foscar.QuantKVCache.empty(fmt, 2, 1, max_len=128, page_size=64, device=DEV)
-    cache.append(*torch.randn(2, 2, 1, 40, 64).unbind(0))
+    cache.append(*torch.randn(2, 2, 1, 40, 64).to(DEV).unbind(0))
     with pytest.raises(InvalidArgumentError, match=r"^tokens: expected a count in \[0, 40\] for sequence 0"):
         cache.rewind(-1)
     with pytest.raises(InvalidArgumentError, match="^tokens: expected a count in"):
@@ -140,7 +140,7 @@ def test_rewinds_are_checked():
     assert cache.seq_lens.tolist() == [32, 37]
     plain = foscar.KVFormat(bits=4, head_dim=64, group_size=32, sink=4)
     cache = foscar.QuantKVCache.empty(plain, 1, 1, max_len=128, page_size=64, device=DEV)
-    cache.append(*torch.randn(2, 1, 1, 40, 64).unbind(0))
+    cache.append(*torch.randn(2, 1, 1, 40, 64).to(DEV).unbind(0))
     cache.rewind(39)
     assert cache.seq_lens.tolist() == [1]
 
