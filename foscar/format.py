@@ -344,11 +344,8 @@ class KVFormat:
     32, 64, 128 or 256 tokens. k_axis / v_axis: "token" or "channel". mapping: the tensor-core
     operand the cache's folded constants are made for ("bf16" injection by default).
     sink / recent: tokens kept unquantized (BF16) at the start / end of each sequence.
-    rollback: tokens a cache with a BF16 recent ring (``recent > 0`` or a channel-wise axis) can take back
-    (:meth:`foscar.QuantKVCache.rewind`: speculative decoding's rejected drafts): its ring keeps that many more
-    slots, so that the tokens an append moved on to the quantized pages are still there in BF16; a decode step of
-    up to ``rollback + 1`` tokens reads each token's window from them (:mod:`foscar.multitoken`). A cache without a
-    ring takes tokens back, and steps, whatever this is.
+    rollback: slots a BF16 recent ring keeps beyond its window (tokens an append moved on to the pages): a cache
+    ``rewind`` takes that many back, a step of ``rollback + 1`` tokens reads each one's window; no ring, no limit.
     rotation: ``None``, or ``"hadamard"``: K and V are stored rotated per head by the orthonormal
     :func:`rotation_matrix` (a normalized Walsh-Hadamard transform, with a random +-1 sign per channel
     first when ``rotation_seed`` is given), which spreads outlier channels over every channel before
@@ -460,23 +457,19 @@ class KVFormat:
 
     @property
     def recent_capacity(self) -> int:
-        """Slots of the BF16 recent ring: the window plus the tokens of a not yet complete group, and
-        :attr:`rollback` more where there is a ring."""
+        """Slots of the BF16 recent ring: window, incomplete group, and with a ring :attr:`rollback`."""
         ring = self.recent + self.flush - 1
         return ring + self.rollback if ring else 0
 
     def ring_keep_from(self, length):
-        """The post-sink position from which an append that leaves ``length`` tokens writes the new tokens into
-        the ring (ints or int tensors): those the ring keeps, the window's (from ``n_quant``), or with
-        :attr:`rollback` the last :attr:`recent_capacity` (so that a rewind finds the tokens it takes back into
-        the window). The ring then holds every post-sink token from there to the end."""
-        n_sink, n_quant, n_recent = self.split_length(length)
+        """The post-sink position from which an append leaving ``length`` tokens (ints or int tensors) writes the
+        new tokens into the ring, which then holds every token from there on: the window's (``n_quant``), or with
+        :attr:`rollback` the last :attr:`recent_capacity` (the tokens a rewind takes back into the window)."""
+        _, n_quant, n_recent = self.split_length(length)
         if not self.rollback:
             return n_quant
-        rest = n_quant + n_recent
-        if isinstance(rest, torch.Tensor):
-            return torch.clamp(rest - self.recent_capacity, min=0)
-        return max(rest - self.recent_capacity, 0)
+        first = n_quant + n_recent - self.recent_capacity  # the last recent_capacity post-sink tokens
+        return first.clamp(min=0) if isinstance(first, torch.Tensor) else max(first, 0)
 
     @property
     def token_alignment(self) -> int:
