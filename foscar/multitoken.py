@@ -70,6 +70,12 @@ class SequenceStep:
         return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
 
 
+def ring_serves(fmt, q_len: int) -> bool:
+    """Whether ``fmt``'s BF16 recent ring keeps the windows of a step of ``q_len`` tokens (``q_len - 1`` slots
+    beyond its window: ``KVFormat.rollback``); a format without a ring serves every step."""
+    return q_len <= 1 or not fmt.recent_capacity or fmt.rollback >= q_len - 1
+
+
 def check_ring(cache: QuantKVCache, q_len: int, read_lengths: bool = True) -> None:
     """That a step of ``q_len`` tokens can read each token's window from ``cache``'s BF16 recent ring (a cache without
     one: nothing to check): the format keeps ``q_len - 1`` slots more (``KVFormat.rollback``), and where
@@ -79,7 +85,7 @@ def check_ring(cache: QuantKVCache, q_len: int, read_lengths: bool = True) -> No
     fmt = cache.fmt
     if q_len <= 1 or not fmt.recent_capacity:
         return
-    if fmt.rollback < q_len - 1:
+    if not ring_serves(fmt, q_len):
         raise UnsupportedError(f"q_len={q_len} with recent={fmt.recent}, flush={fmt.flush}, rollback={fmt.rollback}",
                                "a step over a BF16 recent ring reads each token's window as it was at that token: "
                                f"the ring keeps them with KVFormat(rollback >= {q_len - 1})")

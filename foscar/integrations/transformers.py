@@ -29,6 +29,7 @@ import foscar
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
 from ..format import KVFormat
+from ..multitoken import ring_serves
 from ..quantize import FP4_QUANTIZERS, QUANTIZERS, check_quantizer
 
 ATTN_IMPL = "foscar"
@@ -109,9 +110,8 @@ class FoscarLayer(CacheLayerMixin):
         self.length += T
         if prior == 0:  # the prompt: SDPA over its own keys and values
             return key_states, value_states
-        fmt = self.cache.fmt
-        if T == 1 or (T <= MAX_STEP and (not fmt.recent_capacity or fmt.rollback >= T - 1)):  # a decode step: the
-            keys = key_states.detach().clone()  # attention function reads the cache through the tag
+        if T <= MAX_STEP and ring_serves(self.cache.fmt, T):  # a decode step: the attention function reads
+            keys = key_states.detach().clone()  # the cache through the tag
             keys._foscar_layer = self
             return keys, value_states
         k, v = self.cache.dequantize(torch.float32)  # several tokens after the prompt: dequantized, SDPA
