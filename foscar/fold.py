@@ -68,9 +68,8 @@ from ._checks import check_decode_inputs, check_int
 from .cache import QuantKVCache
 from .errors import InvalidArgumentError, UnsupportedError
 from .format import E4M3_PLACEMENT, TOKEN, operand_for, unpack_codes
-from .multitoken import SequenceStep
+from .multitoken import SequenceStep, causal_view
 from .rotation import rotate
-from .reference import attend
 from .splitkv import split_ranges
 
 E4M3 = torch.float8_e4m3fn
@@ -269,18 +268,16 @@ class _FoldedSequence:
             out += sp[:, gi][:, None] * (partial - c * p_sum) + mid[:, gi][:, None] * p_sum
         return out
 
-    def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float, step=None):
+    def split(self, Qt: torch.Tensor, tiles: range, tile_tokens: int, sm_scale: float, step: SequenceStep):
         """Online softmax over a run of tiles: ``(acc / l, m + log l)``; a row that sees no token of the split
-        (``step``, a :class:`~foscar.multitoken.SequenceStep`: its causal mask) ``(0, -inf)``."""
+        (``step``'s causal mask) ``(0, -inf)``."""
         H, G, D = Qt.shape
         m = Qt.new_full((H, G), -math.inf)
         l = Qt.new_zeros(H, G)
         acc = Qt.new_zeros(H, G, D)
         for i in tiles:
             tile = self.tile(i * tile_tokens, tile_tokens)
-            s = self.scores(Qt, tile) * sm_scale  # K corrections already in
-            if step is not None:
-                s = step.mask(s, tile.t0)
+            s = step.mask(self.scores(Qt, tile) * sm_scale, tile.t0)  # K corrections already in
             m_new = torch.maximum(m, s.amax(-1))
             m_use = torch.where(m_new == -math.inf, 0.0, m_new)  # a row that has seen nothing yet weighs 0
             alpha = torch.exp(m - m_use)
@@ -380,28 +377,20 @@ def folded(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *, til
     T = q_len
     out = torch.empty(B * T, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B * T, Hkv * G, dtype=dtype, device=q.device)
+    view = causal_view(cache, T)  # each step token's cache (one token: the cache's)
     for b in range(B):
         seq = _FoldedSequence(cache, b, dtype, operand_dtype, pv_operand_dtype, operand_terms, q_terms)
-        step = SequenceStep(cache, b, T, G) if T > 1 else None
-        rows = q[b * T:(b + 1) * T].to(dtype)
-        Qt = seq.rnd(step.rows(rows) if step else rows[0].reshape(Hkv, G, D))
+        step = SequenceStep(view, b, T, G)
+        Qt = seq.rnd(step.rows(q[b * T:(b + 1) * T].to(dtype)))
         n_tiles = -(-seq.n_quant // tile_tokens)
         outs, lses = [], []
         for tiles in split_ranges(n_tiles, num_splits):  # the split rule every kernel follows
             o, l_ = seq.split(Qt, tiles, tile_tokens, sm_scale, step)
             outs.append(o)
             lses.append(l_)
-        wq = seq.window_query(Qt)
-        if step:  # each token's windows, of its length
-            o, l_ = step.attend_windows(wq, sm_scale, dtype)
-        else:
-            kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-            o, l_ = attend(wq, kw, vw, sm_scale)
+        o, l_ = step.attend_windows(seq.window_query(Qt), sm_scale, dtype)  # each token's BF16 sink + recent
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)
-        if step:
-            out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
-        else:
-            out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
+        out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
     return out, lse

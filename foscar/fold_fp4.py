@@ -28,8 +28,7 @@ import torch
 from .cache import QuantKVCache
 from .fp4 import decode_scale
 from .format import e2m1_decode
-from .multitoken import SequenceStep
-from .reference import attend
+from .multitoken import SequenceStep, causal_view
 from .splitkv import split_ranges
 
 
@@ -51,10 +50,10 @@ def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *,
     t_k, t_v = cache.tensor_scale("k"), cache.tensor_scale("v")
     out = torch.empty(B * T, Hkv * G, D, dtype=dtype, device=q.device)
     lse = torch.empty(B * T, Hkv * G, dtype=dtype, device=q.device)
+    view = causal_view(cache, T)  # each step token's cache (one token: the cache's)
     for b in range(B):
-        step = SequenceStep(cache, b, T, G) if T > 1 else None
-        rows = q[b * T:(b + 1) * T].to(dtype)
-        Qt = _round(step.rows(rows) if step else rows[0].reshape(Hkv, G, D), operand_dtype, dtype)
+        step = SequenceStep(view, b, T, G)
+        Qt = _round(step.rows(q[b * T:(b + 1) * T].to(dtype)), operand_dtype, dtype)
         R = Qt.shape[1]  # query rows of a KV head
         n = int(cache.split()[1][b])
         vk, vv = (e2m1_decode(cache.quantized_codes(t, b)).to(dtype) for t in ("k", "v"))  # [H, n, D]
@@ -70,8 +69,7 @@ def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *,
                 partials = torch.einsum("hgjc,htjc->hgtj", Qt.reshape(Hkv, R, nb, spec.block),
                                         vk[:, t0:t1].reshape(Hkv, t1 - t0, nb, spec.block))  # block-local
                 s = (partials * sk[:, None, t0:t1]).sum(-1) * (t_k * sm_scale)  # the acc-fold: [H, G, tile]
-                if step is not None:
-                    s = step.mask(s, t0)
+                s = step.mask(s, t0)
                 m_new = torch.maximum(m, s.amax(-1))
                 m_use = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing weighs 0
                 alpha = torch.exp(m - m_use)
@@ -83,16 +81,9 @@ def folded_fp4(q: torch.Tensor, cache: QuantKVCache, G: int, sm_scale: float, *,
             safe = torch.where(empty, torch.ones_like(l_), l_)
             outs.append(torch.where(empty[..., None], torch.zeros_like(acc), acc * t_v / safe[..., None]))
             lses.append(torch.where(empty, torch.full_like(l_, float("-inf")), m + torch.log(safe)))
-        if step:  # each token's windows, of its length
-            o, l_ = step.attend_windows(Qt, sm_scale, dtype)
-        else:
-            kw, vw = (cache.windows(t, b).to(dtype) for t in ("k", "v"))  # BF16 sink + recent
-            o, l_ = attend(Qt, kw, vw, sm_scale)
+        o, l_ = step.attend_windows(Qt, sm_scale, dtype)  # each token's BF16 sink + recent
         outs.append(o)
         lses.append(l_)
         o, l_ = combine_partials(outs, lses)
-        if step:
-            out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
-        else:
-            out[b], lse[b] = o.reshape(Hkv * G, D), l_.reshape(Hkv * G)
+        out[b * T:(b + 1) * T], lse[b * T:(b + 1) * T] = step.unrows(o), step.unrows(l_)
     return out, lse

@@ -27,18 +27,19 @@ from .errors import InvalidArgumentError, UnsupportedError
 
 
 class SequenceStep:
-    """A step of ``q_len`` tokens of sequence ``b`` as the folded specs take it (:func:`foscar.fold.folded`): the
-    step's query rows of a KV head, ``[Hkv, q_len G, D]`` with row ``j G + g`` query head ``kvh G + g`` of step
-    token ``j``. Row ``j`` reads the cache at its length ``L_j = L - q_len + 1 + j``: of the quantized tokens
-    (positions ``n_sink ..``) the first :attr:`quantized_seen`, ``n_quant(L_j)``, then the BF16 windows of that
-    length (:meth:`window`: the sink, and the ring's tokens from ``n_quant(L_j)``)."""
+    """A step of ``q_len`` tokens (one token: ``q_len`` 1) of sequence ``b`` as the folded specs take it
+    (:func:`foscar.fold.folded`): the step's query rows of a KV head, ``[Hkv, q_len G, D]`` with row ``j G + g``
+    query head ``kvh G + g`` of step token ``j``. Row ``j`` reads the cache at its length ``L_j = L - q_len + 1 + j``
+    (``view``: the cache's :func:`causal_view`, made once for every sequence): of the quantized tokens (positions
+    ``n_sink ..``) the first :attr:`quantized_seen`, ``n_quant(L_j)``, then the BF16 windows of that length
+    (:meth:`window`: the sink, and the ring's tokens from ``n_quant(L_j)``)."""
 
-    def __init__(self, cache: QuantKVCache, b: int, q_len: int, G: int):
-        self.q_len, self.G, self.Hkv = q_len, G, cache.num_kv_heads
-        self.view, self.rows0 = causal_view(cache, q_len), b * q_len  # row j: the view's row b q_len + j
-        lengths = self.view.seq_lens[self.rows0:self.rows0 + q_len].long().cpu()
+    def __init__(self, view: QuantKVCache, b: int, q_len: int, G: int):
+        self.q_len, self.G, self.Hkv = q_len, G, view.num_kv_heads
+        self.view, self.rows0 = view, b * q_len  # row j: the view's row b q_len + j
+        lengths = view.seq_lens[self.rows0:self.rows0 + q_len].long().cpu()
         #: quantized tokens each row sees, ``[q_len G]``
-        self.quantized_seen = cache.fmt.split_length(lengths)[1].repeat_interleave(G).to(cache.device)
+        self.quantized_seen = view.fmt.split_length(lengths)[1].repeat_interleave(G).to(view.device)
 
     def rows(self, q: torch.Tensor) -> torch.Tensor:
         """The step's queries ``q [q_len, Hq, D]`` as rows of their KV heads, ``[Hkv, q_len G, D]``."""
