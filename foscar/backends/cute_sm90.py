@@ -61,14 +61,11 @@ class CuteSm90(Backend):
 
     def launch_config(self, problem) -> dict:
         """The launch of the step, of its first part where it runs in parts (:func:`foscar.cute.launch.step_parts`)."""
-        from ..cute.config import WINDOWED_STEPS, max_rows
-        from ..cute.launch import launch_config, step_parts
+        from ..cute.launch import launch_config, step_form
         T, cache = problem.q_len, problem.cache
-        parts = step_parts(problem.gqa, T, max_rows(problem.fmt))
-        step, tail = T, 0
-        if len(parts) > 1 and WINDOWED_STEPS:  # the first part's
-            step, tail = parts[0][1], T - parts[0][1]
-        elif len(parts) > 1:  # the causal view's rows, one token each (its batch sizes the splits, as a call's)
+        parts, viewed = step_form(problem.fmt, problem.gqa, T)
+        step, tail = parts[0][1], T - parts[0][1]  # the first part's
+        if viewed:  # the causal view's rows, one token each (its batch sizes the splits, as a call's)
             from ..multitoken import causal_view
             step, cache = 1, causal_view(cache, T)
         return launch_config(problem.q, cache, problem.gqa, num_splits=problem.num_splits, step=step,

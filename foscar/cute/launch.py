@@ -209,12 +209,11 @@ def split_partials(fmt, G: int, page: int, step: int, config: dict) -> int:
     head): v1's consumer warpgroups (:func:`~foscar.cute.config.consumers_for`), v0's one. A step of more rows
     than the columns runs in parts of its tokens (:func:`step_parts`, each with a workspace of its own) with
     :data:`~foscar.cute.config.WINDOWED_STEPS`, else as the rows of a causal view, one token each."""
-    from .config import config_for, consumers_for, max_rows
+    from .config import config_for, consumers_for
     if not config["warp_specialized"]:
         return 1
-    if G * step > max_rows(fmt):
-        step = 1
-    cfg = config_for(fmt, G, page, config["k_operand"], config["tiles_per_pass"], step)
+    parts, viewed = step_form(fmt, G, step)
+    cfg = config_for(fmt, G, page, config["k_operand"], config["tiles_per_pass"], 1 if viewed else parts[0][1])
     return consumers_for(cfg, config["ctas_per_sm"])
 
 
@@ -270,6 +269,16 @@ def step_parts(gqa: int, q_len: int, rows: int) -> list[tuple[int, int]]:
     return [(j, min(per, q_len - j)) for j in range(0, q_len, per)]
 
 
+def step_form(fmt, gqa: int, q_len: int) -> tuple[list[tuple[int, int]], bool]:
+    """How the CuTe backend runs a step: ``(parts, viewed)``, its parts (:func:`step_parts`; one where its rows fit
+    the columns) and whether it runs as the causal view's rows instead, one token each (more rows than the columns
+    without :data:`~foscar.cute.config.WINDOWED_STEPS`)."""
+    from .config import WINDOWED_STEPS, max_rows
+    parts = step_parts(gqa, q_len, max_rows(fmt))
+    viewed = len(parts) > 1 and not WINDOWED_STEPS
+    return ([(0, q_len)] if viewed else parts), viewed
+
+
 def _run_parts(problem: DecodeProblem, parts: list, tail: int, **launch) -> None:
     """:func:`run` of a step in ``parts`` (:func:`step_parts`): each part's tokens a step of their own that ends
     ``tail`` plus the later parts' tokens before the sequence's end, its rows copied in and its output out."""
@@ -300,16 +309,15 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
     from .budget import default_ring, fits_shared_memory
-    from .config import WINDOWED_STEPS, combine_attends_windows, config_for, dependent_combine, max_rows
+    from .config import combine_attends_windows, config_for, dependent_combine
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")
     T = problem.q_len
-    pieces = step_parts(G, T, max_rows(cache.fmt))
-    if len(pieces) > 1 and WINDOWED_STEPS:  # more rows than the columns
+    pieces, viewed = step_form(cache.fmt, G, T)
+    if len(pieces) > 1:  # more rows than the columns
         return _run_parts(problem, pieces, tail, num_splits=num_splits, warp_specialized=warp_specialized,
                           ctas_per_sm=ctas_per_sm, k_operand=k_operand, tiles_per_pass=tiles_per_pass, stages=stages)
-    viewed = len(pieces) > 1
     if viewed:  # the causal view's rows, one token each
         from dataclasses import replace
 
