@@ -507,6 +507,7 @@ class QuantKVCache:
             n = tokens.long().cpu()
         else:
             if not check:
+                check_int("tokens", tokens, minimum=0)  # a host int: checked without a sync
                 self.seq_lens.sub_(tokens)
                 return
             n = torch.full((B,), tokens, dtype=torch.long)

@@ -158,6 +158,9 @@ def test_an_unchecked_rewind_is_the_checked_one():
     assert torch.equal(caches[0].seq_lens, caches[1].seq_lens) and caches[1].seq_lens.tolist() == [35, 38]
     caches[1].rewind(1, check=False)
     assert caches[1].seq_lens.tolist() == [34, 37]
+    with pytest.raises(InvalidArgumentError, match="^tokens: expected"):  # a host int is checked all the same
+        caches[1].rewind(-1, check=False)
+    assert caches[1].seq_lens.tolist() == [34, 37]
     with pytest.raises(InvalidArgumentError, match="^tokens: expected"):
         caches[1].rewind(counts.cpu() if GPU else counts.float(), check=False)
 
