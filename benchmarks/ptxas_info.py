@@ -26,13 +26,20 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-bl
 
 
 def ptxas_report(ptx: str) -> str:
-    """``ptxas -v`` of ``ptx`` for sm_90a (its ISA version lowered to 9.3), its messages as text."""
-    ptx = re.sub(r"^\.version 9\.[4-9]", ".version 9.3", ptx, flags=re.M)
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d, "k.ptx")
-        src.write_text(ptx)
-        run = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", "-O3", str(src), "-o", str(Path(d, "k.cubin"))],
-                             capture_output=True, text=True)
+    """``ptxas -v`` of ``ptx`` for sm_90a, its messages as text. The PTX's ISA version is lowered to the newest this
+    ptxas reads (9.3 for CUDA 13.3's; an older Triton's ptxas names its own in its refusal, and is asked again)."""
+    version = "9.3"
+    for _ in range(2):
+        src_text = re.sub(r"^\.version \d+\.\d+", f".version {version}", ptx, count=1, flags=re.M)
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d, "k.ptx")
+            src.write_text(src_text)
+            run = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", "-O3", str(src), "-o", str(Path(d, "k.cubin"))],
+                                 capture_output=True, text=True)
+        older = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", run.stderr)
+        if not (run.returncode and older):
+            break
+        version = older.group(1)
     if run.returncode:
         raise SystemExit(f"ptxas failed: {run.stderr.strip()[:500]}")
     return run.stderr + run.stdout
