@@ -277,8 +277,9 @@ def causal_last(cfg: Sm90Config, mSEQ: cute.Tensor, b, n):
 
 
 @cute.jit
-def quantized_length(cfg: Sm90Config, L):
-    """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it."""
+def quantized_length(cfg, L):
+    """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it (``cfg`` a
+    stage-1 or combine config: its ``sink``, ``recent`` and ``flush``)."""
     rest = L - cutlass.min(L, cfg.sink) - cfg.recent
     return cutlass.max(rest, 0) // cfg.flush * cfg.flush
 

@@ -35,6 +35,7 @@ from cutlass import Float32
 
 from .combine_config import WINDOW_BATCH, WINDOW_SCORE_LANES
 from .rotation import walsh_hadamard
+from .warpgroup import quantized_length
 
 VEC = 8  #: window elements per vector (16 bytes of BF16/FP16)
 
@@ -188,7 +189,7 @@ def window_state(cfg, wtype, mQ: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor
         if cutlass.const_expr(cfg.step > 1):
             L = L - (cfg.step - 1 - b % cfg.step)
     n_sink = cutlass.min(L, cfg.sink)
-    n_quant = cutlass.max(L - n_sink - cfg.recent, 0) // cfg.flush * cfg.flush
+    n_quant = quantized_length(cfg, L)
     n_win = L - n_quant  # the sink's tokens and the ring's
     kvh = h0 // cfg.gqa
     # the query rows, in the cache's space (a rotated cache: q R = H (q s / sqrt(D))), and the running maxima
