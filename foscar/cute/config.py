@@ -99,8 +99,9 @@ P_COLUMN_MAJOR = False
 QK_OVERWRITE = False
 #: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
-#: :attr:`Sm90Config.start_prefetch`): off until its GPU tests run (``docs/hopper-e4m3-plan.md``)
-START_PREFETCH = False
+#: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off the geomean of seven paper shapes on the H200
+#: (``docs/results-h200.md``)
+START_PREFETCH = True
 #: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
 #: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
 #: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows. Off
