@@ -355,14 +355,15 @@ def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf, summed: bool = False)
     """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements (``buf``: the
     tile's ``Q'`` buffer). E4M3 K operands: ``Q' y`` from the two terms (``(hi + lo / 16) 2^-e``,
     :func:`~foscar.cute.operands_e4m3.sum_q_terms`, unless ``summed``: two tiles a pass, summed where they are
-    joined) times the operand's factor of the row's token half."""
+    joined) times the operand's factor of the row's token half, summed or not."""
     col0 = wg.thr.col0
     n_el = cute.size(accS)
     sKf = wg.smem.sKf
     kc = [sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
-    if cutlass.const_expr(cfg.k_e4m3 and not summed):
-        sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
+    if cutlass.const_expr(cfg.k_e4m3):  # summed or not, the terms' sum is in the E4M3 operand's units
+        if cutlass.const_expr(not summed):
+            sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
         a = [qk_scale * cfg.k_factors[0], qk_scale * cfg.k_factors[1]]
         return [accS[e] * a[row_half(e)] + kc[s_slot(e)] * qk_scale for e in range(n_el)]
     return [(accS[e] + kc[s_slot(e)]) * qk_scale for e in range(n_el)]
