@@ -228,8 +228,8 @@ case "$step" in
   pending)  # after install-cute: the GPU tests of the switches built and not yet run on a GPU (pending [FILTER]:
             # a grep of the names below): the QK chains' overwriting first MMAs (alone and with P^T column-major),
             # Q's stacked terms and shared scale, P^T column-major, channel-wise K on
-            # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the split
-            # merge inside stage 1, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
+            # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the TMA
+            # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
             # kernels' steps over windows too). Each set's tests split over $JOBS (default 6) pytest processes at once: their
             # kernels compile in parallel
     while IFS='|' read -r name runner sel; do
@@ -245,7 +245,6 @@ stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_C
 stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 channel-overwrite|python3 benchmarks/run_with.py QK_OVERWRITE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
-merge|python3 -m pytest|tests/test_cute_merge.py
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 TESTS
@@ -253,7 +252,7 @@ TESTS
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
                   # kernels, each sweep one process (sweep_switches.py): the QK chains' overwriting first MMAs
                   # with and without P^T column-major, GQA 32 and 16 with the stacked terms, the
-                  # channel-wise combinations, P^T column-major on the ratio and read-share shapes, the merge in stage 1
+                  # channel-wise combinations, P^T column-major on the ratio and read-share shapes
     while read -r name args; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
       eval "set -- $args"; pre=()  # the options before --variants; then each variant's kernels compiled at once
@@ -271,7 +270,6 @@ stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" 
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --variants shipped "FUSED_MERGE=1" "START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1" "FUSED_MERGE=1 START_PREFETCH=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 SWEEPS
     ;;
   steps-windows)  # after install-cute: a step over a ring, the shipped routing (auto: Triton) and the CuTe columns
@@ -281,10 +279,15 @@ SWEEPS
       echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows${v:+-columns}.md"
     done ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
-             # (QK chains overwriting their first MMAs with P^T column-major, the merge inside stage 1 and the
-             # TMA descriptors prefetched as a CTA starts)
-    for name in qk-overwrite merge start-prefetch; do bash "$0" pending "$name"; done
-    for name in qk-overwrite merge; do bash "$0" pending-speed "$name"; done ;;
+             # (channel-wise K's two tiles a pass, mended; Q's stacked terms at 16 columns: GQA 16, and steps of
+             # 4 and 8 tokens at GQA 4 with and without them)
+    for name in channel-k channel-v; do bash "$0" pending "$name"; done
+    bash "$0" pending-speed stacked-gqa16
+    for v in "" "STACKED_TERMS=1 SHARED_Q_SCALE=1"; do
+      timeout 240 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
+        --q-len 1 4 8 > "$OUT/steps-stacked${v:+-on}.md" 2>&1
+      echo "steps $v rc=$?"; tail -6 "$OUT/steps-stacked${v:+-on}.md"
+    done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl
     shift 2

@@ -1,7 +1,6 @@
 """Every kernel switch of ``foscar.cute.config.SWITCHES`` that is off, switched on together: the v1 kernels of the
 formats and shapes they touch still compile for sm_90a (a GPU session runs them; a combination that no longer
 compiles is found here first), each configuration taking the switches it applies to."""
-import dataclasses
 import os
 
 import pytest
@@ -36,6 +35,3 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
         assert cfg.qk_overwrites == (tiles == 2 or cfg.qk_promote)
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)
-        if cfg.rows <= config.MERGE_ROWS and ctas == 2:  # the merge inside stage 1 (chosen at launch)
-            compile_stage1(dataclasses.replace(cfg, fused_merge=True, merge_lse=True), warp_specialized=True,
-                           ctas_per_sm=ctas)

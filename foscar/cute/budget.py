@@ -1,10 +1,9 @@
-"""The shared memory of a v1 CTA: what its stage ring, Q, P' and the split merge take (:func:`shared_bytes`), whether
+"""The shared memory of a v1 CTA: what its stage ring, Q and P' take (:func:`shared_bytes`), whether
 the CTAs resident on an SM hold it (:func:`fits_shared_memory`), and the deepest ring they hold where a launch names no
 stages (:func:`default_ring`)."""
 from __future__ import annotations
 
-from .config import (CONSUMERS, MERGE_PARTS, STAGE_CHOICES, THREADS, TILE, WS_REGISTERS, Sm90Config, config_for,
-                     consumers_for)
+from .config import CONSUMERS, STAGE_CHOICES, TILE, WS_REGISTERS, Sm90Config, config_for, consumers_for
 
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 
@@ -20,18 +19,7 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
-    return cfg.stages * consumers * slot + q_bytes + p_bytes + merge_bytes(cfg) + 8 * 1024
-
-
-def merge_bytes(cfg: Sm90Config) -> int:
-    """The shared memory of the split merge inside stage 1 (:attr:`Sm90Config.fused_merge`,
-    :func:`foscar.cute.merge.allocate`): the count, each row's :data:`MERGE_PARTS` weights, its weight sum and
-    maximum, and each rank's channel sums (``CONSUMERS * THREADS / head_dim`` ranks), each buffer 16-byte aligned;
-    0 without it."""
-    if not cfg.fused_merge:
-        return 0
-    ranks = CONSUMERS * THREADS // cfg.head_dim
-    return 16 + 4 * cfg.rows * MERGE_PARTS + 16 + 8 * cfg.rows + 16 + 4 * ranks * cfg.rows * cfg.head_dim
+    return cfg.stages * consumers * slot + q_bytes + p_bytes + 8 * 1024
 
 
 def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:

@@ -53,12 +53,6 @@ PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 #: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct, but no faster
 #: than two launches (``docs/results-h200.md``), so off
 COMBINE_PDL = False
-#: v1: the split merge inside stage 1 for short decodes (:mod:`foscar.cute.merge`, :attr:`Sm90Config.fused_merge`):
-#: the last CTA of a KV head's splits merges them, with all of a round trip's loads in flight; off until its GPU
-#: tests run (``docs/hopper-e4m3-plan.md``)
-FUSED_MERGE = False
-MERGE_ROWS = 8  #: the most query rows of a KV head the fused merge takes
-MERGE_PARTS = 64  #: the most partials a row (splits times consumers) the fused merge takes
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
 COMBINE_WINDOWS = True
@@ -139,7 +133,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR", "QK_OVERWRITE",
             "START_PREFETCH", "WINDOWED_STEPS",
-            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "FUSED_MERGE")
+            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -169,8 +163,6 @@ STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3)
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
                   ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1),
                   ("tensor_scales", "f32", 1))
-#: Then, with the split merge inside stage 1 (``Sm90Config.fused_merge``), the output, its LSE and the counters
-MERGE_TENSORS = (("out", "bf16", 3), ("lse", "f32", 2), ("merge_counters", "i32", 1))
 ALIGN = 16  #: bytes: the alignment of every stage-1 tensor's base
 
 
@@ -266,9 +258,6 @@ class Sm90Config:
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
     #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
     stacked_terms: bool = False
-    #: v1: the last CTA of a KV head's splits merges them into the output (:data:`FUSED_MERGE`), and the LSE
-    fused_merge: bool = False
-    merge_lse: bool = False
     #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
     #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False

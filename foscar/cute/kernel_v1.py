@@ -50,12 +50,6 @@ from .warpgroup import (
 CONSUMERS_BARRIER = 4
 
 
-def _extra(merge) -> tuple:
-    """The kernel's trailing arguments: the split merge's tensors, or none (a plain function: its branch is not
-    traced)."""
-    return () if merge is None else tuple(merge)
-
-
 def consumer_buffer(spec: tuple, c):
     """Consumer ``c``'s buffer (``c`` a run-time value) of a kind allocated for every consumer at a fixed stride
     (``spec``: ``(base, stride, align, dtype, layout, swizzle)``, :meth:`FoldDecodeSm90WS._shared_memory`): its
@@ -85,9 +79,8 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
-                mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream, merge=None):
-        """The launch of :meth:`__call__`; ``merge``: the split merge's ``(mO, mLSE, mCnt)`` where stage 1 merges
-        (:class:`foscar.cute.merge.FoldDecodeSm90WSMerge`)."""
+                mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+        """The launch of :meth:`__call__`."""
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         atoms = self._tma_atoms(mKC, mVC, mKP, mVP)
@@ -95,7 +88,7 @@ class FoldDecodeSm90WS(TileKernel):
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       mTS, qk_scale, *_extra(merge)).launch(grid=(kv_heads, batch, num_splits),
+                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits),
                                              block=(THREADS * (1 + self.consumers), 1, 1),
                                              stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                              preferred_smem_carveout=100)  # all of the SM's shared memory
@@ -128,8 +121,7 @@ class FoldDecodeSm90WS(TileKernel):
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32, mO: cute.Tensor = None,
-                  mLSE: cute.Tensor = None, mCnt: cute.Tensor = None):
+                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = cfg.stages * self.consumers
         tidx, _, _ = cute.arch.thread_idx()
@@ -202,11 +194,6 @@ class FoldDecodeSm90WS(TileKernel):
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, mOP, mLP, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-        if cutlass.const_expr(cfg.fused_merge):  # ---- the last CTA of the KV head's splits merges them ------------
-            if role > 0:
-                from .merge import merge_if_last
-                merge_if_last(cfg, lambda c: self.query_row(c, kvh, n_kvh), mOP, mLP, mO, mLSE, mCnt, ring.merge, b,
-                              kvh, n_kvh, n_splits, tidx - THREADS)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
@@ -262,9 +249,6 @@ class FoldDecodeSm90WS(TileKernel):
             kf = cute.size(kf_layout(cfg), mode=[1])  # a slot's corrections (and E4M3 terms' 2^-e)
             sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, kf), stride=(kf, 1)), byte_alignment=16)
         ring = StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
-        if cutlass.const_expr(cfg.fused_merge):  # the split merge's count, weights and sums (foscar.cute.merge)
-            from .merge import allocate
-            ring.merge = allocate(alloc, cfg)
         return ring
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):

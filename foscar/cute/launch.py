@@ -343,8 +343,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     from .config import consumers_for
     parts = num_parts(fmt, num_splits, warp_specialized, consumers_for(cfg, ctas))  # windows: after the splits
-    o_part, l_part, counters = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
-                                             cache.num_kv_heads)
+    o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
+                                      cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
     tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
@@ -353,15 +353,6 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                l_part.view(B, Hr, l_part.shape[2]), rot, cache.tensor_scales)  # Q: BF16
     _check_stage1_tensors(tensors)
     qk_scale = sm_scale * 1.4426950408889634
-    merged = None
-    if warp_specialized and not viewed:
-        merged = merges_in_stage1(fmt, cfg, ctas, parts, out, lse, counters, B, Hr)
-    if merged is not None:  # one launch: the last CTA of each KV head's splits merges them
-        from dataclasses import replace
-        cfg = replace(cfg, fused_merge=True, merge_lse=lse is not None)
-        lse_rows = merged[1] if lse is not None else l_part.view(B, -1)  # no LSE asked for: one it does not write
-        _compiled(cfg, warp_specialized, ctas)(*tensors, merged[0], lse_rows, counters, qk_scale, num_splits)
-        return
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
     windows = None
     if combine_attends_windows(fmt):  # no launch of their own
@@ -373,33 +364,6 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                         tail=tail)
     combine(o_part, l_part, out, lse, rot if fmt.rotation is not None else None, windows,
             dependent_combine(fmt, warp_specialized, ctas))
-
-
-def merges_in_stage1(fmt, cfg, ctas_per_sm: int, parts: int, out: torch.Tensor, lse: torch.Tensor | None,
-                     counters: torch.Tensor, B: int, Hr: int) -> tuple | None:
-    """Where v1 merges the splits itself (:data:`foscar.cute.config.FUSED_MERGE`, :mod:`foscar.cute.merge`):
-    ``(out [B, Hr, D], lse [B, Hr] or None)`` as the kernel writes them, else None. It takes a format without BF16
-    windows or rotation (the combine attends and rotates those), two consumers, at most
-    :data:`~foscar.cute.config.MERGE_ROWS` rows a KV head and :data:`~foscar.cute.config.MERGE_PARTS` partials, and
-    a BF16 output (and LSE) that view as rows with unit last stride on a 16-byte aligned base (and the counters on
-    one), where the stage ring and the merge's shared memory fit the CTAs of an SM together."""
-    from dataclasses import replace
-
-    from ..splitkv import num_window_parts
-    from .budget import fits_shared_memory
-    from .config import ALIGN, CONSUMERS, FUSED_MERGE, MERGE_PARTS, MERGE_ROWS, consumers_for
-    if (not FUSED_MERGE or num_window_parts(fmt) or fmt.rotation is not None or cfg.rows > MERGE_ROWS
-            or parts > MERGE_PARTS or consumers_for(cfg, ctas_per_sm) != CONSUMERS or out.dtype != torch.bfloat16
-            or not fits_shared_memory(replace(cfg, fused_merge=True), ctas_per_sm)):
-        return None
-    try:
-        o = out.view(B, Hr, -1)
-        lv = None if lse is None else lse.view(B, Hr)
-    except RuntimeError:  # not viewable as rows: the two-launch merge writes it
-        return None
-    if any(t.stride(-1) != 1 or t.data_ptr() % ALIGN for t in (o, counters) + (() if lv is None else (lv,))):
-        return None
-    return o, lv
 
 
 def _param_words(params: torch.Tensor) -> torch.Tensor:

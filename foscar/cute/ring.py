@@ -74,7 +74,6 @@ class StageRing:
     full and empty mbarriers of each slot."""
 
     def __init__(self, sK, sV, sKP, sVP, full, empty, kpar=None, sQk=None, sKf=None):
-        self.merge = None  # fused_merge: the split merge's shared memory (foscar.cute.merge.MergeSmem)
         self.kpar = kpar  # producer_fold: each slot's barrier of its K (s', z') copy
         self.sQk = sQk  # producer_fold: each slot's Q' and its offset corrections
         self.sKf = sKf
