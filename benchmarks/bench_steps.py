@@ -7,9 +7,10 @@ against FlashInfer BF16 with the same step, in one process:
 Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V unless ``--k-axis``/``--v-axis``, BF16 windows
 with ``--sink``/``--recent``, a ring keeping the longest step's windows, random codes) and step length: the time of
 ``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
-of one launch) as a CUDA-graph replay, the L2 flushed before each (``fixed_cost.timed``: median of
-``--iters``), its ratio to the same backend's one-token decode, and FlashInfer's paged prefill wrapper with
-``q_len`` query tokens per sequence and the causal mask (BF16 KV; a one-token step is its decode too).
+of one launch; ``--backends`` names them) as a CUDA-graph replay, the L2 flushed before each
+(``fixed_cost.timed``: median of ``--iters``), its ratio to the same backend's one-token decode, and
+FlashInfer's paged prefill wrapper with ``q_len`` query tokens per sequence and the causal mask (BF16 KV; a
+one-token step is its decode too).
 First, at a small shape, each step's output against the float64 oracle (``foscar.decode_exact``).
 """
 import argparse
@@ -60,13 +61,13 @@ def step_cache(a, bits: int, bt: torch.Tensor, L: int):
 
 
 def check(a, steps, dev) -> None:
-    """Each step length's output against the oracle at B 2, L 1K (INT4 and INT2)."""
+    """Each step length's output against the oracle at B 2, L 1K (INT4 and INT2), through each of ``--backends``."""
     for bits in (4, 2):
         cache = step_cache(a, bits, make_block_table(2, 1024 // PAGE, "shuffled", 0).to(dev), 1024)
         for T in steps:
             q = torch.randn(2, T, HQ, D, dtype=torch.bfloat16, device=dev)
             exact = foscar.decode_exact(q, cache)
-            for backend in ("auto", "triton"):
+            for backend in a.backends:
                 out = foscar.decode(q, cache, backend=backend, out=torch.empty(q.shape, device=dev))
                 err = float((out.double() - exact).norm() / exact.norm())
                 print(f"check INT{bits} q_len {T} {backend}: error {err:.2e} against the float64 oracle")
@@ -82,13 +83,15 @@ def main():
     p.add_argument("--v-axis", default="token", choices=("token", "channel"))
     p.add_argument("--sink", type=int, default=0, help="BF16 sink tokens")
     p.add_argument("--recent", type=int, default=0, help="BF16 recent window")
+    p.add_argument("--backends", nargs="+", default=["auto", "triton"], choices=("auto", "triton", "cute"),
+                   help="the foscar backends checked and timed (default: auto triton)")
     a = p.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     check(a, a.q_len, dev)
     print(f"\nGPU {torch.cuda.get_device_name(dev)}; CUDA-graph replays, L2 flushed, median of {a.iters}\n")
-    print("| B | L | bits | q_len | auto µs (x its q_len 1) | triton µs (x its q_len 1) | FlashInfer BF16 µs "
-          "(x its q_len 1) |\n|---|---|---|---|---|---|---|")
+    print("| B | L | bits | q_len | " + " | ".join(f"{b} µs (x its q_len 1)" for b in a.backends)
+          + " | FlashInfer BF16 µs (x its q_len 1) |\n|---|---|---|---|" + "---|" * (len(a.backends) + 1))
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // PAGE, "shuffled", 0).to(dev)
         inp = make_bf16_inputs(torch.zeros(B, HQ, D, dtype=torch.bfloat16, device=dev), bt, L, HKV)
@@ -107,7 +110,7 @@ def main():
                 q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
                 out = torch.empty(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
                 row = []
-                for backend in ("auto", "triton"):
+                for backend in a.backends:
                     t = timed(lambda c=cache, b=backend: foscar.decode(q, c, out=out, backend=b), flush, a.iters)
                     base.setdefault(backend, t)
                     row.append(f"{t:.1f} ({t / base[backend]:.2f}x)")

@@ -34,8 +34,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # pending and pending-speed of the likeliest gains
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
-#                                                                #   (KIVI-style), auto and Triton, the CuTe columns
-#                                                                #   (WINDOWED_STEPS=1) against the causal view's rows
+#                                                                #   (KIVI-style): the CuTe columns (auto), the causal
+#                                                                #   view's rows (WINDOWED_STEPS=0), then Triton
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh switches WHEELS [VARIANT ...]  # kernel switches (run_with.py
 #                                                                #   words) against the shipped ones, paper grid;
 #                                                                #   the fastest written to /tmp/foscar-variant
@@ -272,11 +272,13 @@ channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel cha
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 SWEEPS
     ;;
-  steps-windows)  # after install-cute: a step over a ring, the shipped routing (auto: Triton) and the CuTe columns
-    for v in "" "WINDOWED_STEPS=1"; do
-      timeout 280 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
-        --q-len 1 4 8 --k-axis channel --recent 32 > "$OUT/steps-windows${v:+-columns}.md" 2>&1
-      echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows${v:+-columns}.md"
+  steps-windows)  # after install-cute: a step over a ring through auto (the CuTe columns), the causal view's rows
+                  # (WINDOWED_STEPS=0, backend cute), then the Triton kernel alone (last: it stopped on an illegal
+                  # address at head dim 128 on the H200)
+    for v in "|auto" "WINDOWED_STEPS=0|cute" "|triton"; do
+      timeout 280 python3 benchmarks/run_with.py ${v%|*} -- benchmarks/bench_steps.py --shapes 8:32K,64:32K \
+        --bits 2 4 --q-len 1 4 8 --k-axis channel --recent 32 --backends ${v#*|} > "$OUT/steps-windows-${v#*|}.md" 2>&1
+      echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows-${v#*|}.md"
     done ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
              # (channel-wise K's two tiles a pass, mended; Q's stacked terms at 16 columns: GQA 16, and steps of

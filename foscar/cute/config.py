@@ -98,9 +98,11 @@ QK_OVERWRITE = False
 START_PREFETCH = True
 #: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
 #: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
-#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows. Off
-#: until its GPU tests run (``tests/test_steps_windows.py``)
-WINDOWED_STEPS = False
+#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows, and
+#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass on the H200
+#: (``tests/test_steps_windows.py``), and the Triton kernel stopped on an illegal address in a step over a
+#: channel-wise K ring at head dim 128 there (``docs/results-h200.md``); its speed is not measured yet
+WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
 #: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
 STACKED_TERMS = False
