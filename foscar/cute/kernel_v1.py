@@ -74,13 +74,6 @@ class FoldDecodeSm90WS(TileKernel):
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
                  mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
-        self._launch(mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP, mRot, mTS, qk_scale, num_splits, stream)
-
-    @cute.jit
-    def _launch(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
-                mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
-                mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
-        """The launch of :meth:`__call__`."""
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
         atoms = self._tma_atoms(mKC, mVC, mKP, mVP)
@@ -248,8 +241,7 @@ class FoldDecodeSm90WS(TileKernel):
                                              swizzle=qk_layout.inner)
             kf = cute.size(kf_layout(cfg), mode=[1])  # a slot's corrections (and E4M3 terms' 2^-e)
             sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, kf), stride=(kf, 1)), byte_alignment=16)
-        ring = StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
-        return ring
+        return StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
