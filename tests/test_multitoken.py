@@ -198,3 +198,20 @@ def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits,
     print(f"\nG {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
     assert err <= kernel_error_bound(fmt, ref_err)
     assert float((lse.view(q.shape[:3]).double() - lse_exact).abs().max()) <= 1e-2
+
+
+def test_a_planned_triton_step_splits_as_a_direct_call(monkeypatch):
+    """A plan of a step takes the split count (and workspace) a direct call takes: one program per sequence,
+    whatever the step's length (the heuristic counts sequences, not rows)."""
+    from foscar import autotune
+    from foscar.backends import get
+    from foscar.multitoken import step_problem
+    from foscar.triton.launch import launch_config
+    if not GPU:  # no device to name for the autotune cache: the heuristic
+        monkeypatch.setattr(autotune, "tuned_config", lambda *a: {})
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    for T in (1, 4, 8):
+        q, cache = _step(fmt, [4096, 4000], T, Hkv=1, G=4)
+        problem = step_problem(q, cache)
+        planned = get("triton").launch_config(problem)["num_splits"]
+        assert planned == launch_config(q[:, 0], cache, 4)[1]

@@ -33,8 +33,11 @@ class Triton(Backend):
         return True
 
     def launch_config(self, problem) -> dict:
+        """The split count :func:`foscar.triton.launch.run` would take: a step's programs are one per sequence
+        (its tokens are rows of each), so the first token's rows stand for the batch."""
         from ..triton.launch import launch_config
-        _, num_splits, _, _ = launch_config(problem.q, problem.cache, problem.gqa, num_splits=problem.num_splits)
+        _, num_splits, _, _ = launch_config(problem.q[::problem.q_len], problem.cache, problem.gqa,
+                                            num_splits=problem.num_splits)
         return {"num_splits": num_splits}
 
     def num_parts(self, problem, config: dict) -> int:
