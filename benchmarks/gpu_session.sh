@@ -12,6 +12,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh profile [B:L ...]  # Nsight Compute sections of the CuTe v1 decode
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh step-ring        # the Triton step over a channel-wise K ring at head
+#                                                                #   dim 128: plainly, then under memcheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune [cute]      # foscar tune --preset paper -> foscar/tuning
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh speed WHEELS     # install FlashInfer, paper + axes grids
@@ -131,6 +133,12 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
+  step-ring)  # Triton alone (the tvm call will do): its step over a channel-wise K ring at head dim 128 (B 2, L 1K,
+              # 4 tokens), plainly with CUDA_LAUNCH_BLOCKING, then under compute-sanitizer memcheck
+    CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/sanitize_one.py triton_step_ring > "$OUT/step-ring.log" 2>&1
+    echo "step-ring rc=$?"; tail -12 "$OUT/step-ring.log"
+    bash "$0" sanitize triton_step_ring 2>&1 | head -3
+    grep -m 12 -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY" "$OUT/sanitize-triton_step_ring-memcheck.log" ;;
   cute-bench)  # Triton against CuTe v0, v1 (and v1 with E4M3 K operands) and foscar.decode's own pick: paper grid; v0 and v1 on the four
                # axis combinations and GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed and
                # the host time per call measured by the cute step

@@ -10,7 +10,9 @@ SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale; ``cute_p
 SM) and ``cute_lazy1`` (v1, one tile a pass, with
 ``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
-``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two).
+``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
+``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
+Hq 32, Hkv 8, random codes: ``benchmarks/bench_steps.py``'s check, where the H200 stopped on an illegal address).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
 
@@ -25,7 +27,25 @@ import foscar
 from foscar.bench.common import rel_l2
 
 
+def step_over_a_ring() -> None:
+    """``triton_step_ring``: INT4 then INT2, one token then four, each against the float64 oracle."""
+    import foscar.triton as ft
+    from foscar.bench import make_block_table, random_cache
+    for bits in (4, 2):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel", recent=32, rollback=3)
+        cache = random_cache(fmt, make_block_table(2, 16, "shuffled", 0).cuda(), 1024, kv_heads=8, page=64)
+        for T in (1, 4):
+            q = torch.randn(2, T, 32, 128, dtype=torch.bfloat16, device="cuda")
+            for fused in (True, False):
+                out = ft.decode(q, cache, out=torch.full(q.shape, float("nan"), device="cuda"), fused_combine=fused)
+                torch.cuda.synchronize()
+                print(f"INT{bits} q_len {T} fused {fused}: error {rel_l2(out, foscar.decode_exact(q, cache)):.3e}",
+                      flush=True)
+
+
 def main(backend: str) -> None:
+    if backend == "triton_step_ring":
+        return step_over_a_ring()
     windows = {"sink": 4, "recent": 32}  # the CuTe combine attends them
     axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
     if backend == "cute_kvcha":
