@@ -234,8 +234,7 @@ case "$step" in
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
       > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
   pending)  # after install-cute: the GPU tests of the switches built and not yet run on a GPU (pending [FILTER]:
-            # a grep of the names below): the QK chains' overwriting first MMAs (alone and with P^T column-major),
-            # Q's stacked terms and shared scale, P^T column-major, channel-wise K on
+            # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
             # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the TMA
             # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
             # kernels' steps over windows too). Each set's tests split over $JOBS (default 6) pytest processes at once: their
@@ -244,22 +243,19 @@ case "$step" in
       case "$name" in *${2:-}*) ;; *) continue ;; esac
       parallel_pytest "$name" "$runner" "$sel"
     done <<'TESTS'
-qk-overwrite|python3 -m pytest|tests/test_cute_qk_overwrite.py
-qk-overwrite-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_qk_overwrite.py
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
 stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_decode.py -k three_consumers_against
 stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
-channel-overwrite|python3 benchmarks/run_with.py QK_OVERWRITE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
+channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
-                  # kernels, each sweep one process (sweep_switches.py): the QK chains' overwriting first MMAs
-                  # with and without P^T column-major, GQA 32 and 16 with the stacked terms, the
+                  # kernels, each sweep one process (sweep_switches.py): GQA 32 and 16 with the stacked terms, the
                   # channel-wise combinations, P^T column-major on the ratio and read-share shapes
     while read -r name args; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
@@ -273,10 +269,9 @@ TESTS
       eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
-qk-overwrite --shapes 1:8K,1:32K,8:8K,8:32K,8:128K,64:8K,64:128K --variants shipped "QK_OVERWRITE=1" "P_COLUMN_MAJOR=1" "QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
 stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1 P_COLUMN_MAJOR=1"
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
-channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 QK_OVERWRITE=1 P_COLUMN_MAJOR=1"
+channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 SWEEPS
     ;;

@@ -17,7 +17,7 @@ OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [
-    ({"bits": 2}, 4, "e4m3", 2, 1, 2),  # two tiles a pass: the QK chains' overwrite, the prologue's prefetches
+    ({"bits": 2}, 4, "e4m3", 2, 1, 2),  # two tiles a pass, P^T column-major
     ({"bits": 4}, 4, "e4m3", 2, 1, 2),  # INT4's promoted k-steps
     ({"bits": 2, "k_axis": "channel"}, 4, "e4m3", 2, 1, 2),  # channel-wise K on E4M3 terms, the producer's fold
     ({"bits": 4, "k_axis": "channel", "v_axis": "channel"}, 4, "e4m3", 2, 1, 2),  # and channel-wise V's pass
@@ -26,12 +26,11 @@ OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
     ({"bits": 2, "sink": 4, "recent": 16, "rollback": 8}, 8, "e4m3", 1, 4, 1),  # a step over windows: 32 columns
     ({"scheme": "nvfp4"}, 4, "bf16", 2, 1, 2)])  # NVFP4, two tiles a pass
 def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_operand, tiles, step, ctas):
-    assert {"QK_OVERWRITE", "P_COLUMN_MAJOR"} <= set(OFF) and config.START_PREFETCH
+    assert "P_COLUMN_MAJOR" in OFF and config.START_PREFETCH
     fmt = (foscar.KVFormat.fp4(fmt_kw["scheme"], 128) if "scheme" in fmt_kw
            else foscar.KVFormat(head_dim=128, group_size=128, **fmt_kw))
     with cute_switches(monkeypatch, **OFF):
         cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
-        assert cfg.start_prefetch and cfg.p_column_major and cfg.qk_overwrite
-        assert cfg.qk_overwrites == (tiles == 2 or cfg.qk_promote)
+        assert cfg.start_prefetch and cfg.p_column_major
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)

@@ -87,10 +87,6 @@ QK_PROMOTE_BITS = (4,)
 V_PLACEMENT = True
 #: P^T column-major (:attr:`Sm90Config.p_column_major`, 32-bit P stores): off until its GPU suite runs
 P_COLUMN_MAJOR = False
-#: Where several QK accumulators are in flight at once, each one's first MMA overwrites it (:attr:`Sm90Config.qk_overwrite`)
-#: instead of adding to a zero fill, which ptxas serializes (one wait a chain: ``benchmarks/ptxas_info.py``): off until
-#: its GPU tests run (``docs/hopper-e4m3-plan.md``)
-QK_OVERWRITE = False
 #: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
 #: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off the geomean of seven paper shapes on the H200
@@ -133,7 +129,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: The kernel switches above: module constants :func:`config_for` reads into the static config (a flag, a tuple of
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
-            "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR", "QK_OVERWRITE",
+            "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
             "START_PREFETCH", "WINDOWED_STEPS",
             "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V")
 
@@ -254,7 +250,6 @@ class Sm90Config:
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
-    qk_overwrite: bool = False  #: :data:`QK_OVERWRITE` (:attr:`qk_overwrites` says where it applies)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
@@ -338,13 +333,6 @@ class Sm90Config:
     def kc(self) -> int:
         """Channel groups of a token-wise K (1 when channel-wise)."""
         return 1 if self.k_channel else self.head_dim // self.group_size
-
-    @property
-    def qk_overwrites(self) -> bool:
-        """Whether each QK accumulator's first MMA overwrites it (ACCUMULATE off) instead of adding to a zero fill
-        (:attr:`qk_overwrite`): where several are in flight at once (a pass's two tiles, two channel groups'
-        partials, promoted k-steps), which ptxas would otherwise serialize (:meth:`foscar.cute.warpgroup.TileKernel._qk`)."""
-        return self.qk_overwrite and (self.tiles_per_pass == 2 or self.kc == 2 or self.qk_promote)
 
     @property
     def vc(self) -> int:
@@ -578,7 +566,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=P_COLUMN_MAJOR, qk_overwrite=QK_OVERWRITE, start_prefetch=START_PREFETCH,
+                      p_column_major=P_COLUMN_MAJOR, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS

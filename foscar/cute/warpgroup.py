@@ -409,33 +409,18 @@ class TileKernel:
         steps = []  # FP32 promotion: each FP8 k-step into its own accumulator, summed in FP32 after the MMAs
         if cutlass.const_expr(cfg.qk_promote):
             steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
-        # Where several QK accumulators are in flight at once (a pass's two tiles, two channel groups' partials,
-        # promoted k-steps), ``qk_overwrites`` has each one's first MMA overwrite it (ACCUMULATE off); else they
-        # are zero-filled, sharing one zero register, and ptxas waits for each chain before the next (one
-        # accumulator, zero-filled, serializes nothing: the same SASS either way). The
-        # overwritten values are distinct constants, which the MMA ignores and ptxas drops: left undefined, they
-        # are the last pass's registers, which the MMA's inline assembly lists as inputs (a wait again at GQA 1)
-        overwrite = cfg.qk_overwrites
-        if cutlass.const_expr(overwrite):  # a copy of the kernel's atom, made where it is used (set on the shared
-            qk_first = wg.qk_mma.with_()  # atom, one consumer's code path would read a value made in another's)
-            qk_first.set(warpgroup.Field.ACCUMULATE, False)
         for acc in partials + steps[1:]:
-            if cutlass.const_expr(overwrite):
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = Float32(i + 1)
-            else:
-                acc.fill(0.0)
+            acc.fill(0.0)
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
-                acc, first = steps[kb], True
+                acc = steps[kb]
             elif cutlass.const_expr(cfg.kc == 2 and ka >= n_kb // 2):  # group-local partials: one per group
-                acc, first = partials[1], ka == n_kb // 2 and kb == ka
+                acc = partials[1]
             else:
-                acc, first = accS, kb == 0
+                acc = accS
             q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
-            cute.gemm(qk_first if cutlass.const_expr(first and overwrite) else wg.qk_mma, acc, tSrK[None, None, ka],
-                      q_frag, acc)
+            cute.gemm(wg.qk_mma, acc, tSrK[None, None, ka], q_frag, acc)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
