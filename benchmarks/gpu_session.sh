@@ -35,6 +35,7 @@
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # pending and pending-speed of the likeliest gains
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-steps   # steps of 4 and 8 tokens with those switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
 #                                                                #   (KIVI-style): the CuTe columns (auto), the causal
 #                                                                #   view's rows (WINDOWED_STEPS=0), then Triton
@@ -246,6 +247,9 @@ case "$step" in
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
+mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
+mask-branch-stacked|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_cute_mask_branch.py
+pivot-mma|python3 -m pytest|tests/test_cute_pivot_mma.py
 stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_decode.py -k three_consumers_against
 stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
@@ -269,8 +273,8 @@ TESTS
       eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
-stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 WIDE_CONSUMERS=1 P_COLUMN_MAJOR=1"
-stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1"
+stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=32"
+stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 SWEEPS
@@ -284,14 +288,25 @@ SWEEPS
       echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows-${v#*|}.md"
     done ;;
   priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
-             # (channel-wise K's two tiles a pass, mended; Q's stacked terms at 16 columns: GQA 16, and steps of
-             # 4 and 8 tokens at GQA 4 with and without them)
-    for name in channel-k channel-v; do bash "$0" pending "$name"; done
-    bash "$0" pending-speed stacked-gqa16
-    for v in "" "STACKED_TERMS=1 SHARED_Q_SCALE=1"; do
+             # (the masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's
+             # two tiles a pass, mended; GQA 32 and 16 with the stacked terms, the masks' branch, P^T column-major
+             # and the pivot sums)
+    for name in mask-branch pivot-mma channel-k channel-v; do bash "$0" pending "$name"; done
+    bash "$0" pending-speed stacked-gqa ;;
+  priority-steps)  # the next call: steps of 4 and 8 tokens at GQA 4 as shipped, with the stacked terms, with the
+                   # masks' branch too, with P^T column-major and the pivot sums (32 columns) as well, and with the
+                   # pivot sums at 16 columns too, run at one CTA an SM (priority-steps [N ...]: those variants only,
+                   # counted from 0; cold compiles take minutes, so a call may take two or three)
+    i=-1
+    for v in "" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" \
+        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=32" \
+        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"; do
+      i=$((i + 1))
+      case " ${*:2} " in "  ") ;; *" $i "*) ;; *) continue ;; esac
+      tag=$(echo "$v" | awk '{print NF}')  # 0, 2, 3, 5 or 6 switches
       timeout 240 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
-        --q-len 1 4 8 > "$OUT/steps-stacked${v:+-on}.md" 2>&1
-      echo "steps $v rc=$?"; tail -6 "$OUT/steps-stacked${v:+-on}.md"
+        --q-len 1 4 8 > "$OUT/steps-switches-$tag.md" 2>&1
+      echo "steps $v rc=$?"; tail -6 "$OUT/steps-switches-$tag.md"
     done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl

@@ -57,9 +57,11 @@ def main() -> int:
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     waits = re.findall(r"\(C7517\) wgmma\.wait_group is injected in around line (\d+)", text)
+    serial = re.search(r"wgmma\.mma_async instructions are serialized (due to [^']*)", text)
     print(f"registers {regs.group(1) if regs else '?'} (the launch bound; consumers take setmaxnreg's), spill stores "
           f"{spills.group(1) if spills else '?'} B, loads {spills.group(2) if spills else '?'} B; injected "
-          f"wgmma.wait_group: {len(waits)}" + (f" (PTX lines {', '.join(waits)})" if waits else ""))
+          f"wgmma.wait_group: {len(waits)}" + (f" (PTX lines {', '.join(waits)})" if waits else "")
+          + f"; every wgmma serialized: {serial.group(1).strip() if serial else 'no'}")
     return 0
 
 

@@ -58,11 +58,16 @@ def tile_loop(sass: str) -> list[str]:
     """The opcodes of the tile loop: the innermost backward-branch span that holds a whole pass's tensor-core
     MMAs (the longer spans around it are the split loop and the pipeline; v1 compiles the tile loop twice, once
     per branch of the correction fold, the same instructions)."""
+    return [op for _, op in _loop(sass)]
+
+
+def _loop(sass: str) -> list[tuple[int, str]]:
+    """``(address, opcode)`` of :func:`tile_loop`'s instructions."""
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
     back = [(int(t, 16), int(a, 16)) for a, t in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass) if int(t, 16) < int(a, 16)]
-    spans = [[op for a, op in ins if lo <= a <= hi] for lo, hi in back]
-    mmas = [sum("GMMA" in op for op in ops) for ops in spans]
+    spans = [[(a, op) for a, op in ins if lo <= a <= hi] for lo, hi in back]
+    mmas = [sum("GMMA" in op for _, op in ops) for ops in spans]
     if not any(mmas):
         raise SystemExit("no loop with tensor-core MMAs found in the SASS")
     # the loop holds at least half of the most any span holds (the spans around both consumers' loops); a branch
@@ -71,6 +76,42 @@ def tile_loop(sass: str) -> list[str]:
     nested = [not any(lo2 < lo <= hi2 < hi for lo2, hi2 in back) for lo, hi in back]
     most = max(n for n, ok in zip(mmas, nested) if ok)  # of the loops proper (three consumers: three such loops)
     return min((ops for ops, n, ok in zip(spans, mmas, nested) if 2 * n >= most and ok), key=len)
+
+
+def rare_paths(sass: str) -> dict:
+    """Instructions of the tile loop's blocks that a full tile on the common path skips, by kind: ``"rescale"``
+    (:func:`rescale_branch`), ``"masks"`` (the scores' masks in a branch, ``Sm90Config.mask_branch``: a block of
+    ``-inf`` selects and their compares, taken by the tiles that reach a limit), ``"fold"`` (the offset
+    corrections' fold after the PV product, taken once in :data:`~foscar.cute.config.CORRECTION_TILES` tiles) and
+    ``"waits"`` (an mbarrier wait's retry)."""
+    lines = [(int(a, 16), line) for a, line in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass)]
+    span = [a for a, _ in _loop(sass)]
+    lo, hi = span[0], span[-1]
+    lines = [(a, line) for a, line in lines if lo <= a <= hi]
+    last_wait = max((a for a, line in lines if "WARPGROUP.DEPBAR" in line), default=hi)
+    branch = re.compile(r"@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)")
+    votes = [i for i, (_, line) in enumerate(lines) if "BAR.RED" in line]
+    lazy = {next((j for j in range(v + 1, min(v + 8, len(lines))) if branch.match(lines[j][1])), -1) for v in votes}
+    out = {"rescale": 0, "masks": 0, "fold": 0, "waits": 0}
+    covered = -1  # the end of the last block counted: branches inside it are its own
+    for i, (a, line) in enumerate(lines):
+        m = branch.match(line)
+        if not m or a < covered or not a < int(m.group(1), 16) <= hi:
+            continue
+        covered = int(m.group(1), 16)
+        block = [x for b, x in lines if a < b < covered]
+        heads = {re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in block}
+        if i in lazy:  # the lazy rescale's branch, the first after its vote
+            out["rescale"] += len(block)
+        elif any("SYNCS.PHASECHK" in x for x in block):
+            out["waits"] += len(block)
+        elif heads <= {"FSEL", "ISETP", "VIADD", "IADD3", "IMAD", "LEA", "MOV"} and any("-INF" in x for x in block):
+            out["masks"] += len(block)
+        elif a > last_wait and not out["fold"]:  # the first branch past the PV product's wait
+            out["fold"] = len(block)
+        else:
+            covered = -1  # a branch of the common path: the blocks inside it are looked at too
+    return out
 
 
 def rescale_branch(sass: str) -> int:
@@ -141,6 +182,7 @@ def main() -> int:
     by_class = Counter(classify(op) for op in loop)
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
     rare = rescale_branch(sass)
+    paths = rare_paths(sass)
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
@@ -150,6 +192,10 @@ def main() -> int:
     if rare:
         print(f"of which {rare / per:g} per tile are the lazy rescale's branch, rarely taken: "
               f"{(len(loop) - rare) / per:g} per tile when it is not")
+    from foscar.cute.config import CORRECTION_TILES
+    full = (len(loop) - sum(paths.values()) + paths["fold"] * per / CORRECTION_TILES) / per
+    print(f"a full tile on the common path (no rescale, no mask, the correction fold once in {CORRECTION_TILES} "
+          f"tiles, no wait retried): {full:g} per tile; skipped blocks {paths}")
     print()
     print("| class | per thread per tile | share |\n|---|---|---|")
     for name, n in by_class.most_common():

@@ -727,3 +727,36 @@ def test_sass_tile_loop_finds_each_consumers_loop():
         emit(f"BRA 0x{start + 16:x}")
     body = tile_loop("\n".join(lines))
     assert body == ["FADD", "HGMMA.64", "HGMMA.64", "FMUL", "BRA"]
+
+
+def test_sass_rare_paths_are_told_apart():
+    """``sass_stats_cute.rare_paths``: of the tile loop's forward branches, the lazy rescale's (after its vote), the
+    masks' (``-inf`` selects only), the correction fold's (the first past the PV product's wait) and an mbarrier
+    wait's retry are the blocks a full tile skips; any other branch's block is the common path's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        from sass_stats_cute import rare_paths, tile_loop
+    finally:
+        sys.path.pop(0)
+    ops = []
+
+    def block(*body):  # a forward branch over body
+        at = len(ops)
+        ops.append(None)
+        ops.extend(body)
+        ops[at] = f"@!P0 BRA 0x{16 * len(ops):x}"
+    ops.append("FADD R0, R0, R1")
+    block("SYNCS.PHASECHK.TRANS64 P0, [R5], R4", "NANOSLEEP 0x10")
+    ops.append("HGMMA.64x8x16.F32 R8, R24, gdesc[UR4], R8")
+    ops.append("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    block("ISETP.GE.AND P2, PT, R9, R10, PT", "FSEL R24, R24, -INF , !P2", "FSEL R25, R25, -INF , !P2")
+    block("FMUL R3, R3, R4")  # a branch of the common path
+    ops.append("BAR.RED.OR.DEFER_BLOCKING 0x1, 0x80, P0")
+    block("SHFL.BFLY PT, R8, R24, 0x4, 0x1f", "FMNMX R1, R1, R8, !PT", "FMUL R2, R2, R1")
+    ops.append("HGMMA.64x8x16.F32 R8, R28, gdesc[UR4], R8")
+    ops.append("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    block("SHFL.BFLY PT, R8, R24, 0x4, 0x1f", "FFMA R1, R8, R2, R1", "FADD R3, R3, R1", "FADD R4, R4, R1")
+    ops.append("@P1 BRA 0x0")
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops))
+    assert len(tile_loop(sass)) == len(ops)
+    assert rare_paths(sass) == {"rescale": 3, "masks": 3, "fold": 4, "waits": 2}

@@ -14,6 +14,7 @@ from foscar.cute import config  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 
 OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
+OFF["PIVOT_MMA_COLS"] = (16, 32)  # the column counts it may take
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [
@@ -33,4 +34,5 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
         cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
         assert cfg.start_prefetch and cfg.p_column_major
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
+        assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)

@@ -105,6 +105,20 @@ STACKED_TERMS = False
 #: With :data:`STACKED_TERMS`: one power of two for Q's terms per KV head (:attr:`Sm90Config.shared_q_scale`), off
 #: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
 SHARED_Q_SCALE = False
+#: At 16 and 32 columns, one tile a pass: the scores' masks (rows past the length, a step's causal limits) in a
+#: branch that only the tiles reaching a limit take (:attr:`Sm90Config.mask_branch`), where every tile selected
+#: each element: off until its GPU tests run (``docs/steps-plan.md``)
+MASK_BRANCH = False
+#: The column counts (8, 16, 32) that v1 runs at two CTAs an SM where a launch names none
+#: (:func:`foscar.cute.launch.default_ctas_per_sm`; head dim 256 takes one): 8 and 16, where GQA 16 measured faster
+#: at two CTAs though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
+TWO_CTA_COLUMNS = (8, 16)
+#: The column counts (16, 32) whose token-wise V (one channel group) has the pivot's share of the offset correction,
+#: ``sum_t c_h P'``, summed by the tensor core in one more m64 block of V^T whose first row holds each token half's
+#: pivot (:attr:`Sm90Config.pivot_mma`), where each element took a conversion of its FP16 ``P'`` and an FMA: none
+#: until its GPU tests run (``docs/steps-plan.md``: at 8 columns it costs more than it saves; at 16 with two CTAs an
+#: SM its registers spill)
+PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
 #: consumer (E4M3 terms: once a pass of two tiles): off, as measured with BF16 K (correct, little faster:
 #: ``docs/bench/h200/axes-producer-fold.json``), until E4M3 K's GPU tests run
@@ -131,7 +145,8 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
             "START_PREFETCH", "WINDOWED_STEPS",
-            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V")
+            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
+            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -258,6 +273,11 @@ class Sm90Config:
     #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
     #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
+    #: the scores' masks in a branch taken by the tiles that reach a limit (:data:`MASK_BRANCH`: 16 or 32 columns, one
+    #: tile a pass), not selected at every element of every tile
+    mask_branch: bool = False
+    #: token-wise V's pivot sums ``sum_t c_h P'`` by the tensor core (:data:`PIVOT_MMA_COLS`), not per element
+    pivot_mma: bool = False
     #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 32 columns,
     #: one tile a pass, alternate tiles
     wide: bool = False
@@ -544,6 +564,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         for v, f in zip((v0, v1), folds):
             v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
+    pivots = (float(v0["V_PIVOT"]), float(v1["V_PIVOT"]))
+    # the pivot sums' A operand holds the pivots as FP16: exact (1.5 or 7.5 times a power of two)
+    assert all(float(torch.tensor(c, dtype=torch.float16)) == c for c in pivots), pivots
     if stages is None:  # a Q' per stage takes a deep ring's room
         stages = STAGES if producer_fold else default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
@@ -556,7 +579,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
-                      v_pivots=(float(v0["V_PIVOT"]), float(v1["V_PIVOT"])), v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
+                      v_pivots=pivots, v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, tail=tail, cols=columns_for(gqa * step),
@@ -569,6 +592,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       p_column_major=P_COLUMN_MAJOR, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
+                      mask_branch=MASK_BRANCH and columns_for(rows) > HEADS and tiles_per_pass == 1,
+                      pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
                       wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
                       and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
 

@@ -27,6 +27,7 @@ from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_eleme
 from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, TERM_CHANNELS, fold_chunk, fold_chunks, term_channels, term_chunk
 from .operands import build_vt_registers
 from .operands_e4m3 import power_of_two, scale_exponent, sum_q_terms, term_columns
+from .pivot import pivot_corrections
 from .softmax import column_sums
 
 
@@ -44,15 +45,19 @@ class OutputAccumulator:
     units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
     Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
-    ``sigma``. V^T by placement (``Sm90Config.v_unit``): the elements are in units of ``sigma * unit``."""
+    ``sigma``. V^T by placement (``Sm90Config.v_unit``): the elements are in units of ``sigma * unit``.
+    ``pivot`` (``Sm90Config.pivot_mma``): the C fragment of V^T's extra m64 block, whose row 0 sums ``c_h P'`` by
+    column (:mod:`foscar.cute.pivot`), scaled as ``acc`` is."""
 
-    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, unit: float = 1.0):
+    def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, unit: float = 1.0,
+                 pivot: cute.Tensor | None = None):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
         self.nb = nb
         self.mh = mh
         self.unit = unit
+        self.pivot = pivot
 
     def group(self, e: int) -> int:
         """The channel group (its ``sigma`` and ``corr``) of accumulator element ``e``."""
@@ -62,7 +67,8 @@ class OutputAccumulator:
         return [s.ir_value() for s in self.sigma]
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
-        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.unit)
+        return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.unit,
+                                 self.pivot)
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
@@ -77,6 +83,9 @@ class OutputAccumulator:
         for e in range(cute.size(self.acc)):
             f = al[o_slot(e, nb)] * ratio[self.group(e)]
             self.acc[e] = self.acc[e] * f
+        if self.pivot is not None:  # in the same units as acc (one channel group)
+            for e in range(cute.size(self.pivot)):
+                self.pivot[e] = self.pivot[e] * (al[o_slot(e, nb)] * ratio[0])
 
 
 @cute.jit
@@ -458,7 +467,8 @@ def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: 
             for e in slot_elements(k):
                 h = row_half(e)
                 acc = acc + p[e] * mid[g][h]
-                acc = acc - cs[g][h] * Float32(q[g][e])
+                if cutlass.const_expr(not cfg.pivot_mma):  # else the tensor core sums c_h P' (foscar.cute.pivot)
+                    acc = acc - cs[g][h] * Float32(q[g][e])
             c[k] = acc
 
 
@@ -561,9 +571,12 @@ def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
 
 
 @cute.jit
-def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: cute.Tensor, thr):
+def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: cute.Tensor, thr,
+                           last: cutlass.Constexpr = False):
     """The offset corrections of channel group ``g`` gathered per element join the accumulator elements of
-    the group's channels (in units of its ``sigma``)."""
+    the group's channels (in units of its ``sigma``); ``last`` (the split's end), the pivot sums too."""
+    if cutlass.const_expr(last and out.pivot is not None):
+        pivot_corrections(out)
     cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
     nb = out.nb
@@ -577,7 +590,8 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: c
     out.corr[g].fill(0.0)
 
 
-def fold_corrections(cfg, out: OutputAccumulator, sSum: cute.Tensor, thr):
-    """Every channel group's gathered offset corrections into the accumulator."""
+def fold_corrections(cfg, out: OutputAccumulator, sSum: cute.Tensor, thr, last: bool = False):
+    """Every channel group's gathered offset corrections into the accumulator (``last``: the split's end, where
+    the pivot sums join them)."""
     for g in range(len(out.sigma)):
-        add_offset_corrections(out, g, sSum, thr)
+        add_offset_corrections(out, g, sSum, thr, last)

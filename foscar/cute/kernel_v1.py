@@ -43,6 +43,7 @@ from .warpgroup import (
     allocate_registers,
     causal_limits,
     causal_last,
+    first_masked,
 )
 
 
@@ -415,9 +416,12 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(cfg.q_scaled):
             qinv = [smem.sQinv[slot_column(k, thr.col0)] for k in range(2 * cfg.nb)]
         limits = None
+        last = n
         if cutlass.const_expr(cfg.causal):
-            limits = causal_limits(cfg, thr.col0, causal_last(cfg, mSEQ, b, n))
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits)
+            last = causal_last(cfg, mSEQ, b, n)
+            limits = causal_limits(cfg, thr.col0, last)
+        mask_from = first_masked(cfg, n, last) if cfg.mask_branch else None
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from)
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT

@@ -138,13 +138,14 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
 
 
 def default_ctas_per_sm(rows: int, head_dim: int = 128) -> int:
-    """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` up to 16 columns, one at
-    32 and at head dim 256 (the accumulators of 32 columns, the A fragments of 256 channels take the
-    registers of one CTA per SM,
+    """v1's CTAs per SM for ``rows`` query rows per KV head: :data:`WS_CTAS_PER_SM` at the column counts of
+    :data:`foscar.cute.config.TWO_CTA_COLUMNS` (8 and 16), one at 32 and at head dim 256 (the accumulators of 32
+    columns, the A fragments of 256 channels take the registers of one CTA per SM,
     :data:`foscar.cute.config.WS_REGISTERS`). GQA 16 runs faster at two CTAs though 16 columns spill there,
     GQA 32 at one (``benchmarks/sweep_rows.py``, ``docs/bench/h200/sweep-rows.md``)."""
-    from .config import HEADS
-    return WS_CTAS_PER_SM if rows <= 2 * HEADS and head_dim <= 128 else 1
+    from . import config
+    two = config.columns_for(rows) in config.TWO_CTA_COLUMNS and head_dim <= 128
+    return WS_CTAS_PER_SM if two else 1
 
 
 def default_waves(rows: int) -> int:

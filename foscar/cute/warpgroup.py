@@ -42,6 +42,7 @@ from .folds import (
 from .operands import build_k_registers, build_vt_registers
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import lazy_softmax, lazy_softmax_acc_fold
+from .pivot import pivot_a_operand
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -116,6 +117,7 @@ class Fragments:
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
         self.tOrP = [self.thr_pv.make_fragment_B(self.thr_pv.partition_B(sP)) for sP in smem.sP]
+        self.pivot_a = pivot_a_operand(cfg, tidx) if cfg.pivot_mma else None  # V^T's extra m64 block
 
 
 class TileRegisters:
@@ -135,11 +137,13 @@ class Warpgroup:
     """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's columns
     (by column slot; the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length,
     ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns (by column slot); ``limits`` (a step of several tokens) each
-    column's causal limit, the tokens it sees (:func:`causal_limits`)."""
+    column's causal limit, the tokens it sees (:func:`causal_limits`); ``mask_from`` the first token any of this
+    thread's scores is masked at (``n``, or the least of ``limits``: :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
-                 n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None):
+                 n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None):
         self.limits = limits
+        self.mask_from = n if mask_from is None else mask_from
         self.qinv = qinv  # E4M3 K operands: the 2^-e of this thread's two head columns
         self.thr = thr
         self.smem = smem
@@ -213,7 +217,12 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     thr = [Float32(-Float32.inf) for _ in range(2 * cfg.nb)] if cfg.lazy_rescale else None
     softmax = OnlineSoftmax([Float32(m0) for _ in range(2 * cfg.nb)], sums, guard=cfg.causal, thr=thr)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
-    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit)
+    pivot = None
+    if cfg.pivot_mma:  # the C fragment of V^T's extra m64 block (its row 0: the pivot sums)
+        pivot = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((TILE, cfg.cols)), Float32)
+        pivot.fill(0.0)
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit,
+                            pivot)
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
@@ -248,6 +257,18 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
             wz1 = Float32(0.0)
         v.append((ws0, wz0, ws1, wz1))
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
+
+
+@cute.jit
+def first_masked(cfg: Sm90Config, n, last):
+    """:attr:`Warpgroup.mask_from`: ``n``, or in a step (``cfg.causal``) the causal limit of its first token, which
+    no column's is below (:func:`causal_limits` with ``j = 0``; ``last``: :func:`causal_last`)."""
+    lo = n
+    if cutlass.const_expr(cfg.causal):
+        lo = last - (cfg.tail + cfg.step - 1)
+        if cutlass.const_expr(cfg.windows):
+            lo = quantized_length(cfg, lo)
+    return lo
 
 
 def causal_limits(cfg: Sm90Config, col0, last) -> list | None:
@@ -467,13 +488,27 @@ class TileKernel:
                 s = less_maxima(s, mu)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg, mu)
+        if cutlass.const_expr(not cfg.mask_branch):
+            return self._masked(wg, sc, s, t0)
+        kept = cute.make_rmem_tensor(cute.make_layout(len(s)), Float32)  # what leaves the branch
+        for e in cutlass.range_constexpr(len(s)):
+            kept[e] = s[e]
+        if t0 + TILE > wg.mask_from:  # only the tiles that reach a limit
+            masked = self._masked(wg, sc, [kept[e] for e in range(len(s))], t0)
+            for e in cutlass.range_constexpr(len(s)):
+                kept[e] = masked[e]
+        return [kept[e] for e in range(len(s))]
+
+    @cute.jit
+    def _masked(self, wg: Warpgroup, sc: TileScales, s: list, t0) -> list:
+        """Scores ``s`` with ``-inf`` on rows past the sequence and, in a step, past each column's causal limit."""
         valid = sc.valid
         out = []
         for e in cutlass.range_constexpr(len(s)):
             x = s[e]
             if not valid[row_half(e)]:
                 x = -Float32.inf
-            if cutlass.const_expr(cfg.causal):
+            if cutlass.const_expr(self.cfg.causal):
                 if t0 + wg.thr.row0 + 8 * row_half(e) >= wg.limits[s_slot(e)]:
                     x = -Float32.inf
             out.append(x)
@@ -505,6 +540,9 @@ class TileKernel:
             tOrP = frags.tOrP[0]
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                 cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
+            if cutlass.const_expr(cfg.pivot_mma):  # the pivot sums: V^T's extra m64 block, c_h in its row 0
+                for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                    cute.gemm(wg.pv_mma, out.pivot, frags.pivot_a, tOrP[None, None, kb0 + kb], out.pivot)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -517,7 +555,7 @@ class TileKernel:
         D = cfg.head_dim
         thr = wg.thr
         out = state.out
-        fold_corrections(cfg, out, wg.smem.sSum, thr)
+        fold_corrections(cfg, out, wg.smem.sSum, thr, last=True)
         accO = out.acc
         sums = column_sums(state.softmax.sums, wg.smem.sSum, thr)
         slots = len(sums)

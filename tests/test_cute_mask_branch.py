@@ -1,0 +1,84 @@
+"""The scores' masks in a branch (``foscar.cute.config.MASK_BRANCH``, ``Sm90Config.mask_branch``): at 16 and 32
+columns, one tile a pass, the rows past the length and a step's causal limits are selected only in the tiles that
+reach the first of them (the thread's least limit, or the length), where every tile selected each element. CPU:
+which configurations take it, and that one of 8 columns compiles to the same PTX with the switch on. GPU (sm_90):
+GQA 16 and 32 and steps of 4 and 8 tokens (lengths that end mid-tile, splits whose last tile reaches a limit,
+BF16 windows) against the float64 oracle."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from _helpers import cute_switches  # noqa: E402
+from foscar.cute.compile import compile_stage1  # noqa: E402
+from foscar.cute.config import config_for  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+
+
+@pytest.mark.parametrize("gqa,step,tiles,taken", [
+    (4, 1, 2, False), (8, 1, 1, False), (16, 1, 1, True), (32, 1, 1, True), (4, 4, 1, True), (4, 8, 1, True),
+    (2, 4, 1, False)])
+def test_the_branch_is_taken_at_16_and_32_columns(monkeypatch, gqa, step, tiles, taken):
+    assert not config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch  # off by default
+    with cute_switches(monkeypatch, MASK_BRANCH=True):
+        assert config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch is taken
+
+
+def test_eight_columns_are_the_kernel_without_the_switch(monkeypatch):
+    off = config_for(FMT, 8, 64, "e4m3", 1)
+    with cute_switches(monkeypatch, MASK_BRANCH=True):
+        assert config_for(FMT, 8, 64, "e4m3", 1) == off
+
+
+@pytest.mark.parametrize("gqa,step,ctas", [(32, 1, 1), (4, 4, 2), (4, 8, 1)])
+def test_the_masks_sit_in_a_branch(monkeypatch, gqa, step, ctas):
+    """The PTX of 16 and 32 columns with the switch: the same ``-inf`` selects, one more branch (taken by the tiles
+    that reach no limit)."""
+    ptx = []
+    for on in (False, True):
+        with cute_switches(monkeypatch, MASK_BRANCH=on):
+            cfg = config_for(FMT, gqa, 64, "e4m3", 1, step)
+            ptx.append(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__)
+    neg_inf = [p.count("0fFF800000") for p in ptx]
+    branches = [p.count("bra") for p in ptx]
+    assert neg_inf[1] == neg_inf[0] and branches[1] > branches[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("gqa,lens,num_splits,fmt_kw", [
+    (16, [8192, 700, 1], 16, {}), (32, [4097, 63, 130], 5, {}), (32, [3000, 5], None, {"sink": 4, "recent": 100}),
+    (16, [1000, 64], 3, {"head_dim": 64, "group_size": 64})])
+def test_heads_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bits, gqa, lens, num_splits, fmt_kw):
+    from test_cute_decode import _decode_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    with cute_switches(monkeypatch, MASK_BRANCH=True):
+        _decode_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, masks in a branch: error", num_splits=num_splits,
+                                   warp_specialized=True, k_operand="e4m3", tiles_per_pass=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("G,T,num_splits", [(4, 4, None), (4, 8, None), (4, 4, 64), (8, 4, 5)])
+def test_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
+    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    with cute_switches(monkeypatch, MASK_BRANCH=True):
+        step_case(bits, G, T, num_splits, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("kw,G,T", [(dict(bits=2, group_size=128, sink=4, recent=16, rollback=8), 4, 4),
+                                    (dict(bits=4, group_size=128, k_axis="channel", rollback=8), 4, 8)])
+def test_windowed_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, kw, G, T):
+    from test_steps_windows import _check_windowed_step
+    with cute_switches(monkeypatch, MASK_BRANCH=True):
+        _check_windowed_step(kw, 128, G, T, "cute")
