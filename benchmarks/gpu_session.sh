@@ -12,6 +12,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh profile [B:L ...]  # Nsight Compute sections of the CuTe v1 decode
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
+#                                                                #   timed against the eager one at GQA 4, 16, 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh step-ring        # the Triton step over a channel-wise K ring at head
 #                                                                #   dim 128: plainly, then under memcheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
@@ -134,6 +136,15 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
+  triton-lazy)  # Triton alone (the tvm call will do): the lazy rescale's GPU tests, then the kernel with and without
+                # it at GQA 4, 16 and 32 (B 8, L 128K, Hq 32; the heuristic's splits and twice as many)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_lazy.py > "$OUT/triton-lazy-tests.log" 2>&1
+    echo "triton-lazy tests rc=$? $(tail -1 "$OUT/triton-lazy-tests.log")"
+    for h in 8 2 1; do
+      timeout 150 python3 benchmarks/sweep_triton.py --shapes 8:128K --kv-heads $h --splits 1 2 --warps 4 \
+        --stages 1 --lazy 0 1 > "$OUT/triton-lazy-kv$h.log" 2>&1
+      echo "triton-lazy Hkv $h rc=$?"; grep -E "^B=|BEST" "$OUT/triton-lazy-kv$h.log" | tail -10
+    done ;;
   step-ring)  # Triton alone (the tvm call will do): its step over a channel-wise K ring at head dim 128 (B 2, L 1K,
               # 4 tokens), plainly with CUDA_LAUNCH_BLOCKING, then under compute-sanitizer memcheck
     CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/sanitize_one.py triton_step_ring > "$OUT/step-ring.log" 2>&1

@@ -29,9 +29,9 @@ STRIDES = ("stride_qb", "stride_qh", "stride_cp", "stride_ch", "stride_kpp", "st
 
 
 def compile_stage1(fmt: KVFormat, *, block_n=64, page=64, G=4, num_warps=4, num_stages=1, fold=True,
-                   max_registers=None, prefetch=1, fused_combine=True, q_len=1):
+                   max_registers=None, prefetch=1, fused_combine=True, q_len=1, lazy=False):
     constexprs = dict(stage1_constexprs(fmt, G, block_n=block_n, page=page, fold=fold, prefetch=prefetch,
-                                        fused_combine=fused_combine, step=q_len))
+                                        fused_combine=fused_combine, step=q_len, lazy=lazy))
     signature = dict(POINTERS, qk_scale="fp32", **{s: "i32" for s in STRIDES}, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fold_decode_stage1, signature=signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -104,6 +104,7 @@ def main():
     p.add_argument("--q-len", type=int, default=1, help="tokens of a decode step, rows of each program")
     p.add_argument("--scheme", choices=("affine", "nvfp4", "mxfp4"), default="affine",
                    help="an FP4 block format: its kernel (the format's other options are its own)")
+    p.add_argument("--lazy", action="store_true", help="the lazy rescale (foscar.triton.decode's lazy_rescale)")
     p.add_argument("--launcher-cap", action="store_true",
                    help="the register cap the launcher would set (foscar.triton.launch.max_registers)")
     a = p.parse_args()
@@ -119,7 +120,7 @@ def main():
     else:
         k = compile_stage1(fmt, block_n=a.block_n, G=a.gqa, num_warps=a.num_warps, fold=not a.reconstruct,
                            max_registers=cap, prefetch=a.prefetch, fused_combine=not a.separate_combine,
-                           q_len=a.q_len)
+                           q_len=a.q_len, lazy=a.lazy)
     total, mix = loop_mix(k)
     res = resources(k)
     print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "

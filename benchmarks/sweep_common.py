@@ -31,12 +31,15 @@ def add_common_args(p: argparse.ArgumentParser, default_shape: str) -> None:
 Candidates = Callable[[int, int, torch.device], Iterable[tuple[dict, Callable]]]
 
 
-def sweep(a: argparse.Namespace, candidates: Candidates, k_axis: str = "token", v_axis: str = "token") -> None:
+def sweep(a: argparse.Namespace, candidates: Candidates, k_axis: str = "token", v_axis: str = "token",
+          kv_heads: int = 8) -> None:
+    """Each shape and width of ``a``: every candidate checked, then timed (Hq 32, ``kv_heads`` KV heads)."""
     dev = torch.device("cuda")
     flush = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=dev)
     records = []
     for (B, L), bits in itertools.product([s for group in a.shapes for s in group], a.bits):
-        cache = make_random_cache(Case(B, L, bits, k_axis, v_axis), make_block_table(B, L // 64, "shuffled", 0).to(dev))
+        cache = make_random_cache(Case(B, L, bits, k_axis, v_axis, kv_heads=kv_heads),
+                                  make_block_table(B, L // 64, "shuffled", 0).to(dev))
         q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
         check = slice_check(q, cache)
         best = None

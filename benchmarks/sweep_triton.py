@@ -32,17 +32,19 @@ def main():
     p.add_argument("--block-n", type=int, nargs="+", default=[64])
     p.add_argument("--prefetch", type=int, nargs="+", default=[1], help="KV tiles in flight (1, 2)")
     p.add_argument("--fused", type=int, nargs="+", default=[1], help="split merge in stage 1's epilogue (1) or not (0)")
+    p.add_argument("--lazy", type=int, nargs="+", default=[0], help="the lazy rescale (1) or not (0)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads of Hq 32 (GQA 32 / kv_heads)")
     a = p.parse_args()
 
     def candidates(B, L, dev):
-        base = launch.default_num_splits(B, 8, L // 64, dev)
+        base = launch.default_num_splits(B, a.kv_heads, L // 64, dev)
         counts = a.num_splits or sorted({max(1, round(base * m)) for m in a.splits})
-        for splits, warps, stages, bn, pf, fused in itertools.product(counts, a.warps, a.stages, a.block_n,
-                                                                      a.prefetch, a.fused):
+        for splits, warps, stages, bn, pf, fused, lazy in itertools.product(counts, a.warps, a.stages, a.block_n,
+                                                                            a.prefetch, a.fused, a.lazy):
             cfg = {"num_splits": splits, "num_warps": warps, "num_stages": stages, "block_n": bn, "prefetch": pf,
-                   "fused_combine": bool(fused)}
+                   "fused_combine": bool(fused), "lazy_rescale": bool(lazy)}
             yield cfg, lambda q, cache, out, cfg=cfg: launch.decode(q, cache, out=out, **cfg)
-    sweep(a, candidates, a.k_axis, a.v_axis)
+    sweep(a, candidates, a.k_axis, a.v_axis, a.kv_heads)
 
 
 if __name__ == "__main__":

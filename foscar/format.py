@@ -151,6 +151,9 @@ def f16_placement(shl: int) -> OperandMapping:
 #: (a tile of constant groups has all scales 0).
 P_UNITS_START = 2.0 ** -126
 P_UNITS_OFFSET_RATIO = 2.0 ** -64
+#: The kernels' lazy rescale: the running maxima and ``sigma`` kept while no score passes its maximum by more than
+#: this (base 2: ``P <= 2^8``, which FP16 ``P'`` and the FP32 sums hold) and no ``|s'_V|`` passes ``sigma``
+RESCALE_HEADROOM = 8.0
 
 
 @functools.lru_cache(maxsize=256)  # host time per call: a launch's constants are its format's

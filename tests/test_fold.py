@@ -9,11 +9,11 @@ ranges 1e-3..1e3, constant groups and every operand mapping.
 import pytest
 import torch
 from _helpers import bf16_attention, random_values, rel
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import foscar
-from foscar.errors import UnsupportedError
+from foscar.errors import InvalidArgumentError, UnsupportedError
 
 AXES = ("token", "channel")
 
@@ -89,7 +89,11 @@ def build(case):
                 bt[b, : len(c)] = c
             table = foscar.PageTable.from_block_table(bt, torch.tensor(need, dtype=torch.int32))
         kw.update(page_size=page, page_table=table, num_pages=pool)
-    return q, foscar.quantize_kv(k, v, fmt, **kw)
+    try:
+        return q, foscar.quantize_kv(k, v, fmt, **kw)
+    except InvalidArgumentError as e:  # values an FP16 window cannot hold (large keys, rotated): refused by name,
+        assume("windows hold" not in str(e))  # which is right; not a case of these tests
+        raise
 
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

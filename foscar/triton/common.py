@@ -42,16 +42,24 @@ def online_softmax(m_i, l_i, s, GUARD: tl.constexpr = False):
 
 
 @triton.jit
-def causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP: tl.constexpr):
-    """One KV tile of the stage-1 kernels' base-2 online softmax over scores ``S^T [BLOCK_N, BLOCK_H]``:
-    tokens past the quantized ones (``valid`` false) masked, and for a step of ``STEP`` tokens the causal mask among
-    them (row ``hh`` sees the first ``row_seen[hh]`` quantized tokens, :func:`step_seen`). A row may see no token
-    of a tile, or of the whole split: its P and rescale stay 0. Returns ``(m_new, alpha, p, l_el)``: the running
-    maxima, the rescale of what came before, ``P^T``, the per-element sums."""
+def masked_scores(st, valid, t0, tt, row_seen, STEP: tl.constexpr):
+    """Scores ``S^T [BLOCK_N, BLOCK_H]`` with ``-inf`` on tokens past the quantized ones (``valid`` false) and, for a
+    step of ``STEP`` tokens, past each row's causal limit (row ``hh`` sees the first ``row_seen[hh]`` quantized
+    tokens, :func:`step_seen`)."""
     if STEP == 1:
         st = tl.where(valid[:, None], st, float("-inf"))
     else:
         st = tl.where(valid[:, None] & ((t0 + tt)[:, None] < row_seen[None, :]), st, float("-inf"))
+    return st
+
+
+@triton.jit
+def causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP: tl.constexpr):
+    """One KV tile of the stage-1 kernels' base-2 online softmax over scores ``S^T [BLOCK_N, BLOCK_H]``, masked
+    (:func:`masked_scores`). A row may see no token of a tile, or of the whole split: its P and rescale stay 0.
+    Returns ``(m_new, alpha, p, l_el)``: the running maxima, the rescale of what came before, ``P^T``, the
+    per-element sums."""
+    st = masked_scores(st, valid, t0, tt, row_seen, STEP)
     m_new = tl.maximum(m_i, tl.max(st, axis=0))
     m_use = m_new
     if STEP > 1:
@@ -59,6 +67,16 @@ def causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP: tl.constex
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(st - m_use[None, :])
     return m_new, alpha, p, l_el * alpha[None, :] + p
+
+
+@triton.jit
+def past_headroom(st, m_i, HEADROOM: tl.constexpr):
+    """Whether any score of ``S^T`` passes its row's running maximum ``m_i`` by more than ``HEADROOM`` (base 2), or
+    is finite where the row has seen no score yet (``m_i`` -inf): a count of such scores, 0 when none. A NaN
+    score passes no comparison (its P is NaN either way); counted, not maximised, so that a NaN never hides
+    another score (the interpreter's maximum propagates NaN)."""
+    m_ref = tl.where(m_i == float("-inf"), -3.0e38, m_i)
+    return tl.sum(tl.sum(((st - m_ref[None, :]) > HEADROOM).to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .combine import merge_parts
-from .common import (causal_softmax_step, dot, dot_acc, partial_result, round_operand, split_of,
-                     split_range, step_seen, walsh_hadamard)
+from .common import (causal_softmax_step, dot, dot_acc, masked_scores, partial_result, past_headroom, round_operand,
+                     split_of, split_range, step_seen, walsh_hadamard)
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -142,7 +142,7 @@ def fold_decode_stage1(
     PV_F16: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, WINDOWS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr, P_START: tl.constexpr, P_OFFSET_RATIO: tl.constexpr, ROTATE: tl.constexpr,
-    STEP: tl.constexpr,
+    STEP: tl.constexpr, LAZY: tl.constexpr, HEADROOM: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -271,13 +271,40 @@ def fold_decode_stage1(
         if not (K_TOKEN and FOLD):
             st = st * qk_scale
         # ---- online softmax (base 2) over the token axis, masked (causal among a step's tokens) -------
-        m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP)  # p: P^T
-        # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
         vs = v_s
         vmid = _middle(v_s, v_z, V_MID, INTERPRET)
+        if LAZY:  # the maxima and units kept while no score passes them by HEADROOM and no |s'| passes sigma
+            st = masked_scores(st, valid, t0, tt, row_seen, STEP)
+            vs1 = tl.reshape(vs, (BLOCK_N,))
+            top = tl.maximum(tl.max(tl.abs(vs1), axis=0), tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0)
+                             * P_OFFSET_RATIO)
+            if past_headroom(st, m_i, HEADROOM) + (top > sigma).to(tl.int32) > 0:  # rarely, after the first tile
+                m_new = tl.maximum(m_i, tl.max(st, axis=0))
+                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
+                sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
+                acc = acc * (alpha * (sigma / sig_new))[None, None, :]
+                l_el = l_el * alpha[None, :]
+                c_el = c_el * alpha[None, :]
+                m_i = m_new
+                sigma = sig_new
+            p = tl.exp2(st - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])  # <= 2^HEADROOM
+            l_el = l_el + p
+            pvr = _pv_operand(p * (vs1 / sigma)[:, None], PV_F16, INTERPRET)
+            c_el = c_el + (p * tl.reshape(vmid, (BLOCK_N,))[:, None] - (V_PIVOT * sigma) * pvr.to(tl.float32))
+            yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET), (D, BLOCK_N))
+            acc = tl.reshape(dot_acc(yv, pvr, tl.reshape(acc, (D, BLOCK_H)), INTERPRET), (1, D, BLOCK_H))
+            if (tile - t_lo) % CORR_EVERY == CORR_EVERY - 1:
+                acc += (tl.sum(c_el, axis=0) / sigma)[None, None, :]
+                c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
+        else:
+            m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP)  # p: P^T
+        # ---- O^T += V^T P^T with the V offset corrections (before the division) -------------------
         if not (V_TOKEN and FOLD and VC_ == 1):
             acc = acc * alpha[None, None, :]
-        if V_TOKEN:
+        if LAZY:
+            pass  # the lazy softmax took the tile's PV product
+        elif V_TOKEN:
             if FOLD and VC_ == 1:  # operand-fold, one channel group: 2-D, in the layout the scores came in
                 vs1 = tl.reshape(vs, (BLOCK_N,))
                 top = tl.maximum(tl.max(tl.abs(vs1), axis=0),  # P <= 1: the largest |s'| so far bounds P'

@@ -13,7 +13,7 @@ from .. import autotune
 from .._checks import check_int, check_tensor, decode_out_buffers
 from ..cache import QuantKVCache
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, injection_constants, operand_for
+from ..format import P_UNITS_OFFSET_RATIO, P_UNITS_START, RESCALE_HEADROOM, injection_constants, operand_for
 from ..rotation import rotation_factors
 from ..problem import DecodeProblem
 from ..quantize import FP4_QUANTIZERS, WRITE_KERNEL_QUANTIZERS, check_quantizer, clip_ratio
@@ -22,6 +22,10 @@ from .decode import LOG2E, fold_decode_stage1
 
 KERNELS = ("folded", "reconstruct")
 BLOCK_N_CHOICES = (64, 32, 16)
+#: The folded kernel's lazy rescale (token-wise V of one channel group: ``LAZY`` in
+#: :func:`~foscar.triton.decode.fold_decode_stage1`) where a launch names none: off until its speed is measured on
+#: a GPU (``docs/triton-perf.md``)
+LAZY_RESCALE = False
 
 
 def interpreting() -> bool:
@@ -111,7 +115,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
            lse: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
            kernel: str = "folded", block_n: int | None = None, num_warps: int | None = None, num_stages: int = 1,
            pv_fp16: bool = True, prefetch: int | None = None, fused_combine: bool = True,
-           workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+           workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, lazy_rescale: bool | None = None):
     """Decode ``q [B, Hq, D]`` over ``cache`` with the Triton kernels; returns ``out`` (and ``lse``).
 
     ``kernel="folded"`` is foscar's affine-folded kernel; ``"reconstruct"`` the per-value
@@ -127,6 +131,9 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     the fused merge's counters, ``[B * Hkv]`` int32 zeros (:func:`new_workspace`; a
     :class:`foscar.DecodePlan` holds them): the call then allocates nothing. Without it, the counters
     are a zeroed buffer kept per device and stream (they reset themselves after each call).
+    ``lazy_rescale``: the folded kernel keeps each row's running maximum and the P' units while no score passes
+    the maximum by ``2^8`` and no ``|s'_V|`` passes the units, and rescales only then (token-wise V of one channel
+    group; elsewhere it has no effect); ``None``: :data:`LAZY_RESCALE`.
     """
     step = isinstance(q, torch.Tensor) and q.dim() == 4
     if step:  # a step of q_len tokens: its rows, the cache as it is
@@ -138,7 +145,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
                                       num_splits=num_splits)
     solved = problem.in_cache_space() if cache.fmt.is_fp4 else problem  # the FP4 kernel: the cache's space
     run(solved, kernel=kernel, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_fp16=pv_fp16,
-        prefetch=prefetch, fused_combine=fused_combine, workspace=workspace)
+        prefetch=prefetch, fused_combine=fused_combine, workspace=workspace, lazy_rescale=lazy_rescale)
     problem.finish(solved, lse_wanted=False)
     result = (problem.out, problem.lse) if (return_lse or lse is not None) else problem.out
     if not step:
@@ -149,7 +156,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
 
 def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = "folded", block_n: int | None = None,
         num_warps: int | None = None, num_stages: int = 1, pv_fp16: bool = True, prefetch: int | None = None,
-        fused_combine: bool = True, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        fused_combine: bool = True, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        lazy_rescale: bool | None = None) -> None:
     """:func:`decode` of a validated :class:`~foscar.problem.DecodeProblem` (its ``num_splits`` unless given):
     the Triton backend's own checks (a CUDA device or the interpreter, the ``bf16`` mapping, unit-stride
     ``q``), then the launches, writing ``problem.out`` and ``problem.lse``. ``problem.q_len > 1``: its
@@ -161,6 +169,9 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     fmt = cache.fmt
     if kernel not in KERNELS:
         raise InvalidArgumentError("kernel", f"one of {KERNELS}", repr(kernel))
+    lazy_rescale = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
+    if not isinstance(lazy_rescale, bool):
+        raise InvalidArgumentError("lazy_rescale", "True, False or None", lazy_rescale)
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
     if q.stride(-1) != 1:
@@ -202,7 +213,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
             out.stride(0), out.stride(1), lse_buf.stride(0), lse_buf.stride(1),
             **stage1_constexprs(fmt, G, block_n=bn, page=cache.page_size, pv_fp16=pv_fp16, fold=kernel == "folded",
                                 interpret=interp, prefetch=prefetch, fused_combine=fused_combine,
-                                write_lse=lse is not None, step=q_len),
+                                write_lse=lse is not None, step=q_len, lazy=lazy_rescale),
             num_warps=num_warps, num_stages=num_stages, **regs)
     if not fused_combine:
         window_partials(q, cache, o_part, l_part, num_splits, qk_scale, G, interp, q_len)
@@ -212,10 +223,11 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
 @functools.lru_cache(maxsize=256)  # host time per call: built once per format and launch
 def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = True, fold: bool = True,
                       interpret: bool = False, prefetch: int = 1, fused_combine: bool = True,
-                      write_lse: bool = False, step: int = 1) -> MappingProxyType:
+                      write_lse: bool = False, step: int = 1, lazy: bool = False) -> MappingProxyType:
     """The constexprs of :func:`fold_decode_stage1` for a format, GQA ratio and launch (one home: the
     launcher and ``benchmarks/sass_stats.py`` compile the same kernel), read-only (they are cached).
-    Heads run along N, padded to 8 (a step of ``step`` tokens: its ``G step`` rows)."""
+    Heads run along N, padded to 8 (a step of ``step`` tokens: its ``G step`` rows). ``lazy``: the lazy rescale,
+    where the format takes it (token-wise V of one channel group, the folded kernel)."""
     D = fmt.head_dim
     k_op = operand_for(torch.bfloat16, fmt.bits)
     v_op = operand_for(torch.float16 if pv_fp16 else torch.bfloat16, fmt.bits)
@@ -227,7 +239,8 @@ def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = T
         PV_F16=pv_fp16, FOLD=fold, INTERPRET=interpret, PREFETCH=prefetch, FUSED_COMBINE=fused_combine,
         WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G * step), CHUNK=merge_chunk(G * step, D),
         WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO,
-        ROTATE=fmt.rotation is not None, STEP=step))
+        ROTATE=fmt.rotation is not None, STEP=step,
+        LAZY=lazy and fold and fmt.v_axis == "token" and fmt.group_size >= D, HEADROOM=RESCALE_HEADROOM))
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
