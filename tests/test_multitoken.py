@@ -183,7 +183,8 @@ def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits,
     status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
     if not status["cute"].usable:
         pytest.skip(status["cute"].why)
-    lens = [T, 64 * 7 + T - 1, 4099]  # a step alone; one past a tile by T - 1; long
+    lens = [T, 64 * 7 + T - 1, 4099, 64 * 5 + 1]  # a step alone; one past a tile by T - 1; long; a tile ending
+    # inside the step's tokens (its earlier rows' limits before the tile's end)
     q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
     rows = q.reshape(-1, *q.shape[2:])
     out = torch.full(rows.shape, float("nan"), dtype=torch.bfloat16, device=q.device)

@@ -81,10 +81,11 @@ def test_tiny_then_large_values_raise_the_units():
 @pytest.mark.parametrize("T,kw", [(3, {}), (4, {"sink": 4, "recent": 16, "rollback": 3})])
 def test_a_step_with_the_lazy_rescale_is_the_oracles(T, kw):
     """A step's rows: columns that see no token of a split's first tiles (the causal limit) keep their maximum
-    at -inf until they do."""
+    at -inf until they do; lengths whose last tile ends inside the step's tokens (the masks of 16 rows or more
+    are taken by the tiles that reach the first row's limit, not only the length)."""
     from test_multitoken import _step
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, **kw)
-    q, cache = _step(fmt, [T, 90, 161], T, seed=T)
+    q, cache = _step(fmt, [T, 90, 161, 128, 129], T, seed=T)
     exact = foscar.decode_exact(q, cache)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     ft.decode(q, cache, out=out, num_splits=5, lazy_rescale=True)

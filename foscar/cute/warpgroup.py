@@ -137,8 +137,8 @@ class Warpgroup:
     """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's columns
     (by column slot; the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length,
     ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns (by column slot); ``limits`` (a step of several tokens) each
-    column's causal limit, the tokens it sees (:func:`causal_limits`); ``mask_from`` the first token any of this
-    thread's scores is masked at (``n``, or the least of ``limits``: :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
+    column's causal limit, the tokens it sees (:func:`causal_limits`); ``mask_from`` no later than the first token
+    any score is masked at (:func:`first_masked`, :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
                  n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None):

@@ -162,6 +162,9 @@ def fold_decode_stage1(
     tt = tl.arange(0, BLOCK_N)
     hmask = hh < G * STEP
     row_seen = step_seen(L, n_quant, hh, G, STEP, SINK, RECENT, FLUSH, WINDOWS)  # a step's causal limits
+    first_seen = n_quant  # no score of a tile before it is masked (the least of the rows' limits, each <= n_quant)
+    if STEP > 1:
+        first_seen = tl.min(tl.where(hmask, row_seen, n_quant), axis=0)
     # row hh: query head kvh G + hh % G of token hh // G of the step, a row b STEP + hh // G of Q (and of the
     # partials and the output); one token (STEP 1): head kvh G + hh of row b
     if STEP == 1:
@@ -274,7 +277,11 @@ def fold_decode_stage1(
         vs = v_s
         vmid = _middle(v_s, v_z, V_MID, INTERPRET)
         if LAZY:  # the maxima and units kept while no score passes them by HEADROOM and no |s'| passes sigma
-            st = masked_scores(st, valid, t0, tt, row_seen, STEP)
+            if BLOCK_H >= 16:  # 16 rows or more: only the tiles that reach a row's limit take the masks
+                if t0 + BLOCK_N > first_seen:
+                    st = masked_scores(st, valid, t0, tt, row_seen, STEP)
+            else:
+                st = masked_scores(st, valid, t0, tt, row_seen, STEP)
             vs1 = tl.reshape(vs, (BLOCK_N,))
             top = tl.maximum(tl.max(tl.abs(vs1), axis=0), tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0)
                              * P_OFFSET_RATIO)
