@@ -103,7 +103,7 @@ def rare_paths(sass: str) -> dict:
         heads = {re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in block}
         if i in lazy:  # the lazy rescale's branch, the first after its vote
             out["rescale"] += len(block)
-        elif any("SYNCS.PHASECHK" in x for x in block):
+        elif len(block) <= 8 and any("SYNCS.PHASECHK" in x for x in block):  # a retry, not a path around one
             out["waits"] += len(block)
         elif heads <= {"FSEL", "ISETP", "VIADD", "IADD3", "IMAD", "LEA", "MOV"} and any("-INF" in x for x in block):
             out["masks"] += len(block)
