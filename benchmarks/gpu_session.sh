@@ -36,7 +36,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # pending and pending-speed of the likeliest gains
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # the GPU tests of the likeliest gains' switches
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-speed   # those switches timed against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-steps   # steps of 4 and 8 tokens with those switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
 #                                                                #   (KIVI-style): the CuTe columns (auto), the causal
@@ -298,12 +299,14 @@ SWEEPS
         --bits 2 4 --q-len 1 4 8 --k-axis channel --recent 32 --backends ${v#*|} > "$OUT/steps-windows-${v#*|}.md" 2>&1
       echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows-${v#*|}.md"
     done ;;
-  priority)  # after install-cute, one call: the pending switches most likely to move the bars, tests then timings
-             # (the masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's
-             # two tiles a pass, mended; GQA 32 and 16 with the stacked terms, the masks' branch, P^T column-major
-             # and the pivot sums)
-    for name in mask-branch pivot-mma channel-k channel-v; do bash "$0" pending "$name"; done
-    bash "$0" pending-speed stacked-gqa ;;
+  priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
+             # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
+             # tiles a pass, mended)
+    for name in mask-branch pivot-mma channel-k channel-v; do bash "$0" pending "$name"; done ;;
+  priority-speed)  # the next call: GQA 32 and 16 timed with the stacked terms, the masks' branch, P^T column-major and
+                   # the pivot sums; then the channel-wise combinations with channel-wise K's two tiles a pass
+    bash "$0" pending-speed stacked-gqa
+    bash "$0" pending-speed channel ;;
   priority-steps)  # the next call: steps of 4 and 8 tokens at GQA 4 as shipped, with the stacked terms, with the
                    # masks' branch too, with P^T column-major and the pivot sums (32 columns) as well, and with the
                    # pivot sums at 16 columns too, run at one CTA an SM (priority-steps [N ...]: those variants only,

@@ -40,13 +40,14 @@ def settings(words: list[str]) -> dict:
 
 def apply(chosen: dict, base: dict | None = None) -> None:
     """Set ``chosen``'s switches in ``foscar.cute.config`` on top of ``base`` (name -> value; unset: the values
-    the module has now), a dict switch updating its base; then clear ``config_for``'s cache."""
+    the module has now), a dict switch updating its base; then clear what was decided under the switches before
+    (``config_for``'s configs and ``default_variant``'s choices: ``clear_switch_caches``)."""
     from foscar.cute import config
     base = {name: getattr(config, name) for name in SWITCHES} if base is None else base
     for name, value in base.items():
         new = chosen.get(name, value)
         setattr(config, name, {**value, **new} if isinstance(value, dict) else new)
-    config.config_for.cache_clear()
+    config.clear_switch_caches()
 
 
 def main() -> None:

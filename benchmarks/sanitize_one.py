@@ -72,7 +72,7 @@ def main(backend: str) -> None:
         from foscar.cute.launch import decode
         if backend == "cute_lazy1":
             config.LAZY_ONE_TILE = True
-            config.config_for.cache_clear()
+            config.clear_switch_caches()
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1 if backend == "cute_pair1" else 2,
                      k_operand="e4m3", tiles_per_pass=1 if backend == "cute_lazy1" else 2)
     else:

@@ -38,7 +38,7 @@ def set_lazy_one_tile(choice: str) -> None:
     """``foscar.cute.config.LAZY_ONE_TILE`` for the next candidates: as shipped (``default``), ``off`` or ``on``
     (the configs are cached: the cache is cleared; the compile cache keys on the config, which holds the flag)."""
     cute_config.LAZY_ONE_TILE = {"default": SHIPPED_LAZY_ONE_TILE, "off": False, "on": True}[choice]
-    cute_config.config_for.cache_clear()
+    cute_config.clear_switch_caches()
 
 
 def main():

@@ -47,13 +47,13 @@ def main():
                 saved = {k: getattr(config, k) for k in switches}
                 for k, v in switches.items():
                     setattr(config, k, v)
-                config.config_for.cache_clear()  # the stage-1 configs read the switches
+                config.clear_switch_caches()  # the stage-1 configs read the switches
                 try:
                     times.append(timed(lambda c=c: foscar.decode(q, c, out=out), flush, a.iters))
                 finally:
                     for k, v in saved.items():
                         setattr(config, k, v)
-                    config.config_for.cache_clear()
+                    config.clear_switch_caches()
             print(f"| B {B}, L {L}, INT{bits} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
             c = rotated_view(windowed_view(cache))
             rows = kernel_rows(lambda: foscar.decode(q, c, out=out), flush, a.iters)

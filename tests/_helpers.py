@@ -79,12 +79,13 @@ def magnitude_cache(fmt, magnitude, device, seed: int = 0):
 @contextlib.contextmanager
 def cute_switches(monkeypatch, **values):
     """``foscar.cute.config``'s kernel switches (``NAME=value``) set through ``monkeypatch`` for the ``with``
-    block, ``config_for``'s cache cleared on entry and on exit (no config of other switches is served)."""
+    block, the caches of what the switches decide cleared on entry and on exit (no config or variant of other
+    switches is served: ``clear_switch_caches``)."""
     import foscar.cute.config as cfg_mod
     for name, value in values.items():
         monkeypatch.setattr(cfg_mod, name, value)
-    cfg_mod.config_for.cache_clear()
+    cfg_mod.clear_switch_caches()
     try:
         yield
     finally:
-        cfg_mod.config_for.cache_clear()
+        cfg_mod.clear_switch_caches()

@@ -760,3 +760,27 @@ def test_sass_rare_paths_are_told_apart():
     sass = "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops))
     assert len(tile_loop(sass)) == len(ops)
     assert rare_paths(sass) == {"rescale": 3, "masks": 3, "fold": 4, "waits": 2}
+
+
+def test_run_with_forgets_the_variants_chosen_under_other_switches():
+    """``run_with.apply`` clears every cache the switches decide (``clear_switch_caches``): a sweep that sets a
+    switch after the shipped ones were used (``sweep_switches.py``'s variants, one process) gets the kernel variant
+    the new switches choose, not the one chosen before (channel-wise K on E4M3 terms, two tiles a pass)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import run_with
+    finally:
+        sys.path.pop(0)
+    import foscar
+    from foscar.cute import config
+    from foscar.cute.launch import default_variant
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel")
+    shipped = {name: getattr(config, name) for name in run_with.SWITCHES}
+    try:
+        run_with.apply({"CHANNEL_K_E4M3": False}, shipped)
+        assert default_variant(fmt, 4, 64)[0] == "bf16"
+        run_with.apply({"CHANNEL_K_E4M3": True}, shipped)
+        assert default_variant(fmt, 4, 64) == ("e4m3", 2)
+    finally:
+        run_with.apply({}, shipped)
+    assert default_variant(fmt, 4, 64)[0] == "bf16"

@@ -619,7 +619,7 @@ def test_lazy_one_tile_compiles_for_sm90a(lazy_one_tile, bits, gqa, k_operand, f
     assert cfg.lazy_rescale
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
     cfg_mod.LAZY_ONE_TILE = False
-    config_for.cache_clear()
+    cfg_mod.clear_switch_caches()
     plain_cfg = config_for(fmt, gqa, 64, k_operand, 1, q_len)
     assert not plain_cfg.lazy_rescale and dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
     plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__

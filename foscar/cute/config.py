@@ -475,6 +475,17 @@ def default_stages(bits: int, head_dim: int) -> int:
     return DEEP_STAGES if 2 * tile_words(bits, head_dim) * 4 <= DEEP_STAGE_BYTES else STAGES
 
 
+def clear_switch_caches() -> None:
+    """Forget what was decided under the kernel switches as they were (after setting one of :data:`SWITCHES`):
+    :func:`config_for`'s configs and :func:`foscar.cute.launch.default_variant`'s choices of operands and
+    passes (which :func:`config_for`'s refusals decide)."""
+    import sys
+    config_for.cache_clear()
+    launch = sys.modules.get("foscar.cute.launch")
+    if launch is not None:
+        launch.default_variant.cache_clear()
+
+
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
                step: int = 1, stages: int | None = None, tail: int = 0) -> Sm90Config:
