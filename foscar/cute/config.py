@@ -477,13 +477,17 @@ def default_stages(bits: int, head_dim: int) -> int:
 
 def clear_switch_caches() -> None:
     """Forget what was decided under the kernel switches as they were (after setting one of :data:`SWITCHES`):
-    :func:`config_for`'s configs and :func:`foscar.cute.launch.default_variant`'s choices of operands and
-    passes (which :func:`config_for`'s refusals decide)."""
+    :func:`config_for`'s configs, :func:`foscar.cute.launch.default_variant`'s choices of operands and passes
+    (which :func:`config_for`'s refusals decide) and ``auto``'s backend choices (:data:`WINDOWED_STEPS` decides
+    which backend takes a step over windows)."""
     import sys
     config_for.cache_clear()
     launch = sys.modules.get("foscar.cute.launch")
     if launch is not None:
         launch.default_variant.cache_clear()
+    api = sys.modules.get("foscar.api")
+    if api is not None:
+        api.clear_selection_cache()
 
 
 @functools.lru_cache(maxsize=256)  # host time per call
