@@ -283,8 +283,7 @@ def fold_decode_stage1(
             else:
                 st = masked_scores(st, valid, t0, tt, row_seen, STEP)
             vs1 = tl.reshape(vs, (BLOCK_N,))
-            top = tl.maximum(tl.max(tl.abs(vs1), axis=0), tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0)
-                             * P_OFFSET_RATIO)
+            top = tl.max(tl.maximum(tl.abs(vs1), tl.abs(tl.reshape(v_z, (BLOCK_N,))) * P_OFFSET_RATIO), axis=0)
             if past_headroom(st, m_i, HEADROOM) + (top > sigma).to(tl.int32) > 0:  # rarely, after the first tile
                 m_new = tl.maximum(m_i, tl.max(st, axis=0))
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
