@@ -70,13 +70,22 @@ def causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP: tl.constex
 
 
 @triton.jit
-def past_headroom(st, m_i, HEADROOM: tl.constexpr):
-    """Whether any score of ``S^T`` passes its row's running maximum ``m_i`` by more than ``HEADROOM`` (base 2), or
-    is finite where the row has seen no score yet (``m_i`` -inf): a count of such scores, 0 when none. A NaN
-    score passes no comparison (its P is NaN either way); counted, not maximised, so that a NaN never hides
-    another score (the interpreter's maximum propagates NaN)."""
-    m_ref = tl.where(m_i == float("-inf"), -3.0e38, m_i)
+def past_headroom(st, m_ref, HEADROOM: tl.constexpr):
+    """Whether any score of ``S^T`` passes its row's running maximum by more than ``HEADROOM`` (base 2), or is
+    finite where the row has seen no score yet: a count of such scores, 0 when none. ``m_ref``: the maxima, with
+    -3e38 where a row has seen none (:func:`lazy_references`). A NaN score passes no comparison (its P is NaN
+    either way); counted, not maximised, so that a NaN never hides another score (the interpreter's maximum
+    propagates NaN)."""
     return tl.sum(tl.sum(((st - m_ref[None, :]) > HEADROOM).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def lazy_references(m_i):
+    """``(m_use, m_ref)`` of the running maxima ``m_i``: the maxima the exponentials subtract (0 where a row has
+    seen no score, so that its masked scores give 0) and those :func:`past_headroom` compares with (-3e38 there,
+    so that any finite score of such a row passes)."""
+    seen = m_i != float("-inf")
+    return tl.where(seen, m_i, 0.0), tl.where(seen, m_i, -3.0e38)
 
 
 @triton.jit

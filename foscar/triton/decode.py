@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .combine import merge_parts
-from .common import (causal_softmax_step, dot, dot_acc, masked_scores, partial_result, past_headroom, round_operand,
-                     split_of, split_range, step_seen, walsh_hadamard)
+from .common import (causal_softmax_step, dot, dot_acc, lazy_references, masked_scores, partial_result, past_headroom,
+                     round_operand, split_of, split_range, step_seen, walsh_hadamard)
 from .tiles import k_codes, k_operand, k_words, v_codes, v_operand_t, v_words
 
 LOG2E = 1.4426950408889634
@@ -199,6 +199,8 @@ def fold_decode_stage1(
     kcorr = tl.zeros((BLOCK_H,), tl.float32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    if LAZY:  # the references the lazy rescale takes from m_i, kept beside it (lazy_references)
+        m_use, m_ref = lazy_references(m_i)
     # The softmax denominator is kept per score element and reduced once, after the loop.
     l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
@@ -284,7 +286,7 @@ def fold_decode_stage1(
                 st = masked_scores(st, valid, t0, tt, row_seen, STEP)
             vs1 = tl.reshape(vs, (BLOCK_N,))
             top = tl.max(tl.maximum(tl.abs(vs1), tl.abs(tl.reshape(v_z, (BLOCK_N,))) * P_OFFSET_RATIO), axis=0)
-            if past_headroom(st, m_i, HEADROOM) + (top > sigma).to(tl.int32) > 0:  # rarely, after the first tile
+            if past_headroom(st, m_ref, HEADROOM) + (top > sigma).to(tl.int32) > 0:  # rarely, after the first tile
                 m_new = tl.maximum(m_i, tl.max(st, axis=0))
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
                 up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
@@ -293,8 +295,9 @@ def fold_decode_stage1(
                 l_el = l_el * alpha[None, :]
                 c_el = c_el * alpha[None, :]
                 m_i = m_new
+                m_use, m_ref = lazy_references(m_i)
                 sigma = sig_new
-            p = tl.exp2(st - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])  # <= 2^HEADROOM
+            p = tl.exp2(st - m_use[None, :])  # <= 2^HEADROOM
             l_el = l_el + p
             pvr = _pv_operand(p * (vs1 / sigma)[:, None], PV_F16, INTERPRET)
             c_el = c_el + (p * tl.reshape(vmid, (BLOCK_N,))[:, None] - (V_PIVOT * sigma) * pvr.to(tl.float32))
