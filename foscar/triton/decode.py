@@ -199,8 +199,15 @@ def fold_decode_stage1(
     kcorr = tl.zeros((BLOCK_H,), tl.float32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    # the lazy rescale at 8 or 32 rows: the pivot's share of the V corrections, sum_t P', by the tensor core (row 0 of
+    # e0 P', the other rows 0; in units of sigma as acc is), where each element widened its P' and took an FMA (at
+    # 16 rows Triton makes that product an mma.sync from P' reloaded: 15 instructions a tile more than it saves)
+    PIVOT_DOT: tl.constexpr = LAZY and BLOCK_H != 16
     if LAZY:  # the references the lazy rescale takes from m_i, kept beside it (lazy_references)
         m_use, m_ref = lazy_references(m_i)
+    if PIVOT_DOT:
+        e0 = _pv_operand(((tl.arange(0, 16)[:, None] == 0) & (tt[None, :] >= 0)).to(tl.float32), PV_F16, INTERPRET)
+        psum = tl.zeros((16, BLOCK_H), tl.float32)
     # The softmax denominator is kept per score element and reduced once, after the loop.
     l_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
     c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)  # token-wise V: offset corrections not yet in acc
@@ -292,6 +299,8 @@ def fold_decode_stage1(
                 up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
                 sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
                 acc = acc * (alpha * (sigma / sig_new))[None, None, :]
+                if PIVOT_DOT:
+                    psum = psum * (alpha * (sigma / sig_new))[None, :]
                 l_el = l_el * alpha[None, :]
                 c_el = c_el * alpha[None, :]
                 m_i = m_new
@@ -300,11 +309,19 @@ def fold_decode_stage1(
             p = tl.exp2(st - m_use[None, :])  # <= 2^HEADROOM
             l_el = l_el + p
             pvr = _pv_operand(p * (vs1 / sigma)[:, None], PV_F16, INTERPRET)
-            c_el = c_el + (p * tl.reshape(vmid, (BLOCK_N,))[:, None] - (V_PIVOT * sigma) * pvr.to(tl.float32))
+            if PIVOT_DOT:
+                c_el = c_el + p * tl.reshape(vmid, (BLOCK_N,))[:, None]  # P mid; the pivot's share in psum
+                psum = dot_acc(e0, pvr, psum, INTERPRET)
+            else:
+                c_el = c_el + (p * tl.reshape(vmid, (BLOCK_N,))[:, None] - (V_PIVOT * sigma) * pvr.to(tl.float32))
             yv = tl.reshape(v_operand_t(vw, BLOCK_N, D, BITS, 1, V_SHL, V_PATTERN, PV_F16, INTERPRET), (D, BLOCK_N))
             acc = tl.reshape(dot_acc(yv, pvr, tl.reshape(acc, (D, BLOCK_H)), INTERPRET), (1, D, BLOCK_H))
             if (tile - t_lo) % CORR_EVERY == CORR_EVERY - 1:
-                acc += (tl.sum(c_el, axis=0) / sigma)[None, None, :]
+                fold = tl.sum(c_el, axis=0) / sigma
+                if PIVOT_DOT:
+                    fold = fold - V_PIVOT * tl.sum(psum, axis=0)
+                    psum = tl.zeros((16, BLOCK_H), tl.float32)
+                acc += fold[None, None, :]
                 c_el = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
         else:
             m_i, alpha, p, l_el = causal_softmax_step(st, valid, t0, tt, row_seen, m_i, l_el, STEP)  # p: P^T
@@ -373,7 +390,10 @@ def fold_decode_stage1(
 
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
-    out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
+    corr = tl.sum(c_el, axis=0)
+    if PIVOT_DOT:  # the pivot sums not yet folded
+        corr = corr - (V_PIVOT * sigma) * tl.sum(psum, axis=0)
+    out = (acc * sigma + corr[None, None, :]) / den[None, None, :]
     finish_split(tl.reshape(out, (D, BLOCK_H)), lse, OP, LP, O, LSE, SEM, op_off, lp_off, split, b, kvh, hmask, dd,
                  stride_ops, stride_opb, stride_lpb, stride_oph, stride_lph, stride_ob, stride_lb, stride_oh, stride_lh,
                  G=G, D=D, STEP=STEP, FUSED_COMBINE=FUSED_COMBINE, WINDOWS=WINDOWS, MERGE_H=MERGE_H, CHUNK=CHUNK,
