@@ -37,6 +37,12 @@ Each program writes its partial output ``acc / l`` and ``lse`` (base 2, scaled s
 split writes ``lse = -inf``. :mod:`foscar.triton.combine` merges the partials: a kernel of its own, or
 (``FUSED_COMBINE``) the last split of each KV head, found with a self-resetting counter per head.
 ``PREFETCH``: KV tiles in flight while one is computed (1 or 2).
+
+``LAZY`` (token-wise V of one channel group): the lazy rescale. Each row's maximum and the units ``sigma`` are
+kept while no score of a tile passes its row's maximum by ``HEADROOM`` (base 2) and no ``|s'_V|`` passes
+``sigma`` (one count a tile, :func:`~foscar.triton.common.past_headroom`); only then does the tile reduce the rows'
+maxima and rescale. From 16 rows the masks are taken only by the tiles that reach a row's limit; at 8 and 32
+rows the pivot's share of the V corrections, ``sum_t P'``, comes from the tensor core (``PIVOT_DOT``).
 """
 import triton
 import triton.language as tl
