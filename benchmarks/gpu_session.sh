@@ -150,7 +150,10 @@ case "$step" in
               # 4 tokens), plainly with CUDA_LAUNCH_BLOCKING, then under compute-sanitizer memcheck
     CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/sanitize_one.py triton_step_ring > "$OUT/step-ring.log" 2>&1
     echo "step-ring rc=$?"; tail -12 "$OUT/step-ring.log"
-    bash "$0" sanitize triton_step_ring 2>&1 | head -3
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    timeout 240 "$CS" --tool memcheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
+      triton_step_ring > "$OUT/sanitize-triton_step_ring-memcheck.log" 2>&1
+    echo "memcheck rc=$?"
     grep -m 12 -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY" "$OUT/sanitize-triton_step_ring-memcheck.log" ;;
   cute-bench)  # Triton against CuTe v0, v1 (and v1 with E4M3 K operands) and foscar.decode's own pick: paper grid; v0 and v1 on the four
                # axis combinations and GQA 1, 2 and 8 (the paper grid is GQA 4); cutlass-dsl installed and
