@@ -408,3 +408,28 @@ def test_a_launch_that_names_no_stages_takes_a_ring_its_ctas_hold():
             assert fits_shared_memory(cfg, ctas) or cfg.stages == min(STAGE_CHOICES)
             assert cfg.stages == config_for(fmt, gqa, 64).stages or not fits_shared_memory(
                 config_for(fmt, gqa, 64, stages=2 * cfg.stages), ctas)
+
+
+def test_triton_candidates_and_entries_name_the_lazy_rescale(dirs, monkeypatch):
+    """``foscar tune --backend triton`` times the lazy rescale where the format takes it (token-wise V of one
+    channel group) and records it in each candidate; an entry that names it decides a launch that does not, one
+    that does not leaves the launcher's default; a call's own choice wins."""
+    from foscar import backends, tune
+    from foscar.triton import launch
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    argv = ["--backend", "triton", "--shapes", "8:4096", "--bits", "2", "--out", str(dirs / "env")]
+    case = tune.cases(tune.build_parser().parse_args(argv))[0]
+    cands = backends.get("triton").candidates(case, torch.device("cpu"))
+    assert all(isinstance(c["lazy_rescale"], bool) for c in cands) and sum(c["lazy_rescale"] for c in cands) == 2
+    channel = tune.cases(tune.build_parser().parse_args(argv + ["--v-axis", "channel"]))[0]
+    assert not any(c["lazy_rescale"] for c in backends.get("triton").candidates(channel, torch.device("cpu")))
+    q = torch.zeros(8, 32, 128)
+    cache = foscar.quantize_kv(torch.randn(8, 8, 64, 128), torch.randn(8, 8, 64, 128), FMT, page_size=64)
+    at.clear_lookup_cache()
+    assert launch.launch_config(q, cache, 4).lazy_rescale is launch.LAZY_RESCALE
+    at.write_entries(dirs / "env", GPU, [(key(8, 64), {"num_splits": 5, "num_warps": 4, "lazy_rescale": True}, {})])
+    at.clear_lookup_cache()
+    assert launch.launch_config(q, cache, 4).lazy_rescale is True
+    assert launch.launch_config(q, cache, 4, lazy_rescale=False).lazy_rescale is False
+    with pytest.raises(foscar.InvalidArgumentError, match="^lazy_rescale: expected True, False or None"):
+        launch.launch_config(q, cache, 4, lazy_rescale=1)

@@ -36,8 +36,8 @@ class Triton(Backend):
         """The split count :func:`foscar.triton.launch.run` would take: a step's programs are one per sequence
         (its tokens are rows of each), so the first token's rows stand for the batch."""
         from ..triton.launch import launch_config
-        _, num_splits, _, _ = launch_config(problem.q[::problem.q_len], problem.cache, problem.gqa,
-                                            num_splits=problem.num_splits)
+        num_splits = launch_config(problem.q[::problem.q_len], problem.cache, problem.gqa,
+                                   num_splits=problem.num_splits).num_splits
         return {"num_splits": num_splits}
 
     def num_parts(self, problem, config: dict) -> int:
@@ -50,14 +50,20 @@ class Triton(Backend):
 
     def candidates(self, case, device: torch.device) -> list[dict]:
         """The launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV tiles in flight, 4 warps;
-        the heuristic's splits with 8 warps; the largest tile that fits."""
+        the heuristic's splits with 8 warps; the heuristic's splits and twice as many with the lazy rescale where
+        the format takes it (token-wise V of one channel group); the largest tile that fits."""
         from ..triton.launch import block_n_for, default_num_splits
         tile = block_n_for(case.fmt, case.page)
         tiles = case.seq_len // tile
         base = default_num_splits(case.batch, case.kv_heads, tiles, device)
         splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
-        out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf} for pf in (1, 2) for s in splits]
-        return out + [{"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1}]
+        out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf, "lazy_rescale": False}
+               for pf in (1, 2) for s in splits]
+        out.append({"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1, "lazy_rescale": False})
+        if case.fmt.v_axis == "token" and case.fmt.group_size == case.fmt.head_dim and not case.fmt.is_fp4:
+            out += [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": 1, "lazy_rescale": True}
+                    for s in splits[:2]]
+        return out
 
     def launch(self, q, cache, config: dict):
         from ..triton import decode

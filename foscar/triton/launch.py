@@ -5,6 +5,7 @@ import functools
 import math
 import os
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,11 +56,22 @@ def block_n_for(fmt, page: int) -> int:
     raise UnsupportedError(f"page_size={page}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
 
 
+class TritonLaunch(NamedTuple):
+    """A folded-kernel launch (:func:`launch_config`)."""
+
+    block_n: int
+    num_splits: int
+    num_warps: int
+    prefetch: int
+    lazy_rescale: bool
+
+
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, prefetch: int | None = None,
-                  use_tuned: bool = True) -> tuple[int, int, int, int]:
-    """``(block_n, num_splits, num_warps, prefetch)`` of a folded-kernel launch: the given values, else
-    the autotune cache's (``use_tuned``), else the heuristics here. Host facts only: no device read."""
+                  use_tuned: bool = True, lazy_rescale: bool | None = None) -> TritonLaunch:
+    """The :class:`TritonLaunch` of a folded-kernel launch: the given values, else the autotune cache's
+    (``use_tuned``; an entry may name the lazy rescale), else the heuristics here (:data:`LAZY_RESCALE`). Host facts
+    only: no device read."""
     tuned = autotune.tuned_config("triton", q, cache, G) if use_tuned else {}
     fmt, page = cache.fmt, cache.page_size
     if block_n is None and tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
@@ -75,7 +87,11 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
         num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, cache.table_capacity // bn, q.device)
     check_int("num_splits", num_splits, minimum=1)
-    return bn, num_splits, num_warps, prefetch
+    if lazy_rescale is None:
+        lazy_rescale = tuned.get("lazy_rescale", LAZY_RESCALE)
+    if not isinstance(lazy_rescale, bool):
+        raise InvalidArgumentError("lazy_rescale", "True, False or None", lazy_rescale)
+    return TritonLaunch(bn, num_splits, num_warps, prefetch, lazy_rescale)
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
@@ -133,7 +149,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     are a zeroed buffer kept per device and stream (they reset themselves after each call).
     ``lazy_rescale``: the folded kernel keeps each row's running maximum and the P' units while no score passes
     the maximum by ``2^8`` and no ``|s'_V|`` passes the units, and rescales only then (token-wise V of one channel
-    group; elsewhere it has no effect); ``None``: :data:`LAZY_RESCALE`.
+    group; elsewhere it has no effect); ``None``: the autotune cache's, else :data:`LAZY_RESCALE`.
     """
     step = isinstance(q, torch.Tensor) and q.dim() == 4
     if step:  # a step of q_len tokens: its rows, the cache as it is
@@ -169,9 +185,6 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     fmt = cache.fmt
     if kernel not in KERNELS:
         raise InvalidArgumentError("kernel", f"one of {KERNELS}", repr(kernel))
-    lazy_rescale = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
-    if not isinstance(lazy_rescale, bool):
-        raise InvalidArgumentError("lazy_rescale", "True, False or None", lazy_rescale)
     if fmt.mapping != "bf16":
         raise UnsupportedError(f"mapping={fmt.mapping!r}", "the Triton kernels build BF16 operands (mapping 'bf16')")
     if q.stride(-1) != 1:
@@ -182,9 +195,10 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     rows, Hq, D = q.shape
     B = rows // q_len
     Hkv = cache.num_kv_heads
-    bn, num_splits, num_warps, prefetch = launch_config(
+    bn, num_splits, num_warps, prefetch, lazy_rescale = launch_config(
         q[::q_len], cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
-        num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting())
+        num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting(),
+        lazy_rescale=lazy_rescale)
     parts = num_splits + num_window_parts(fmt)
     o_part, l_part, sem = workspace_for(workspace, rows, Hq, parts, D, q.device, Hkv)
     if q_len > 1 and (out.stride(0) != Hq * out.stride(1) or (lse is not None and lse.stride(0) != Hq * lse.stride(1))
