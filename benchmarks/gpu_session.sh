@@ -37,7 +37,6 @@
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # the GPU tests of the likeliest gains' switches
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-speed   # those switches timed against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-steps   # steps of 4 and 8 tokens with those switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
 #                                                                #   (KIVI-style): the CuTe columns (auto), the causal
@@ -306,10 +305,6 @@ SWEEPS
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
              # tiles a pass, mended)
     for name in mask-branch pivot-mma channel-k channel-v; do bash "$0" pending "$name"; done ;;
-  priority-speed)  # the next call: GQA 32 and 16 timed with the stacked terms, the masks' branch, P^T column-major and
-                   # the pivot sums; then the channel-wise combinations with channel-wise K's two tiles a pass
-    bash "$0" pending-speed stacked-gqa
-    bash "$0" pending-speed channel ;;
   priority-steps)  # the next call: steps of 4 and 8 tokens at GQA 4 as shipped, with the stacked terms, with the
                    # masks' branch too, with P^T column-major and the pivot sums (32 columns) as well, and with the
                    # pivot sums at 16 columns too, run at one CTA an SM (priority-steps [N ...]: those variants only,
