@@ -79,11 +79,41 @@ def resources(kernel) -> dict:
 def loop_mix(kernel) -> tuple[int, Counter]:
     sass = _cuobjdump(kernel, "-sass")
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
-    back = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", sass)
-            if int(t, 16) < int(a, 16)]
-    lo, hi = (back[0][1], back[0][0]) if back else (0, 1 << 30)
+    lo, hi = _loop_span(sass)
     loop = [op for a, op in ins if lo <= a <= hi]
     return len(ins), Counter(loop)
+
+
+def _loop_span(sass: str) -> tuple[int, int]:
+    """The KV-tile loop: the first backward branch's span."""
+    back = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", sass)
+            if int(t, 16) < int(a, 16)]
+    return (back[0][1], back[0][0]) if back else (0, 1 << 30)
+
+
+def full_tile(kernel, fold_every: int = 8) -> tuple[float, dict]:
+    """The instructions of a full tile on the common path, and the blocks it skips: the loop less the blocks of
+    its forward branches that a full tile does not take, the lazy rescale's (its maxima's ``FMNMX``) and the
+    masks' (``-inf`` selects and their compares), with the correction fold (the loop's last forward branch) taken
+    once in ``fold_every`` tiles."""
+    sass = _cuobjdump(kernel, "-sass")
+    lo, hi = _loop_span(sass)
+    lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass) if lo <= int(a, 16) <= hi]
+    blocks = []
+    for a, t in lines:
+        m = re.match(r"@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", t)
+        if m and a < int(m.group(1), 16) <= hi:
+            blocks.append([x for b, x in lines if a < b < int(m.group(1), 16)])
+    skipped = {"rescale": 0, "masks": 0, "fold": 0}
+    for i, block in enumerate(blocks):
+        heads = {re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in block}
+        if i == len(blocks) - 1:
+            skipped["fold"] = len(block)
+        elif "FMNMX" in heads:
+            skipped["rescale"] += len(block)
+        elif heads <= {"FSEL", "ISETP", "IADD3", "IMAD", "VIADD", "LEA"} and any("-INF" in x for x in block):
+            skipped["masks"] += len(block)
+    return len(lines) - sum(skipped.values()) + skipped["fold"] / fold_every, skipped
 
 
 def main():
@@ -123,8 +153,10 @@ def main():
                            q_len=a.q_len, lazy=a.lazy)
     total, mix = loop_mix(k)
     res = resources(k)
+    full, skipped = full_tile(k)
     print(f"kernel: {total} SASS instructions, {res['registers']} registers, {res['stack']} stack bytes; "
-          f"KV-tile loop: {sum(mix.values())} per thread per tile")
+          f"KV-tile loop: {sum(mix.values())} per thread per tile; a full tile on the common path (no rescale, no "
+          f"mask, the correction fold once in 8 tiles): {full:g} (skipped blocks {skipped})")
     for op, n in mix.most_common(25):
         print(f"  {op:28s} {n}")
 
