@@ -191,15 +191,20 @@ def wide(monkeypatch):
 
 
 def test_three_consumers_compile_for_sm90a(wide):
-    """32 columns at one CTA an SM with the three-consumer switch: three consumer loops (one vote each), the
-    partials one a split and consumer; two CTAs an SM and 16 columns keep two consumers."""
+    """16 and 32 columns at one CTA an SM with the three-consumer switch: three consumer loops (one vote each; one
+    copy of their code at 16 columns), the partials one a split and consumer; two CTAs an SM keep two consumers,
+    and 8 columns never take three."""
     from foscar.cute.launch import num_parts, split_partials
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
     cfg = config_for(fmt, 32, 64, "e4m3")
     assert cfg.wide and consumers_for(cfg, 1) == 3 and consumers_for(cfg, 2) == 2
-    assert not config_for(fmt, 16, 64, "e4m3").wide and not config_for(fmt, 4, 64, "e4m3", 2).wide
+    cfg16 = config_for(fmt, 16, 64, "e4m3")
+    assert cfg16.wide and consumers_for(cfg16, 1) == 3 and consumers_for(cfg16, 2) == 2
+    assert not config_for(fmt, 8, 64, "e4m3").wide and not config_for(fmt, 4, 64, "e4m3", 2).wide
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
     assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == consumer_code_paths(cfg, 1) == 3
+    ptx16 = compile_stage1(cfg16, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
+    assert len(re.findall(r"bar\.red\.or\.pred", ptx16)) == consumer_code_paths(cfg16, 1) == 1
     launch = {"warp_specialized": True, "ctas_per_sm": 1, "k_operand": "e4m3", "tiles_per_pass": 1}
     assert split_partials(fmt, 32, 64, 1, launch) == 3 and split_partials(fmt, 4, 64, 8, launch) == 3
     assert split_partials(fmt, 32, 64, 1, {**launch, "ctas_per_sm": 2}) == 2
@@ -212,7 +217,8 @@ def test_three_consumers_compile_for_sm90a(wide):
 @pytest.mark.parametrize("lens,G,num_splits,fmt_kw,k_operand", [
     ([3000, 64], 32, 3, {}, "e4m3"), ([4100, 260, 1], 32, None, {}, "bf16"),
     ([2500, 64], 32, None, {"v_axis": "channel"}, "bf16"), ([1500, 90], 32, 2, {"group_size": 64}, "bf16"),
-    ([3000, 5], 24, 3, {"sink": 4, "recent": 100}, "e4m3")])
+    ([3000, 5], 24, 3, {"sink": 4, "recent": 100}, "e4m3"), ([3000, 64], 16, 3, {}, "e4m3"),
+    ([4100, 77], 12, None, {"v_axis": "channel"}, "e4m3")])
 def test_three_consumers_against_the_oracle_gpu(wide, bits, lens, G, num_splits, fmt_kw, k_operand):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
     _decode_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, error", num_splits=num_splits,

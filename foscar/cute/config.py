@@ -129,8 +129,9 @@ CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
-#: Three consumer warpgroups at one CTA an SM and 32 columns (:attr:`Sm90Config.wide`): more warps for the latency
-#: of GQA 32. Off: at 160 registers a consumer spills, and GQA 32 runs slower (``docs/results-h200.md``)
+#: Three consumer warpgroups at one CTA an SM and 16 or 32 columns (:attr:`Sm90Config.wide`): more warps for the
+#: latency of GQA 16-32 and steps. Off: at 32 columns and 160 registers a consumer spilled, and GQA 32 ran slower
+#: (``docs/results-h200.md``); 16 columns, where one CTA an SM holds twelve consumer warps without a spill, not timed
 WIDE_CONSUMERS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -278,8 +279,8 @@ class Sm90Config:
     mask_branch: bool = False
     #: token-wise V's pivot sums ``sum_t c_h P'`` by the tensor core (:data:`PIVOT_MMA_COLS`), not per element
     pivot_mma: bool = False
-    #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 32 columns,
-    #: one tile a pass, alternate tiles
+    #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 16 or 32
+    #: columns, one tile a pass, alternate tiles
     wide: bool = False
 
     @property
@@ -609,6 +610,6 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       mask_branch=MASK_BRANCH and columns_for(rows) > HEADS and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
-                      wide=WIDE_CONSUMERS and columns_for(rows) == MAX_COLS
+                      wide=WIDE_CONSUMERS and columns_for(rows) > HEADS
                       and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
 
