@@ -95,29 +95,23 @@ START_PREFETCH = True
 #: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
 #: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
 #: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows, and
-#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass on the H200
-#: (``tests/test_steps_windows.py``), and the Triton kernel stopped on an illegal address in a step over a
-#: channel-wise K ring at head dim 128 there (``docs/results-h200.md``); its speed is not measured yet
+#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass on the H200, where the Triton kernel
+#: stopped on an illegal address in such a step at head dim 128 (``docs/results-h200.md``); its speed not measured
 WINDOWED_STEPS = True
-#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`; at 8 it
-#: costs more MMAs than it saves): off until its GPU tests run (``docs/steps-plan.md``)
+#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`): its GPU
+#: tests pass; off until GQA 16 and steps are timed with it (``docs/steps-plan.md``)
 STACKED_TERMS = False
 #: With :data:`STACKED_TERMS`: one power of two for Q's terms per KV head (:attr:`Sm90Config.shared_q_scale`), off
 #: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
 SHARED_Q_SCALE = False
-#: At 16 and 32 columns, one tile a pass: the scores' masks (rows past the length, a step's causal limits) in a
-#: branch that only the tiles reaching a limit take (:attr:`Sm90Config.mask_branch`), where every tile selected
-#: each element: off until its GPU tests run (``docs/steps-plan.md``)
+#: The scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32 columns):
+#: off until its GPU tests run (``docs/steps-plan.md``)
 MASK_BRANCH = False
-#: The column counts (8, 16, 32) that v1 runs at two CTAs an SM where a launch names none
-#: (:func:`foscar.cute.launch.default_ctas_per_sm`; head dim 256 takes one): 8 and 16, where GQA 16 measured faster
-#: at two CTAs though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
+#: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
+#: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
-#: The column counts (16, 32) whose token-wise V (one channel group) has the pivot's share of the offset correction,
-#: ``sum_t c_h P'``, summed by the tensor core in one more m64 block of V^T whose first row holds each token half's
-#: pivot (:attr:`Sm90Config.pivot_mma`), where each element took a conversion of its FP16 ``P'`` and an FMA: none
-#: until its GPU tests run (``docs/steps-plan.md``: at 8 columns it costs more than it saves; at 16 with two CTAs an
-#: SM its registers spill)
+#: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
+#: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
 #: consumer (E4M3 terms: once a pass of two tiles): off, as measured with BF16 K (correct, little faster:
@@ -129,9 +123,8 @@ CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
-#: Three consumer warpgroups at one CTA an SM and 16 or 32 columns (:attr:`Sm90Config.wide`): more warps for the
-#: latency of GQA 16-32 and steps. Off: at 32 columns and 160 registers a consumer spilled, and GQA 32 ran slower
-#: (``docs/results-h200.md``); 16 columns, where one CTA an SM holds twelve consumer warps without a spill, not timed
+#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`). Off: at 32 a consumer of
+#: 160 registers spilled and GQA 32 ran slower (``docs/results-h200.md``); 16 columns (no spill) not timed
 WIDE_CONSUMERS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -274,11 +267,8 @@ class Sm90Config:
     #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
     #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
-    #: the scores' masks in a branch taken by the tiles that reach a limit (:data:`MASK_BRANCH`: 16 or 32 columns, one
-    #: tile a pass), not selected at every element of every tile
-    mask_branch: bool = False
-    #: token-wise V's pivot sums ``sum_t c_h P'`` by the tensor core (:data:`PIVOT_MMA_COLS`), not per element
-    pivot_mma: bool = False
+    mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
+    pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 16 or 32
     #: columns, one tile a pass, alternate tiles
     wide: bool = False
@@ -477,10 +467,8 @@ def default_stages(bits: int, head_dim: int) -> int:
 
 
 def clear_switch_caches() -> None:
-    """Forget what was decided under the kernel switches as they were (after setting one of :data:`SWITCHES`):
-    :func:`config_for`'s configs, :func:`foscar.cute.launch.default_variant`'s choices of operands and passes
-    (which :func:`config_for`'s refusals decide) and ``auto``'s backend choices (:data:`WINDOWED_STEPS` decides
-    which backend takes a step over windows)."""
+    """Forget what was decided under other :data:`SWITCHES`: :func:`config_for`'s configs, the operands and passes
+    of :func:`foscar.cute.launch.default_variant` and ``auto``'s backend choices (:data:`WINDOWED_STEPS`)."""
     import sys
     config_for.cache_clear()
     launch = sys.modules.get("foscar.cute.launch")
@@ -580,8 +568,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         for v, f in zip((v0, v1), folds):
             v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
-    pivots = (float(v0["V_PIVOT"]), float(v1["V_PIVOT"]))
-    # the pivot sums' A operand holds the pivots as FP16: exact (1.5 or 7.5 times a power of two)
+    pivots = (float(v0["V_PIVOT"]), float(v1["V_PIVOT"]))  # the pivot sums' A: FP16, exact (1.5 or 7.5 times 2^k)
     assert all(float(torch.tensor(c, dtype=torch.float16)) == c for c in pivots), pivots
     if stages is None:  # a Q' per stage takes a deep ring's room
         stages = STAGES if producer_fold else default_stages(fmt.bits, fmt.head_dim)
