@@ -52,7 +52,7 @@ class Triton(Backend):
         """The launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV tiles in flight, 4 warps;
         the heuristic's splits with 8 warps; the heuristic's splits and twice as many with the lazy rescale where
         the format takes it (token-wise V of one channel group); the largest tile that fits."""
-        from ..triton.launch import block_n_for, default_num_splits
+        from ..triton.launch import block_n_for, default_num_splits, takes_lazy_rescale
         tile = block_n_for(case.fmt, case.page)
         tiles = case.seq_len // tile
         base = default_num_splits(case.batch, case.kv_heads, tiles, device)
@@ -60,7 +60,7 @@ class Triton(Backend):
         out = [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": pf, "lazy_rescale": False}
                for pf in (1, 2) for s in splits]
         out.append({"num_splits": base, "num_warps": 8, "block_n": tile, "prefetch": 1, "lazy_rescale": False})
-        if case.fmt.v_axis == "token" and case.fmt.group_size == case.fmt.head_dim and not case.fmt.is_fp4:
+        if takes_lazy_rescale(case.fmt):
             out += [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": 1, "lazy_rescale": True}
                     for s in splits[:2]]
         return out

@@ -69,6 +69,14 @@ def _pv_operand(x, PV_F16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _raised_units(sigma, top):
+    """The P' units after a tile whose ``|s'_V|`` (and offset bound) reach ``top``: ``sigma``, or the power of two at
+    or above ``top`` where that is larger (``top`` 0, a tile of constant groups: ``sigma``)."""
+    up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))
+    return tl.maximum(sigma, tl.where(top > 0, up, 0.0))
+
+
+@triton.jit
 def _middle(s, z, MID: tl.constexpr, INTERPRET: tl.constexpr):
     """``z' + MID * s'`` with one rounding: an FMA on the GPU, float64 under the interpreter (which has
     no fused multiply-add). Two roundings would cost ``2^-24 * |MID * s'|``, ~100x ``ulp(mid)``."""
@@ -302,8 +310,7 @@ def fold_decode_stage1(
             if past_headroom(st, m_ref, HEADROOM) + (top > sigma).to(tl.int32) > 0:  # rarely, after the first tile
                 m_new = tl.maximum(m_i, tl.max(st, axis=0))
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
-                sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
+                sig_new = _raised_units(sigma, top)
                 acc = acc * (alpha * (sigma / sig_new))[None, None, :]
                 if PIVOT_DOT:
                     psum = psum * (alpha * (sigma / sig_new))[None, :]
@@ -341,8 +348,7 @@ def fold_decode_stage1(
                 vs1 = tl.reshape(vs, (BLOCK_N,))
                 top = tl.maximum(tl.max(tl.abs(vs1), axis=0),  # P <= 1: the largest |s'| so far bounds P'
                                  tl.max(tl.abs(tl.reshape(v_z, (BLOCK_N,))), axis=0) * P_OFFSET_RATIO)
-                up = tl.exp2(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))))  # a power of two >= top
-                sig_new = tl.maximum(sigma, tl.where(top > 0, up, 0.0))
+                sig_new = _raised_units(sigma, top)
                 pvr = _pv_operand(p * (vs1 / sig_new)[:, None], PV_F16, INTERPRET)
                 # the correction sum_t P mid - c sum_t P' sig, kept per element and folded into acc every
                 # CORR_EVERY tiles: acc (sum P' y, y = q + beta > 0) grows with the length, and only the
@@ -396,10 +402,11 @@ def fold_decode_stage1(
 
     # ---- partial output and LSE of this split -------------------------------------------------------
     den, lse = partial_result(m_i, tl.sum(l_el, axis=0))
-    corr = tl.sum(c_el, axis=0)
     if PIVOT_DOT:  # the pivot sums not yet folded
-        corr = corr - (V_PIVOT * sigma) * tl.sum(psum, axis=0)
-    out = (acc * sigma + corr[None, None, :]) / den[None, None, :]
+        corr = tl.sum(c_el, axis=0) - (V_PIVOT * sigma) * tl.sum(psum, axis=0)
+        out = (acc * sigma + corr[None, None, :]) / den[None, None, :]
+    else:
+        out = (acc * sigma + tl.sum(c_el, axis=0)[None, None, :]) / den[None, None, :]
     finish_split(tl.reshape(out, (D, BLOCK_H)), lse, OP, LP, O, LSE, SEM, op_off, lp_off, split, b, kvh, hmask, dd,
                  stride_ops, stride_opb, stride_lpb, stride_oph, stride_lph, stride_ob, stride_lb, stride_oh, stride_lh,
                  G=G, D=D, STEP=STEP, FUSED_COMBINE=FUSED_COMBINE, WINDOWS=WINDOWS, MERGE_H=MERGE_H, CHUNK=CHUNK,

@@ -29,6 +29,11 @@ BLOCK_N_CHOICES = (64, 32, 16)
 LAZY_RESCALE = False
 
 
+def takes_lazy_rescale(fmt) -> bool:
+    """Whether the folded kernel has a lazy rescale for ``fmt``: token-wise V of one channel group, affine codes."""
+    return fmt.v_axis == "token" and fmt.group_size == fmt.head_dim and not fmt.is_fp4
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -254,7 +259,7 @@ def stage1_constexprs(fmt, G: int, *, block_n: int, page: int, pv_fp16: bool = T
         WINDOWS=num_window_parts(fmt), MERGE_H=triton.next_power_of_2(G * step), CHUNK=merge_chunk(G * step, D),
         WRITE_LSE=write_lse, P_START=P_UNITS_START, P_OFFSET_RATIO=P_UNITS_OFFSET_RATIO,
         ROTATE=fmt.rotation is not None, STEP=step,
-        LAZY=lazy and fold and fmt.v_axis == "token" and fmt.group_size >= D, HEADROOM=RESCALE_HEADROOM))
+        LAZY=lazy and fold and takes_lazy_rescale(fmt), HEADROOM=RESCALE_HEADROOM))
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
