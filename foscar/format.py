@@ -137,22 +137,19 @@ def injection(operand: str, beta: int) -> OperandMapping:
 
 @functools.lru_cache(maxsize=16)
 def f16_placement(shl: int) -> OperandMapping:
-    """FP16 placement: a code at bit ``shl`` of an FP16 whose exponent field is 0 (``shl + bits <= 11``:
-    subnormal, or the first normal binade, where the bit pattern's value is linear), ``y = q 2^(shl - 24)``
-    with no offset (``beta = 0``), built by a mask alone. A product over such operands carries no
-    ``beta sum(P)`` for its accumulator to lose bits to."""
+    """FP16 placement: a code at bit ``shl`` of an FP16 whose exponent field is 0 (``shl + bits <= 11``: subnormal,
+    or the first normal binade, where the bit pattern's value is linear), ``y = q 2^(shl - 24)`` with no offset
+    (``beta = 0``), built by a mask alone: a product over such operands carries no ``beta sum(P)`` to lose bits to."""
     return OperandMapping(f"f16<<{shl}", 2.0 ** (shl - 24), 0.0, "f16-placed", f"q << {shl}  ->  q 2^{shl - 24}")
 
 
-#: The units ``sigma`` of the GPU kernels' operand-fold of token-wise V, ``P' = P s'_V / sigma`` (a power of
-#: two, rescaled as it grows): they start at the smallest normal FP32 and are at least every ``|s'_V|`` and
-#: :data:`P_UNITS_OFFSET_RATIO` times every ``|z'_V|`` seen, so that ``P'`` keeps its FP16 precision whatever
-#: the scales' magnitude and the offset corrections, kept in units of sigma, stay within ``2^64`` of it
-#: (a tile of constant groups has all scales 0).
+#: The units ``sigma`` of the GPU kernels' operand-fold of token-wise V, ``P' = P s'_V / sigma`` (a power of two,
+#: rescaled as it grows): from the smallest normal FP32, at least every ``|s'_V|`` and :data:`P_UNITS_OFFSET_RATIO`
+#: times every ``|z'_V|`` seen: ``P'`` keeps its FP16 precision whatever the scales, and the offset corrections, in
+#: units of sigma, stay within ``2^64`` of it (a tile of constant groups has all scales 0).
 P_UNITS_START = 2.0 ** -126
 P_UNITS_OFFSET_RATIO = 2.0 ** -64
-#: The kernels' lazy rescale: the running maxima and ``sigma`` kept while no score passes its maximum by more than
-#: this (base 2: ``P <= 2^8``, which FP16 ``P'`` and the FP32 sums hold) and no ``|s'_V|`` passes ``sigma``
+#: The lazy rescale's headroom (base 2): maxima and ``sigma`` kept while no score passes them by more (``P <= 2^8``)
 RESCALE_HEADROOM = 8.0
 
 

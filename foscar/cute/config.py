@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..format import RESCALE_HEADROOM as _HEADROOM
 from ..format import v_block_tokens
 
 TILE = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
@@ -24,9 +23,6 @@ V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at
 THREADS = 128  #: threads of one warpgroup
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
-#: log2 headroom of the lazy rescale (:mod:`foscar.cute.lazy`, :attr:`Sm90Config.lazy_rescale`,
-#: :data:`foscar.format.RESCALE_HEADROOM`): only past it do the warps exchange maxima and rescale
-RESCALE_HEADROOM = _HEADROOM
 #: Whether one-tile passes (more than 4 query rows, steps, head dim 256) take the lazy rescale too
 #: (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32 (``docs/bench/h200/lazy-one-tile-heads.md``)
 LAZY_ONE_TILE = True

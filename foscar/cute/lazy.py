@@ -2,7 +2,7 @@
 (:func:`lazy_softmax`) or channel-wise V's acc-fold (:func:`lazy_softmax_acc_fold`).
 
 A pass keeps the running maxima ``m`` and the P' units ``sigma`` it has while no score passes its column's
-maximum by more than :data:`~foscar.cute.config.RESCALE_HEADROOM` and no token row asks for larger units;
+maximum by more than :data:`~foscar.format.RESCALE_HEADROOM` and no token row asks for larger units;
 then it needs neither the warps' exchange of maxima nor a rescale, and one barrier serves both the vote and
 the P' stores (:func:`lazy_softmax`). The maxima are a shift that ``m + log2(sum)`` undoes, so any ``m``
 within the headroom gives the same attention; ``P <= 2^8`` stays within FP16 P' and the FP32 sums. The scores
@@ -15,7 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
 
-from .config import RESCALE_HEADROOM, THREADS
+from ..format import RESCALE_HEADROOM
+from .config import THREADS
 from .fragment import s_slot, slot_elements
 from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
 from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
@@ -30,7 +31,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
 
     Each thread forms ``P = exp2(d)`` and ``P'`` in the units ``sigma`` it has, and stores ``P'``; one barrier
     (:func:`~foscar.cute.softmax.barrier_any`) publishes the stores and tells every thread whether any score
-    passed its column's threshold (its maximum by more than :data:`~foscar.cute.config.RESCALE_HEADROOM`, or
+    passed its column's threshold (its maximum by more than :data:`~foscar.format.RESCALE_HEADROOM`, or
     any score where the column has seen none) or any token row asks for larger units
     (:func:`~foscar.cute.folds.p_units_bound`). Almost always none did, and the pass needs no exchange of
     maxima, no rescale and no second barrier (``P <= 2^8``: FP16 ``P'`` and the FP32 sums hold it, and the

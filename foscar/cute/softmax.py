@@ -31,7 +31,7 @@ class OnlineSoftmax:
 
     The lazy rescale (:mod:`foscar.cute.lazy`) carries ``thr`` too: ``m`` then holds the maxima the scores are
     taken relative to (a column's running maximum, 0 while it has seen no token) and ``thr`` each column's
-    threshold on those relative scores (:data:`~foscar.cute.config.RESCALE_HEADROOM`, ``-inf`` while it has seen
+    threshold on those relative scores (:data:`~foscar.format.RESCALE_HEADROOM`, ``-inf`` while it has seen
     no token), so that a tile's scores come from K's fold already less the maxima."""
 
     def __init__(self, m: list, sums: cute.Tensor, guard: bool = False, thr: list | None = None):
