@@ -1,8 +1,8 @@
 """The scores' masks in a branch (``foscar.cute.config.MASK_BRANCH``, ``Sm90Config.mask_branch``): at 16 and 32
-columns, one tile a pass, the rows past the length and a step's causal limits are selected only in the tiles that
+columns and in every step of several tokens, one tile a pass, the rows past the length and a step's causal limits are selected only in the tiles that
 reach the first of them (the thread's least limit, or the length), where every tile selected each element. CPU:
-which configurations take it, and that one of 8 columns compiles to the same PTX with the switch on. GPU (sm_90):
-GQA 16 and 32 and steps of 4 and 8 tokens (lengths that end mid-tile, splits whose last tile reaches a limit,
+which configurations take it, and that one token at 8 columns compiles to the same PTX with the switch on. GPU
+(sm_90): GQA 16 and 32 and steps of 2, 4 and 8 tokens (8, 16 and 32 columns) (lengths that end mid-tile, splits whose last tile reaches a limit,
 BF16 windows) against the float64 oracle."""
 import os
 
@@ -23,22 +23,22 @@ FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 
 @pytest.mark.parametrize("gqa,step,tiles,taken", [
     (4, 1, 2, False), (8, 1, 1, False), (16, 1, 1, True), (32, 1, 1, True), (4, 4, 1, True), (4, 8, 1, True),
-    (2, 4, 1, False)])
-def test_the_branch_is_taken_at_16_and_32_columns(monkeypatch, gqa, step, tiles, taken):
+    (2, 4, 1, True), (4, 2, 1, True)])
+def test_the_branch_is_taken_at_16_and_32_columns_and_in_steps(monkeypatch, gqa, step, tiles, taken):
     assert not config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch  # off by default
     with cute_switches(monkeypatch, MASK_BRANCH=True):
         assert config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch is taken
 
 
-def test_eight_columns_are_the_kernel_without_the_switch(monkeypatch):
+def test_one_token_at_eight_columns_is_the_kernel_without_the_switch(monkeypatch):
     off = config_for(FMT, 8, 64, "e4m3", 1)
     with cute_switches(monkeypatch, MASK_BRANCH=True):
         assert config_for(FMT, 8, 64, "e4m3", 1) == off
 
 
-@pytest.mark.parametrize("gqa,step,ctas", [(32, 1, 1), (4, 4, 2), (4, 8, 1)])
+@pytest.mark.parametrize("gqa,step,ctas", [(32, 1, 1), (4, 4, 2), (4, 8, 1), (4, 2, 2)])
 def test_the_masks_sit_in_a_branch(monkeypatch, gqa, step, ctas):
-    """The PTX of 16 and 32 columns with the switch: the same ``-inf`` selects, one more branch (taken by the tiles
+    """The PTX of 16 and 32 columns and of a step of 2 tokens at 8 with the switch: the same ``-inf`` selects, one more branch (taken by the tiles
     that reach no limit)."""
     ptx = []
     for on in (False, True):
@@ -67,7 +67,8 @@ def test_heads_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bi
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("G,T,num_splits", [(4, 4, None), (4, 8, None), (4, 4, 64), (8, 4, 5)])
+@pytest.mark.parametrize("G,T,num_splits", [(4, 4, None), (4, 8, None), (4, 4, 64), (8, 4, 5), (4, 2, None),
+                                            (4, 2, 64), (2, 4, 5)])
 def test_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
     from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
     with cute_switches(monkeypatch, MASK_BRANCH=True):

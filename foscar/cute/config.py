@@ -100,8 +100,8 @@ STACKED_TERMS = False
 #: With :data:`STACKED_TERMS`: one power of two for Q's terms per KV head (:attr:`Sm90Config.shared_q_scale`), off
 #: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
 SHARED_Q_SCALE = False
-#: The scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32 columns):
-#: off until its GPU tests run (``docs/steps-plan.md``)
+#: The scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32 columns,
+#: steps): off until its GPU tests run (``docs/steps-plan.md``)
 MASK_BRANCH = False
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
@@ -591,7 +591,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       p_column_major=P_COLUMN_MAJOR, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
-                      mask_branch=MASK_BRANCH and columns_for(rows) > HEADS and tiles_per_pass == 1,
+                      mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
                       wide=WIDE_CONSUMERS and columns_for(rows) > HEADS
                       and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
