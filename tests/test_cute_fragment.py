@@ -219,15 +219,17 @@ def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
     in its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
     both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
     ``FoldDecodeSm90WS._folded_slot``), and the producer's fold loop (every other tile) meets exactly the passes'
-    tiles A."""
+    tiles A. Three consumers (``WIDE_PAIRS``) take alternate tiles in runs of one."""
     from foscar.cute.ring import pass_tiles, ring_slot, ring_tile
-    for run in (1, 2):
+    for run, consumers in ((1, 2), (2, 2), (1, 3)):
         for n in range(1, 23):
             seen = []
-            for c in (0, 1):
-                for i in range(run * c, n, 4):
-                    k, i_b = pass_tiles(i, run)
-                    assert k % 2 == 0 and ring_tile(i, run) == (c, k) and ring_tile(i_b, run) == (c, k + 1)
+            for c in range(consumers):
+                for i in range(run * c, n, 2 * consumers):
+                    k, i_b = pass_tiles(i, run, consumers)
+                    assert k % 2 == 0 and ring_tile(i, run, consumers) == (c, k)
+                    assert ring_tile(i_b, run, consumers) == (c, k + 1)
+                    assert all(ring_slot(c, k + 1, stages) == ring_slot(c, k, stages) + 1 for stages in (2, 4, 8))
                     seen += [i] + ([i_b] if i_b < n else [])
                     if run == 2:
                         assert i % 2 == 0 and i_b == i + 1  # one group of two tiles (splits start at even tiles)

@@ -109,9 +109,8 @@ TWO_CTA_COLUMNS = (8, 16)
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
-#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`), not by each
-#: consumer (E4M3 terms: once a pass of two tiles): off, as measured with BF16 K (correct, little faster:
-#: ``docs/bench/h200/axes-producer-fold.json``), until E4M3 K's GPU tests run
+#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off, as
+#: measured with BF16 K (correct, little faster: ``docs/bench/h200/axes-producer-fold.json``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
 #: off (``config_for`` refuses it) until its GPU tests run (``docs/hopper-e4m3-plan.md``)
@@ -119,9 +118,12 @@ CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
-#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`). Off: at 32 a consumer of
-#: 160 registers spilled and GQA 32 ran slower (``docs/results-h200.md``); 16 columns (no spill) not timed
+#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`). Off: at 32 it spilled and
+#: ran slower (``docs/results-h200.md``); 16 columns (no spill) not timed
 WIDE_CONSUMERS = False
+#: Three consumer warpgroups at one CTA an SM for two tiles a pass (token-wise K and V): twelve consumer warps of 160
+#: registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
+WIDE_PAIRS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
@@ -134,8 +136,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
-            "START_PREFETCH", "WINDOWED_STEPS",
-            "WIDE_CONSUMERS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
+            "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_PAIRS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS")
 
 
@@ -265,8 +266,8 @@ class Sm90Config:
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
-    #: v1 at one CTA an SM: three consumer warpgroups (:data:`WIDE_CONSUMERS`, :func:`consumers_for`): 16 or 32
-    #: columns, one tile a pass, alternate tiles
+    #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
+    #: tile a pass (:data:`WIDE_CONSUMERS`), or two tiles a pass of token-wise K and V (:data:`WIDE_PAIRS`)
     wide: bool = False
 
     @property
@@ -593,6 +594,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
-                      wide=WIDE_CONSUMERS and columns_for(rows) > HEADS
-                      and tiles_per_pass == 1 and not producer_fold and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
+                      wide=(WIDE_CONSUMERS and columns_for(rows) > HEADS and tiles_per_pass == 1 and not producer_fold
+                            and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
+                      or (WIDE_PAIRS and tiles_per_pass == 2 and fmt.k_axis == fmt.v_axis == "token"))
 

@@ -433,9 +433,9 @@ class FoldDecodeSm90WS(TileKernel):
                     regs.par[o + 2 * r + 1] = Float32(0.0)
         thr_c = frags.thr_pv.partition_C(cute.make_identity_tensor((cfg.head_dim, cfg.cols)))
         if cutlass.const_expr(pair):  # two tiles a pass: this consumer's k-th and (k+1)-th, k even
-            run = cfg.tile_run  # tiles A and B: 1, the split's c + 4j and c + 4j + 2; 2, its 2c + 4j and 2c + 4j + 1
-            for tile in cutlass.range(t_lo + run * c, t_hi, 4, unroll=1):  # two consumers (config: not wide)
-                k, i_b = pass_tiles(tile - t_lo, run)
+            run = cfg.tile_run  # tiles A and B: 1, the split's c + 2nj and c + 2nj + n (n consumers); 2, its 2c + 4j
+            for tile in cutlass.range(t_lo + run * c, t_hi, 2 * self.consumers, unroll=1):  # and 2c + 4j + 1
+                k, i_b = pass_tiles(tile - t_lo, run, self.consumers)
                 tile_b = t_lo + i_b
                 slot = ring_slot(c, k, cfg.stages)
                 slot_b = slot  # no tile B: its rows are masked, its words are tile A's again

@@ -36,11 +36,13 @@ def run_tile(c, k, run: int):
     return ((k >> 1) << 2) + (c << 1) + (k & 1)
 
 
-def pass_tiles(i, run: int):
-    """Two tiles a pass: ``(k, i_b)`` of the pass whose tile A is the split's ``i``-th tile (``i = run c + 4 j`` for
-    consumer ``c``'s ``j``-th pass): tile A's place ``k`` (even) in its consumer's sequence, tile B the ``i_b``-th
-    (the consumer's next: ``k + 1``, :func:`ring_tile`); runs of two keep both in one token group."""
-    assert run in (1, 2)
+def pass_tiles(i, run: int, consumers: int = 2):
+    """Two tiles a pass: ``(k, i_b)`` of the pass whose tile A is the split's ``i``-th tile (``i = run c + 2 n j`` for
+    consumer ``c``'s ``j``-th pass, ``n`` consumers): tile A's place ``k`` (even) in its consumer's sequence, tile B
+    the ``i_b``-th (the consumer's next: ``k + 1``, :func:`ring_tile`); runs of two keep both in one token group."""
+    assert run in (1, 2) and (run == 1 or consumers == 2)
+    if consumers == 3:
+        return i // 3, i + 3
     if run == 1:
         return i >> 1, i + 2
     return (i >> 2) << 1, i + 1
