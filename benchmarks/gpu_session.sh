@@ -14,7 +14,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
 #                                                                #   timed against the eager one at GQA 4, 16, 32
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh wide-pairs-speed # three consumers for two tiles a pass, timed
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh wide-eight-speed # three consumers at 8 columns, timed; steps of 2
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh step-ring        # the Triton step over a channel-wise K ring at head
 #                                                                #   dim 128: plainly, then under memcheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cute-bench       # Triton vs CuTe (and auto): paper grid, axes, GQA
@@ -271,7 +271,7 @@ p-layout|python3 -m pytest|tests/test_cute_p_layout.py
 channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
-wide-pairs|python3 -m pytest|tests/test_cute_wide_pairs.py
+wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -306,13 +306,22 @@ SWEEPS
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
              # tiles a pass, mended; three consumers for two tiles a pass)
-    for name in mask-branch pivot-mma channel-k channel-v wide-pairs; do bash "$0" pending "$name"; done ;;
-  wide-pairs-speed)  # after install-cute and the wide-pairs tests: one CTA an SM of three consumers for two tiles a
-                     # pass (WIDE_PAIRS) against foscar.decode's tuned launch and v1 at one and two CTAs, the short and
-                     # read-share shapes of the paper grid, kernel alone
-    timeout 420 python3 benchmarks/sweep_cute.py --shapes 1:8K 1:32K 1:128K 8:8K 8:32K 64:8K --bits 2 4 \
-      --variants tuned v1x2 v1 v1w --splits 1 1.5 2 > "$OUT/sweep-wide-pairs.log" 2>&1
-    echo "wide-pairs-speed rc=$?"; grep BEST "$OUT/sweep-wide-pairs.log" ;;
+    for name in mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
+  wide-eight-speed)  # after install-cute and the wide-eight tests: one CTA an SM of three consumers at 8 columns
+                     # (WIDE_EIGHT_COLUMNS) against foscar.decode's launch and v1 at one and two CTAs (kernel alone):
+                     # GQA 4 (two tiles a pass) on the short and read-share shapes, GQA 8 (one); then steps of 2 tokens
+    timeout 300 python3 benchmarks/sweep_cute.py --shapes 1:8K 1:32K 1:128K 8:8K 8:32K 64:8K --bits 2 4 \
+      --variants tuned v1x2 v1 v1w --splits 1 1.5 2 > "$OUT/sweep-wide-eight.log" 2>&1
+    echo "wide-eight GQA 4 rc=$?"; grep BEST "$OUT/sweep-wide-eight.log"
+    timeout 120 python3 benchmarks/sweep_cute.py --shapes 8:32K 8:128K --bits 2 4 --kv-heads 4 \
+      --variants tuned v1x2 v1w --splits 1 2 > "$OUT/sweep-wide-eight-gqa8.log" 2>&1
+    echo "wide-eight GQA 8 rc=$?"; grep BEST "$OUT/sweep-wide-eight-gqa8.log"
+    for v in "" "MASK_BRANCH=1" "MASK_BRANCH=1 WIDE_EIGHT_COLUMNS=1 TWO_CTA_COLUMNS=16"; do
+      tag=$(echo "$v" | awk '{print NF}')
+      timeout 150 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
+        --q-len 1 2 --backends auto > "$OUT/steps-two-$tag.md" 2>&1
+      echo "steps of 2 $v rc=$?"; tail -6 "$OUT/steps-two-$tag.md"
+    done ;;
   priority-steps)  # the next call: steps of 4 and 8 tokens at GQA 4 as shipped, with the stacked terms, with the
                    # masks' branch too, with P^T column-major and the pivot sums (32 columns) as well, and with the
                    # pivot sums at 16 columns too, run at one CTA an SM (priority-steps [N ...]: those variants only,

@@ -219,7 +219,7 @@ def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
     in its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
     both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
     ``FoldDecodeSm90WS._folded_slot``), and the producer's fold loop (every other tile) meets exactly the passes'
-    tiles A. Three consumers (``WIDE_PAIRS``) take alternate tiles in runs of one."""
+    tiles A. Three consumers (``WIDE_EIGHT_COLUMNS``) take alternate tiles in runs of one."""
     from foscar.cute.ring import pass_tiles, ring_slot, ring_tile
     for run, consumers in ((1, 2), (2, 2), (1, 3)):
         for n in range(1, 23):

@@ -121,9 +121,9 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:fun
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`). Off: at 32 it spilled and
 #: ran slower (``docs/results-h200.md``); 16 columns (no spill) not timed
 WIDE_CONSUMERS = False
-#: Three consumer warpgroups at one CTA an SM for two tiles a pass (token-wise K and V): twelve consumer warps of 160
-#: registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
-WIDE_PAIRS = False
+#: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): twelve
+#: warps of 160 registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
+WIDE_EIGHT_COLUMNS = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
@@ -136,8 +136,8 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
-            "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_PAIRS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
-            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS")
+            "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS",
+            "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -267,7 +267,7 @@ class Sm90Config:
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
-    #: tile a pass (:data:`WIDE_CONSUMERS`), or two tiles a pass of token-wise K and V (:data:`WIDE_PAIRS`)
+    #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
 
     @property
@@ -594,7 +594,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
-                      wide=(WIDE_CONSUMERS and columns_for(rows) > HEADS and tiles_per_pass == 1 and not producer_fold
-                            and (fmt.k_axis == "token" or fmt.group_size < 2 * TILE))
-                      or (WIDE_PAIRS and tiles_per_pass == 2 and fmt.k_axis == fmt.v_axis == "token"))
+                      wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
+                      and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
+                           else fmt.k_axis == "token" or g < 2 * TILE))
 
