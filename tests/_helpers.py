@@ -1,5 +1,5 @@
 """Shared test helpers: random cache values, relative error and BF16 attention's error, the CuTe kernels'
-switches set for a test."""
+switches set for a test, ptxas's report of a CuTe kernel."""
 import contextlib
 import math
 
@@ -89,3 +89,19 @@ def cute_switches(monkeypatch, **values):
         yield
     finally:
         cfg_mod.clear_switch_caches()
+
+
+def assert_pipelined_without_spills(cfg, ctas_per_sm: int) -> None:
+    """The v1 kernel of ``cfg`` compiled for sm_90a at ``ctas_per_sm``: ptxas serializes none of its wgmma and
+    spills nothing (``benchmarks/ptxas_info.py``'s report)."""
+    import sys
+    from pathlib import Path
+
+    from foscar.cute.compile import compile_stage1
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from ptxas_info import ptxas_report
+    finally:
+        sys.path.pop(0)
+    report = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas_per_sm).__ptx__)
+    assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -6,8 +6,6 @@ A, or an accumulator reset in a branch of the tile loop, serialize every wgmma) 
 GPU (sm_90): GQA 16 and 32 and steps of 4 and 8 tokens against the float64 oracle, with the other switches of 16
 and 32 columns (stacked terms, one Q scale, the masks' branch, P^T column-major)."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _helpers import cute_switches  # noqa: E402
-from foscar.cute.compile import compile_stage1  # noqa: E402
+from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -37,17 +34,11 @@ def test_the_pivot_sums_take_16_and_32_columns_of_token_wise_v(monkeypatch, fmt_
 
 @pytest.mark.parametrize("bits", (2, 4))
 def test_the_kernel_keeps_its_wgmma_pipelined(monkeypatch, bits):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from ptxas_info import ptxas_report
-    finally:
-        sys.path.pop(0)
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), **WITH):
         cfg = config_for(fmt, 32, 64, "e4m3", 1)
         assert cfg.pivot_mma
-        report = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__)
-    assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report
+        assert_pipelined_without_spills(cfg, 1)
 
 
 @pytest.mark.gpu

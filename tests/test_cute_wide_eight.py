@@ -16,8 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _helpers import cute_switches  # noqa: E402
-from foscar.cute.compile import compile_stage1  # noqa: E402
+from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E402
 from foscar.cute.config import config_for, consumers_for  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -43,17 +42,11 @@ def test_three_consumers_take_eight_columns(monkeypatch, fmt_kw, gqa, step, tile
 @pytest.mark.parametrize("bits,gqa,step,tiles,k_operand", [
     (2, 4, 1, 2, "e4m3"), (4, 4, 1, 2, "e4m3"), (4, 4, 1, 2, "bf16"), (2, 8, 1, 1, "e4m3"), (4, 4, 2, 1, "e4m3")])
 def test_the_kernel_keeps_its_wgmma_pipelined_and_spills_nothing(monkeypatch, bits, gqa, step, tiles, k_operand):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from ptxas_info import ptxas_report
-    finally:
-        sys.path.pop(0)
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, WIDE_EIGHT_COLUMNS=True, MASK_BRANCH=step > 1):
         cfg = config_for(fmt, gqa, 64, k_operand, tiles, step)
         assert cfg.wide
-        report = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__)
-    assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report
+        assert_pipelined_without_spills(cfg, 1)
 
 
 @pytest.mark.gpu
@@ -116,7 +109,7 @@ def test_three_consumer_passes_replay_in_a_graph_gpu(monkeypatch):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, WIDE_EIGHT_COLUMNS=True):
         q, cache = make(fmt, [4000, 900, 17], Hkv=2, G=4, page=64, seed=3)
-        launch = dict(num_splits=6, warp_specialized=True, ctas_per_sm=1, k_operand="e4m3", tiles_per_pass=2)
+        launch = {"num_splits": 6, "warp_specialized": True, "ctas_per_sm": 1, "k_operand": "e4m3", "tiles_per_pass": 2}
         ws = new_workspace(3, 8, 2, num_parts(fmt, 6, True, 3), 128, q.device)
         out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
         decode(q, cache, out=out, workspace=ws, **launch)
