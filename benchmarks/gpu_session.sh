@@ -272,6 +272,7 @@ channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests/test
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
+cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -291,6 +292,7 @@ TESTS
     done <<'SWEEPS'
 stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=32"
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8 WIDE_CONSUMERS=1"
+cluster --shapes 1:8K,1:32K,1:128K,8:8K,64:8K --kernels --variants shipped "CLUSTER_MERGE=1"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR=1"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
 SWEEPS
@@ -305,8 +307,8 @@ SWEEPS
     done ;;
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
-             # tiles a pass, mended; three consumers for two tiles a pass)
-    for name in mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
+             # tiles a pass, mended; three consumers at 8 columns; the split merge in a cluster)
+    for name in cluster-merge mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
   wide-eight-speed)  # after install-cute and the wide-eight tests: one CTA an SM of three consumers at 8 columns
                      # (WIDE_EIGHT_COLUMNS) against foscar.decode's launch and v1 at one and two CTAs (kernel alone):
                      # GQA 4 (two tiles a pass) on the short and read-share shapes, GQA 8 (one); then steps of 2 tokens

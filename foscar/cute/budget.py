@@ -10,8 +10,8 @@ SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident
 
 def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     """An upper estimate of one v1 CTA's shared memory (``consumers`` of them): the stage ring (codes, ``(s', z')``,
-    two mbarriers a slot), Q, channel-wise K each consumer's two ``Q s'``, P' (two with a second V channel group), and
-    8 KB for the reductions, sums and alignment."""
+    two mbarriers a slot), Q, channel-wise K each consumer's two ``Q s'``, P' (two with a second V channel group), the
+    partials a cluster merges (:mod:`foscar.cute.cluster`), and 8 KB for the reductions, sums and alignment."""
     slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
     q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
     if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
@@ -19,6 +19,8 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
+    if cfg.cluster:
+        p_bytes += consumers * cfg.cols * (cfg.head_dim + 1) * 4
     return cfg.stages * consumers * slot + q_bytes + p_bytes + 8 * 1024
 
 

@@ -19,7 +19,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from .combine import CombineSm90, CombineWindowsSm90
 from .combine_config import COMBINE_TENSORS, COMBINE_WINDOW_TENSORS, CombineConfig
-from .config import ALIGN, STAGE1_TENSORS, WS_REGISTERS, Sm90Config
+from .config import ALIGN, WS_REGISTERS, Sm90Config
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
 
@@ -57,7 +57,8 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
     if cfg.tiles_per_pass != 1 and not warp_specialized:
         raise ValueError(f"tiles_per_pass: v0 takes 1, got {cfg.tiles_per_pass!r} (two tiles per pass are v1's)")
     kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
-    args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in STAGE1_TENSORS]
+    from .launch import stage1_tensors
+    args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in stage1_tensors(cfg)]
     return _compile(kernel, (*args, Float32(1.0), Int32(1)), keep_ptx, keep_cubin)
 
 

@@ -23,31 +23,27 @@ V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at
 THREADS = 128  #: threads of one warpgroup
 #: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
 CORRECTION_TILES = 8
-#: Whether one-tile passes (more than 4 query rows, steps, head dim 256) take the lazy rescale too
-#: (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32 (``docs/bench/h200/lazy-one-tile-heads.md``)
+#: Whether one-tile passes take the lazy rescale too (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32
+#: (``docs/bench/h200/lazy-one-tile-heads.md``)
 LAZY_ONE_TILE = True
 #: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`):
 #: as fast or faster at every shape measured (``docs/bench/h200/axes-lazy-vchannel.json``)
 LAZY_CHANNEL_V = True
-#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`, its acc-fold once a pass): off
-#: until its GPU tests run (``docs/hopper-e4m3-plan.md``)
+#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): off until its GPU tests run
 PAIR_CHANNEL_V = False
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
-#: v1's stages a launch may ask for (a tuned entry's ``stages``): powers of two whose ring fits the shared memory
-#: of the CTAs resident on an SM (:func:`foscar.cute.budget.fits_shared_memory`)
+#: v1's stages a launch may ask for (a tuned entry's ``stages``), where they fit (:func:`foscar.cute.budget.fits_shared_memory`)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
-#: ``consumer_q``, the first consumer stages Q while the producer copies. (A third order, the producer's copies
-#: issued before it stages Q, raises an illegal instruction on the H200: ``docs/hopper-e4m3-plan.md``.)
+#: ``consumer_q``, the first consumer stages Q while the producer copies (``docs/hopper-e4m3-plan.md``)
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
 #: the faster of the two for each width (``consumer_q`` spills at INT4; ``docs/results-h200.md``)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
-#: The split merge as a programmatic dependent launch (PDL): the combine waits for stage 1's grid
-#: (``griddepcontrol.wait``) after its prologue, each v1 CTA signals it as it starts. Correct, but no faster
-#: than two launches (``docs/results-h200.md``), so off
+#: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: correct, no
+#: faster than two launches (``docs/results-h200.md``), so off
 COMBINE_PDL = False
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
@@ -124,6 +120,8 @@ WIDE_CONSUMERS = False
 #: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): twelve
 #: warps of 160 registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
 WIDE_EIGHT_COLUMNS = False
+#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off until tested
+CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
@@ -137,7 +135,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
             "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
             "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS",
-            "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS")
+            "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -258,17 +256,19 @@ class Sm90Config:
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
-    #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep, each term rounded where it
-    #: sits, so that the tensor core sums them into the row's one column (K's A registers serve every term)
+    #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)
     stacked_terms: bool = False
-    #: stacked terms: Q's power of two ``2^e`` one per KV head (its rows' largest ``|q|``), so that ``2^-e`` joins the
-    #: token's scale in K's fold where it took a multiply an element (:data:`SHARED_Q_SCALE`)
+    #: stacked terms: Q's power of two one per KV head, joining the token's scale in K's fold (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
     #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
+    #: v1: a (sequence, KV head)'s splits one cluster of this many CTAs, merged from their shared memory into the
+    #: output (``cluster_out``, :mod:`foscar.cute.cluster`); 0: the partials to memory, then the combine
+    cluster: int = 0
+    cluster_out: str = "bf16"
 
     @property
     def tile_run(self) -> int:

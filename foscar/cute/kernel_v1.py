@@ -8,7 +8,9 @@ CTA an SM) are the consumers, on alternating tiles (alternating runs of two tile
 channel-wise K's fold or a pass of two tiles over a channel-wise axis takes them, :func:`~foscar.cute.ring.ring_tile`): each waits for its
 stage, copies its words and parameters into registers, frees the stage and runs the tile step of
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
-writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits'.
+writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits', or, where
+a (sequence, KV head)'s splits are one cluster (``cfg.cluster``), the CTAs merge them from each other's shared
+memory (:mod:`foscar.cute.cluster`).
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
 Channel-wise K: each consumer folds ``Q'`` at each token group it reaches (two tiles of one group a pass: once a
 pass), or (``cfg.producer_fold``) the producer's other warps fold it into a ``Q'`` per stage (two tiles a pass:
@@ -25,6 +27,7 @@ from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from . import cluster
 from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
@@ -84,6 +87,7 @@ class FoldDecodeSm90WS(TileKernel):
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
                        mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits),
                                              block=(THREADS * (1 + self.consumers), 1, 1),
+                                             cluster=[1, 1, cfg.cluster] if cfg.cluster else None,
                                              stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                              preferred_smem_carveout=100)  # all of the SM's shared memory
 
@@ -127,7 +131,8 @@ class FoldDecodeSm90WS(TileKernel):
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)  # set once, before any branch (the tile step zeroes accS)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        ring, smem_for = self._shared_memory(sQ_layout, sP_layout)
+        ring, smem_for, merged = self._shared_memory(sQ_layout, sP_layout)
+        dest = (mOP, mLP) if merged is None else merged  # where the consumers' partials go (cfg.cluster: shared)
         full = ring.full
         empty = ring.empty
         smem0 = smem_for(0)
@@ -179,15 +184,22 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 _, p_lo, p_hi = split_tiles()
                 self._produce(tma, ring, mBT, sQ, b, kvh, p_lo, p_hi)
+            if cutlass.const_expr(cfg.cluster):  # the split merge's two barriers (its registers are the consumers')
+                cluster.cluster_barrier()
+                cluster.cluster_barrier()
         if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
-                    self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, mOP, mLP, b, kvh, split, t_lo,
+                    self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
                                    t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
+                    if cutlass.const_expr(cfg.cluster):
+                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
-                self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, mOP, mLP, b, kvh, split,
+                self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
+                if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster -----------------------
+                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
@@ -247,8 +259,8 @@ class FoldDecodeSm90WS(TileKernel):
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
         buffer kind by buffer kind, the consumers' buffers of a kind one after another at a fixed stride (so
-        that one code path serves every consumer, its index a run-time value). Returns ``(ring, smem_for)``,
-        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`."""
+        that one code path serves every consumer, its index a run-time value). Returns ``(ring, smem_for, merged)``,
+        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`, ``merged`` the partials a cluster merges (or None)."""
         cfg = self.cfg
         alloc = SmemAllocator()
         ring = self._ring(alloc)
@@ -288,7 +300,8 @@ class FoldDecodeSm90WS(TileKernel):
                                  consumer_buffer(sRed, c), consumer_buffer(sSum, c), qk[0], qk[1], sQinv, sQred,
                                  None if sMx is None else consumer_buffer(sMx, c))
 
-        return ring, smem_for
+        merged = cluster.allocate(alloc, cfg, n) if cfg.cluster else None
+        return ring, smem_for, merged
 
     @cute.jit
     def _stage_q_early(self, c, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
@@ -488,7 +501,10 @@ class FoldDecodeSm90WS(TileKernel):
                 tile = t_lo + run_tile(c, k, 2)
                 if tile < t_hi:
                     state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, tile)
-        self._epilogue(wg, state, mOP, mLP, b, kvh, split * self.consumers + c, n_kvh)
+        if cutlass.const_expr(cfg.cluster):  # this CTA's shared memory, consumer c's row (foscar.cute.cluster)
+            self._epilogue(wg, state, mOP, mLP, 0, 0, c)
+        else:
+            self._epilogue(wg, state, mOP, mLP, b, kvh, split * self.consumers + c, n_kvh)
 
     @cute.jit
     def _consume_tile(self, wg: Warpgroup, ring: StageRing, regs: TileRegisters, state, thr_c: cute.Tensor,

@@ -10,6 +10,7 @@ a process compiles it or loads it from the disk cache (:func:`compile_seconds` r
 long)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -223,11 +224,40 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _check_stage1_tensors(tensors) -> None:
-    """What the compiled stage 1 takes (:data:`foscar.cute.config.STAGE1_TENSORS`), checked here so
-    that a bad tensor is named in foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
-    from .config import ALIGN, STAGE1_TENSORS
-    for (name, _, _), t in zip(STAGE1_TENSORS, tensors):
+def stage1_tensors(cfg) -> tuple:
+    """The tensors stage 1 of ``cfg`` takes: :data:`~foscar.cute.config.STAGE1_TENSORS`, where the splits merge in
+    a cluster (:attr:`~foscar.cute.config.Sm90Config.cluster`) the output ``[B, Hq, D]`` and its LSE ``[B, Hq]`` in
+    place of the partials."""
+    from .config import STAGE1_TENSORS
+    if not cfg.cluster:
+        return STAGE1_TENSORS
+    merged = {"partial_out": ("out", cfg.cluster_out, 3), "partial_lse": ("lse", "f32", 2)}
+    return tuple(merged.get(t[0], t) for t in STAGE1_TENSORS)
+
+
+def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: torch.Tensor,
+                lse: torch.Tensor | None) -> int:
+    """The cluster a v1 launch of ``cfg`` at ``ctas`` an SM merges its ``num_splits`` splits in
+    (:data:`~foscar.cute.config.CLUSTER_MERGE`), 0 where it runs the combine: one token, no BF16 windows, no
+    rotation, 2 to 16 splits (a power of two dividing the head dim), the partials' buffers within the SM's shared
+    memory, an output (and LSE) stage 1 can write: unit last stride, 16-byte aligned."""
+    from .budget import fits_shared_memory
+    from .config import ALIGN, CLUSTER_MERGE
+    if not (CLUSTER_MERGE and warp_specialized and not cfg.causal and not cfg.windows and not cfg.rotation):
+        return 0
+    if num_splits not in (2, 4, 8, 16) or cfg.head_dim % num_splits or out.dtype not in _OUT_TYPES:
+        return 0
+    if not fits_shared_memory(dataclasses.replace(cfg, cluster=num_splits), ctas):
+        return 0
+    aligned = [t for t in (out, lse) if t is not None]
+    return num_splits if all(t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in aligned) else 0
+
+
+def _check_stage1_tensors(tensors, cfg) -> None:
+    """What the compiled stage 1 takes (:func:`stage1_tensors`), checked here so that a bad tensor is named in
+    foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
+    from .config import ALIGN
+    for (name, _, _), t in zip(stage1_tensors(cfg), tensors):
         if t.stride(-1) != 1 or t.data_ptr() % ALIGN:
             raise UnsupportedError(name, f"the CuTe kernels read it with unit stride in the last dim "
                                    f"and a {ALIGN}-byte aligned base (strides {tuple(t.stride())}, "
@@ -348,13 +378,19 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                                       cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
+    dest = (o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]))
+    size = cluster_for(cfg, warp_specialized, ctas, num_splits, out, lse)
+    if size:  # stage 1 writes the output (an LSE not asked for: into the workspace)
+        cfg = dataclasses.replace(cfg, cluster=size, cluster_out=_OUT_TYPES[out.dtype])
+        dest = (out, lse if lse is not None else l_part.view(-1)[:B * Hr].view(B, Hr))
     tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
                *(_param_words(p) for p in (cache.k_params, cache.v_params)), cache.page_table.block_table,
-               cache.seq_lens.to(torch.int32), o_part.view(B, Hr, *o_part.shape[2:]),
-               l_part.view(B, Hr, l_part.shape[2]), rot, cache.tensor_scales)  # Q: BF16
-    _check_stage1_tensors(tensors)
+               cache.seq_lens.to(torch.int32), *dest, rot, cache.tensor_scales)  # Q: BF16
+    _check_stage1_tensors(tensors, cfg)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
+    if size:
+        return
     windows = None
     if combine_attends_windows(fmt):  # no launch of their own
         rows = (_row_aligned(t) for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent))

@@ -1,0 +1,98 @@
+"""The split merge inside stage 1 (:attr:`~foscar.cute.config.Sm90Config.cluster`, :data:`~foscar.cute.config.
+CLUSTER_MERGE`): the splits of one (sequence, KV head) are one thread-block cluster. Each CTA's consumer warpgroups
+leave their partials (the output divided by its sum, and the base-2 LSE) in its own shared memory; after a cluster
+barrier each CTA merges its slice of the head dim (``D / cluster`` channels) of every query row from all the
+cluster's partials, read through distributed shared memory, into the output, and CTA 0 writes the LSE: what the
+combine (:mod:`foscar.cute.combine`) computes from memory, with no partial leaving the SMs and no second launch. A
+second barrier keeps each CTA's shared memory alive until its peers have read it. The merge's arithmetic is the
+combine's: empty partials (``lse = -inf``) weigh 0 whatever their output holds; all empty, ``out = 0`` and
+``lse = -inf``; a NaN or ``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and LSE NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .config import THREADS, Sm90Config
+from .softmax import raise_running_maximum
+
+LN2 = math.log(2.0)
+
+
+def allocate(alloc, cfg: Sm90Config, consumers: int) -> tuple:
+    """This CTA's partials: outputs ``[1, cols, consumers, D]`` and LSEs ``[1, cols, consumers]`` (float32), indexed
+    as stage 1's partials in memory are (batch entry 0, the KV head's row, the consumer for the split), so that the
+    epilogue (:meth:`foscar.cute.warpgroup.TileKernel._epilogue`) writes either."""
+    D = cfg.head_dim
+    part = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers, D), stride=(0, consumers * D, D, 1)),
+                                 byte_alignment=16)
+    lse = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers), stride=(0, consumers, 1)),
+                                byte_alignment=16)
+    return part, lse
+
+
+@cute.jit
+def _peer_load(buf: cute.Tensor, coord, rank) -> Float32:
+    """Element ``coord`` of CTA ``rank``'s ``buf`` (laid out as this CTA's): ``ld.shared::cluster`` at the address
+    ``mapa`` gives for it."""
+    local = buf.iterator + cute.crd2idx(coord, buf.layout)
+    remote = cute.arch.map_dsmem_ptr(local, rank).toint()
+    return cute.arch.load(cute.make_ptr(Float32, remote, cute.AddressSpace.smem, assumed_align=4), Float32,
+                          ss="cluster")
+
+
+@cute.jit
+def cluster_barrier():
+    """Every thread of the cluster: arrive (release: its shared-memory writes visible cluster-wide), then wait
+    (acquire) until every thread of every CTA has arrived."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+
+@cute.jit
+def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLse: cute.Tensor, mO: cute.Tensor,
+          mLSE: cute.Tensor):
+    """Called by each consumer thread once its partial is in ``sPart``, ``sLse``
+    (:func:`allocate`): they merge channels ``[r D / S, (r + 1) D / S)`` of the KV head's rows (``S`` the cluster,
+    ``r`` this CTA's rank) from the ``S consumers`` partials into ``mO [B, Hq, D]``, rank 0 the LSE (natural log)
+    into ``mLSE [B, Hq]``. The producer's threads take the two :func:`cluster_barrier` alone (its registers are
+    fewer). The CTA's place is read again here, so that nothing of it stays live across the tile loop."""
+    S = cfg.cluster
+    D = cfg.head_dim
+    G = cfg.rows
+    span = D // S
+    n = consumers * THREADS
+    rank = cute.arch.block_idx_in_cluster()
+    kvh, b, _ = cute.arch.block_idx()
+    tidx, _, _ = cute.arch.thread_idx()
+    t = tidx - THREADS  # this thread among the consumers'
+    cluster_barrier()  # every CTA's partials are in its shared memory
+    for k in cutlass.range_constexpr((G * span + n - 1) // n):
+        i = t + k * n
+        if i < G * span:
+            g = i // span
+            ch = rank * span + i % span
+            # the LSEs, then the outputs: each set's loads in flight together (both at once spill at 104 registers)
+            lses = [_peer_load(sLse, (0, g, c), p) for p in range(S) for c in range(consumers)]
+            m, m_safe, _ = raise_running_maximum(-Float32.inf, lses)
+            weights = [cute.math.exp2(x - m_safe, fastmath=True) for x in lses]  # an empty partial weighs 0
+            outs = [_peer_load(sPart, (0, g, c, ch), p) for p in range(S) for c in range(consumers)]
+            total = Float32(0.0)
+            acc = Float32(0.0)
+            for j in cutlass.range_constexpr(S * consumers):
+                total = total + weights[j]
+                if weights[j] > 0:  # an empty partial's output is never read into the sum (it may hold anything)
+                    acc = acc + weights[j] * outs[j]
+            denom = Float32(1.0)
+            if total != 0:  # NaN != 0: a NaN total divides and stays NaN
+                denom = total
+            mO[b, kvh * G + g, ch] = (acc / denom).to(mO.element_type)
+            if rank == 0 and i % span == 0:
+                lse = -Float32.inf
+                if total != 0:
+                    lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
+                mLSE[b, kvh * G + g] = lse
+    cluster_barrier()  # no CTA leaves while a peer may still read its shared memory
