@@ -3,7 +3,7 @@
 head dim from every CTA's partials through distributed shared memory, no combine launch. CPU: which launches take it
 (and fall back to the combine otherwise), what stage 1 then takes, its shared memory, the PTX's two cluster barriers
 and remote loads, ptxas's report. GPU (sm_90): against the float64 oracle (NaN-poisoned outputs, the LSE too), at
-2-16 splits, one and two CTAs an SM, three consumers, GQA 1-8, head dim 64, BF16/FP32 outputs; a NaN in one V scale
+1-16 splits, one and two CTAs an SM, three consumers, GQA 1-8, head dim 64, BF16/FP32 outputs; a NaN in one V scale
 makes its rows NaN; a CUDA-graph replay equals the eager call."""
 import dataclasses
 import os
@@ -32,20 +32,26 @@ def _out(dtype=torch.bfloat16, offset=0, step=1):
 
 @pytest.mark.parametrize("fmt_kw,gqa,step,ws,splits,out,taken", [
     ({}, 4, 1, True, 16, {}, True), ({}, 4, 1, True, 2, {"dtype": torch.float32}, True),
-    ({}, 4, 1, True, 5, {}, False), ({}, 4, 1, True, 32, {}, False), ({}, 4, 1, True, 1, {}, False),
+    ({}, 4, 1, True, 5, {}, False), ({}, 4, 1, True, 32, {}, False), ({}, 4, 1, True, 1, {}, True),
     ({}, 4, 1, False, 16, {}, False), ({}, 4, 2, True, 16, {}, False), ({"recent": 16}, 4, 1, True, 16, {}, False),
     ({"rotation": "hadamard"}, 4, 1, True, 16, {}, False), ({}, 4, 1, True, 16, {"dtype": torch.float64}, False),
     ({}, 4, 1, True, 16, {"step": 2}, False), ({}, 4, 1, True, 16, {"offset": 1}, False),
-    ({"head_dim": 64, "group_size": 64}, 8, 1, True, 16, {}, True)])
+    ({"head_dim": 64, "group_size": 64}, 8, 1, True, 16, {}, True), ({"scheme": "nvfp4"}, 4, 1, True, 16, {}, False)])
 def test_a_launch_merges_in_a_cluster_where_it_can(monkeypatch, fmt_kw, gqa, step, ws, splits, out, taken):
-    """One token, no windows, no rotation, 2-16 splits (a power of two), an output stage 1 can write; anything
-    else runs the combine, as without the switch."""
-    fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **fmt_kw})
+    """One token, no windows, no rotation, 1-16 splits (a power of two: one, the consumers' partials alone), an
+    output stage 1 can write; anything else runs the combine, as without the switch."""
+    if "scheme" in fmt_kw:
+        fmt = foscar.KVFormat.fp4(fmt_kw["scheme"], 128)
+    else:
+        fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **fmt_kw})
     cfg = config_for(fmt, gqa, 64, "e4m3" if gqa * step > 4 else "bf16", 1, step)
     o = _out(**out)[..., :fmt.head_dim]
-    assert cluster_for(cfg, ws, 2, splits, o, None) == 0  # off by default
+    lse = torch.empty(2, 8)
+    assert cluster_for(cfg, ws, 2, splits, o, lse) == 0  # off by default
     with cute_switches(monkeypatch, CLUSTER_MERGE=True):
-        assert cluster_for(cfg, ws, 2, splits, o, None) == (splits if taken else 0)
+        assert cluster_for(cfg, ws, 2, splits, o, lse) == (splits if taken else 0)
+        assert cluster_for(cfg, ws, 2, splits, o, None) == 0  # nowhere to write the LSE: the combine
+        assert cluster_for(cfg, ws, 2, splits, o, torch.empty(2, 16)[:, ::2]) == 0
 
 
 def test_stage1_takes_the_output_and_its_lse_in_place_of_the_partials():
@@ -65,7 +71,7 @@ def test_the_partials_shared_memory_is_budgeted():
 
 @pytest.mark.parametrize("bits,gqa,tiles,ctas,size,out,wide", [
     (2, 4, 2, 2, 16, "bf16", False), (4, 4, 2, 1, 16, "f32", False), (2, 1, 2, 2, 4, "bf16", False),
-    (2, 4, 2, 1, 8, "bf16", True)])
+    (2, 4, 2, 1, 8, "bf16", True), (4, 4, 2, 2, 1, "bf16", False)])
 def test_the_cluster_kernel_compiles_pipelined_without_spills(monkeypatch, bits, gqa, tiles, ctas, size, out, wide):
     """Two cluster barriers (the partials written, then read), one remote load per partial's LSE and output
     element a thread merges; ptxas keeps the wgmma pipelined and spills nothing."""
@@ -108,6 +114,7 @@ def _merged_against_the_oracle(fmt, lens, G, *, out_dtype=torch.bfloat16, want_l
     (8, [3000, 64], 8, 2, "e4m3", 1, {}, torch.bfloat16, True),
     (1, [5000, 333], 4, 2, "e4m3", 2, {}, torch.bfloat16, True),
     (4, [2000, 77], 2, 2, "bf16", 1, {"group_size": 64}, torch.bfloat16, True),
+    (4, [3000, 640], 1, 2, "e4m3", 2, {}, torch.bfloat16, True),  # one split: the consumers' partials alone
     (4, [1000, 64], 16, 1, "e4m3", 2, {"head_dim": 64, "group_size": 64}, torch.bfloat16, True),
     (4, [6000, 129], 8, 2, "e4m3", 1, {"v_axis": "channel"}, torch.float16, True)])
 def test_the_cluster_merge_against_the_oracle_gpu(monkeypatch, bits, G, lens, splits, ctas, k_operand, tiles, fmt_kw,

@@ -288,22 +288,28 @@ def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
     assert launch.num_parts(foscar.KVFormat(bits=4, head_dim=128, group_size=128), want, True) == 2 * want
 
 
-def test_stage1_tensors_are_checked_by_name():
+@pytest.mark.parametrize("cluster", (0, 16))
+def test_stage1_tensors_are_checked_by_name(cluster):
     """The compiled kernels take unit-stride tensors on 16-byte aligned bases (TVM-FFI placeholders): a
-    tensor that is not is refused by its name before the call."""
-    from foscar.cute.config import ALIGN, STAGE1_TENSORS
-    from foscar.cute.launch import _check_stage1_tensors
-    good = [torch.zeros((4,) * rank, dtype=torch.float32) for _, _, rank in STAGE1_TENSORS]
-    _check_stage1_tensors(good)
-    for i, (name, _, rank) in enumerate(STAGE1_TENSORS):
+    tensor that is not is refused by its name before the call (the partials', or the output's and the LSE's where
+    the splits merge in a cluster)."""
+    import dataclasses
+
+    from foscar.cute.config import ALIGN
+    from foscar.cute.launch import _check_stage1_tensors, stage1_tensors
+    cfg = dataclasses.replace(config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64), cluster=cluster)
+    specs = stage1_tensors(cfg)
+    good = [torch.zeros((4,) * rank, dtype=torch.float32) for _, _, rank in specs]
+    _check_stage1_tensors(good, cfg)
+    for i, (name, _, rank) in enumerate(specs):
         bad = list(good)
         bad[i] = torch.zeros((4,) * (rank - 1) + (8,))[..., ::2]  # stride 2 in the last dim
         with pytest.raises(UnsupportedError, match=rf"^{name}: .*unit stride"):
-            _check_stage1_tensors(bad)
+            _check_stage1_tensors(bad, cfg)
         bad[i] = torch.zeros(4 ** rank + 1)[1:].view((4,) * rank)  # 4 bytes past an aligned base
         assert bad[i].data_ptr() % ALIGN
         with pytest.raises(UnsupportedError, match=rf"^{name}: .*{ALIGN}-byte aligned"):
-            _check_stage1_tensors(bad)
+            _check_stage1_tensors(bad, cfg)
 
 
 @pytest.mark.gpu

@@ -75,11 +75,11 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
         if i < G * span:
             g = i // span
             ch = rank * span + i % span
-            # the LSEs, then the outputs: each set's loads in flight together (both at once spill at 104 registers)
+            # every partial's LSE and output element in flight together: one round trip to the peers
             lses = [_peer_load(sLse, (0, g, c), p) for p in range(S) for c in range(consumers)]
+            outs = [_peer_load(sPart, (0, g, c, ch), p) for p in range(S) for c in range(consumers)]
             m, m_safe, _ = raise_running_maximum(-Float32.inf, lses)
             weights = [cute.math.exp2(x - m_safe, fastmath=True) for x in lses]  # an empty partial weighs 0
-            outs = [_peer_load(sPart, (0, g, c, ch), p) for p in range(S) for c in range(consumers)]
             total = Float32(0.0)
             acc = Float32(0.0)
             for j in cutlass.range_constexpr(S * consumers):
