@@ -84,12 +84,13 @@ class CuteSm90(Backend):
         """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
         heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
-        with E4M3 K and two tiles a pass also at a quarter and four times its heuristic. Every v1 candidate at
-        the format's default stages, and again at twice as many where its CTAs per SM hold that ring (one CTA
-        an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of an SM do
-        not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
+        with E4M3 K and two tiles a pass also at a quarter and four times its heuristic (and, with
+        :data:`~foscar.cute.config.CLUSTER_MERGE`, at the split counts between that a cluster merges). Every v1
+        candidate at the format's default stages, and again at twice as many where its CTAs per SM hold that ring
+        (one CTA an SM, mostly: a deeper ring keeps more bytes in flight where fewer CTAs stream); where the CTAs of
+        an SM do not hold the default ring (two CTAs at 32 query rows), the deepest that they hold."""
         from ..cute.budget import default_ring, fits_shared_memory
-        from ..cute.config import STAGE_CHOICES, TILE, config_for
+        from ..cute.config import CLUSTER_MERGE, STAGE_CHOICES, TILE, config_for
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
@@ -119,7 +120,10 @@ class CuteSm90(Backend):
         if takes(fmt, gqa, page, "e4m3", 2):
             base = default_num_splits(case.batch, case.kv_heads, tiles, device, 2)
             tried = {c["num_splits"] for c in out if c == best(c["num_splits"])}
-            out += [best(s) for s in sorted({max(1, min(tiles, round(base * m))) for m in (0.25, 4)} - tried)]
+            wider = {max(1, min(tiles, round(base * m))) for m in (0.25, 4)}
+            if CLUSTER_MERGE:  # the split counts a cluster merges (1-16, powers of two) within that range
+                wider |= {n for n in (1, 2, 4, 8, 16) if base / 4 <= n <= 4 * base and n <= tiles}
+            out += [best(s) for s in sorted(wider - tried)]
         stages = config_for(fmt, gqa, page).stages  # the format's default ring
 
         def fits(c, n):

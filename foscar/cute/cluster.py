@@ -27,8 +27,8 @@ def allocate(alloc, cfg: Sm90Config, consumers: int) -> tuple:
     as stage 1's partials in memory are (batch entry 0, the KV head's row, the consumer for the split), so that the
     epilogue (:meth:`foscar.cute.warpgroup.TileKernel._epilogue`) writes either."""
     D = cfg.head_dim
-    part = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers, D), stride=(0, consumers * D, D, 1)),
-                                 byte_alignment=16)
+    part = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers, D),
+                                                           stride=(0, consumers * D, D, 1)), byte_alignment=16)
     lse = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers), stride=(0, consumers, 1)),
                                 byte_alignment=16)
     return part, lse
