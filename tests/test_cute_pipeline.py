@@ -108,8 +108,25 @@ def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
                           "e4m3", 2).prologue == "q_first"
 
 
+def test_one_cta_an_sm_takes_its_own_prologue(monkeypatch):
+    """``PROLOGUE_ONE_CTA`` (none by default): a v1 launch at one CTA an SM takes its bit width's prologue, at two
+    or with Q staged first (a rotated cache) its config's; a misspelt name is refused by name."""
+    from foscar.cute.launch import prologue_at
+    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
+    cfg = config_for(fmt, 4, 64, "e4m3", 2)
+    assert cfg.prologue == "q_first" and prologue_at(cfg, True, 1) is cfg
+    with cute_switches(monkeypatch, PROLOGUE_ONE_CTA={4: "consumer_q"}):
+        assert prologue_at(cfg, True, 1).prologue == "consumer_q"
+        assert prologue_at(cfg, True, 2) is cfg and prologue_at(cfg, False, 1) is cfg
+        rotated = config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128, rotation="hadamard"), 4, 64)
+        assert prologue_at(rotated, True, 1) is rotated
+    with cute_switches(monkeypatch, PROLOGUE_ONE_CTA={4: "consumer-q"}):
+        with pytest.raises(InvalidArgumentError, match="^foscar.cute.config.PROLOGUE_ONE_CTA: expected values of"):
+            prologue_at(cfg, True, 1)
+
+
 @pytest.mark.parametrize("bits,gqa,k_operand,tiles,ctas", [(2, 4, "e4m3", 2, 2), (4, 8, "bf16", 1, 1),
-                                                           (2, 16, "e4m3", 1, 2)])
+                                                           (2, 16, "e4m3", 1, 2), (4, 4, "e4m3", 2, 1)])
 def test_prologues_compile_for_sm90a(prologue, bits, gqa, k_operand, tiles, ctas):
     """Each prologue compiles without spills; ``consumer_q``'s consumers meet at their own named barrier (both
     warpgroups: 256 threads)."""

@@ -21,8 +21,7 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4, token-wise K), head dim 64/128 and affine codes")
 THREADS = 128  #: threads of one warpgroup
-#: tiles between two folds of the gathered offset corrections into the accumulator (a power of two)
-CORRECTION_TILES = 8
+CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
 #: Whether one-tile passes take the lazy rescale too (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32
 #: (``docs/bench/h200/lazy-one-tile-heads.md``)
 LAZY_ONE_TILE = True
@@ -34,14 +33,16 @@ PAIR_CHANNEL_V = False
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
-#: v1's stages a launch may ask for (a tuned entry's ``stages``), where they fit (:func:`foscar.cute.budget.fits_shared_memory`)
+#: v1's stages a launch may ask for (a tuned entry's ``stages``), where they fit (``budget.fits_shared_memory``)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
 #: ``consumer_q``, the first consumer stages Q while the producer copies (``docs/hopper-e4m3-plan.md``)
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
-#: the faster of the two for each width (``consumer_q`` spills at INT4; ``docs/results-h200.md``)
+#: the faster of the two for each width (``consumer_q`` spills at INT4 at two CTAs an SM; ``docs/results-h200.md``);
+#: and at one CTA an SM (``foscar.cute.launch.prologue_at``), none until timed
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
+PROLOGUE_ONE_CTA: dict = {}
 #: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: correct, no
 #: faster than two launches (``docs/results-h200.md``), so off
 COMBINE_PDL = False
@@ -114,8 +115,7 @@ CHANNEL_K_E4M3 = False
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
-#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`). Off: at 32 it spilled and
-#: ran slower (``docs/results-h200.md``); 16 columns (no spill) not timed
+#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 #: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): twelve
 #: warps of 160 registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
@@ -130,12 +130,12 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
 #: back 48 (128 x 48 = 256 x 24), keeping 32 for the fold
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
-#: The kernel switches above: module constants :func:`config_for` reads into the static config (a flag, a tuple of
-#: bit widths or a dict by bit width), set by ``benchmarks/run_with.py`` to measure one before it becomes a default
-SWITCHES = ("PROLOGUE_BY_BITS", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT", "PRODUCER_Q_FOLD",
-            "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3", "P_COLUMN_MAJOR",
-            "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS",
-            "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE")
+#: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
+SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
+            "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
+            "P_COLUMN_MAJOR", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
+            "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
+            "CLUSTER_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:

@@ -254,6 +254,20 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
     return num_splits if all(t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in (out, lse)) else 0
 
 
+def prologue_at(cfg, warp_specialized: bool, ctas: int):
+    """``cfg`` with the prologue of :data:`~foscar.cute.config.PROLOGUE_ONE_CTA` for its bit width where v1 runs one
+    CTA an SM (whose consumers' registers take ``consumer_q`` at INT4 without a spill), unless Q must be staged
+    first (a rotated cache, the producer's ``Q'`` fold) or the codes are FP4; else ``cfg``."""
+    from .config import PROLOGUE_ONE_CTA, PROLOGUES
+    prologue = PROLOGUE_ONE_CTA.get(cfg.bits)
+    if not (prologue and warp_specialized and ctas == 1 and not cfg.rotation and not cfg.producer_fold
+            and not cfg.fp4_block):
+        return cfg
+    if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
+        raise InvalidArgumentError("foscar.cute.config.PROLOGUE_ONE_CTA", f"values of {PROLOGUES}", prologue)
+    return dataclasses.replace(cfg, prologue=prologue)
+
+
 def _check_stage1_tensors(tensors, cfg) -> None:
     """What the compiled stage 1 takes (:func:`stage1_tensors`), checked here so that a bad tensor is named in
     foscar's words (the TVM-FFI call would refuse it too, less plainly)."""
@@ -374,6 +388,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
     from .config import consumers_for
+    cfg = prologue_at(cfg, warp_specialized, ctas)
     parts = num_parts(fmt, num_splits, warp_specialized, consumers_for(cfg, ctas))  # windows: after the splits
     o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
                                       cache.num_kv_heads)
