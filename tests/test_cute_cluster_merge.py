@@ -1,7 +1,7 @@
 """The split merge inside stage 1 (``foscar.cute.config.CLUSTER_MERGE``, ``Sm90Config.cluster``,
 ``foscar.cute.cluster``): a (sequence, KV head)'s splits one thread-block cluster, each CTA merging its slice of the
 head dim from every CTA's partials through distributed shared memory, no combine launch. CPU: which launches take it
-(and fall back to the combine otherwise), what stage 1 then takes, its shared memory, the PTX's two cluster barriers
+(one token or a step; the combine otherwise), what stage 1 then takes, its shared memory, the PTX's two cluster barriers
 and remote loads, ptxas's report. GPU (sm_90): against the float64 oracle (NaN-poisoned outputs, the LSE too), at
 1-16 splits, one and two CTAs an SM, three consumers, GQA 1-8, head dim 64, BF16/FP32 outputs; a NaN in one V scale
 makes its rows NaN; a CUDA-graph replay equals the eager call."""
@@ -33,13 +33,13 @@ def _out(dtype=torch.bfloat16, offset=0, step=1):
 @pytest.mark.parametrize("fmt_kw,gqa,step,ws,splits,out,taken", [
     ({}, 4, 1, True, 16, {}, True), ({}, 4, 1, True, 2, {"dtype": torch.float32}, True),
     ({}, 4, 1, True, 5, {}, False), ({}, 4, 1, True, 32, {}, False), ({}, 4, 1, True, 1, {}, True),
-    ({}, 4, 1, False, 16, {}, False), ({}, 4, 2, True, 16, {}, False), ({"recent": 16}, 4, 1, True, 16, {}, False),
+    ({}, 4, 1, False, 16, {}, False), ({}, 4, 2, True, 16, {}, True), ({"recent": 16}, 4, 1, True, 16, {}, False),
     ({"rotation": "hadamard"}, 4, 1, True, 16, {}, False), ({}, 4, 1, True, 16, {"dtype": torch.float64}, False),
     ({}, 4, 1, True, 16, {"step": 2}, False), ({}, 4, 1, True, 16, {"offset": 1}, False),
     ({"head_dim": 64, "group_size": 64}, 8, 1, True, 16, {}, True), ({"scheme": "nvfp4"}, 4, 1, True, 16, {}, False)])
 def test_a_launch_merges_in_a_cluster_where_it_can(monkeypatch, fmt_kw, gqa, step, ws, splits, out, taken):
-    """One token, no windows, no rotation, 1-16 splits (a power of two: one, the consumers' partials alone), an
-    output stage 1 can write; anything else runs the combine, as without the switch."""
+    """No windows, no rotation, 1-16 splits (a power of two: one, the consumers' partials alone), an output stage 1
+    can write; anything else runs the combine, as without the switch."""
     if "scheme" in fmt_kw:
         fmt = foscar.KVFormat.fp4(fmt_kw["scheme"], 128)
     else:
@@ -128,6 +128,18 @@ def test_the_cluster_merge_against_the_oracle_gpu(monkeypatch, bits, G, lens, sp
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("G,T,num_splits", [(4, 2, 16), (4, 4, 8), (4, 8, 4), (2, 3, 1)])
+def test_steps_merged_in_a_cluster_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
+    """A step's columns (8, 16 and 32: one consumer code path, and one a consumer) merged in the cluster into the
+    step's rows, the causal limits per column."""
+    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    with cute_switches(monkeypatch, CLUSTER_MERGE=True):
+        step_case(bits, G, T, num_splits, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
 def test_the_cluster_merge_of_three_consumers_against_the_oracle_gpu(monkeypatch, bits):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, CLUSTER_MERGE=True, WIDE_EIGHT_COLUMNS=True):
@@ -173,3 +185,14 @@ def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
         replay()
         torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.equal(again, out)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_a_steps_cluster_kernel_compiles_pipelined_without_spills(bits):
+    """A step of 8 tokens at GQA 4 (32 columns: a copy of the consumers' code each, and of the merge): two cluster
+    barriers in the producer's branch and in each consumer's."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = dataclasses.replace(config_for(fmt, 4, 64, "e4m3", 1, 8), cluster=4)
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
+    assert_pipelined_without_spills(cfg, 1)
+    assert len(re.findall(r"barrier\.cluster\.arrive", ptx)) == 2 * (1 + consumers_for(cfg, 1))

@@ -54,12 +54,14 @@ def cluster_barrier():
 
 @cute.jit
 def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLse: cute.Tensor, mO: cute.Tensor,
-          mLSE: cute.Tensor):
-    """Called by each consumer thread once its partial is in ``sPart``, ``sLse``
-    (:func:`allocate`): they merge channels ``[r D / S, (r + 1) D / S)`` of the KV head's rows (``S`` the cluster,
-    ``r`` this CTA's rank) from the ``S consumers`` partials into ``mO [B, Hq, D]``, rank 0 the LSE (natural log)
-    into ``mLSE [B, Hq]``. The producer's threads take the two :func:`cluster_barrier` alone (its registers are
-    fewer). The CTA's place is read again here, so that nothing of it stays live across the tile loop."""
+          mLSE: cute.Tensor, query_row):
+    """Called by each consumer thread once its partial is in ``sPart``, ``sLse`` (:func:`allocate`, column ``g`` of
+    the KV head at row ``g``): they merge channels ``[r D / S, (r + 1) D / S)`` of the KV head's columns (``S`` the
+    cluster, ``r`` this CTA's rank) from the ``S consumers`` partials into ``mO [B, rows, D]``, rank 0 the LSE
+    (natural log) into ``mLSE [B, rows]``, column ``g`` of KV head ``kvh`` at row ``query_row(g, kvh, n_kvh)``
+    (:meth:`foscar.cute.warpgroup.TileKernel.query_row`: a step's tokens too). The producer's threads take the two
+    :func:`cluster_barrier` alone (its registers are fewer). The CTA's place is read again here, so that nothing of
+    it stays live across the tile loop."""
     S = cfg.cluster
     D = cfg.head_dim
     G = cfg.rows
@@ -67,6 +69,7 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
     n = consumers * THREADS
     rank = cute.arch.block_idx_in_cluster()
     kvh, b, _ = cute.arch.block_idx()
+    n_kvh, _, _ = cute.arch.grid_dim()
     tidx, _, _ = cute.arch.thread_idx()
     t = tidx - THREADS  # this thread among the consumers'
     cluster_barrier()  # every CTA's partials are in its shared memory
@@ -89,10 +92,11 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
             denom = Float32(1.0)
             if total != 0:  # NaN != 0: a NaN total divides and stays NaN
                 denom = total
-            mO[b, kvh * G + g, ch] = (acc / denom).to(mO.element_type)
+            row = query_row(g, kvh, n_kvh)
+            mO[b, row, ch] = (acc / denom).to(mO.element_type)
             if rank == 0 and i % span == 0:
                 lse = -Float32.inf
                 if total != 0:
                     lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
-                mLSE[b, kvh * G + g] = lse
+                mLSE[b, row] = lse
     cluster_barrier()  # no CTA leaves while a peer may still read its shared memory

@@ -193,13 +193,13 @@ class FoldDecodeSm90WS(TileKernel):
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
                                    t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                     if cutlass.const_expr(cfg.cluster):
-                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP)
+                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                 if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster -----------------------
-                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP)
+                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
@@ -501,8 +501,8 @@ class FoldDecodeSm90WS(TileKernel):
                 tile = t_lo + run_tile(c, k, 2)
                 if tile < t_hi:
                     state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, tile)
-        if cutlass.const_expr(cfg.cluster):  # this CTA's shared memory, consumer c's row (foscar.cute.cluster)
-            self._epilogue(wg, state, mOP, mLP, 0, 0, c)
+        if cutlass.const_expr(cfg.cluster):  # this CTA's shared memory, column h at row h (1 KV head: query_row)
+            self._epilogue(wg, state, mOP, mLP, 0, 0, c, 1)
         else:
             self._epilogue(wg, state, mOP, mLP, b, kvh, split * self.consumers + c, n_kvh)
 

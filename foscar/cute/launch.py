@@ -238,14 +238,14 @@ def stage1_tensors(cfg) -> tuple:
 def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: torch.Tensor,
                 lse: torch.Tensor | None) -> int:
     """The cluster a v1 launch of ``cfg`` at ``ctas`` an SM merges its ``num_splits`` splits in
-    (:data:`~foscar.cute.config.CLUSTER_MERGE`), 0 where it runs the combine: one token, no BF16 windows, no
-    rotation, affine codes, 1 to 16 splits (a power of two dividing the head dim), the partials' buffers within the
-    SM's shared memory, an output and an LSE (``lse``: the LSE asked for, or where the launch would put one not asked
-    for; None, nowhere) stage 1 can write: unit last stride, 16-byte aligned."""
+    (:data:`~foscar.cute.config.CLUSTER_MERGE`), 0 where it runs the combine: no BF16 windows, no rotation, affine
+    codes, 1 to 16 splits (a power of two dividing the head dim), the partials' buffers within the SM's shared
+    memory, an output ``[B, rows, D]`` and an LSE ``[B, rows]`` (``lse``: the LSE asked for, or where the launch
+    would put one not asked for; None, nowhere) stage 1 can write: unit last stride, 16-byte aligned."""
     from .budget import fits_shared_memory
     from .config import ALIGN, CLUSTER_MERGE
-    if not (CLUSTER_MERGE and warp_specialized and not cfg.causal and not cfg.windows and not cfg.rotation
-            and not cfg.fp4_block and lse is not None):
+    if not (CLUSTER_MERGE and warp_specialized and not cfg.windows and not cfg.rotation and not cfg.fp4_block
+            and out is not None and lse is not None):
         return 0
     if num_splits not in (1, 2, 4, 8, 16) or cfg.head_dim % num_splits or out.dtype not in _OUT_TYPES:
         return 0
@@ -266,6 +266,17 @@ def prologue_at(cfg, warp_specialized: bool, ctas: int):
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_ONE_CTA", f"values of {PROLOGUES}", prologue)
     return dataclasses.replace(cfg, prologue=prologue)
+
+
+def _as_rows(t: torch.Tensor | None, B: int, rows: int) -> torch.Tensor | None:
+    """``t [B T, Hq, ...]`` as ``[B, T Hq, ...]`` (a step's rows of a sequence together), or None where there is none
+    or its strides allow no such view."""
+    if t is None:
+        return None
+    try:
+        return t.view(B, rows, *t.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def _check_stage1_tensors(tensors, cfg) -> None:
@@ -395,13 +406,14 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
     dest = (o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]))
-    lse_to = lse  # an LSE not asked for: into the workspace's first B Hr floats (a contiguous one)
+    lse_to = _as_rows(lse, B, Hr)  # an LSE not asked for: into the workspace's first B Hr floats (a contiguous one)
     if lse is None and l_part.is_contiguous():
         lse_to = l_part.view(-1)[:B * Hr].view(B, Hr)
-    size = cluster_for(cfg, warp_specialized, ctas, num_splits, out, lse_to)
+    out_to = _as_rows(out, B, Hr)
+    size = cluster_for(cfg, warp_specialized, ctas, num_splits, out_to, lse_to)
     if size:  # stage 1 writes the output
         cfg = dataclasses.replace(cfg, cluster=size, cluster_out=_OUT_TYPES[out.dtype])
-        dest = (out, lse_to)
+        dest = (out_to, lse_to)
     tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
                *(_param_words(p) for p in (cache.k_params, cache.v_params)), cache.page_table.block_table,
                cache.seq_lens.to(torch.int32), *dest, rot, cache.tensor_scales)  # Q: BF16
