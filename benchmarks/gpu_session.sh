@@ -313,6 +313,9 @@ SWEEPS
     timeout 200 python3 -m pytest -q -s -x -m gpu -p no:cacheprovider tests/test_cute_cluster_merge.py \
       > "$OUT/pending-cluster-merge.log" 2>&1
     echo "cluster-merge rc=$?: $(grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/pending-cluster-merge.log" | tr '\n' ' ')" ;;
+  defaults)  # the CuTe kernels' GPU suites with the switches as they ship ($JOBS pytest processes)
+    parallel_pytest defaults "python3 -m pytest" "tests/test_cute_decode.py tests/test_multitoken.py \
+      tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py tests/test_steps_windows.py tests/test_cute_mask_branch.py" ;;
   wide-eight-speed)  # after install-cute and the wide-eight tests: one CTA an SM of three consumers at 8 columns
                      # (WIDE_EIGHT_COLUMNS) against foscar.decode's launch and v1 at one and two CTAs (kernel alone):
                      # GQA 4 (two tiles a pass) on the short and read-share shapes, GQA 8 (one); then steps of 2 tokens

@@ -36,10 +36,11 @@ def pass_switch(monkeypatch, request):
         yield request.param
 
 
-def test_refused_while_the_switch_is_off():
+def test_refused_while_the_switch_is_off(monkeypatch):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel")
-    with pytest.raises(UnsupportedError, match="CHANNEL_K_E4M3"):
-        config_for(fmt, 4, 64, "e4m3")
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=False):
+        with pytest.raises(UnsupportedError, match="CHANNEL_K_E4M3"):
+            config_for(fmt, 4, 64, "e4m3")
 
 
 def test_each_fold_thread_builds_four_consecutive_contraction_indices():
@@ -59,10 +60,11 @@ def test_each_fold_thread_builds_four_consecutive_contraction_indices():
 
 
 @pytest.mark.parametrize("g,v_axis,k_operand", [(64, "token", "e4m3"), (128, "channel", "e4m3"), (128, "token", "bf16")])
-def test_two_tiles_a_pass_within_one_token_group(pass_switch, g, v_axis, k_operand):
+def test_two_tiles_a_pass_within_one_token_group(monkeypatch, pass_switch, g, v_axis, k_operand):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=g, k_axis="channel", v_axis=v_axis)
-    with pytest.raises(UnsupportedError, match="tiles_per_pass=2"):
-        config_for(fmt, 4, 64, k_operand, 2)
+    with cute_switches(monkeypatch, PAIR_CHANNEL_V=False):  # channel-wise V's pass: its own switch
+        with pytest.raises(UnsupportedError, match="tiles_per_pass=2"):
+            config_for(fmt, 4, 64, k_operand, 2)
     cfg = config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128, k_axis="channel"), 4, 64, "e4m3", 2)
     assert cfg.tiles_per_pass == 2 and cfg.tile_run == 2 and cfg.lazy_rescale and cfg.producer_fold == pass_switch
     from foscar.cute.launch import default_variant  # an untuned launch takes the pass

@@ -36,10 +36,11 @@ def k_axis(monkeypatch, request):
         yield axis
 
 
-def test_refused_while_the_switch_is_off():
+def test_refused_while_the_switch_is_off(monkeypatch):
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, v_axis="channel")
-    with pytest.raises(UnsupportedError, match="PAIR_CHANNEL_V"):
-        config_for(fmt, 4, 64, "e4m3", 2)
+    with cute_switches(monkeypatch, PAIR_CHANNEL_V=False):
+        with pytest.raises(UnsupportedError, match="PAIR_CHANNEL_V"):
+            config_for(fmt, 4, 64, "e4m3", 2)
 
 
 def test_a_pass_stays_within_one_token_group(k_axis):

@@ -450,9 +450,10 @@ def test_e4m3_k_operands_compile_for_sm90a(bits, head_dim, gqa, group_size, v_ax
 @pytest.mark.parametrize("kw,k_operand,gqa,step,what", [
     ({"k_axis": "channel"}, "e4m3", 4, 1, "CHANNEL_K_E4M3"), ({}, "e4m3", 2, 2, "more than 4 rows"),
     ({}, "e4m3x3", 32, 1, "'e4m3x3' K operands take gqa \\* q_len <= 16")])
-def test_e4m3_k_operands_say_what_they_take(kw, k_operand, gqa, step, what):
+def test_e4m3_k_operands_say_what_they_take(monkeypatch, kw, k_operand, gqa, step, what):
+    from _helpers import cute_switches
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
-    with pytest.raises(UnsupportedError, match=what):
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=False), pytest.raises(UnsupportedError, match=what):
         config_for(fmt, gqa, 64, k_operand, step=step)
     with pytest.raises(foscar.errors.InvalidArgumentError, match="^k_operand: expected"):
         config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "fp8")
@@ -494,9 +495,10 @@ def test_two_tiles_per_pass_compile_for_sm90a(bits, head_dim, gqa, group_size, k
 
 @pytest.mark.parametrize("kw,gqa,what", [({"k_axis": "channel"}, 4, r"token-wise K or \(E4M3 K operands\)"),
                                          ({"v_axis": "channel"}, 4, "token-wise V"), ({}, 8, "gqa <= 4")])
-def test_two_tiles_per_pass_say_what_they_take(kw, gqa, what):
+def test_two_tiles_per_pass_say_what_they_take(monkeypatch, kw, gqa, what):
+    from _helpers import cute_switches
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128, **kw)
-    with pytest.raises(UnsupportedError, match=what):
+    with cute_switches(monkeypatch, PAIR_CHANNEL_V=False), pytest.raises(UnsupportedError, match=what):
         config_for(fmt, gqa, 64, "bf16", 2)
     with pytest.raises(foscar.errors.InvalidArgumentError, match="^tiles_per_pass: expected"):
         config_for(foscar.KVFormat(bits=2, head_dim=128, group_size=128), 4, 64, "bf16", 3)
@@ -741,16 +743,20 @@ def test_head_dim_256_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
 
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("gqa,step,ctas", [(8, 1, 2), (6, 1, 2), (16, 1, 1), (4, 2, 2), (4, 4, 1), (2, 3, 2)])
-def test_e4m3_term_blocks_compile_for_sm90a(bits, gqa, step, ctas):
+def test_e4m3_term_blocks_compile_for_sm90a(monkeypatch, bits, gqa, step, ctas):
     """E4M3 K operands beyond 4 query rows: Q's terms in separate column blocks of a QK product twice as wide
-    (``Sm90Config.term_blocks``), a step's tokens among the rows; v1 only, the default K operands there."""
+    (``Sm90Config.term_blocks``; from 16 columns only without the stacked terms), a step's tokens among the rows;
+    v1 only, the default K operands there."""
+    from _helpers import cute_switches
+
     from foscar.cute.launch import default_variant
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
-    cfg = config_for(fmt, gqa, 64, "e4m3", step=step)
-    assert cfg.term_blocks and cfg.qk_cols == 2 * cfg.cols
-    assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas) is not None
-    assert default_variant(fmt, gqa, 64, None, step) == ("e4m3", 1)
-    assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
+    with cute_switches(monkeypatch, STACKED_TERMS=False):
+        cfg = config_for(fmt, gqa, 64, "e4m3", step=step)
+        assert cfg.term_blocks and cfg.qk_cols == 2 * cfg.cols
+        assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas) is not None
+        assert default_variant(fmt, gqa, 64, None, step) == ("e4m3", 1)
+        assert not config_for(fmt, 4, 64, "e4m3").term_blocks  # up to 4 rows the terms share the 8 columns
 
 
 @pytest.fixture(params=(False, True), ids=("row_scale", "kv_head_scale"))

@@ -25,7 +25,8 @@ FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
     (4, 1, 2, False), (8, 1, 1, False), (16, 1, 1, True), (32, 1, 1, True), (4, 4, 1, True), (4, 8, 1, True),
     (2, 4, 1, True), (4, 2, 1, True)])
 def test_the_branch_is_taken_at_16_and_32_columns_and_in_steps(monkeypatch, gqa, step, tiles, taken):
-    assert not config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch  # off by default
+    with cute_switches(monkeypatch, MASK_BRANCH=False):
+        assert not config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch
     with cute_switches(monkeypatch, MASK_BRANCH=True):
         assert config_for(FMT, gqa, 64, "e4m3", tiles, step).mask_branch is taken
 

@@ -15,15 +15,14 @@ DEV = "cuda" if GPU else "cpu"
 
 
 def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
+    """A step's query ``[B, T, Hkv G, D]`` and a cache of ``lens`` quantized where the tests run (its ring as the
+    write paths leave it: a step over windows reads it)."""
     gen = torch.Generator().manual_seed(seed)
     B, L, D = len(lens), max(lens), fmt.head_dim
     k, v = torch.randn(2, B, Hkv, L, D, generator=gen).unbind(0)
-    cache = foscar.quantize_kv(k, v, fmt, page_size=64, seq_lens=torch.tensor(lens, dtype=torch.int32))
-    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16)
-    if GPU:
-        from test_triton import to_device
-        cache, q = to_device(cache, DEV), q.to(DEV)
-    return q, cache
+    cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, page_size=64,
+                               seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
+    return torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16).to(DEV), cache
 
 
 def _cut(cache, lens):

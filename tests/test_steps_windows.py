@@ -16,6 +16,7 @@ from _helpers import rel  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_fold import PAPER, build, decode_case  # noqa: E402
+from test_multitoken import _step  # noqa: E402
 
 import foscar  # noqa: E402
 from foscar.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
@@ -84,15 +85,6 @@ def test_the_fp4_folded_step_is_the_oracles(case):
     exact = foscar.decode_exact(q, cache)
     folded = foscar.decode_folded(q, cache, tile_tokens=case["tile"], num_splits=case["splits"])
     assert bool(torch.isfinite(folded).all()) and rel(folded, exact) <= 1e-10
-
-
-def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    B, L, D = len(lens), max(lens), fmt.head_dim
-    k, v = torch.randn(2, B, Hkv, L, D, generator=gen).unbind(0)
-    cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, page_size=64,
-                               seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
-    return torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16).to(DEV), cache
 
 
 #: windowed formats: a sink; a recent window; channel-wise K (its group's ring); channel-wise K and V with a sink

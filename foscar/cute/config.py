@@ -28,8 +28,8 @@ LAZY_ONE_TILE = True
 #: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`):
 #: as fast or faster at every shape measured (``docs/bench/h200/axes-lazy-vchannel.json``)
 LAZY_CHANNEL_V = True
-#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): off until its GPU tests run
-PAIR_CHANNEL_V = False
+#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): faster (``docs/results-h200.md``)
+PAIR_CHANNEL_V = True
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
 DEEP_STAGE_BYTES = 4096
@@ -91,36 +91,35 @@ START_PREFETCH = True
 #: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass on the H200, where the Triton kernel
 #: stopped on an illegal address in such a step at head dim 128 (``docs/results-h200.md``); its speed not measured
 WINDOWED_STEPS = True
-#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`): its GPU
-#: tests pass; off until GQA 16 and steps are timed with it (``docs/steps-plan.md``)
-STACKED_TERMS = False
-#: With :data:`STACKED_TERMS`: one power of two for Q's terms per KV head (:attr:`Sm90Config.shared_q_scale`), off
-#: until its GPU tests and the stress study run (``decode_folded(q_terms="stacked_kv_head")`` emulates it)
-SHARED_Q_SCALE = False
-#: The scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32 columns,
-#: steps): off until its GPU tests run (``docs/steps-plan.md``)
-MASK_BRANCH = False
+#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), with one
+#: power of two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``),
+#: and the scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32
+#: columns, steps): faster at GQA 16 and 32 and in steps (``docs/results-h200.md``)
+STACKED_TERMS = True
+SHARED_Q_SCALE = True
+MASK_BRANCH = True
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
-#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off, as
-#: measured with BF16 K (correct, little faster: ``docs/bench/h200/axes-producer-fold.json``)
+#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (with E4M3
+#: K its graph replays fault on the H200; with BF16 K little faster: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
-#: off (``config_for`` refuses it) until its GPU tests run (``docs/hopper-e4m3-plan.md``)
-CHANNEL_K_E4M3 = False
+#: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it)
+CHANNEL_K_E4M3 = True
 #: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
 FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
-#: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): twelve
-#: warps of 160 registers, where two CTAs give sixteen of 104 and one eight of 232; off until its GPU tests run
+#: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): off, slower
+#: than two CTAs an SM at every shape timed (``docs/results-h200.md``)
 WIDE_EIGHT_COLUMNS = False
-#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off until tested
+#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off, it hangs on the
+#: H200 (the launch forms no cluster: ``docs/results-h200.md``)
 CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -590,8 +589,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=P_COLUMN_MAJOR, start_prefetch=START_PREFETCH,
-                      stacked_terms=STACKED_TERMS and e4m3 and rows > HEADS,
-                      shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and rows > HEADS,
+                      stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
+                      shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
                       wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
