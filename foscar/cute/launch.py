@@ -388,14 +388,13 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
         q, cache, G, num_splits=problem.num_splits if num_splits is None else num_splits,
         warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm, k_operand=k_operand,
         tiles_per_pass=tiles_per_pass, stages=stages, step=T, tail=tail)
-    if stages is not None:
-        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages, tail)
-        if asked is None and warp_specialized and not fits_shared_memory(cfg, ctas):
-            stages = None  # a tuned ring the CTAs of this launch do not hold (switches that add consumers)
+    if asked is None and stages is not None and warp_specialized and not fits_shared_memory(
+            config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages, tail), ctas):
+        stages = None  # a tuned ring the CTAs of this launch do not hold (switches that add consumers)
     if stages is None and warp_specialized:  # the default ring, or the deepest that the CTAs of an SM hold
         cfg = default_ring(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, ctas, tail)
-    elif stages is None:
-        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, None, tail)
+    else:
+        cfg = config_for(fmt, G, cache.page_size, k_operand, tiles_per_pass, T, stages, tail)
     if stages is not None and not fits_shared_memory(cfg, ctas):
         raise UnsupportedError(f"stages={stages} with ctas_per_sm={ctas}", "the stage ring of that many CTAs "
                                "does not fit an SM's shared memory (foscar.cute.budget.fits_shared_memory)")
