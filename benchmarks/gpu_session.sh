@@ -48,6 +48,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh retune           # foscar tune --backend cute (stages among the
 #                                                                #   candidates), then the paper grid beside FlashInfer,
 #                                                                #   both with /tmp/foscar-variant's switches
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh grid             # paper and axes grids, GQA sweep, steps: foscar.decode
+#                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
 #
@@ -265,10 +268,10 @@ stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
 mask-branch-stacked|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_cute_mask_branch.py
 pivot-mma|python3 -m pytest|tests/test_cute_pivot_mma.py
-stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_decode.py -k three_consumers_against
+stacked-wide|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 P_COLUMN_MAJOR_COLS=8,16,32 -- pytest|tests/test_cute_decode.py -k three_consumers_against
 stacked-steps|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_multitoken.py -k cute_kernel_takes_a_step
 p-layout|python3 -m pytest|tests/test_cute_p_layout.py
-channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
+channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR_COLS=8,16,32 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
@@ -290,11 +293,11 @@ TESTS
       eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
-stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=32"
-stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8 WIDE_CONSUMERS=1"
+stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=32"
+stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8 WIDE_CONSUMERS=1"
 cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants shipped "CLUSTER_MERGE=1" "PROLOGUE_ONE_CTA=4:consumer_q" "CLUSTER_MERGE=1 PROLOGUE_ONE_CTA=4:consumer_q"
-channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR=1"
-p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR=1"
+channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
+p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 SWEEPS
     ;;
   steps-windows)  # after install-cute: a step over a ring through auto (the CuTe columns), the causal view's rows
@@ -334,8 +337,8 @@ SWEEPS
                    # counted from 0; cold compiles take minutes, so a call may take two or three)
     i=-1
     for v in "" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" \
-        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=32" \
-        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR=1 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"; do
+        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=32" \
+        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"; do
       i=$((i + 1))
       case " ${*:2} " in "  ") ;; *" $i "*) ;; *) continue ;; esac
       tag=$(echo "$v" | awk '{print NF}')  # 0, 2, 3, 5 or 6 switches
@@ -358,6 +361,26 @@ SWEEPS
     timeout 240 python3 benchmarks/run_with.py $v -- foscar.bench.decode --grid paper --cuda-graph \
       --kernels foscar_auto flashinfer_tc --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"
     grep "^Geomean" "$OUT/paper.log" ;;
+  fi-parts)  # fi-parts DIR: install FlashInfer from its wheel cut into parts (DIR/fi-part-*, joined in name order,
+             # carried over several calls: the wheel and the tree exceed one call's 64 MiB) and DIR's other wheels
+    d="${2:?fi-parts needs the folder of the parts}"
+    cat "$d"/fi-part-* > "$d/flashinfer_python-0.7.2.post1-py3-none-any.whl"
+    python3 -m pip install -q --no-index --no-deps --no-compile "$d"/*.whl
+    python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;;
+  grid)  # after install-cute and fi-parts: foscar.decode (auto) beside FlashInfer BF16 in one process each: the
+          # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    timeout 200 python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_auto flashinfer_tc \
+      --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"; grep "^Geomean" "$OUT/paper.log"
+    timeout 120 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto flashinfer_tc \
+      --out "$OUT/axes" > "$OUT/axes.log" 2>&1; echo "axes rc=$?"
+    for h in 32:1 32:2 32:4 32:8 32:16 32:32; do
+      timeout 100 python3 -m foscar.bench.decode --shapes 8:128K --heads $h --cuda-graph --kernels foscar_auto \
+        flashinfer_tc --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1
+      echo "heads $h rc=$? $(grep "done in" "$OUT/heads-${h/:/-}.log")"
+    done
+    timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
+      --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;;
   fa4)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?fa4 needs the flash-attn-4, quack and tvm-ffi wheels}"/*.whl
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded cudnn_sdpa fa4 --out "$OUT/fa4" \

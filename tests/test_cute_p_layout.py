@@ -1,5 +1,5 @@
-"""P^T column-major in shared memory (``foscar.cute.config.P_COLUMN_MAJOR``, ``Sm90Config.p_column_major``): a
-thread's two columns of a token go in one 32-bit store. CPU: every P buffer kind compiles for sm_90a with its
+"""P^T column-major in shared memory (``foscar.cute.config.P_COLUMN_MAJOR_COLS``: 16 and 32 columns as shipped;
+``Sm90Config.p_column_major``): a thread's two columns of a token go in one 32-bit store. CPU: every P buffer kind compiles for sm_90a with its
 16-bit stores paired and the same wgmma. GPU (sm_90): against the float64 oracle, no worse than BF16
 attention on the same dequantized cache."""
 import os
@@ -38,7 +38,7 @@ def test_column_major_p_compiles_for_sm90a(monkeypatch, bits, gqa, k_operand, ti
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     ptx = {}
     for on in (False, True):
-        with cute_switches(monkeypatch, P_COLUMN_MAJOR=on):
+        with cute_switches(monkeypatch, P_COLUMN_MAJOR_COLS=(8, 16, 32) if on else ()):
             cfg = config_for(fmt, gqa, 64, k_operand, tiles)
             assert cfg.p_column_major is on
             ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
@@ -62,5 +62,5 @@ def test_column_major_p_against_the_oracle_gpu(monkeypatch, bits, lens, G, num_s
     against the float64 oracle within the kernels' bound, LSE within 1e-2."""
     from test_cute_decode import _decode_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    with cute_switches(monkeypatch, P_COLUMN_MAJOR=True):
+    with cute_switches(monkeypatch, P_COLUMN_MAJOR_COLS=(8, 16, 32)):
         _decode_against_the_oracle(fmt, lens, G, "column-major P: error", num_splits=num_splits, **launch)

@@ -18,7 +18,7 @@ from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E40
 from foscar.cute.config import config_for  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-WITH = {"STACKED_TERMS": True, "SHARED_Q_SCALE": True, "MASK_BRANCH": True, "P_COLUMN_MAJOR": True}
+WITH = {"STACKED_TERMS": True, "SHARED_Q_SCALE": True, "MASK_BRANCH": True, "P_COLUMN_MAJOR_COLS": (16, 32)}
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,step,taken", [

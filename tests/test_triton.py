@@ -226,6 +226,23 @@ def test_triton_rejects_what_it_cannot_run():
         ft.decode(q, cache, num_splits=0)
 
 
+def test_tile_where_ptxas_loses_the_pv_operand_base(monkeypatch):
+    """Channel-wise K from 9 rows a program (wgmma products): 32-token tiles under ptxas before 12.9, 64 under 12.9
+    and for token-wise K or 8 rows; a step's rows count, and a tile the caller names stands."""
+    from foscar.triton import launch
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
+    token_k = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    for release, tile in (((12, 9), 64), ((12, 8), 32)):  # 12.8 stands for the launches below
+        monkeypatch.setattr(launch, "_ptxas_release", lambda release=release: release)
+        assert launch.block_n_for(fmt, 64, 16) == tile
+        assert launch.block_n_for(fmt, 64, 8) == launch.block_n_for(token_k, 64, 16) == 64
+    q, cache = make(fmt, [200], Hkv=1, G=4, page=64)
+    assert launch.launch_config(q, cache, 4, step=4, use_tuned=False).block_n == 32
+    assert launch.launch_config(q, cache, 4, use_tuned=False).block_n == 64
+    assert launch.launch_config(q, cache, 4, step=4, block_n=64, use_tuned=False).block_n == 64
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,k_axis,v_axis", list(itertools.product((2, 4), AXES, AXES)))
 def test_paper_shape_gpu(bits, k_axis, v_axis):

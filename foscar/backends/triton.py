@@ -37,7 +37,7 @@ class Triton(Backend):
         (its tokens are rows of each), so the first token's rows stand for the batch."""
         from ..triton.launch import launch_config
         num_splits = launch_config(problem.q[::problem.q_len], problem.cache, problem.gqa,
-                                   num_splits=problem.num_splits).num_splits
+                                   num_splits=problem.num_splits, step=problem.q_len).num_splits
         return {"num_splits": num_splits}
 
     def num_parts(self, problem, config: dict) -> int:
@@ -53,7 +53,7 @@ class Triton(Backend):
         the heuristic's splits with 8 warps; the heuristic's splits and twice as many with the lazy rescale where
         the format takes it (token-wise V of one channel group); the largest tile that fits."""
         from ..triton.launch import block_n_for, default_num_splits, takes_lazy_rescale
-        tile = block_n_for(case.fmt, case.page)
+        tile = block_n_for(case.fmt, case.page, case.q_heads // case.kv_heads)
         tiles = case.seq_len // tile
         base = default_num_splits(case.batch, case.kv_heads, tiles, device)
         splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})

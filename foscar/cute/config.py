@@ -78,8 +78,10 @@ QK_PROMOTE_BITS = (4,)
 #: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
 #: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
 V_PLACEMENT = True
-#: P^T column-major (:attr:`Sm90Config.p_column_major`, 32-bit P stores): off until its GPU suite runs
-P_COLUMN_MAJOR = False
+#: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`, a thread's two
+#: columns of a token in one 32-bit store): 16 and 32, faster there; at 8 columns INT4 was slower
+#: (``docs/results-h200.md``)
+P_COLUMN_MAJOR_COLS = (16, 32)
 #: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
 #: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off the geomean of seven paper shapes on the H200
@@ -118,8 +120,8 @@ WIDE_CONSUMERS = False
 #: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): off, slower
 #: than two CTAs an SM at every shape timed (``docs/results-h200.md``)
 WIDE_EIGHT_COLUMNS = False
-#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off, it hangs on the
-#: H200 (the launch forms no cluster: ``docs/results-h200.md``)
+#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off, it hangs on Hopper
+#: GPUs (the cluster forms; stage 1 with only the merge's two cluster barriers hangs: ``docs/results-h200.md``)
 CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -132,7 +134,7 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
-            "P_COLUMN_MAJOR", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
+            "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
             "CLUSTER_MERGE")
 
@@ -252,7 +254,7 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
-    p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR`, :func:`foscar.cute.operands.mmas_and_layouts`)
+    p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, :func:`foscar.cute.operands.mmas_and_layouts`)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)
@@ -588,7 +590,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=P_COLUMN_MAJOR, start_prefetch=START_PREFETCH,
+                      p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,

@@ -52,13 +52,35 @@ def _block_n_fits(fmt, page: int, bn: int) -> bool:
     return "channel" not in (fmt.k_axis, fmt.v_axis) or fmt.group_size % bn == 0
 
 
-def block_n_for(fmt, page: int) -> int:
+def block_n_for(fmt, page: int, rows: int = 1) -> int:
     """The KV tile: the largest of 64/32/16 tokens that fits pages of ``page`` tokens of format ``fmt``
-    (:func:`_block_n_fits`)."""
+    (:func:`_block_n_fits`), at most 32 where :func:`ptxas_loses_pv_base` holds for ``rows`` rows a program."""
     for bn in BLOCK_N_CHOICES:
-        if _block_n_fits(fmt, page, bn):
+        if _block_n_fits(fmt, page, bn) and (bn <= 32 or not ptxas_loses_pv_base(fmt, rows)):
             return bn
     raise UnsupportedError(f"page_size={page}", "no KV tile of 16, 32 or 64 tokens fits it")  # pragma: no cover
+
+
+@functools.lru_cache(maxsize=1)
+def _ptxas_release() -> tuple[int, ...]:
+    """The release of the ptxas that Triton builds sm_90 code with (its own, or ``TRITON_PTXAS_PATH``'s); ``()``
+    where it cannot be told (before Triton 3.4, which names none; a ptxas that does not answer): taken as affected."""
+    try:
+        return tuple(int(x) for x in triton.knobs.nvidia.ptxas.version.split("."))
+    except Exception:  # noqa: BLE001 - any failure to read the release: the 32-token tiles, correct everywhere
+        return ()
+
+
+def ptxas_loses_pv_base(fmt, rows: int) -> bool:
+    """Whether ptxas miscompiles the folded kernel's 64-token tiles for ``fmt`` at ``rows`` rows a program (query
+    heads per KV head times a step's tokens): over channel-wise K from 9 rows (both products wgmma) Triton puts
+    the Q' and P' operands at the same shared-memory offset, and ptxas before 12.9 (Triton 3.6 bundles 12.8) then
+    builds the descriptors of P' past its first 16 tokens from a uniform register that nothing writes: a read out
+    of bounds (``benchmarks/sanitize_one.py triton_step_ring``) or of the wrong rows. At 32-token tiles P' has an
+    offset of its own."""
+    if interpreting() or fmt.is_fp4 or fmt.k_axis != "channel" or rows <= 8:
+        return False
+    return _ptxas_release()[:2] < (12, 9)
 
 
 class TritonLaunch(NamedTuple):
@@ -73,20 +95,22 @@ class TritonLaunch(NamedTuple):
 
 def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, prefetch: int | None = None,
-                  use_tuned: bool = True, lazy_rescale: bool | None = None) -> TritonLaunch:
+                  use_tuned: bool = True, lazy_rescale: bool | None = None, step: int = 1) -> TritonLaunch:
     """The :class:`TritonLaunch` of a folded-kernel launch: the given values, else the autotune cache's
     (``use_tuned``; an entry may name the lazy rescale), else the heuristics here (:data:`LAZY_RESCALE`). Host facts
-    only: no device read."""
+    only: no device read. ``step``: the tokens of a step (each program takes ``G step`` rows)."""
     tuned = autotune.tuned_config("triton", q, cache, G) if use_tuned else {}
     fmt, page = cache.fmt, cache.page_size
-    if block_n is None and tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
-        block_n = tuned["block_n"]
+    if block_n is None:  # the largest tile that fits, else a tuned one below it
+        block_n = block_n_for(fmt, page, G * step)
+        if tuned.get("block_n") is not None and _block_n_fits(fmt, page, tuned["block_n"]):
+            block_n = min(tuned["block_n"], block_n)
     num_splits = tuned.get("num_splits") if num_splits is None else num_splits
     num_warps = (tuned.get("num_warps") or 4) if num_warps is None else num_warps
     prefetch = (tuned.get("prefetch") or 1) if prefetch is None else prefetch
     check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
     check_int("prefetch", prefetch, allowed=(1, 2))
-    bn = block_n_for(fmt, page) if block_n is None else block_n
+    bn = block_n
     if not _block_n_fits(fmt, page, bn):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
@@ -203,7 +227,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, kernel: str = 
     bn, num_splits, num_warps, prefetch, lazy_rescale = launch_config(
         q[::q_len], cache, G, num_splits=problem.num_splits if num_splits is None else num_splits, block_n=block_n,
         num_warps=num_warps, prefetch=prefetch, use_tuned=kernel == "folded" and not interpreting(),
-        lazy_rescale=lazy_rescale)
+        lazy_rescale=lazy_rescale, step=q_len)
     parts = num_splits + num_window_parts(fmt)
     o_part, l_part, sem = workspace_for(workspace, rows, Hq, parts, D, q.device, Hkv)
     if q_len > 1 and (out.stride(0) != Hq * out.stride(1) or (lse is not None and lse.stride(0) != Hq * lse.stride(1))
