@@ -48,6 +48,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh retune           # foscar tune --backend cute (stages among the
 #                                                                #   candidates), then the paper grid beside FlashInfer,
 #                                                                #   both with /tmp/foscar-variant's switches
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh cluster-merge    # the split merge in a cluster: one decode a process
+#                                                                #   under a timeout, then its GPU tests if none hung
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh grid             # paper and axes grids, GQA sweep, steps: foscar.decode
 #                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
@@ -275,7 +277,7 @@ channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR_COLS=8,16,32 -- pytest
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
-cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
+cluster-merge|env FOSCAR_CLUSTER_GPU=1 python3 -m pytest|tests/test_cute_cluster_merge.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -310,8 +312,7 @@ SWEEPS
     done ;;
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
-             # tiles a pass; three consumers at 8 columns). The cluster merge's GPU cases skip while it hangs
-             # (tests/test_cute_cluster_merge.py's HANGS)
+             # tiles a pass; three consumers at 8 columns). The cluster merge has its own step (cluster-merge)
     for name in mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
   defaults)  # the CuTe kernels' GPU suites with the switches as they ship ($JOBS pytest processes)
     parallel_pytest defaults "python3 -m pytest" "tests/test_cute_decode.py tests/test_multitoken.py \
@@ -361,6 +362,10 @@ SWEEPS
     timeout 240 python3 benchmarks/run_with.py $v -- foscar.bench.decode --grid paper --cuda-graph \
       --kernels foscar_auto flashinfer_tc --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"
     grep "^Geomean" "$OUT/paper.log" ;;
+  cluster-merge)  # after install-cute: the split merge in a cluster, one decode a process under a timeout; its GPU
+                  # tests (FOSCAR_CLUSTER_GPU set) only where every smoke case came back
+    timeout 300 python3 benchmarks/cluster_smoke.py > "$OUT/cluster-smoke.log" 2>&1; cat "$OUT/cluster-smoke.log"
+    grep -q "TIMEOUT\|rc [1-9]" "$OUT/cluster-smoke.log" || JOBS=${JOBS:-8} bash "$0" pending cluster-merge ;;
   fi-parts)  # fi-parts DIR: install FlashInfer from its wheel cut into parts (DIR/fi-part-*, joined in name order,
              # carried over several calls: the wheel and the tree exceed one call's 64 MiB) and DIR's other wheels
     d="${2:?fi-parts needs the folder of the parts}"

@@ -654,14 +654,17 @@ def test_compare_kernels_table():
     assert dict(ratios) == {("foscar_cute_ws", 4): [1.5]}
 
 
-def test_the_first_call_script_parses_its_options():
-    """``benchmarks/first_call.py`` (run on an sm_90 GPU) at least parses and documents its options here."""
+@pytest.mark.parametrize("script,words", [("first_call.py", ("--shapes", "cold")),
+                                          ("cluster_smoke.py", ("--timeout", "TIMEOUT"))])
+def test_the_gpu_scripts_parse_their_options(script, words):
+    """``benchmarks/first_call.py`` and ``benchmarks/cluster_smoke.py`` (run on an sm_90 GPU) at least parse and
+    document their options here."""
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_call.py"
-    res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and "--shapes" in res.stdout and "cold" in res.stdout
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    res = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and all(w in res.stdout for w in words)
 
 
 def test_ptxas_reports_a_cute_kernels_registers_spills_and_injected_waits():

@@ -20,7 +20,7 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
     if cfg.cluster:
-        p_bytes += consumers * cfg.cols * (cfg.head_dim + 1) * 4
+        p_bytes += consumers * cfg.cols * (cfg.head_dim + 1) * 4 + 16  # and the merge's two mbarriers
     return cfg.stages * consumers * slot + q_bytes + p_bytes + 8 * 1024
 
 

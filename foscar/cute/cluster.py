@@ -1,12 +1,18 @@
 """The split merge inside stage 1 (:attr:`~foscar.cute.config.Sm90Config.cluster`, :data:`~foscar.cute.config.
 CLUSTER_MERGE`): the splits of one (sequence, KV head) are one thread-block cluster. Each CTA's consumer warpgroups
-leave their partials (the output divided by its sum, and the base-2 LSE) in its own shared memory; after a cluster
-barrier each CTA merges its slice of the head dim (``D / cluster`` channels) of every query row from all the
-cluster's partials, read through distributed shared memory, into the output, and CTA 0 writes the LSE: what the
-combine (:mod:`foscar.cute.combine`) computes from memory, with no partial leaving the SMs and no second launch. A
-second barrier keeps each CTA's shared memory alive until its peers have read it. The merge's arithmetic is the
-combine's: empty partials (``lse = -inf``) weigh 0 whatever their output holds; all empty, ``out = 0`` and
-``lse = -inf``; a NaN or ``+inf`` LSE, or a NaN output of a partial that weighs, makes the output and LSE NaN.
+leave their partials (the output divided by its sum, and the base-2 LSE) in its own shared memory; each CTA then
+merges its slice of the head dim (``D / cluster`` channels) of every query row from all the cluster's partials, read
+through distributed shared memory, into the output, and CTA 0 writes the LSE: what the combine
+(:mod:`foscar.cute.combine`) computes from memory, with no partial leaving the SMs and no second launch.
+
+The consumers alone synchronize the merge, through two mbarriers in each CTA's shared memory (:func:`allocate`) that
+every CTA of the cluster arrives on remotely: ``ready`` once its partials are written, ``done`` once it has read its
+peers'. A CTA reads its peers' partials past its own ``ready`` and leaves past its own ``done`` (its shared memory
+alive while peers read it). The barriers' initialisation is the one cluster barrier: every thread arrives as the
+prologue ends (:func:`announce`), and the consumers wait on it before their first remote arrival; the producer
+warpgroup takes no other part. The merge's arithmetic is the combine's: empty partials (``lse = -inf``) weigh 0
+whatever their output holds; all empty, ``out = 0`` and ``lse = -inf``; a NaN or ``+inf`` LSE, or a NaN output of a
+partial that weighs, makes the output and LSE NaN.
 """
 from __future__ import annotations
 
@@ -14,24 +20,54 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int64
+from cutlass._mlir.dialects import nvvm
 
 from .config import THREADS, Sm90Config
 from .softmax import raise_running_maximum
 
 LN2 = math.log(2.0)
+MEM_SCOPE_CLUSTER = nvvm.MemScopeKind.CLUSTER  #: remote arrivals that hand data over: cluster scope
 
 
 def allocate(alloc, cfg: Sm90Config, consumers: int) -> tuple:
     """This CTA's partials: outputs ``[1, cols, consumers, D]`` and LSEs ``[1, cols, consumers]`` (float32), indexed
     as stage 1's partials in memory are (batch entry 0, the KV head's row, the consumer for the split), so that the
-    epilogue (:meth:`foscar.cute.warpgroup.TileKernel._epilogue`) writes either."""
+    epilogue (:meth:`foscar.cute.warpgroup.TileKernel._epilogue`) writes either; then the merge's two mbarriers,
+    ``ready`` and ``done`` (:func:`init`)."""
     D = cfg.head_dim
     part = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers, D),
                                                            stride=(0, consumers * D, D, 1)), byte_alignment=16)
     lse = alloc.allocate_tensor(Float32, cute.make_layout((1, cfg.cols, consumers), stride=(0, consumers, 1)),
                                 byte_alignment=16)
-    return part, lse
+    bars = alloc.allocate_array(Int64, 2)
+    return part, lse, bars
+
+
+@cute.jit
+def init(cfg: Sm90Config, bars):
+    """By one thread, with the ring's barriers (before their fence): ``ready`` and ``done`` each expect one arrival
+    from every CTA of the cluster."""
+    cute.arch.mbarrier_init(bars, cfg.cluster)
+    cute.arch.mbarrier_init(bars + 1, cfg.cluster)
+
+
+@cute.jit
+def announce():
+    """By every thread of the CTA, past the barriers' initialisation and its fence: the cluster barrier the consumers
+    wait on before their first remote arrival (:func:`merge`), so that no peer arrives on a barrier not yet
+    initialised. Relaxed: the fence orders the initialisation."""
+    cute.arch.cluster_arrive_relaxed()
+
+
+@cute.jit
+def _arrive_everywhere(cfg: Sm90Config, bar, t):
+    """Thread ``t == 0`` of the consumers, past their named barrier: this CTA's arrival on ``bar`` in every CTA of the
+    cluster, released at cluster scope (every consumer's shared-memory writes and reads before it)."""
+    if t == 0:
+        cute.arch.fence_acq_rel_cluster()
+        for p in cutlass.range_constexpr(cfg.cluster):
+            cute.arch.mbarrier_arrive(bar, p, scope=MEM_SCOPE_CLUSTER)
 
 
 @cute.jit
@@ -45,23 +81,14 @@ def _peer_load(buf: cute.Tensor, coord, rank) -> Float32:
 
 
 @cute.jit
-def cluster_barrier():
-    """Every thread of the cluster: arrive (release: its shared-memory writes visible cluster-wide), then wait
-    (acquire) until every thread of every CTA has arrived."""
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
-
-
-@cute.jit
-def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLse: cute.Tensor, mO: cute.Tensor,
-          mLSE: cute.Tensor, query_row):
+def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLse: cute.Tensor, bars,
+          mO: cute.Tensor, mLSE: cute.Tensor, query_row, bar_id: cutlass.Constexpr):
     """Called by each consumer thread once its partial is in ``sPart``, ``sLse`` (:func:`allocate`, column ``g`` of
     the KV head at row ``g``): they merge channels ``[r D / S, (r + 1) D / S)`` of the KV head's columns (``S`` the
     cluster, ``r`` this CTA's rank) from the ``S consumers`` partials into ``mO [B, rows, D]``, rank 0 the LSE
     (natural log) into ``mLSE [B, rows]``, column ``g`` of KV head ``kvh`` at row ``query_row(g, kvh, n_kvh)``
-    (:meth:`foscar.cute.warpgroup.TileKernel.query_row`: a step's tokens too). The producer's threads take the two
-    :func:`cluster_barrier` alone (its registers are fewer). The CTA's place is read again here, so that nothing of
-    it stays live across the tile loop."""
+    (:meth:`foscar.cute.warpgroup.TileKernel.query_row`: a step's tokens too). ``bar_id``: the consumers' named
+    barrier. The CTA's place is read again here, so that nothing of it stays live across the tile loop."""
     S = cfg.cluster
     D = cfg.head_dim
     G = cfg.rows
@@ -72,7 +99,11 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
     n_kvh, _, _ = cute.arch.grid_dim()
     tidx, _, _ = cute.arch.thread_idx()
     t = tidx - THREADS  # this thread among the consumers'
-    cluster_barrier()  # every CTA's partials are in its shared memory
+    cute.arch.cluster_wait()  # every CTA's barriers initialised (announce)
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # this CTA's partials written
+    _arrive_everywhere(cfg, bars, t)
+    cute.arch.mbarrier_wait(bars, 0)  # every CTA's partials written
+    cute.arch.fence_acq_rel_cluster()
     for k in cutlass.range_constexpr((G * span + n - 1) // n):
         i = t + k * n
         if i < G * span:
@@ -99,4 +130,6 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
                 if total != 0:
                     lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
                 mLSE[b, row] = lse
-    cluster_barrier()  # no CTA leaves while a peer may still read its shared memory
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # every read of the peers' partials done
+    _arrive_everywhere(cfg, bars + 1, t)
+    cute.arch.mbarrier_wait(bars + 1, 0)  # no CTA leaves while a peer may still read its shared memory

@@ -132,7 +132,7 @@ class FoldDecodeSm90WS(TileKernel):
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         ring, smem_for, merged = self._shared_memory(sQ_layout, sP_layout)
-        dest = (mOP, mLP) if merged is None else merged  # where the consumers' partials go (cfg.cluster: shared)
+        dest = (mOP, mLP) if merged is None else merged[:2]  # where the consumers' partials go (cfg.cluster: shared)
         full = ring.full
         empty = ring.empty
         smem0 = smem_for(0)
@@ -148,7 +148,11 @@ class FoldDecodeSm90WS(TileKernel):
                 cute.arch.mbarrier_init(empty + i, THREADS)
                 if cutlass.const_expr(cfg.producer_fold):
                     cute.arch.mbarrier_init(ring.kpar + i, 1)
+            if cutlass.const_expr(cfg.cluster):
+                cluster.init(cfg, merged[2])
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(cfg.cluster):
+            cluster.announce()
         if cutlass.const_expr(not cfg.start_prefetch):
             n, t_lo, t_hi = self._split_tiles(mSEQ, b, split, n_splits, cfg.tile_run)
         tma = ((atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp))
@@ -184,22 +188,19 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 _, p_lo, p_hi = split_tiles()
                 self._produce(tma, ring, mBT, sQ, b, kvh, p_lo, p_hi)
-            if cutlass.const_expr(cfg.cluster):  # the split merge's two barriers (its registers are the consumers')
-                cluster.cluster_barrier()
-                cluster.cluster_barrier()
         if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
                                    t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                     if cutlass.const_expr(cfg.cluster):
-                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row)
+                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                 if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster -----------------------
-                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row)
+                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
