@@ -254,7 +254,8 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
-    p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, :func:`foscar.cute.operands.mmas_and_layouts`)
+    #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, :func:`foscar.cute.operands.mmas_and_layouts`)
+    p_column_major: bool = False
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)
