@@ -78,9 +78,8 @@ QK_PROMOTE_BITS = (4,)
 #: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
 #: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
 V_PLACEMENT = True
-#: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`, a thread's two
-#: columns of a token in one 32-bit store): 16 and 32, faster there; at 8 columns INT4 was slower
-#: (``docs/results-h200.md``)
+#: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
+#: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
 #: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
 #: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
@@ -254,8 +253,7 @@ class Sm90Config:
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
-    #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, :func:`foscar.cute.operands.mmas_and_layouts`)
-    p_column_major: bool = False
+    p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, ``operands.mmas_and_layouts``)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)

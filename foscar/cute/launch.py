@@ -402,7 +402,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
                                  or (cfg.k_channel and cfg.k_e4m3) or cfg.fp4_block):
         from .config import V0_LIMITS
         raise UnsupportedError(f"warp_specialized=False with gqa={G}, q_len={T}", V0_LIMITS)
-    from .config import consumers_for
+    from .config import CLUSTER_MERGE, consumers_for
     cfg = prologue_at(cfg, warp_specialized, ctas)
     parts = num_parts(fmt, num_splits, warp_specialized, consumers_for(cfg, ctas))  # windows: after the splits
     o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
@@ -410,11 +410,13 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
     dest = (o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]))
-    lse_to = _as_rows(lse, B, Hr)  # an LSE not asked for: into the workspace's first B Hr floats (a contiguous one)
-    if lse is None and l_part.is_contiguous():
-        lse_to = l_part.view(-1)[:B * Hr].view(B, Hr)
-    out_to = _as_rows(out, B, Hr)
-    size = cluster_for(cfg, warp_specialized, ctas, num_splits, out_to, lse_to)
+    size = 0
+    if CLUSTER_MERGE:  # the output and LSE as a sequence's rows, views made only where the switch is on
+        lse_to = _as_rows(lse, B, Hr)  # an LSE not asked for: into the workspace's first B Hr floats (a contiguous one)
+        if lse is None and l_part.is_contiguous():
+            lse_to = l_part.view(-1)[:B * Hr].view(B, Hr)
+        out_to = _as_rows(out, B, Hr)
+        size = cluster_for(cfg, warp_specialized, ctas, num_splits, out_to, lse_to)
     if size:  # stage 1 writes the output
         cfg = dataclasses.replace(cfg, cluster=size, cluster_out=_OUT_TYPES[out.dtype])
         dest = (out_to, lse_to)
