@@ -110,17 +110,16 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     prefetch = (tuned.get("prefetch") or 1) if prefetch is None else prefetch
     check_int("num_warps", num_warps, allowed=(1, 2, 4, 8))
     check_int("prefetch", prefetch, allowed=(1, 2))
-    bn = block_n
-    if not _block_n_fits(fmt, page, bn):
+    if not _block_n_fits(fmt, page, block_n):
         raise InvalidArgumentError("block_n", f"a tile of {BLOCK_N_CHOICES} tokens that fits this cache", block_n)
     if num_splits is None:  # from the page table's capacity: known on the host, no device read
-        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, cache.table_capacity // bn, q.device)
+        num_splits = default_num_splits(q.shape[0], cache.num_kv_heads, cache.table_capacity // block_n, q.device)
     check_int("num_splits", num_splits, minimum=1)
     if lazy_rescale is None:
         lazy_rescale = tuned.get("lazy_rescale", LAZY_RESCALE)
     if not isinstance(lazy_rescale, bool):
         raise InvalidArgumentError("lazy_rescale", "True, False or None", lazy_rescale)
-    return TritonLaunch(bn, num_splits, num_warps, prefetch, lazy_rescale)
+    return TritonLaunch(block_n, num_splits, num_warps, prefetch, lazy_rescale)
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
