@@ -53,6 +53,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh grid             # paper and axes grids, GQA sweep, steps: foscar.decode
 #                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-gqa       # the Triton kernel tuned at GQA 16 and 32, then
+#                                                                #   beside FlashInfer BF16 (after fi-parts)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
 #                                                                #   the cute step on the same warm machine)
 #
@@ -386,6 +388,17 @@ SWEEPS
     done
     timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
       --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;;
+  triton-gqa)  # after fi-parts: foscar tune --backend triton at GQA 16 and 32 (B 8, L 128K, Hq 32), then the Triton
+               # kernel with those entries beside FlashInfer BF16, one process a ratio
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    for h in 32:1 32:2; do
+      timeout 240 python3 -m foscar.tune --backend triton --shapes 8:128K --heads $h --bits 2 4 --out foscar/tuning \
+        > "$OUT/tune-triton-${h/:/-}.md" 2> "$OUT/tune-triton-${h/:/-}.log"; echo "tune $h rc=$?"
+      timeout 120 python3 -m foscar.bench.decode --shapes 8:128K --heads $h --cuda-graph --kernels foscar_folded \
+        flashinfer_tc --out "$OUT/triton-heads/${h/:/-}" > "$OUT/triton-heads-${h/:/-}.log" 2>&1
+      echo "heads $h rc=$? $(grep "done in" "$OUT/triton-heads-${h/:/-}.log")"
+    done
+    cp foscar/tuning/*.json "$OUT/" 2>/dev/null ;;
   fa4)
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?fa4 needs the flash-attn-4, quack and tvm-ffi wheels}"/*.whl
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_folded cudnn_sdpa fa4 --out "$OUT/fa4" \
