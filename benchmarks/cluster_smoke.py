@@ -1,6 +1,6 @@
-"""The split merge inside stage 1 (``foscar.cute.config.CLUSTER_MERGE``), one decode a process under a timeout, so
-that a hang costs seconds, not a test run: INT2 and INT4, 1 to 16 splits, one and two CTAs an SM, each output
-against the float64 oracle (NaN-poisoned first). Prints one line a case: done (finite, error) or TIMEOUT.
+"""The split merge inside stage 1 (``foscar.cute.config.CLUSTER_MERGE``), one decode a process, the processes at
+once under one deadline, so that a hang costs seconds, not a test run: INT2 and INT4, 1 to 16 splits, one and two
+CTAs an SM, each output against the float64 oracle (NaN-poisoned first). Prints one line a case: done (finite, error) or TIMEOUT.
 
     python3 benchmarks/cluster_smoke.py [--timeout S]
 """
@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 CASES = [(2, 1, 2), (2, 2, 2), (2, 4, 1), (2, 16, 2), (4, 2, 1), (4, 16, 2)]  # (bits, splits, CTAs an SM)
 
@@ -36,20 +37,25 @@ def one(bits: int, splits: int, ctas: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--timeout", type=float, default=40.0, help="seconds a case (compile included)")
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds for all cases (compiles included)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         return one(*(int(x) for x in args.case.split(",")))
+    deadline = time.monotonic() + args.timeout
+    procs = []  # every case at once: their compiles in parallel
     for case in CASES:
-        bits, splits, ctas = case
+        procs.append((case, subprocess.Popen([sys.executable, __file__, "--case", ",".join(map(str, case))],
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for (bits, splits, ctas), proc in procs:
         name = f"INT{bits}, {splits} splits, {ctas} CTA(s) an SM"
         try:
-            r = subprocess.run([sys.executable, __file__, "--case", ",".join(map(str, case))], capture_output=True,
-                               text=True, timeout=args.timeout)
-            lines = (r.stdout + r.stderr).strip().splitlines()
-            print(f"{name}: rc {r.returncode}, {lines[-1] if lines else ''}", flush=True)
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            lines = out.strip().splitlines()
+            print(f"{name}: rc {proc.returncode}, {lines[-1] if lines else ''}", flush=True)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
             print(f"{name}: TIMEOUT (hang)", flush=True)
 
 

@@ -366,7 +366,7 @@ SWEEPS
     grep "^Geomean" "$OUT/paper.log" ;;
   cluster-merge)  # after install-cute: the split merge in a cluster, one decode a process under a timeout; its GPU
                   # tests (FOSCAR_CLUSTER_GPU set) only where every smoke case came back
-    timeout 300 python3 benchmarks/cluster_smoke.py > "$OUT/cluster-smoke.log" 2>&1; cat "$OUT/cluster-smoke.log"
+    timeout 150 python3 benchmarks/cluster_smoke.py --timeout 120 > "$OUT/cluster-smoke.log" 2>&1; cat "$OUT/cluster-smoke.log"
     grep -q "TIMEOUT\|rc [1-9]" "$OUT/cluster-smoke.log" || JOBS=${JOBS:-8} bash "$0" pending cluster-merge ;;
   fi-parts)  # fi-parts DIR: install FlashInfer from its wheel cut into parts (DIR/fi-part-*, joined in name order,
              # carried over several calls: the wheel and the tree exceed one call's 64 MiB) and DIR's other wheels
