@@ -188,7 +188,10 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
     assert doc["schema"] == at.SCHEMA and (meta["gpu"], meta["triton"], meta["cutlass_dsl"]) == (
         "NVIDIA_H200", "3.6.0", "4.8.1")
     assert at.meta_mismatch(meta, {"foscar": foscar.__version__}) is None  # this foscar reads it
-    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 26, "cute": 26}
+    # the paper grid's 26 cases a backend, and the Triton kernel's GQA 16 and 32 at B 8, L 128K (INT2 and INT4)
+    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 30, "cute": 26}
+    assert sorted((e["key"]["gqa"], e["key"]["bits"]) for e in doc["entries"] if e["key"]["gqa"] != 4) == [
+        (16, 2), (16, 4), (32, 2), (32, 4)]
     # every CuTe entry names the variant it was timed as (a default left open would be another entry's)
     from foscar.cute.config import config_for  # plain Python: the variant is one the kernels take
     for e in (e for e in doc["entries"] if e["key"]["backend"] == "cute"):
@@ -204,7 +207,7 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
         config, source = at.lookup(key(backend=backend))
         assert config == tuned[backend] and source.startswith(str(res))
     installed(monkeypatch, "3.8.0", "4.8.1")
-    with pytest.warns(RuntimeWarning, match="26 triton entries tuned with triton 3.6.0"):
+    with pytest.warns(RuntimeWarning, match="30 triton entries tuned with triton 3.6.0"):
         assert at.lookup(key()) == ({}, "heuristic")
     assert at.lookup(key(backend="cute"))[0] == tuned["cute"]
 
@@ -224,14 +227,14 @@ def test_tuning_report(dirs, monkeypatch):
     assert user.exists and "malformed JSON" in user.skipped
     assert shipped.location.endswith(os.path.join("foscar", "tuning", "NVIDIA_H200.json"))
     assert shipped.meta["triton"] == "3.6.0" and shipped.backends == (
-        at.BackendTuning("triton", 26, 0, (("tuned with triton 3.6.0 (installed: 3.8.0)", 26),)),
+        at.BackendTuning("triton", 30, 0, (("tuned with triton 3.6.0 (installed: 3.8.0)", 30),)),
         at.BackendTuning("cute", 26, 26))
     assert report.in_use("triton") is env and report.in_use("cute") is shipped
     text = "\n".join(report.lines())
     assert "tuning files for NVIDIA_H200 (triton 3.8.0, nvidia-cutlass-dsl 4.8.1)" in text
     assert f"user cache: {user.location}: skipped as a whole: malformed JSON" in text
     assert f"package data: {shipped.location} (written with foscar 0.1.0, triton 3.6.0" in text
-    assert "triton: 26 entries, 0 apply here; not: 26 tuned with triton 3.6.0 (installed: 3.8.0)" in text
+    assert "triton: 30 entries, 0 apply here; not: 30 tuned with triton 3.6.0 (installed: 3.8.0)" in text
     assert "cute: 26 entries, 26 apply here" in text
     assert "in use: triton: $FOSCAR_TUNING_DIR; cute: package data" in text
     monkeypatch.delenv("FOSCAR_TUNING_DIR")

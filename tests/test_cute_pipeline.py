@@ -109,15 +109,21 @@ def test_each_bit_width_takes_its_prologue_and_a_rotation_q_first():
 
 
 def test_one_cta_an_sm_takes_its_own_prologue(monkeypatch):
-    """``PROLOGUE_ONE_CTA`` (none by default): a v1 launch at one CTA an SM takes its bit width's prologue, at two
-    or with Q staged first (a rotated cache) its config's; a misspelt name is refused by name."""
+    """``PROLOGUE_ONE_CTA`` (INT4 ``consumer_q`` as shipped): a v1 launch at one CTA an SM and 8 columns takes its
+    bit width's prologue; at two CTAs, at 16 or 32 columns, with Q staged first (a rotated cache) or where the switch
+    names none, its config's; a misspelt name is refused by name."""
     from foscar.cute.launch import prologue_at
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
     cfg = config_for(fmt, 4, 64, "e4m3", 2)
-    assert cfg.prologue == "q_first" and prologue_at(cfg, True, 1) is cfg
+    assert cfg.prologue == "q_first" and prologue_at(cfg, True, 1).prologue == "consumer_q"
+    with cute_switches(monkeypatch, PROLOGUE_ONE_CTA={}):
+        assert prologue_at(cfg, True, 1) is cfg
     with cute_switches(monkeypatch, PROLOGUE_ONE_CTA={4: "consumer_q"}):
         assert prologue_at(cfg, True, 1).prologue == "consumer_q"
         assert prologue_at(cfg, True, 2) is cfg and prologue_at(cfg, False, 1) is cfg
+        for gqa in (16, 32):
+            wide = config_for(fmt, gqa, 64, "e4m3", 1)
+            assert prologue_at(wide, True, 1) is wide
         rotated = config_for(foscar.KVFormat(bits=4, head_dim=128, group_size=128, rotation="hadamard"), 4, 64)
         assert prologue_at(rotated, True, 1) is rotated
     with cute_switches(monkeypatch, PROLOGUE_ONE_CTA={4: "consumer-q"}):

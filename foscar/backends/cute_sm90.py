@@ -81,7 +81,8 @@ class CuteSm90(Backend):
         run(problem, workspace=workspace, **config)
 
     def candidates(self, case, device: torch.device) -> list[dict]:
-        """v0, v1 with two CTAs per SM and v1 with one (the default variant first), each at its split
+        """The launch an untuned call runs first (:meth:`_untuned`: the time a tuned entry is held against); then
+        v0, v1 with two CTAs per SM and v1 with one, each at its split
         heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
         with E4M3 K and two tiles a pass also at a quarter and four times its heuristic (and, with
@@ -136,7 +137,26 @@ class CuteSm90(Backend):
         if 2 * stages in STAGE_CHOICES:
             out += [{**c, "stages": 2 * stages} for c in out
                     if c["warp_specialized"] and c["stages"] == stages and fits(c, 2 * stages)]
-        return out
+        first = self._untuned(case, device)
+        first = {**first, "stages": ring(first)} if first["warp_specialized"] else first
+        return [first] + [c for c in out if c != first]
+
+    @staticmethod
+    def _untuned(case, device: torch.device) -> dict:
+        """The launch an untuned call of ``case`` runs (:func:`foscar.cute.launch.launch_config` with no entry): the
+        default variant, its CTAs an SM for the case's rows, its K operands and passes, its split heuristic."""
+        from ..cute.config import TILE
+        from ..cute.launch import (DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, default_ctas_per_sm, default_num_splits,
+                                   default_variant, default_waves)
+        gqa, tiles = case.q_heads // case.kv_heads, case.seq_len // TILE
+        if not DEFAULT_WARP_SPECIALIZED:
+            splits = default_num_splits(case.batch, case.kv_heads, tiles, device, V0_RESIDENT, default_waves(gqa))
+            return {"warp_specialized": False, "num_splits": splits, "k_operand": "bf16", "tiles_per_pass": 1}
+        ctas = default_ctas_per_sm(gqa, case.fmt.head_dim)
+        k_operand, tiles_per_pass = default_variant(case.fmt, gqa, case.page)
+        splits = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas, default_waves(gqa))
+        return {"warp_specialized": True, "num_splits": splits, "ctas_per_sm": ctas, "k_operand": k_operand,
+                "tiles_per_pass": tiles_per_pass}
 
     def launch(self, q, cache, config: dict):
         from ..cute.launch import decode

@@ -40,9 +40,9 @@ STAGE_CHOICES = (4, 8, 16)
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
 #: the faster of the two for each width (``consumer_q`` spills at INT4 at two CTAs an SM; ``docs/results-h200.md``);
-#: and at one CTA an SM (``foscar.cute.launch.prologue_at``), none until timed
+#: and at one CTA an SM and 8 columns (``foscar.cute.launch.prologue_at``): INT4 ``consumer_q`` (B 1, L 8K 0.82x)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
-PROLOGUE_ONE_CTA: dict = {}
+PROLOGUE_ONE_CTA: dict = {4: "consumer_q"}
 #: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: correct, no
 #: faster than two launches (``docs/results-h200.md``), so off
 COMBINE_PDL = False

@@ -256,12 +256,13 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
 
 def prologue_at(cfg, warp_specialized: bool, ctas: int):
     """``cfg`` with the prologue of :data:`~foscar.cute.config.PROLOGUE_ONE_CTA` for its bit width where v1 runs one
-    CTA an SM (whose consumers' registers take ``consumer_q`` at INT4 without a spill), unless Q must be staged
-    first (a rotated cache, the producer's ``Q'`` fold) or the codes are FP4; else ``cfg``."""
-    from .config import PROLOGUE_ONE_CTA, PROLOGUES
+    CTA an SM at 8 columns (whose consumers' registers take ``consumer_q`` at INT4 without a spill; at 32 columns
+    it was slower), unless Q must be staged first (a rotated cache, the producer's ``Q'`` fold) or the codes are
+    FP4; else ``cfg``."""
+    from .config import HEADS, PROLOGUE_ONE_CTA, PROLOGUES
     prologue = PROLOGUE_ONE_CTA.get(cfg.bits)
-    if not (prologue and warp_specialized and ctas == 1 and not cfg.rotation and not cfg.producer_fold
-            and not cfg.fp4_block):
+    if not (prologue and warp_specialized and ctas == 1 and cfg.cols == HEADS and not cfg.rotation
+            and not cfg.producer_fold and not cfg.fp4_block):
         return cfg
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_ONE_CTA", f"values of {PROLOGUES}", prologue)
