@@ -268,17 +268,17 @@ def test_cuda_graph_replay_gpu(ws):
     assert torch.equal(out, decode(q, cache, num_splits=4, warp_specialized=ws))
 
 
-@pytest.mark.parametrize("B,L,want", [(8, 8192, 8), (64, 8192, 2), (1, 8192, 64), (8, 131072, 32), (64, 131072, 4),
-                                      (1, 131072, 64), (1, 64, 1)])
+@pytest.mark.parametrize("B,L,want", [(8, 8192, 8), (64, 8192, 1), (1, 8192, 64), (8, 131072, 8), (64, 131072, 4),
+                                      (64, 65536, 2), (8, 524288, 16), (1, 131072, 64), (1, 64, 1)])
 def test_default_split_count_fills_one_wave(monkeypatch, B, L, want):
-    """v0's split rule on an H200 (132 SMs, four resident CTAs each): one wave when splits are short, up to
-    four waves of splits of 64 tiles or more; the counts measured best with benchmarks/sweep_cute.py."""
+    """The split rule on an H200 (132 SMs; v0: four resident CTAs each): one wave while its splits hold at most
+    512 tiles, else splits of about 512 tiles, up to four waves."""
     from foscar import splitkv
     from foscar.cute import launch
     monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
     assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda")) == want
-    # v1 at two CTAs per SM (half v0's resident CTAs): the counts it ran at on the H200 (sweep_cute.py)
-    v1 = {(8, 8192): 4, (8, 131072): 16, (1, 131072): 33}
+    # v1 at two CTAs per SM (half v0's resident CTAs): the counts the tuner chose on the H200 (tune-cute.log)
+    v1 = {(8, 8192): 4, (8, 131072): 4, (1, 131072): 33, (64, 65536): 2, (8, 524288): 16, (64, 8192): 1}
     if (B, L) in v1:
         assert launch.default_num_splits(B, 8, L // 64, torch.device("cuda"), resident=2) == v1[(B, L)]
     windowed = foscar.KVFormat(bits=4, head_dim=128, group_size=128, sink=4, recent=8)
@@ -704,7 +704,8 @@ def test_more_query_rows_take_one_wave_of_splits(monkeypatch):
     dev = torch.device("cuda")
     assert launch.default_num_splits(8, 1, 2048, dev, 1, launch.default_waves(32)) == 16  # GQA 32
     assert launch.default_num_splits(8, 2, 2048, dev, 2, launch.default_waves(16)) == 16  # GQA 16
-    assert launch.default_num_splits(8, 8, 2048, dev, 2, launch.default_waves(4)) == 16  # GQA 4: as before
+    assert launch.default_num_splits(8, 8, 2048, dev, 2, launch.default_waves(4)) == 4  # GQA 4: one wave too
+    assert launch.default_num_splits(8, 8, 8192, dev, 2, launch.default_waves(4)) == 16  # but splits of 512 tiles
 
 
 @pytest.mark.parametrize("bits", (2, 4))

@@ -53,19 +53,24 @@ V0_RESIDENT = 4
 WS_CTAS_PER_SM = 2
 
 
+#: Tiles a split keeps before the split heuristic takes more than one wave of CTAs: the split counts the tuner chose
+#: on the H200 (``docs/bench/h200/tune-cute.log``: one wave up to 512 tiles a split, B 8 and 64 at L 32K 2.5-7%
+#: faster than four waves of 64 tiles or more; at L 64K-512K splits of about 512 tiles)
+LONG_SPLIT_TILES = 512
+
+
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device,
                        resident: int = V0_RESIDENT, waves: int = 4) -> int:
     """KV splits per sequence: one wave of resident CTAs (a CTA pays a prologue, an epilogue and a merge
-    slot, so short splits cost more than a wave's tail); where the splits of one wave would still be 64
-    tiles or longer, up to four waves (a shorter tail), never splits under 64 tiles; at most 64 (the
-    Triton rule's shorter splits measured slower: ``benchmarks/sweep_cute.py``, ``docs/results-h200.md``).
+    slot, so short splits cost more than a wave's tail); where the splits of one wave would be longer than
+    :data:`LONG_SPLIT_TILES`, splits of about that many tiles, up to ``waves`` waves; at most 64.
     ``waves``: the most waves (1 for 16 and 32 query rows a KV head, :func:`default_waves`)."""
     from ..splitkv import sm_count
     heads = max(1, batch * kv_heads)
     one_wave = max(1, resident * sm_count(device) // heads)  # no CTA left for a second wave
     splits = min(one_wave, max_tiles)
-    if max_tiles // one_wave >= 64 and waves > 1:
-        splits = min(waves * one_wave, max_tiles // 64)
+    if max_tiles > LONG_SPLIT_TILES * one_wave and waves > 1:
+        splits = min(waves * one_wave, -(-max_tiles // LONG_SPLIT_TILES))
     return max(1, min(splits, 64))
 
 
