@@ -279,7 +279,7 @@ channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR_COLS=8,16,32 -- pytest
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
-cluster-merge|env FOSCAR_CLUSTER_GPU=1 python3 -m pytest|tests/test_cute_cluster_merge.py
+cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_pipeline.py
 TESTS
     ;;
@@ -367,7 +367,7 @@ SWEEPS
       --kernels foscar_auto flashinfer_tc --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"
     grep "^Geomean" "$OUT/paper.log" ;;
   cluster-merge)  # after install-cute: the split merge in a cluster, one decode a process under a timeout; its GPU
-                  # tests (FOSCAR_CLUSTER_GPU set) only where every smoke case came back
+                  # tests only where every smoke case came back
     timeout 150 python3 benchmarks/cluster_smoke.py --timeout 120 > "$OUT/cluster-smoke.log" 2>&1; cat "$OUT/cluster-smoke.log"
     grep -q "TIMEOUT\|rc [1-9]" "$OUT/cluster-smoke.log" || JOBS=${JOBS:-8} bash "$0" pending cluster-merge ;;
   fi-parts)  # fi-parts DIR: install FlashInfer from its wheel cut into parts (DIR/fi-part-*, joined in name order,

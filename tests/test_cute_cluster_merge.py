@@ -22,12 +22,6 @@ from foscar.cute.config import STAGE1_TENSORS, config_for, consumer_code_paths, 
 from foscar.cute.launch import cluster_for, stage1_tensors  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-#: Why the GPU cases run only where ``FOSCAR_CLUSTER_GPU`` is set (``benchmarks/gpu_session.sh cluster-merge``, each
-#: process under a timeout): the merge synchronized by cluster barriers hung on the H200 and the H100 though the launch
-#: forms the cluster (``docs/results-h200.md``), and its form through mbarriers has not run on a GPU; a hung case would
-#: stop the whole suite
-HANGS = "the cluster merge hung on Hopper GPUs (docs/results-h200.md): set FOSCAR_CLUSTER_GPU=1 to run it"
-UNTRIED = pytest.mark.skipif(not os.environ.get("FOSCAR_CLUSTER_GPU"), reason=HANGS)
 FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 
 
@@ -118,7 +112,6 @@ def _merged_against_the_oracle(fmt, lens, G, *, out_dtype=torch.bfloat16, want_l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@UNTRIED
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,lens,splits,ctas,k_operand,tiles,fmt_kw,out_dtype,want_lse", [
     (4, [8192, 700, 1], 16, 2, "e4m3", 2, {}, torch.bfloat16, True),  # splits without a tile, one of one token
@@ -139,7 +132,6 @@ def test_the_cluster_merge_against_the_oracle_gpu(monkeypatch, bits, G, lens, sp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@UNTRIED
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,num_splits", [(4, 2, 16), (4, 4, 8), (4, 8, 4), (2, 3, 1)])
 def test_steps_merged_in_a_cluster_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
@@ -152,7 +144,6 @@ def test_steps_merged_in_a_cluster_against_the_oracle_gpu(monkeypatch, bits, G, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@UNTRIED
 @pytest.mark.parametrize("bits", (2, 4))
 def test_the_cluster_merge_of_three_consumers_against_the_oracle_gpu(monkeypatch, bits):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
@@ -163,7 +154,6 @@ def test_the_cluster_merge_of_three_consumers_against_the_oracle_gpu(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@UNTRIED
 def test_a_nan_v_scale_makes_its_rows_nan_not_a_plausible_number_gpu(monkeypatch):
     """A NaN planted in one token's V scale (sequence 0, KV head 1): that KV head's rows of sequence 0 are NaN,
     every other row finite and as without it."""
@@ -185,7 +175,6 @@ def test_a_nan_v_scale_makes_its_rows_nan_not_a_plausible_number_gpu(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@UNTRIED
 def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
     """A CUDA-graph replay of ``foscar.decode`` through a plan (the switch on) equals its eager call bit for bit."""
     from test_triton import make

@@ -119,8 +119,8 @@ WIDE_CONSUMERS = False
 #: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): off, slower
 #: than two CTAs an SM at every shape timed (``docs/results-h200.md``)
 WIDE_EIGHT_COLUMNS = False
-#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): off, it hangs on Hopper
-#: GPUs (the cluster forms; stage 1 with only the merge's two cluster barriers hangs: ``docs/results-h200.md``)
+#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`, mbarriers): correct on
+#: the H200, 1.3x the two launches' time in geomean (``docs/results-h200.md``): off
 CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
