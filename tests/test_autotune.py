@@ -437,22 +437,3 @@ def test_triton_candidates_and_entries_name_the_lazy_rescale(dirs, monkeypatch):
     with pytest.raises(foscar.InvalidArgumentError, match="^lazy_rescale: expected True, False or None"):
         launch.launch_config(q, cache, 4, lazy_rescale=1)
 
-
-@pytest.mark.parametrize("heads", ["32:1", "32:2"])
-def test_triton_candidates_at_many_rows_take_wider_and_shorter_programs(dirs, monkeypatch, heads):
-    """From 16 query rows a program the Triton candidates add the lazy rescale with 8 warps and with tiles of half
-    the tokens (4 and 8 warps); below 16 rows (GQA 4) they do not. Every candidate's tile fits the cache."""
-    from foscar import backends, tune
-    from foscar.triton.launch import _block_n_fits
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
-    argv = ["--backend", "triton", "--shapes", "8:32K", "--bits", "2", "--out", str(dirs / "env")]
-    many = tune.cases(tune.build_parser().parse_args(argv + ["--heads", heads]))[0]
-    few = tune.cases(tune.build_parser().parse_args(argv))[0]
-    cands = backends.get("triton").candidates(many, torch.device("cpu"))
-    lazy = [c for c in cands if c["lazy_rescale"]]
-    assert any(c["num_warps"] == 8 and c["block_n"] == 64 for c in lazy)
-    assert {(c["num_warps"], c["block_n"]) for c in lazy if c["block_n"] == 32} == {(4, 32), (8, 32)}
-    assert all(_block_n_fits(many.fmt, many.page, c["block_n"]) for c in cands)
-    assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)  # no candidate timed twice
-    assert not any(c["lazy_rescale"] and c["num_warps"] == 8
-                   for c in backends.get("triton").candidates(few, torch.device("cpu")))

@@ -51,12 +51,9 @@ class Triton(Backend):
     def candidates(self, case, device: torch.device) -> list[dict]:
         """The launcher's split heuristic times {1/2, 1, 2, 4}, with one or two KV tiles in flight, 4 warps;
         the heuristic's splits with 8 warps; the heuristic's splits and twice as many with the lazy rescale where
-        the format takes it (token-wise V of one channel group); the largest tile that fits. From 16 query rows a
-        program (the scores and accumulators take most registers, few programs fit an SM) also the lazy rescale with
-        8 warps, and with tiles of half the tokens."""
-        from ..triton.launch import _block_n_fits, block_n_for, default_num_splits, takes_lazy_rescale
-        rows = case.q_heads // case.kv_heads
-        tile = block_n_for(case.fmt, case.page, rows)
+        the format takes it (token-wise V of one channel group); the largest tile that fits."""
+        from ..triton.launch import block_n_for, default_num_splits, takes_lazy_rescale
+        tile = block_n_for(case.fmt, case.page, case.q_heads // case.kv_heads)
         tiles = case.seq_len // tile
         base = default_num_splits(case.batch, case.kv_heads, tiles, device)
         splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
@@ -66,13 +63,6 @@ class Triton(Backend):
         if takes_lazy_rescale(case.fmt):
             out += [{"num_splits": s, "num_warps": 4, "block_n": tile, "prefetch": 1, "lazy_rescale": True}
                     for s in splits[:2]]
-            if rows >= 16:
-                out += [{"num_splits": s, "num_warps": 8, "block_n": tile, "prefetch": 1, "lazy_rescale": True}
-                        for s in splits[:2]]
-                half = tile // 2
-                if _block_n_fits(case.fmt, case.page, half):
-                    out += [{"num_splits": s, "num_warps": w, "block_n": half, "prefetch": 1, "lazy_rescale": True}
-                            for s in sorted({base, min(2 * base, case.seq_len // half)}) for w in (4, 8)]
         return out
 
     def launch(self, q, cache, config: dict):
