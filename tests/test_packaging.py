@@ -71,13 +71,13 @@ def _check_lookups(got: dict, root: Path) -> None:
     doc = json.loads(SHIPPED.read_text())
     assert got["foscar"].startswith(str(root)), f"foscar imported from {got['foscar']}, not from {root}"
     assert got["resource"].startswith(str(root))
-    assert len(got["found"]) == len(doc["entries"]) == 52
+    assert len(got["found"]) == len(doc["entries"]) == 56
     for entry, (config, source) in zip(doc["entries"], got["found"]):
         assert config == entry["config"], entry["key"]
         assert source.startswith(got["resource"]), source
     report = "\n".join(got["report"])
     assert "package data: " + got["resource"] in report
-    assert "triton: 26 entries, 26 apply here" in report and "cute: 26 entries, 26 apply here" in report
+    assert "triton: 30 entries, 30 apply here" in report and "cute: 26 entries, 26 apply here" in report
 
 
 def test_the_wheel_ships_the_tuned_configs(wheel):
