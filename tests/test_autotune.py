@@ -437,3 +437,23 @@ def test_triton_candidates_and_entries_name_the_lazy_rescale(dirs, monkeypatch):
     with pytest.raises(foscar.InvalidArgumentError, match="^lazy_rescale: expected True, False or None"):
         launch.launch_config(q, cache, 4, lazy_rescale=1)
 
+
+
+
+@pytest.mark.parametrize("heads,shape", [("32:8", "8:32K"), ("32:8", "1:128K"), ("32:4", "8:16K"), ("32:1", "8:32K")])
+def test_the_cute_tuners_first_candidate_is_the_untuned_launch(heads, shape):
+    """``foscar tune``'s first CuTe candidate (the time a tuned entry is held against) is what
+    ``foscar.cute.launch.launch_config`` gives an untuned call of the same case: variant, CTAs an SM, K operands,
+    passes and split count."""
+    from foscar import backends, tune
+    from foscar.bench import make_block_table, random_cache
+    from foscar.cute import launch as cute_launch
+    argv = ["--backend", "cute", "--shapes", shape, "--bits", "2", "--heads", heads]
+    case = tune.cases(tune.build_parser().parse_args(argv))[0]
+    first = backends.get("cute").candidates(case, torch.device("cpu"))[0]
+    table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0)
+    cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
+    q = torch.zeros(case.batch, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16)
+    want = cute_launch.launch_config(q, cache, case.q_heads // case.kv_heads, use_tuned=False)
+    assert (first["warp_specialized"], first["ctas_per_sm"], first["num_splits"], first["k_operand"],
+            first["tiles_per_pass"]) == tuple(want)[:5]

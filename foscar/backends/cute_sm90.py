@@ -137,9 +137,9 @@ class CuteSm90(Backend):
         if 2 * stages in STAGE_CHOICES:
             out += [{**c, "stages": 2 * stages} for c in out
                     if c["warp_specialized"] and c["stages"] == stages and fits(c, 2 * stages)]
-        first = self._untuned(case, device)
-        first = {**first, "stages": ring(first)} if first["warp_specialized"] else first
-        return [first] + [c for c in out if c != first]
+        untuned = self._untuned(case, device)
+        untuned = {**untuned, "stages": ring(untuned)} if untuned["warp_specialized"] else untuned
+        return [untuned] + [c for c in out if c != untuned]
 
     @staticmethod
     def _untuned(case, device: torch.device) -> dict:
