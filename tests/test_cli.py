@@ -119,6 +119,6 @@ def test_info_lists_versions_and_every_backend(capsys):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     if not torch.cuda.is_available():
         assert "GPU: none" in out and "needs a CUDA GPU" in out
-        assert "tuned configs shipped (package data): NVIDIA_H200.json" in out
+        assert "tuned configs shipped (package data): NVIDIA_H100_80GB_HBM3.json, NVIDIA_H200.json;" in out
     else:  # the tuning file in use and which of its entries apply
         assert "tuning files for" in out and "in use:" in out
