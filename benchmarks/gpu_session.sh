@@ -390,6 +390,18 @@ SWEEPS
     done
     timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
       --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;;
+  tune-more)  # after install-cute: foscar tune (CuTe) into TUNE_DIR (default /tmp/tun, kept between calls) for INT4's
+               # paper shapes, steps of 2-8 tokens at the steps bars' shapes and the channel-wise axes of the axes grid
+    d="${TUNE_DIR:-/tmp/tun}"; mkdir -p "$d"
+    timeout 150 python3 -m foscar.tune --backend cute --preset paper --bits 4 --out "$d" \
+      > "$OUT/tune-cute-paper-4.md" 2> "$OUT/tune-cute-paper-4.log"; echo "paper INT4 rc=$?"
+    timeout 240 python3 -m foscar.tune --backend cute --shapes 8:32K 8:128K 64:32K 64:128K --bits 2 4 --q-len 2 4 8 \
+      --out "$d" > "$OUT/tune-cute-steps.md" 2> "$OUT/tune-cute-steps.log"; echo "steps rc=$?"
+    for axes in "--k-axis token --v-axis channel" "--k-axis channel --v-axis token channel"; do
+      timeout 150 python3 -m foscar.tune --backend cute --shapes 1:32K 1:128K 8:32K 8:128K --bits 2 4 $axes --out "$d" \
+        >> "$OUT/tune-cute-axes.md" 2>> "$OUT/tune-cute-axes.log"; echo "axes ($axes) rc=$?"
+    done
+    cp "$d"/*.json "$OUT/" ;;
   triton-gqa)  # after fi-parts: foscar tune --backend triton at GQA 16 and 32 (B 8, L 128K, Hq 32), then the Triton
                # kernel with those entries beside FlashInfer BF16, one process a ratio
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi

@@ -1,8 +1,10 @@
 """The autotune cache: per-GPU kernel configurations, looked up by shape and quantization axis.
 
 A **key** (:class:`TuneKey`) names the backend, the GPU (normalised like vLLM's device names), the cache
-format (bits, K axis, V axis, group size, head dim), the GQA ratio, the page size and two buckets:
-batch (powers of two) and context length (powers of two from 1K). A **config** is a dict of the
+format (bits, K axis, V axis, group size, head dim), the GQA ratio, the page size, two buckets (batch,
+powers of two; context length, powers of two from 1K) and the query tokens per sequence (``q_len``: 1 for a
+decode, more for a step of speculative verification, :mod:`foscar.multitoken`; a file's key leaves it out
+where it is 1). A **config** is a dict of the
 backend's launch parameters (Triton: ``num_splits``, ``num_warps``, ``block_n``, ``prefetch``; CuTe:
 ``warp_specialized``, ``ctas_per_sm``, ``num_splits``; ``None`` values leave the kernel's heuristic in
 charge). :func:`tuned_config` is what the launchers call.
@@ -65,6 +67,7 @@ class TuneKey:
     page: int
     batch_bucket: int
     ctx_bucket: int
+    q_len: int = 1
 
     def same_family(self, other: TuneKey) -> bool:
         """Equal in everything but the two buckets."""
@@ -96,9 +99,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def make_key(backend: str, gpu: str, fmt, gqa: int, page: int, batch: int, max_len: int) -> TuneKey:
+def make_key(backend: str, gpu: str, fmt, gqa: int, page: int, batch: int, max_len: int, q_len: int = 1) -> TuneKey:
     return TuneKey(backend, normalize_gpu_name(gpu), fmt.bits, fmt.k_axis, fmt.v_axis, fmt.group_size, fmt.head_dim,
-                   gqa, page, bucket(batch), bucket(max_len, CTX_MIN))
+                   gqa, page, bucket(batch), bucket(max_len, CTX_MIN), q_len)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +216,10 @@ class Entry:
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"key": asdict(self.key), "config": self.config, "versions": self.versions, **self.extra}
+        key = asdict(self.key)
+        if key["q_len"] == 1:  # a one-token decode's key as files have always written it
+            del key["q_len"]
+        return {"key": key, "config": self.config, "versions": self.versions, **self.extra}
 
 
 _RESERVED = ("key", "config", "versions")
@@ -250,7 +256,7 @@ def _parse(text: str, gpu: str) -> tuple[dict, list[Entry]]:
         for e in doc["entries"]:
             key = TuneKey(**e["key"])
             if not all(isinstance(v, (str, int)) for v in asdict(key).values()) or min(
-                    key.batch_bucket, key.ctx_bucket) < 1:
+                    key.batch_bucket, key.ctx_bucket, key.q_len) < 1:
                 raise _Unusable(f"malformed (an entry's key: {e['key']})")
             versions = e.get("versions", entry_versions(key.backend, meta))
             if not isinstance(e["config"], dict) or not isinstance(versions, dict):
@@ -336,23 +342,27 @@ def lookup(key: TuneKey) -> tuple[dict, str]:
     return {}, "heuristic"
 
 
-def tuned_config(backend: str, q, cache, G: int) -> dict:
+def tuned_config(backend: str, q, cache, G: int, q_len: int = 1) -> dict:
     """The tuned launch config of ``backend`` for a decode of ``q`` over ``cache`` (``{}``: none tuned),
-    keyed by GPU, format, GQA, page size and the batch and capacity buckets: host facts only, no device
-    read. Each kernel's launcher reads its own keys from it."""
+    keyed by GPU, format, GQA, page size, the batch (the cache's sequences) and capacity buckets and ``q_len`` (a
+    step's tokens per sequence): host facts only, no device read. Each kernel's launcher reads its own keys from
+    it."""
     import torch
     index = q.device.index
     if index is None:
         index = torch.cuda.current_device() if q.device.type == "cuda" else 0
-    return _cached_lookup(backend, index, cache.fmt, G, cache.page_size, q.shape[0], cache.table_capacity)
+    return _cached_lookup(backend, index, cache.fmt, G, cache.page_size, cache.batch_size, cache.table_capacity,
+                          q_len)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_lookup(backend: str, device_index: int, fmt, G: int, page: int, batch: int, capacity: int) -> dict:
+def _cached_lookup(backend: str, device_index: int, fmt, G: int, page: int, batch: int, capacity: int,
+                   q_len: int = 1) -> dict:
     """Looked up once per process and call shape (files written later in the same process are not seen:
     :func:`clear_lookup_cache`)."""
     import torch
-    return lookup(make_key(backend, torch.cuda.get_device_name(device_index), fmt, G, page, batch, capacity))[0]
+    return lookup(make_key(backend, torch.cuda.get_device_name(device_index), fmt, G, page, batch, capacity,
+                           q_len))[0]
 
 
 def clear_lookup_cache() -> None:

@@ -2,12 +2,13 @@
 per-GPU config file the launchers read (:mod:`foscar.autotune`).
 
 For every case (a shape from ``--shapes`` or a ``--preset``, times the formats of ``--bits``,
-``--k-axis``, ``--v-axis``), on a random packed cache of that size:
+``--k-axis``, ``--v-axis`` and the step lengths of ``--q-len``: 1 a decode, more a step of speculative
+verification, its tokens causal among themselves), on a random packed cache of that size:
 
 1. every candidate launch config is run once into a NaN-poisoned output, and the output checked
    (:func:`foscar.bench.measure.measure`, the driver the decode benchmark and the launch sweeps share):
-   every value finite, and on one (sequence, KV head) slice an error against the float64 oracle within
-   3x BF16 attention's on the same slice. A candidate that fails is reported and never timed;
+   every value finite, and on one (sequence, KV head) slice an error against the float64 oracle (a step's
+   tokens each under its causal limit) within 3x BF16 attention's on the same slice. A candidate that fails is reported and never timed;
 2. the others are timed as CUDA-graph replays, the L2 flushed before each, CUDA events, median of
    ``--iters`` after ``--warmup``; the heuristic config is one of the candidates;
 3. the fastest is recorded with its time and the heuristic's.
@@ -42,6 +43,7 @@ PRESETS = {
 }
 CHECK_FACTOR = SLICE_FACTOR  # a candidate's slice error may be at most this times BF16 attention's
 DEVICE = "cuda"
+MAX_Q_LEN = 8  # the longest step tuned: speculative verification of up to 8 draft tokens
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,15 @@ class Case:
     q_heads: int
     kv_heads: int
     page: int
+    q_len: int = 1  # query tokens per sequence: a step of speculative verification where more than 1
 
     def label(self) -> str:
         f = self.fmt
         n = self.seq_len
         length = f"{n // KI}K" if n % KI == 0 else str(n)
+        step = f" q_len={self.q_len}" if self.q_len > 1 else ""
         return (f"B={self.batch} L={length} INT{f.bits} {f.k_axis[:3]}/{f.v_axis[:3]} g={f.group_size} "
-                f"D={f.head_dim} {self.q_heads}/{self.kv_heads}")
+                f"D={f.head_dim} {self.q_heads}/{self.kv_heads}{step}")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -103,6 +107,10 @@ def build_parser(prog: str = "foscar tune") -> argparse.ArgumentParser:
     p.add_argument("--heads", type=parse_heads, default="32:8", metavar="HQ:HKV",
                    help="query and KV heads, Hq a positive multiple of Hkv (default: 32:8)")
     p.add_argument("--page-size", type=int_in(1), default=64, help="tokens per page of the paged cache (default: 64)")
+    p.add_argument("--q-len", type=int_in(1, MAX_Q_LEN), nargs="+", default=[1], metavar="T",
+                   help=f"query tokens per sequence, 1 to {MAX_Q_LEN}: 1 a decode, more a step of speculative "
+                        "verification (entries keyed by it, read by foscar.decode and foscar.plan for steps of that "
+                        "length) (default: 1)"),
     p.add_argument("--backend", choices=backends.TUNABLE, default="triton",
                    help="the kernels to tune (cute: the CuTe DSL Hopper kernels, v0 and v1; needs foscar[cute]) "
                         "(default: triton)")
@@ -119,11 +127,11 @@ def cases(args) -> list[Case]:
     shapes = args.shapes or PRESETS[args.preset]
     hq, hkv = args.heads
     out = []
-    for (b, n), bits, ka, va in itertools.product(shapes, args.bits, args.k_axis, args.v_axis):
+    for (b, n), bits, ka, va, t in itertools.product(shapes, args.bits, args.k_axis, args.v_axis, args.q_len):
         fmt = KVFormat(bits=bits, head_dim=args.head_dim, group_size=args.group_size, k_axis=ka, v_axis=va)
         quantum = max(args.page_size, args.group_size if "channel" in (ka, va) else 1)
-        length = -(-n // quantum) * quantum  # whole pages and channel-wise groups
-        out.append(Case(b, length, fmt, hq, hkv, args.page_size))
+        length = max(-(-n // quantum) * quantum, quantum * -(-t // quantum))  # whole pages and groups; >= q_len
+        out.append(Case(b, length, fmt, hq, hkv, args.page_size, t))
     return out
 
 
@@ -153,7 +161,8 @@ def tune_case(case: Case, args, flush, progress) -> dict:
     CUDA-graph replays. The fastest that passed, and the heuristic's time (the first candidate)."""
     table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0).to(DEVICE)
     cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
-    q = torch.randn(case.batch, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    step = (case.q_len,) if case.q_len > 1 else ()
+    q = torch.randn(case.batch, *step, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16, device=DEVICE)
     check = slice_check(q, cache, CHECK_FACTOR)
     results = []
     cands = candidates(case, torch.device(DEVICE), args.backend)
@@ -181,12 +190,17 @@ def tune_case(case: Case, args, flush, progress) -> dict:
 
 
 def checked_cases(parser: argparse.ArgumentParser, args) -> list[Case]:
-    """:func:`cases`, each format and its page size checked; a bad one is refused by ``parser`` (exit 2),
-    naming the option."""
+    """:func:`cases`, each format and its page size checked, and each step one the backend tunes; a bad one is
+    refused by ``parser`` (exit 2), naming the option."""
     try:
         todo = cases(args)
         for case in todo:
             case.fmt.check_page_size(args.page_size)
+            if case.q_len > 1:
+                why = backends.get(args.backend).tunes_step(case.fmt, case.q_heads // case.kv_heads, case.q_len)
+                if why:
+                    parser.error(f"argument --q-len: {case.q_len} with --backend {args.backend} at {case.label()}: "
+                                 f"{why}")
     except FoscarError as e:
         option = library_option(e, LIBRARY_OPTIONS)
         parser.error(f"argument {option}: {first_line(e)}" if option else first_line(e))
@@ -230,7 +244,7 @@ def _run(args, todo: list[Case], prog: str) -> int:
         bar.step(f"{case.label()}: best {rec['best']['us']:.1f} us")
         best, heur = rec["best"], rec["heuristic_us"]
         key = autotune.make_key(args.backend, gpu, case.fmt, case.q_heads // case.kv_heads, case.page, case.batch,
-                                case.seq_len)
+                                case.seq_len, case.q_len)
         entries.append((key, best["config"], {"us": best["us"], "heuristic_us": heur,
                                               "candidates": len(rec["results"])}))
         rows.append((case.label(), best["config"], best["us"], heur))

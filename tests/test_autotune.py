@@ -46,7 +46,7 @@ def tuning_doc(meta, entries) -> str:
 
 def key(batch=8, length=32768, **kw):
     return at.make_key(kw.pop("backend", "triton"), kw.pop("gpu", GPU), kw.pop("fmt", FMT), kw.pop("gqa", 4),
-                       kw.pop("page", 64), batch, length)
+                       kw.pop("page", 64), batch, length, kw.pop("q_len", 1))
 
 
 @pytest.mark.parametrize("name,want", [("NVIDIA H200", "NVIDIA_H200"), ("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3"),
@@ -201,7 +201,7 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
                               v_axis=k["v_axis"])
         config_for(fmt, k["gqa"], k["page"], c["k_operand"], c["tiles_per_pass"])
     tuned = {e["key"]["backend"]: e["config"] for e in doc["entries"]
-             if {**e["key"], "backend": "triton"} == asdict(key())}  # B = 8, L = 32K, INT4, GQA 4, page 64
+             if {"q_len": 1, **e["key"], "backend": "triton"} == asdict(key())}  # B = 8, L = 32K, INT4, GQA 4, page 64
     installed(monkeypatch, "3.6.1", "4.8.1")
     for backend in ("triton", "cute"):
         config, source = at.lookup(key(backend=backend))
@@ -440,20 +440,62 @@ def test_triton_candidates_and_entries_name_the_lazy_rescale(dirs, monkeypatch):
 
 
 
-@pytest.mark.parametrize("heads,shape", [("32:8", "8:32K"), ("32:8", "1:128K"), ("32:4", "8:16K"), ("32:1", "8:32K")])
-def test_the_cute_tuners_first_candidate_is_the_untuned_launch(heads, shape):
+@pytest.mark.parametrize("heads,shape,q_len", [("32:8", "8:32K", 1), ("32:8", "1:128K", 1), ("32:4", "8:16K", 1),
+                                               ("32:1", "8:32K", 1), ("32:8", "8:32K", 2), ("32:8", "16:16K", 4),
+                                               ("32:8", "8:128K", 8), ("32:4", "1:8K", 2)])
+def test_the_cute_tuners_first_candidate_is_the_untuned_launch(heads, shape, q_len):
     """``foscar tune``'s first CuTe candidate (the time a tuned entry is held against) is what
-    ``foscar.cute.launch.launch_config`` gives an untuned call of the same case: variant, CTAs an SM, K operands,
-    passes and split count."""
+    ``foscar.cute.launch.launch_config`` gives an untuned call of the same case, a step's included: variant, CTAs
+    an SM, K operands, passes and split count."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
     from foscar import backends, tune
     from foscar.bench import make_block_table, random_cache
     from foscar.cute import launch as cute_launch
-    argv = ["--backend", "cute", "--shapes", shape, "--bits", "2", "--heads", heads]
+    argv = ["--backend", "cute", "--shapes", shape, "--bits", "2", "--heads", heads, "--q-len", str(q_len)]
     case = tune.cases(tune.build_parser().parse_args(argv))[0]
     first = backends.get("cute").candidates(case, torch.device("cpu"))[0]
     table = make_block_table(case.batch, case.seq_len // case.page, "shuffled", 0)
     cache = random_cache(case.fmt, table, case.seq_len, kv_heads=case.kv_heads, page=case.page)
-    q = torch.zeros(case.batch, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16)
-    want = cute_launch.launch_config(q, cache, case.q_heads // case.kv_heads, use_tuned=False)
+    q = torch.zeros(case.batch * q_len, case.q_heads, case.fmt.head_dim, dtype=torch.bfloat16)
+    want = cute_launch.launch_config(q, cache, case.q_heads // case.kv_heads, use_tuned=False, step=q_len)
     assert (first["warp_specialized"], first["ctas_per_sm"], first["num_splits"], first["k_operand"],
             first["tiles_per_pass"]) == tuple(want)[:5]
+
+
+def test_a_steps_entries_are_its_own_and_one_tokens_keys_are_written_as_before(dirs):
+    """A step's entries (``q_len > 1``) are a family of their own: a one-token decode never reads them, a step
+    reads only its length's; a one-token key is written without ``q_len``, as files always had it, and a key
+    without it reads as ``q_len`` 1."""
+    one, four = {"num_splits": 3}, {"num_splits": 9}
+    path = at.write_entries(dirs / "env", GPU, [(key(8, 32768), one, {}), (key(8, 32768, q_len=4), four, {})])
+    written = {json.dumps(e["key"], sort_keys=True): e["config"] for e in json.loads(path.read_text())["entries"]}
+    assert sorted(written.values(), key=str) == [one, four]
+    keys = [json.loads(k) for k in written]
+    assert [k.get("q_len") for k in keys if "q_len" in k] == [4] and sum("q_len" not in k for k in keys) == 1
+    assert at.lookup(key(8, 32768))[0] == one and at.lookup(key(8, 32768, q_len=4))[0] == four
+    assert at.lookup(key(8, 32768, q_len=2)) == ({}, "heuristic")
+    assert at.read_file(path, GPU)[0][0].q_len in (1, 4)
+
+
+def test_a_step_reads_its_entry_in_each_launcher(dirs, monkeypatch):
+    """The CuTe launcher reads a step's entry for a step and the one-token entry for one token; the Triton
+    launcher a step's entry, else the one-token decode's."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+    from foscar.cute import launch as cute_launch
+    from foscar.triton import launch
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    cache = foscar.quantize_kv(torch.randn(8, 8, 64, 128), torch.randn(8, 8, 64, 128), FMT, page_size=64)
+    rows = torch.zeros(8 * 2, 32, 128)  # a step of 2 tokens: its B q_len rows
+    v1 = {"warp_specialized": True, "ctas_per_sm": 1, "k_operand": "bf16", "tiles_per_pass": 1}
+    at.write_entries(dirs / "env", GPU, [(key(8, 64, backend="cute"), {**v1, "num_splits": 3}, {}),
+                                         (key(8, 64, backend="cute", q_len=2), {**v1, "num_splits": 5}, {}),
+                                         (key(8, 64), {"num_splits": 6, "num_warps": 4}, {})])
+    at.clear_lookup_cache()
+    assert cute_launch.launch_config(rows[:8], cache, 4).num_splits == 3
+    assert cute_launch.launch_config(rows, cache, 4, step=2).num_splits == 5
+    assert cute_launch.launch_config(rows[:8], cache, 4, step=4).num_splits != 5  # no entry of 4 tokens
+    assert launch.launch_config(rows[:8], cache, 4, step=2).num_splits == 6  # the one-token entry
+    at.write_entries(dirs / "env", GPU, [(key(8, 64, q_len=2), {"num_splits": 7, "num_warps": 4}, {})])
+    at.clear_lookup_cache()
+    assert launch.launch_config(rows[:8], cache, 4, step=2).num_splits == 7 and launch.launch_config(
+        rows[:8], cache, 4).num_splits == 6

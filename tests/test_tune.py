@@ -112,3 +112,59 @@ def test_cute_candidates_and_entries(tmp_path, monkeypatch, capsys):
                       "--group-size", "64", "--out", str(tmp_path)]) == 0
     entry = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())["entries"][0]
     assert entry["key"]["backend"] == "cute" and entry["config"]["ctas_per_sm"] == 2
+
+
+def test_a_step_is_tuned_under_its_causal_mask(tmp_path, monkeypatch, capsys):
+    """``--q-len 4``: each candidate decodes a step ``q [B, 4, Hq, D]`` into a NaN-poisoned output and is held to
+    the oracle's causal step (a candidate that lets every token see the whole cache is caught, never timed); the
+    entry is keyed by ``q_len``, apart from the one-token entry of the same shape."""
+    _stand_in_for_the_gpu(monkeypatch)
+    called = {}
+
+    def fake_decode(q, cache, config, backend, out):
+        called["config"] = config
+        assert q.shape[1] == 4 and torch.isnan(out).all() or "timed" in called
+        if config["num_splits"] == 1 and config["prefetch"] == 2:  # not causal: each token over the whole cache
+            for j in range(q.shape[1]):
+                out[:, j] = foscar.decode(q[:, j].contiguous(), cache, backend="reference")
+            return out
+        return foscar.decode(q, cache, backend="reference", out=out)
+
+    def fake_time(run, **kw):
+        called["timed"] = True
+        run()
+        cfg = called["config"]
+        us = 10.0 + cfg["num_splits"] - cfg["prefetch"]  # the non-causal candidate would be the fastest
+        return {"median_us": us, "min_us": us, "all_us": [us]}
+    monkeypatch.setattr(tune, "_decode", fake_decode)
+    monkeypatch.setattr(tune, "_time", fake_time)
+    argv = ["--shapes", "2:64", "--bits", "4", "--heads", "4:2", "--head-dim", "64", "--group-size", "64",
+            "--out", str(tmp_path), "--q-len", "1", "4"]
+    assert tune.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "q_len=4" in captured.out and captured.err.count("wrong output (slice error") == 1
+    entries = json.loads((tmp_path / "Fake_GPU_9000.json").read_text())["entries"]
+    assert sorted(e["key"].get("q_len", 1) for e in entries) == [1, 4]
+    step = next(e for e in entries if e["key"].get("q_len") == 4)
+    assert (step["config"]["num_splits"], step["config"]["prefetch"]) != (1, 2)
+
+
+def test_a_step_the_backend_runs_in_parts_is_refused_by_name(capsys):
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+    with pytest.raises(SystemExit):
+        tune.main(["--backend", "cute", "--shapes", "8:32K", "--heads", "32:4", "--q-len", "8", "--dry-run"])
+    assert "argument --q-len: 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--q-len", "9", "--dry-run"])
+
+
+def test_a_backends_step_launch_writes_the_steps_output():
+    """:meth:`foscar.backends.base.Backend.launch_step` (what the tuner times for a step): the decode of ``q [B,
+    q_len, Hq, D]`` into the given output, as ``foscar.decode`` gives it."""
+    from foscar import backends
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
+    cache = foscar.quantize_kv(torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64), fmt, page_size=64)
+    q = torch.randn(2, 3, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    got = backends.get("reference").launch_step(q, cache, {"out": out})
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, foscar.decode(q, cache, backend="reference"))

@@ -101,6 +101,10 @@ class Backend:
     def execute(self, problem, workspace=None, **config) -> None:  # pragma: no cover - GPU backends override it
         raise NotImplementedError
 
+    def tunes_step(self, fmt: KVFormat, gqa: int, q_len: int) -> str | None:
+        """Why the tuner cannot tune a step of ``q_len`` tokens at ``gqa`` for ``fmt``; ``None``: it can."""
+        return None if self.steps(fmt) else "the backend takes one token per sequence (steps run as causal views)"
+
     def candidates(self, case, device: torch.device) -> list[dict]:
         """Launch configs the tuner times for ``case`` (:class:`foscar.tune.Case`), the backend's heuristic
         first; none: nothing to tune."""
@@ -113,3 +117,18 @@ class Backend:
         problem = DecodeProblem.build(q, cache, num_splits=config.get("num_splits"))
         self.run(problem)
         return problem.out
+
+    def launch_step(self, q: torch.Tensor, cache, config: dict) -> torch.Tensor:
+        """:meth:`launch` of a step ``q [B, q_len, Hq, D]`` taken as it is (:meth:`steps`), into ``config["out"]``
+        where given. Returns ``out [B, q_len, Hq, D]``."""
+        from ..errors import UnsupportedError
+        from ..multitoken import step_problem, unflatten
+        if not self.steps(cache.fmt):
+            raise UnsupportedError(f"a step with backend={self.name!r}", "its launch takes one token per sequence")
+        config = dict(config)
+        B, T = q.shape[:2]
+        problem = step_problem(q, cache, out=config.pop("out", None), num_splits=config.get("num_splits"))
+        solved = problem if self.rotates(cache.fmt) else problem.in_cache_space()
+        self.execute(solved, **config)
+        problem.finish(solved, lse_wanted=False)
+        return unflatten(problem.out, B, T)

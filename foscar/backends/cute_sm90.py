@@ -80,8 +80,19 @@ class CuteSm90(Backend):
         from ..cute.launch import run
         run(problem, workspace=workspace, **config)
 
+    def tunes_step(self, fmt, gqa: int, q_len: int) -> str | None:
+        """A step of more rows than a kernel's columns runs in parts (:func:`foscar.cute.launch.step_parts`), which
+        take no tuned entry."""
+        from ..cute.config import max_rows
+        from ..cute.launch import step_form
+        why = super().tunes_step(fmt, gqa, q_len)
+        if why is None and len(step_form(fmt, gqa, q_len)[0]) > 1:
+            why = (f"{gqa * q_len} query rows a KV head run in parts of at most {max_rows(fmt)}, which take no tuned "
+                   "entry")
+        return why
+
     def candidates(self, case, device: torch.device) -> list[dict]:
-        """The launch an untuned call runs first (:meth:`_untuned`: the time a tuned entry is held against); then
+        """A step (``case.q_len > 1``): :meth:`_step_candidates`. Else the launch an untuned call runs first (:meth:`_untuned`: the time a tuned entry is held against); then
         v0, v1 with two CTAs per SM and v1 with one, each at its split
         heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
@@ -93,6 +104,8 @@ class CuteSm90(Backend):
         from ..cute.budget import default_ring, fits_shared_memory
         from ..cute.config import CLUSTER_MERGE, STAGE_CHOICES, TILE, config_for
         from ..cute.launch import DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, WS_CTAS_PER_SM, default_num_splits, takes
+        if case.q_len > 1:
+            return self._step_candidates(case, device)
         tiles = case.seq_len // TILE
         variants = [(False, None), (True, 2), (True, 1)]
         first = (DEFAULT_WARP_SPECIALIZED, WS_CTAS_PER_SM if DEFAULT_WARP_SPECIALIZED else None)
@@ -141,23 +154,56 @@ class CuteSm90(Backend):
         untuned = {**untuned, "stages": ring(untuned)} if untuned["warp_specialized"] else untuned
         return [untuned] + [c for c in out if c != untuned]
 
+    def _step_candidates(self, case, device: torch.device) -> list[dict]:
+        """A step's launches (v1: v0's registers hold one token's columns): the untuned one first; then one CTA an
+        SM, and two up to 16 columns (32 columns' accumulators take one CTA's registers), each at its split
+        heuristic times {1/2, 1, 2}, with the K operands the step takes (E4M3, BF16), one tile a pass (a pass of
+        two takes one token), the ring an untuned launch takes (:func:`~foscar.cute.budget.default_ring`) and twice
+        as deep where the CTAs of an SM hold it."""
+        from ..cute.budget import default_ring, fits_shared_memory
+        from ..cute.config import STAGE_CHOICES, TILE, TWO_CTA_COLUMNS, columns_for, config_for
+        from ..cute.launch import default_num_splits, default_waves, takes
+        fmt, gqa, page, T = case.fmt, case.q_heads // case.kv_heads, case.page, case.q_len
+        tiles = case.seq_len // TILE
+        out = []
+        for ctas in (2, 1) if columns_for(gqa * T) in TWO_CTA_COLUMNS else (1,):
+            base = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas, default_waves(gqa * T))
+            for s in [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2)} - {base}):
+                for k in ("e4m3", "bf16"):
+                    if takes(fmt, gqa, page, k, 1, T):
+                        c = {"warp_specialized": True, "num_splits": s, "ctas_per_sm": ctas, "k_operand": k,
+                             "tiles_per_pass": 1}
+                        ring = default_ring(fmt, gqa, page, k, 1, T, ctas).stages
+                        out.append({**c, "stages": ring})
+                        if 2 * ring in STAGE_CHOICES and fits_shared_memory(
+                                config_for(fmt, gqa, page, k, 1, T, stages=2 * ring), ctas):
+                            out.append({**c, "stages": 2 * ring})
+        untuned = self._untuned(case, device)
+        untuned["stages"] = default_ring(fmt, gqa, page, untuned["k_operand"], untuned["tiles_per_pass"], T,
+                                         untuned["ctas_per_sm"]).stages
+        return [untuned] + [c for c in out if c != untuned]
+
     @staticmethod
     def _untuned(case, device: torch.device) -> dict:
         """The launch an untuned call of ``case`` runs (:func:`foscar.cute.launch.launch_config` with no entry): the
-        default variant, its CTAs an SM for the case's rows, its K operands and passes, its split heuristic."""
+        default variant, its CTAs an SM for the case's rows (a step's tokens times the heads), its K operands and
+        passes, its split heuristic."""
+        from ..cute.budget import default_ring
         from ..cute.config import TILE
         from ..cute.launch import (DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, default_ctas_per_sm, default_num_splits,
                                    default_variant, default_waves)
-        gqa, tiles = case.q_heads // case.kv_heads, case.seq_len // TILE
+        gqa, tiles, T = case.q_heads // case.kv_heads, case.seq_len // TILE, case.q_len
         if not DEFAULT_WARP_SPECIALIZED:
-            splits = default_num_splits(case.batch, case.kv_heads, tiles, device, V0_RESIDENT, default_waves(gqa))
+            splits = default_num_splits(case.batch, case.kv_heads, tiles, device, V0_RESIDENT, default_waves(gqa * T))
             return {"warp_specialized": False, "num_splits": splits, "k_operand": "bf16", "tiles_per_pass": 1}
-        ctas = default_ctas_per_sm(gqa, case.fmt.head_dim)
-        k_operand, tiles_per_pass = default_variant(case.fmt, gqa, case.page)
-        splits = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas, default_waves(gqa))
+        ctas = default_ctas_per_sm(gqa * T, case.fmt.head_dim)
+        k_operand, tiles_per_pass = default_variant(case.fmt, gqa, case.page, step=T)
+        splits = default_num_splits(case.batch, case.kv_heads, tiles, device, ctas, default_waves(gqa * T))
         return {"warp_specialized": True, "num_splits": splits, "ctas_per_sm": ctas, "k_operand": k_operand,
                 "tiles_per_pass": tiles_per_pass}
 
     def launch(self, q, cache, config: dict):
+        if q.dim() == 4:
+            return self.launch_step(q, cache, config)
         from ..cute.launch import decode
         return decode(q, cache, **config)

@@ -53,7 +53,7 @@ class Triton(Backend):
         the heuristic's splits with 8 warps; the heuristic's splits and twice as many with the lazy rescale where
         the format takes it (token-wise V of one channel group); the largest tile that fits."""
         from ..triton.launch import block_n_for, default_num_splits, takes_lazy_rescale
-        tile = block_n_for(case.fmt, case.page, case.q_heads // case.kv_heads)
+        tile = block_n_for(case.fmt, case.page, case.q_heads // case.kv_heads * case.q_len)  # a step's rows
         tiles = case.seq_len // tile
         base = default_num_splits(case.batch, case.kv_heads, tiles, device)
         splits = [base] + sorted({max(1, min(tiles, round(base * m))) for m in (0.5, 2, 4)} - {base})
@@ -66,5 +66,7 @@ class Triton(Backend):
         return out
 
     def launch(self, q, cache, config: dict):
+        if q.dim() == 4:
+            return self.launch_step(q, cache, config)
         from ..triton import decode
         return decode(q, cache, **config)

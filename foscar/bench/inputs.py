@@ -54,16 +54,26 @@ class SliceRef:
     b: int
     h: int
     gqa: int
-    exact: torch.Tensor  # [gqa, D] float64
+    exact: torch.Tensor  # [gqa, D] float64 ([q_len, gqa, D] for a step)
     bf16_err: float
 
 
 def slice_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, h: int, gqa: int) -> SliceRef:
-    """``k, v [n, D]``: the tokens of sequence ``b``, KV head ``h`` (any order, any float dtype)."""
-    rows = q[b, h * gqa: (h + 1) * gqa][None]
+    """``k, v [n, D]``: the tokens of sequence ``b``, KV head ``h`` (any order, any float dtype). A step ``q [B,
+    q_len, Hq, D]``: its tokens appended last, token ``j`` sees the first ``n - (q_len - 1 - j)`` (the causal
+    mask, :mod:`foscar.multitoken`); ``exact [q_len, gqa, D]``."""
     sm_scale = q.shape[-1] ** -0.5
-    exact = attend(rows.double(), k[None].double(), v[None].double(), sm_scale)[0][0]
-    bf16 = attend(rows.float(), k[None], v[None], sm_scale, operand_dtype=torch.bfloat16)[0][0]
+    steps = q[b][None] if q.dim() == 3 else q[b]
+    T = steps.shape[0]
+    exact, bf16 = [], []
+    for j in range(T):
+        rows = steps[j, h * gqa: (h + 1) * gqa][None]
+        kj, vj = k[:k.shape[0] - (T - 1 - j)][None], v[:v.shape[0] - (T - 1 - j)][None]
+        exact.append(attend(rows.double(), kj.double(), vj.double(), sm_scale)[0][0])
+        bf16.append(attend(rows.float(), kj, vj, sm_scale, operand_dtype=torch.bfloat16)[0][0])
+    exact, bf16 = torch.stack(exact), torch.stack(bf16)
+    if q.dim() == 3:
+        exact, bf16 = exact[0], bf16[0]
     return SliceRef(b, h, gqa, exact, rel_l2(bf16, exact))
 
 
@@ -82,4 +92,4 @@ def quant_slice_reference(inp: QuantInputs) -> SliceRef:
     b, h = inp.q.shape[0] - 1, kv_heads - 1
     k, v = one_head_cache(inp.cache, b, h).dequantize(torch.float64)
     n = int(inp.cache.seq_lens[b])
-    return slice_reference(inp.q, k[0, 0, :n], v[0, 0, :n], b, h, inp.q.shape[1] // kv_heads)
+    return slice_reference(inp.q, k[0, 0, :n], v[0, 0, :n], b, h, inp.q.shape[-2] // kv_heads)

@@ -38,9 +38,10 @@ def short_error(e: BaseException) -> str:
 
 
 def check_output(out: torch.Tensor, ref: SliceRef, factor: float) -> dict:
-    """All of ``out [B, Hq, D]`` finite (it was NaN-poisoned), and its slice within ``factor`` x BF16's error."""
+    """All of ``out [B, Hq, D]`` (a step's ``[B, q_len, Hq, D]``) finite (it was NaN-poisoned), and its slice within
+    ``factor`` x BF16's error."""
     nonfinite = int((~torch.isfinite(out)).sum())
-    err = rel_l2(out[ref.b, ref.h * ref.gqa: (ref.h + 1) * ref.gqa], ref.exact)
+    err = rel_l2(out[ref.b, ..., ref.h * ref.gqa: (ref.h + 1) * ref.gqa, :], ref.exact)
     ratio = err / ref.bf16_err if ref.bf16_err > 0 else math.inf
     why = []
     if nonfinite:

@@ -98,8 +98,8 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
                   stages: int | None = None, use_tuned: bool = True, step: int = 1, tail: int = 0) -> LaunchConfig:
     """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows; ``tail``: a
     part of a longer step, :attr:`~foscar.cute.config.Sm90Config.tail`): the
-    given values, else the autotune cache's (backend ``"cute"``, one-token decodes; only where its entry is
-    the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
+    given values, else the autotune cache's (backend ``"cute"``, keyed by ``step`` as well; a part of a
+    longer step takes none; only where its entry is the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
     :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
     takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. ``stages`` (v1's
     pipeline depth): the given value, else the tuned entry's, else the format's default. Host facts only: no
@@ -108,7 +108,7 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     from .._checks import check_int
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise InvalidArgumentError("warp_specialized", "True, False or None", warp_specialized)
-    tuned = autotune.tuned_config("cute", q, cache, G) if use_tuned and step == 1 and not tail else {}
+    tuned = autotune.tuned_config("cute", q, cache, G, step) if use_tuned and not tail else {}
     if tuned and not _same_variant(tuned, warp_specialized, ctas_per_sm, k_operand, tiles_per_pass):
         tuned = {}  # its split count was tuned for another variant than the one asked for
     if warp_specialized is None:

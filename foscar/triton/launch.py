@@ -99,7 +99,10 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
     """The :class:`TritonLaunch` of a folded-kernel launch: the given values, else the autotune cache's
     (``use_tuned``; an entry may name the lazy rescale), else the heuristics here (:data:`LAZY_RESCALE`). Host facts
     only: no device read. ``step``: the tokens of a step (each program takes ``G step`` rows)."""
-    tuned = autotune.tuned_config("triton", q, cache, G) if use_tuned else {}
+    tuned = {}
+    if use_tuned:  # a step's own entry, else the one-token decode's
+        tuned = (step > 1 and autotune.tuned_config("triton", q, cache, G, step)) or autotune.tuned_config(
+            "triton", q, cache, G)
     fmt, page = cache.fmt, cache.page_size
     if block_n is None:  # the largest tile that fits, else a tuned one below it
         block_n = block_n_for(fmt, page, G * step)
