@@ -53,6 +53,10 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh grid             # paper and axes grids, GQA sweep, steps: foscar.decode
 #                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune-more        # foscar tune (CuTe) into $TUNE_DIR (default /tmp/tun):
+#                                                                #   INT4's paper shapes, GQA 16 and 32, steps of 2-8
+#                                                                #   tokens, the channel-wise axes (after install-cute);
+#                                                                #   then `TUNE_DIR=/tmp/tun ... grid` times with them
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-gqa       # the Triton kernel tuned at GQA 16 and 32, then
 #                                                                #   beside FlashInfer BF16 (after fi-parts)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fa4 WHEELS       # FlashAttention-4 (cutlass-dsl installed first by
@@ -377,8 +381,10 @@ SWEEPS
     python3 -m pip install -q --no-index --no-deps --no-compile "$d"/*.whl
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;;
   grid)  # after install-cute and fi-parts: foscar.decode (auto) beside FlashInfer BF16 in one process each: the
-          # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens
+          # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens; with TUNE_DIR set,
+          # its entries first (tune-more's), then the shipped file's
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    [ -n "${TUNE_DIR:-}" ] && export FOSCAR_TUNING_DIR="$TUNE_DIR"
     timeout 200 python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_auto flashinfer_tc \
       --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"; grep "^Geomean" "$OUT/paper.log"
     timeout 120 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto flashinfer_tc \
@@ -391,10 +397,15 @@ SWEEPS
     timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
       --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;;
   tune-more)  # after install-cute: foscar tune (CuTe) into TUNE_DIR (default /tmp/tun, kept between calls) for INT4's
-               # paper shapes, steps of 2-8 tokens at the steps bars' shapes and the channel-wise axes of the axes grid
+               # paper shapes, GQA 16 and 32 (B 8, L 128K), steps of 2-8 tokens at the steps bars' shapes and the
+               # channel-wise axes of the axes grid; merge the file it copies to $OUT into foscar/tuning/<GPU>.json
     d="${TUNE_DIR:-/tmp/tun}"; mkdir -p "$d"
     timeout 150 python3 -m foscar.tune --backend cute --preset paper --bits 4 --out "$d" \
       > "$OUT/tune-cute-paper-4.md" 2> "$OUT/tune-cute-paper-4.log"; echo "paper INT4 rc=$?"
+    for h in 32:1 32:2; do
+      timeout 90 python3 -m foscar.tune --backend cute --shapes 8:128K --heads $h --bits 2 4 --out "$d" \
+        >> "$OUT/tune-cute-gqa.md" 2>> "$OUT/tune-cute-gqa.log"; echo "GQA $h rc=$?"
+    done
     timeout 240 python3 -m foscar.tune --backend cute --shapes 8:32K 8:128K 64:32K 64:128K --bits 2 4 --q-len 2 4 8 \
       --out "$d" > "$OUT/tune-cute-steps.md" 2> "$OUT/tune-cute-steps.log"; echo "steps rc=$?"
     for axes in "--k-axis token --v-axis channel" "--k-axis channel --v-axis token channel"; do
