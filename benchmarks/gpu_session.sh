@@ -37,6 +37,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh overlap-speed    # overlapped passes against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # the GPU tests of the likeliest gains' switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-steps   # steps of 4 and 8 tokens with those switches
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
@@ -285,6 +286,7 @@ windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitok
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_pipeline.py
+overlap|python3 -m pytest|tests/test_cute_overlap.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -310,6 +312,19 @@ one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 SWEEPS
     ;;
+  overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped
+                  # kernels: GQA 32 and 16 (B 8, L 128K; 16 columns at one CTA an SM: TWO_CTA_COLUMNS=8), then steps
+                  # of 4 and 8 tokens at GQA 4 (bench_steps.py, each variant its own process)
+    timeout 200 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:1 --variants shipped "OVERLAP_COLS=32" \
+      > "$OUT/sweep-overlap-gqa32.md" 2>&1; echo "gqa32 rc=$?"; tail -3 "$OUT/sweep-overlap-gqa32.md"
+    timeout 200 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:2 --variants shipped "TWO_CTA_COLUMNS=8" \
+      "OVERLAP_COLS=16,32 TWO_CTA_COLUMNS=8" > "$OUT/sweep-overlap-gqa16.md" 2>&1; echo "gqa16 rc=$?"
+    tail -3 "$OUT/sweep-overlap-gqa16.md"
+    for v in "" "OVERLAP_COLS=16,32" "OVERLAP_COLS=16,32 TWO_CTA_COLUMNS=8"; do
+      timeout 150 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K --bits 2 4 \
+        --q-len 1 4 8 --backends auto > "$OUT/steps-overlap-${v// /_}.md" 2>&1
+      echo "steps ${v:-shipped} rc=$?"; grep "^| [0-9]" "$OUT/steps-overlap-${v// /_}.md" | grep -v "| 1 | " ;
+    done ;;
   steps-windows)  # after install-cute: a step over a ring through auto (the CuTe columns), the causal view's rows
                   # (WINDOWED_STEPS=0, backend cute), then the Triton kernel alone (last: it stopped on an illegal
                   # address at head dim 128 on the H200)

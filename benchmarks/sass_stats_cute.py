@@ -91,7 +91,7 @@ def rare_paths(sass: str) -> dict:
     last_wait = max((a for a, line in lines if "WARPGROUP.DEPBAR" in line), default=hi)
     branch = re.compile(r"@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)")
     votes = [i for i, (_, line) in enumerate(lines) if "BAR.RED" in line]
-    lazy = {next((j for j in range(v + 1, min(v + 8, len(lines))) if branch.match(lines[j][1])), -1) for v in votes}
+    lazy = {next((j for j in range(v + 1, min(v + 32, len(lines))) if branch.match(lines[j][1])), -1) for v in votes}
     out = {"rescale": 0, "masks": 0, "fold": 0, "waits": 0}
     covered = -1  # the end of the last block counted: branches inside it are its own
     for i, (a, line) in enumerate(lines):
@@ -175,9 +175,12 @@ def main() -> int:
     a = p.parse_args()
     cfg = kernel_config(a)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
+    if not a.v0:  # as v1 runs it at these CTAs an SM
+        from foscar.cute.config import as_run
+        cfg = as_run(cfg, a.ctas)
     sass = sass_of(cubin)
     loop = tile_loop(sass)
-    per = a.tiles_per_pass  # the loop's body is one pass
+    per = cfg.p_tiles  # the loop's body is one pass: two tiles with two a pass or overlapped
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
@@ -186,7 +189,7 @@ def main() -> int:
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
-          f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass: {len(loop) / per:g} SASS instructions per "
+          f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass{' (overlapped)' if cfg.overlap else ''}: {len(loop) / per:g} SASS instructions per "
           f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "
           f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel")
     if rare:

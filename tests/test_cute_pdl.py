@@ -39,7 +39,7 @@ def test_the_dependent_combine_waits_before_its_first_read(rotate):
 def test_windows_take_the_dependent_launch_with_their_own_switch(monkeypatch):
     """``COMBINE_PDL_WINDOWS`` (on): stage 1 signals, and the combine waits, for windowed formats only, where v1
     runs two CTAs an SM; the combine attends the windows before its wait (they do not depend on stage 1)."""
-    from foscar.cute.config import dependent_combine
+    from foscar.cute.combine_config import dependent_combine
     windowed = foscar.KVFormat(bits=2, head_dim=128, group_size=128, sink=4, recent=64)
     plain = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
     assert config_for(windowed, 4, 64).trigger_dependents and not config_for(plain, 4, 64).trigger_dependents

@@ -16,6 +16,7 @@ from foscar.cute.compile import compile_stage1  # noqa: E402
 OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
 OFF["PIVOT_MMA_COLS"] = (16, 32)  # the column counts it may take
 OFF["P_COLUMN_MAJOR_COLS"] = (8, 16, 32)  # 8 columns too
+OFF["OVERLAP_COLS"] = (16, 32)
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [

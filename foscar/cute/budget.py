@@ -3,7 +3,7 @@ the CTAs resident on an SM hold it (:func:`fits_shared_memory`), and the deepest
 stages (:func:`default_ring`)."""
 from __future__ import annotations
 
-from .config import CONSUMERS, STAGE_CHOICES, TILE, WS_REGISTERS, Sm90Config, config_for, consumers_for
+from .config import CONSUMERS, STAGE_CHOICES, TILE, WS_REGISTERS, Sm90Config, as_run, config_for, consumers_for
 
 SM90_SHARED_BYTES = 227 * 1024  #: shared memory one sm_90 SM gives its resident CTAs
 
@@ -16,7 +16,7 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
     if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
         slot += cfg.cols * cfg.head_dim * 2 + 8 * cfg.cols + 8
-    p_bytes = consumers * cfg.vc * TILE * cfg.cols * 2
+    p_bytes = consumers * cfg.vc * TILE * cfg.p_tiles * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass
     if cfg.cluster:
@@ -26,6 +26,7 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
 
 def fits_shared_memory(cfg: Sm90Config, ctas_per_sm: int) -> bool:
     """Whether ``ctas_per_sm`` v1 CTAs of ``cfg`` fit one SM's shared memory (:func:`shared_bytes`)."""
+    cfg = as_run(cfg, ctas_per_sm)
     return ctas_per_sm * shared_bytes(cfg, consumers_for(cfg, ctas_per_sm)) <= SM90_SHARED_BYTES
 
 

@@ -1,7 +1,7 @@
 """Static configuration of the CuTe split merge (:mod:`foscar.cute.combine`) and of the BF16 windows it attends
 (:mod:`foscar.cute.windows`): :class:`CombineConfig` (the compile-cache key), the chunk of partials loaded
 together, the query rows of one CTA and the window's stages. Plain Python, as :mod:`foscar.cute.config`;
-the switches that choose the combine's launch live there.
+the switches that choose the combine's launch live there, the choice here (:func:`dependent_combine`).
 """
 from __future__ import annotations
 
@@ -110,3 +110,21 @@ def combine_chunk(parts: int) -> int:
         chunk *= 2
     return chunk
 
+
+def combine_attends_windows(fmt) -> bool:
+    """Whether the CuTe combine attends ``fmt``'s BF16 windows (:data:`foscar.cute.config.COMBINE_WINDOWS`, a format
+    with windows)."""
+    from ..splitkv import num_window_parts
+    from . import config
+    return config.COMBINE_WINDOWS and num_window_parts(fmt) > 0
+
+
+def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
+    """Whether a decode's combine launches as a programmatic dependent of stage 1 (``COMBINE_PDL`` of
+    :mod:`foscar.cute.config`, or ``COMBINE_PDL_WINDOWS`` where the combine attends ``fmt``'s windows and v1 runs
+    two CTAs an SM: at one, stage 1 fills the SMs it takes and the waiting combine CTAs crowd the few it leaves:
+    slower there, ``docs/bench/h200/window-cost-kv-head.md``). Stage 1 signals such a combine
+    (``Sm90Config.trigger_dependents``)."""
+    from . import config
+    return config.COMBINE_PDL or (config.COMBINE_PDL_WINDOWS and combine_attends_windows(fmt) and warp_specialized
+                                  and ctas_per_sm > 1)

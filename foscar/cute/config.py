@@ -9,10 +9,12 @@ cannot take them. The constants are the tile geometry both kernels share and wha
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from ..format import v_block_tokens
+from .combine_config import combine_attends_windows
 
 TILE = 64  #: tokens per KV tile: the wgmma M of S^T = K Q^T
 HEADS = 8  #: the least wgmma N: a KV head's query rows padded to 8 columns (or to 16 or 32: ``Sm90Config.cols``)
@@ -22,11 +24,9 @@ V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at
              "(E4M3 K operands: 4, token-wise K), head dim 64/128 and affine codes")
 THREADS = 128  #: threads of one warpgroup
 CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
-#: Whether one-tile passes take the lazy rescale too (:attr:`Sm90Config.lazy_rescale`): faster at GQA 8-32
-#: (``docs/bench/h200/lazy-one-tile-heads.md``)
+#: Whether one-tile passes of token-wise and of channel-wise V take the lazy rescale (:attr:`Sm90Config.lazy_rescale`):
+#: faster at GQA 8-32, as fast or faster at every shape (``docs/bench/h200/lazy-one-tile-heads.md``, ``axes-lazy-*``)
 LAZY_ONE_TILE = True
-#: Whether channel-wise V (one tile a pass) takes the lazy rescale (:func:`foscar.cute.lazy.lazy_softmax_acc_fold`):
-#: as fast or faster at every shape measured (``docs/bench/h200/axes-lazy-vchannel.json``)
 LAZY_CHANNEL_V = True
 #: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): faster (``docs/results-h200.md``)
 PAIR_CHANNEL_V = True
@@ -52,21 +52,6 @@ COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
 #: (:func:`dependent_combine`; measured in the same record)
 COMBINE_PDL_WINDOWS = True
-
-
-def combine_attends_windows(fmt) -> bool:
-    """Whether the CuTe combine attends ``fmt``'s BF16 windows (:data:`COMBINE_WINDOWS`, a format with windows)."""
-    from ..splitkv import num_window_parts
-    return COMBINE_WINDOWS and num_window_parts(fmt) > 0
-
-
-def dependent_combine(fmt, warp_specialized: bool, ctas_per_sm: int) -> bool:
-    """Whether a decode's combine launches as a programmatic dependent of stage 1 (:data:`COMBINE_PDL`, or
-    :data:`COMBINE_PDL_WINDOWS` where the combine attends ``fmt``'s windows and v1 runs two CTAs an SM: at one,
-    stage 1 fills the SMs it takes and the waiting combine CTAs crowd the few it leaves: slower there,
-    ``docs/bench/h200/window-cost-kv-head.md``). Stage 1 signals such a combine (:attr:`Sm90Config.trigger_dependents`)."""
-    return COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt) and warp_specialized
-                           and ctas_per_sm > 1)
 
 
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
@@ -102,6 +87,7 @@ MASK_BRANCH = True
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
+OVERLAP_COLS = ()  #: column counts whose one-tile passes overlap two tiles (Sm90Config.overlap): none, not GPU-tested
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
@@ -135,7 +121,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE")
+            "CLUSTER_MERGE", "OVERLAP_COLS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -145,6 +131,13 @@ def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
     return (WS_REGISTERS_FOLD if cfg.producer_fold else WS_REGISTERS)[ctas_per_sm]
 
 
+def as_run(cfg, ctas_per_sm: int):
+    """``cfg`` as v1 runs it at ``ctas_per_sm`` CTAs an SM: :attr:`~Sm90Config.overlap` with two consumers at one CTA
+    only (two CTAs' 104 registers a consumer, or three consumers' 160, spill the second tile's)."""
+    fewer = ctas_per_sm > 1 or consumers_for(cfg, ctas_per_sm) > CONSUMERS
+    return dataclasses.replace(cfg, overlap=False) if cfg.overlap and fewer else cfg
+
+
 def consumers_for(cfg, ctas_per_sm: int) -> int:
     """v1's consumer warpgroups a CTA: 3 for a :attr:`~Sm90Config.wide` configuration at one CTA an SM, else
     :data:`CONSUMERS`."""
@@ -152,15 +145,13 @@ def consumers_for(cfg, ctas_per_sm: int) -> int:
 
 
 def consumer_code_paths(cfg, ctas_per_sm: int) -> int:
-    """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers'
-    addresses constants), else one for all (the consumer's index a run-time value: half the instruction
-    footprint; faster at 16 columns and fewer, slower at 32: ``docs/results-h200.md``)."""
+    """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers' addresses
+    constants), else one for all (a run-time index: half the footprint; faster up to 16 columns, not at 32)."""
     return consumers_for(cfg, ctas_per_sm) if cfg.cols == MAX_COLS else 1
 
-#: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type, rank); the
-#: element types ``"bf16"``, ``"i32"``, ``"f32"`` (:mod:`foscar.cute.compile` maps them to cutlass types). Every
-#: tensor has a dynamic shape and strides, unit stride in its last dim, and a 16-byte aligned base (TMA and
-#: vector loads): one compile serves every batch, length and pool size.
+#: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type ``"bf16"``, ``"i32"`` or
+#: ``"f32"``, rank). Each has dynamic shape and strides, unit stride in its last dim and a 16-byte aligned base (TMA
+#: and vector loads): one compile serves every batch, length and pool size.
 STAGE1_TENSORS = (("q", "bf16", 3), ("k_codes", "i32", 3), ("v_codes", "i32", 3), ("k_params", "f32", 5),
                   ("v_params", "f32", 5), ("block_table", "i32", 2), ("seq_lens", "i32", 1),
                   ("partial_out", "f32", 4), ("partial_lse", "f32", 3), ("rotation", "f32", 1),
@@ -262,6 +253,7 @@ class Sm90Config:
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
+    overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
     #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
@@ -279,6 +271,11 @@ class Sm90Config:
         fold_pairs = self.k_channel and (not self.producer_fold or self.tiles_per_pass == 2)
         one_group = fold_pairs or (self.v_channel and self.tiles_per_pass == 2)  # channel-wise V: one acc-fold a pass
         return 2 if one_group and self.group_size >= 2 * TILE else 1
+
+    @property
+    def p_tiles(self) -> int:
+        """The tiles a pass's P' holds: two with two tiles a pass or :attr:`overlap`."""
+        return 2 if self.tiles_per_pass == 2 or self.overlap else 1
 
     @property
     def rows(self) -> int:
@@ -594,6 +591,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
+                      overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
+                      and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
                       wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
                            else fmt.k_axis == "token" or g < 2 * TILE))

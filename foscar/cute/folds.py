@@ -419,13 +419,13 @@ def p_scales(cfg, wg, out: OutputAccumulator, tile, tv: Float32) -> list:
     return sigma
 
 
-def store_p(cfg, sP: cute.Tensor, thr, q: list):
+def store_p(cfg, sP: cute.Tensor, thr, q: list, first: int = 0):
     """A tile's P elements of this thread (element e: column slot ``s_slot(e)`` from ``col0``, token
-    ``prow0 + 8 row_half(e)`` of the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B operand
-    ``sP`` of the O^T product. Column-major (``cfg.p_column_major``): elements ``e`` and ``e + 1`` (``e`` even)
-    are a token's adjacent columns, one 32-bit store."""
+    ``first + prow0 + 8 row_half(e)`` of the pass, :class:`~foscar.cute.warpgroup.WarpgroupThread`) into the B
+    operand ``sP`` of the O^T product. Column-major (``cfg.p_column_major``): elements ``e`` and ``e + 1`` (``e``
+    even) are a token's adjacent columns, one 32-bit store."""
     col = thr.col0
-    row0 = thr.prow0
+    row0 = thr.prow0 + first
     if cutlass.const_expr(cfg.p_column_major):
         for e in range(0, len(q), 2):
             pair = cute.make_rmem_tensor(cute.make_layout(2), Float16)
@@ -472,11 +472,11 @@ def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: 
             c[k] = acc
 
 
-def store_p_operands(cfg, wg, q: list):
-    """Each channel group's ``P'`` elements of this thread into its B operand, then the proxy fence the
-    wgmma reads need (the caller's barrier follows)."""
+def store_p_operands(cfg, wg, q: list, first: int = 0):
+    """Each channel group's ``P'`` elements of this thread into its B operand (from token ``first`` of its pass),
+    then the proxy fence the wgmma reads need (the caller's barrier follows)."""
     for g in range(len(q)):
-        store_p(cfg, wg.smem.sP[g], wg.thr, q[g])
+        store_p(cfg, wg.smem.sP[g], wg.thr, q[g], first)
     cute.arch.fence_view_async_shared()
 
 

@@ -28,11 +28,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import cluster
-from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, consumer_code_paths, consumers_for, ws_registers
+from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
+from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start
 from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
 from .softmax import reduction_layout
@@ -44,10 +45,8 @@ from .warpgroup import (
     WarpgroupSmem,
     WarpgroupThread,
     allocate_registers,
-    causal_limits,
-    causal_last,
-    first_masked,
 )
+from .limits import causal_last, causal_limits, first_masked
 
 
 #: the named barrier of every consumer warpgroup (0: the CTA's; 1-3: each consumer's; 5: Q's staging warpgroup)
@@ -70,7 +69,7 @@ class FoldDecodeSm90WS(TileKernel):
     warpgroups, ``ctas_per_sm`` CTAs resident per SM."""
 
     def __init__(self, cfg: Sm90Config, ctas_per_sm: int = 1):
-        super().__init__(cfg)
+        super().__init__(as_run(cfg, ctas_per_sm))
         self.ctas_per_sm = ctas_per_sm
         self.consumers = consumers_for(cfg, ctas_per_sm)
 
@@ -436,7 +435,10 @@ class FoldDecodeSm90WS(TileKernel):
             limits = causal_limits(cfg, thr.col0, last)
         mask_from = first_masked(cfg, n, last) if cfg.mask_branch else None
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from)
-        state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair)
+        if cutlass.const_expr(cfg.overlap):  # the zeroing QK atom (foscar.cute.overlap): made once, set once
+            wg.qk_mma0 = mmas_and_layouts(cfg)[0]
+            wg.qk_mma0.set(warpgroup.Field.ACCUMULATE, False)
+        state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT
             for t in cutlass.range_constexpr(2):
@@ -491,6 +493,11 @@ class FoldDecodeSm90WS(TileKernel):
                     self._read_params(ring, slot_own, regs, thr_c, thr)
                     self._release_pair(ring, slot, slot_b, has_b)
                     state = pair_step(self, wg, regs, regs_b, state, k >> 1, tile * TILE, t0_b, qbuf=qbuf)
+        elif cutlass.const_expr(cfg.overlap):  # two of this consumer's tiles a pass, overlapped
+            for tile in cutlass.range(t_lo + c, t_hi, 2 * self.consumers, unroll=1):
+                k, i_b = pass_tiles(tile - t_lo, 1, self.consumers)
+                state = consume_overlapped(self, wg, ring, regs, regs_b, state, thr_c, thr, c, k, tile, t_lo + i_b,
+                                           t_hi, n)
         elif cutlass.const_expr(cfg.tile_run == 1 and self.consumers == 3):  # every third tile
             for k in cutlass.range(0, (t_hi - t_lo - c + 2) // 3, unroll=1):
                 state = self._consume_tile(wg, ring, regs, state, thr_c, thr, c, k, t_lo + c + 3 * k)

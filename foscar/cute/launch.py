@@ -206,7 +206,8 @@ def num_parts(fmt, num_splits: int, warp_specialized: bool = False, consumers: i
     of them, :data:`~foscar.cute.config.CONSUMERS` unless given: :func:`split_partials`), then the BF16 windows'
     where the combine does not attend them itself (:data:`~foscar.cute.config.COMBINE_WINDOWS`)."""
     from ..splitkv import num_window_parts
-    from .config import CONSUMERS, combine_attends_windows
+    from .combine_config import combine_attends_windows
+    from .config import CONSUMERS
     per_split = (consumers or CONSUMERS) if warp_specialized else 1
     return per_split * num_splits + (0 if combine_attends_windows(fmt) else num_window_parts(fmt))
 
@@ -372,7 +373,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     from ..rotation import rotation_factors
     from ..splitkv import num_window_parts, window_partials, workspace_for
     from .budget import default_ring, fits_shared_memory
-    from .config import combine_attends_windows, config_for, dependent_combine
+    from .combine_config import combine_attends_windows, dependent_combine
+    from .config import config_for
     q, cache, out, lse, sm_scale, G = problem.q, problem.cache, problem.out, problem.lse, problem.sm_scale, problem.gqa
     if q.device.type != "cuda" or _capability(q.device) != (9, 0):
         raise UnsupportedError("backend 'cute'", f"needs an sm_90 GPU (q is on {q.device})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
 
 from ..format import RESCALE_HEADROOM
 from .config import THREADS
@@ -23,7 +24,8 @@ from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
 
 
 @cute.jit
-def lazy_softmax(cfg, wg, state, sc, d: list, step):
+def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0,
+                 pv_in_flight: cutlass.Constexpr = False):
     """The online softmax of a pass's scores ``d`` with a lazy rescale (token-wise V), through the P' stores:
     returns the new ``(softmax, out)``. ``d``: the scores less the maxima they are taken relative to
     (``softmax.m``, :class:`~foscar.cute.softmax.OnlineSoftmax` with thresholds); ``step``: the pass's index
@@ -40,7 +42,9 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
     before. A NaN score passes no comparison and stays NaN in ``P``; a column that has seen no token keeps its
     maximum at ``-inf`` (threshold ``-inf``) and its scores relative to 0. ``wg``: the
     :class:`~foscar.cute.warpgroup.Warpgroup`, ``state`` its :class:`~foscar.cute.warpgroup.RunningState`,
-    ``sc`` the pass's :class:`~foscar.cute.warpgroup.TileScales` of this thread's rows."""
+    ``sc`` the pass's :class:`~foscar.cute.warpgroup.TileScales` of this thread's rows. ``first``: the tile's
+    first token in the pass's ``P'``; ``pv_in_flight``: a PV product may still be accumulating (an overlapped pass,
+    :mod:`foscar.cute.overlap`), so the rare rescale waits for it first."""
     thr = wg.thr
     softmax = state.softmax
     out = state.out
@@ -61,10 +65,12 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
     st = cute.make_rmem_tensor(cute.make_layout(groups), Float32)
     p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
     q = p_operands(cfg, sc.v, p, sigma_old)
-    store_p_operands(cfg, wg, q)
+    store_p_operands(cfg, wg, q, first)
     kept = (pt, qt, mt, ht, st)
     _keep(kept, p, q, mu_old, softmax.thr, sigma_old)
     if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
+        if cutlass.const_expr(pv_in_flight):  # the accumulator is rescaled below
+            warpgroup.wait_group(0)
         s = [d[e] + mu_old[s_slot(e)] for e in range(n_el)]
         tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, vb)
         sigma = p_scales(cfg, wg, out, step, tv)
@@ -76,7 +82,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step):
                 out.corr[g][k] = out.corr[g][k] * al[k]
         p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
         q2 = p_operands(cfg, sc.v, p2, sigma)
-        store_p_operands(cfg, wg, q2)
+        store_p_operands(cfg, wg, q2, first)
         cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
         _keep(kept, p2, q2, mn_use, th, sigma)
     sigma_new = [st[g] for g in range(groups)]

@@ -46,7 +46,7 @@ def mmas_and_layouts(cfg: Sm90Config):
         sQ_layout = cute.tile_to_shape(q_atom, (cfg.cols, cfg.head_dim), (0, 1))
     p_kind = P_ATOMS[cfg.cols] if cfg.p_column_major else warpgroup.SmemLayoutAtomKind.K_SW128
     p_atom = warpgroup.make_smem_layout_atom(p_kind, Float16)
-    sP_layout = cute.tile_to_shape(p_atom, (cfg.cols, TILE * cfg.tiles_per_pass), (0, 1))  # a pass's tokens
+    sP_layout = cute.tile_to_shape(p_atom, (cfg.cols, TILE * cfg.p_tiles), (0, 1))  # a pass's tokens
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 

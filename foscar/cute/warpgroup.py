@@ -23,7 +23,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
 from .config import CORRECTION_TILES, TILE, Sm90Config
-from .fragment import column_token, o_slot, row_half, s_slot, slot_column
+from .fragment import o_slot, row_half, s_slot, slot_column
 from .ring import split_tiles_each
 from .fold_map import k_fold_buffer
 from .folds import (
@@ -42,6 +42,7 @@ from .folds import (
 from .operands import build_k_registers, build_vt_registers
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import lazy_softmax, lazy_softmax_acc_fold
+from .limits import quantized_length
 from .pivot import pivot_a_operand
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
@@ -110,9 +111,13 @@ class Fragments:
         self.tSrQ = None if cfg.k_channel else thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQ))
         self.tSrQk = thr_qk.make_fragment_B(thr_qk.partition_B(smem.sQk)) if cfg.k_channel else None
         self.accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
-        self.accS_b = None  # two tiles per pass: the second tile's S^T
-        if cfg.tiles_per_pass == 2:
+        self.accS_b = None  # two tiles per pass, or overlapped: the second tile's S^T
+        if cfg.tiles_per_pass == 2 or cfg.overlap:
             self.accS_b = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE, cfg.qk_cols)), Float32)
+        self.tSrK_b = self.tSrK_b_u32 = None  # overlapped: the second tile's K, built while the first's is in use
+        if cfg.overlap:
+            self.tSrK_b = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE, D)))
+            self.tSrK_b_u32 = cute.recast_tensor(self.tSrK_b, Uint32)
         self.thr_pv = pv_mma.get_slice(tidx)
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
@@ -137,8 +142,9 @@ class Warpgroup:
     """A computing warpgroup's fixed context for its tiles: ``qsum`` is ``sum(Q)`` of this thread's columns
     (by column slot; the acc-fold's offset term, first channel group), ``n`` the sequence's quantized length,
     ``qinv`` (E4M3 K operands) the ``2^-e`` of the same columns (by column slot); ``limits`` (a step of several tokens) each
-    column's causal limit, the tokens it sees (:func:`causal_limits`); ``mask_from`` no later than the first token
-    any score is masked at (:func:`first_masked`, :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
+    column's causal limit, the tokens it sees (:func:`~foscar.cute.limits.causal_limits`); ``mask_from`` no later than
+    the first token any score is masked at (:func:`~foscar.cute.limits.first_masked`,
+    :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
                  n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None):
@@ -153,6 +159,7 @@ class Warpgroup:
         self.qsum = qsum
         self.n = n
         self.qk_scale = qk_scale
+        self.qk_mma0 = None  # the QK atom with ACCUMULATE off: an accumulator's first MMA overwrites it
 
 
 class TileScales:
@@ -259,52 +266,6 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
 
 
-@cute.jit
-def first_masked(cfg: Sm90Config, n, last):
-    """:attr:`Warpgroup.mask_from`: ``n``, or in a step (``cfg.causal``) the causal limit of its first token, which
-    no column's is below (:func:`causal_limits` with ``j = 0``; ``last``: :func:`causal_last`)."""
-    lo = n
-    if cutlass.const_expr(cfg.causal):
-        lo = last - (cfg.tail + cfg.step - 1)
-        if cutlass.const_expr(cfg.windows):
-            lo = quantized_length(cfg, lo)
-    return lo
-
-
-def causal_limits(cfg: Sm90Config, col0, last) -> list | None:
-    """A step of several tokens, or a part of one (``cfg.causal``): the quantized tokens each of this thread's
-    columns sees (by column slot; ``col0`` its first column), those of its step token ``j``'s length (``last``,
-    :func:`causal_last`, less ``tail + step - 1 - j``): without windows that length's count, with them its quantized
-    count (the rest of that length is read from the ring, as a one-token decode at that length); else None."""
-    if not cfg.causal:
-        return None
-    if cfg.tail:
-        last = last - cfg.tail
-    limits = []
-    for k in range(2 * cfg.nb):
-        n = last - (cfg.step - 1 - column_token(slot_column(k, col0), cfg.gqa, cfg.step))
-        limits.append(quantized_length(cfg, n) if cfg.windows else n)
-    return limits
-
-
-@cute.jit
-def causal_last(cfg: Sm90Config, mSEQ: cute.Tensor, b, n):
-    """What :func:`causal_limits` counts back from: the sequence's ``n`` quantized tokens, or with BF16 windows its
-    length ``L``."""
-    last = n
-    if cutlass.const_expr(cfg.windows):
-        last = mSEQ[b]
-    return last
-
-
-@cute.jit
-def quantized_length(cfg, L):
-    """``n_quant`` of a sequence of ``L`` tokens, as :meth:`foscar.KVFormat.split_length` computes it (``cfg`` a
-    stage-1 or combine config: its ``sink``, ``recent`` and ``flush``)."""
-    rest = L - cutlass.min(L, cfg.sink) - cfg.recent
-    return cutlass.max(rest, 0) // cfg.flush * cfg.flush
-
-
 class TileKernel:
     """The base of both Hopper kernels: the tile step of a computing warpgroup and its epilogue."""
 
@@ -396,7 +357,8 @@ class TileKernel:
 
     @cute.jit
     def _qk(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, t0, accS=None,
-            sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None, wait: cutlass.Constexpr = True):
+            sum_terms: cutlass.Constexpr = True, qbuf=None, scales=None, wait: cutlass.Constexpr = True,
+            second: cutlass.Constexpr = False):
         """``S^T = K Q^T`` on ``wgmma.m64n8k16`` (E4M3 K operands: ``m64n8k32``, Q's terms summed after it
         unless ``sum_terms`` is False, or by the tensor core where they are stacked along the contraction, K's A
         registers taken by each term), K built in registers: ``[accS]`` (``frags.accS`` unless given), or
@@ -404,25 +366,26 @@ class TileKernel:
         the tile's ``Q'`` buffer ``qbuf`` (the operand-fold, :meth:`_fold_q`); FP4 formats: FP16 K operands times
         the block scales of ``scales[0]`` (:func:`~foscar.cute.operands_fp4.build_k_registers_fp4`). Returns the
         partials. With ``wait`` False the MMAs are committed and left in flight: returns ``(partials, steps)``
-        for :meth:`_qk_finish` after the caller's ``wait_group``."""
+        for :meth:`_qk_finish` after the caller's ``wait_group``. ``second``: K into the fragments' second A registers
+        (:attr:`~foscar.cute.config.Sm90Config.overlap`: the first tile's product may still read the first)."""
         cfg = self.cfg
         frags = wg.frags
+        tSrK, tSrK_u32 = (frags.tSrK_b, frags.tSrK_b_u32) if second else (frags.tSrK, frags.tSrK_u32)
         if cutlass.const_expr(cfg.fp4_mx):
             from .operands_fp4 import build_k_registers_mx
-            build_k_registers_mx(cfg, frags.tSrK_u32, regs.kw, scales[0], wg.thr.row0)
+            build_k_registers_mx(cfg, tSrK_u32, regs.kw, scales[0], wg.thr.row0)
         elif cutlass.const_expr(cfg.fp4_block > 0):
             from .operands_fp4 import build_k_registers_fp4
-            build_k_registers_fp4(cfg, frags.tSrK_u32, regs.kw, scales[0], wg.thr.row0)
+            build_k_registers_fp4(cfg, tSrK_u32, regs.kw, scales[0], wg.thr.row0)
         elif cutlass.const_expr(cfg.k_e4m3):
-            build_k_registers_e4m3(cfg, frags.tSrK_u32, regs.kw)
+            build_k_registers_e4m3(cfg, tSrK_u32, regs.kw)
         else:
-            build_k_registers(cfg, frags.tSrK_u32, regs.kw)
+            build_k_registers(cfg, tSrK_u32, regs.kw)
         if cutlass.const_expr(accS is None):
             accS = frags.accS
         partials = [accS]
         if cutlass.const_expr(cfg.kc == 2):  # token-wise K, 2 channel groups: the second group's partial
             partials.append(cute.make_rmem_tensor(accS.layout, Float32))
-        tSrK = frags.tSrK
         warpgroup.fence()
         n_kb = cute.size(tSrK, mode=[2])
         # the k-blocks of Q: K's, or (stacked terms) each term's, which take K's A registers again
@@ -430,8 +393,11 @@ class TileKernel:
         steps = []  # FP32 promotion: each FP8 k-step into its own accumulator, summed in FP32 after the MMAs
         if cutlass.const_expr(cfg.qk_promote):
             steps = [accS] + [cute.make_rmem_tensor(accS.layout, Float32) for _ in range(n_kb - 1)]
-        for acc in partials + steps[1:]:
-            acc.fill(0.0)
+        zeroing = wg.qk_mma0 is not None
+        if cutlass.const_expr(not zeroing):
+            for acc in partials + steps[1:]:
+                acc.fill(0.0)
+        started = []  # the accumulators written so far
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
@@ -441,7 +407,11 @@ class TileKernel:
             else:
                 acc = accS
             q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
-            cute.gemm(wg.qk_mma, acc, tSrK[None, None, ka], q_frag, acc)
+            mma = wg.qk_mma
+            if cutlass.const_expr(zeroing and all(a is not acc for a in started)):
+                started.append(acc)
+                mma = wg.qk_mma0
+            cute.gemm(mma, acc, tSrK[None, None, ka], q_frag, acc)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
@@ -515,10 +485,12 @@ class TileKernel:
         return out
 
     @cute.jit
-    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0):
+    def _pv(self, wg: Warpgroup, out: OutputAccumulator, kb0: cutlass.Constexpr = 0,
+            wait: cutlass.Constexpr = True):
         """``O^T += V^T P'^T`` (the accumulator in units of sigma), V^T in registers, P' from its k-block
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
-        each group's m64 blocks of V^T multiply its own P' (one MMA chain each)."""
+        each group's m64 blocks of V^T multiply its own P' (one MMA chain each). With ``wait`` False the MMAs are
+        committed and left in flight."""
         cfg = self.cfg
         frags = wg.frags
         tOrV = frags.tOrV
@@ -544,7 +516,8 @@ class TileKernel:
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                     cute.gemm(wg.pv_mma, out.pivot, frags.pivot_a, tOrP[None, None, kb0 + kb], out.pivot)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def _epilogue(self, wg: Warpgroup, state: RunningState, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split,

@@ -34,8 +34,8 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .combine_config import WINDOW_BATCH, WINDOW_SCORE_LANES
+from .limits import quantized_length
 from .rotation import walsh_hadamard
-from .warpgroup import quantized_length
 
 VEC = 8  #: window elements per vector (16 bytes of BF16/FP16)
 
