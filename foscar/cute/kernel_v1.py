@@ -34,7 +34,7 @@ from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .overlap import consume_overlapped
-from .pair import pair_step, second_tile_start
+from .pair import pair_step, second_tile_start, wait_pass
 from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
 from .softmax import reduction_layout
 from .warpgroup import (
@@ -453,14 +453,8 @@ class FoldDecodeSm90WS(TileKernel):
             for tile in cutlass.range(t_lo + run * c, t_hi, 2 * self.consumers, unroll=1):  # and 2c + 4j + 1
                 k, i_b = pass_tiles(tile - t_lo, run, self.consumers)
                 tile_b = t_lo + i_b
-                slot = ring_slot(c, k, cfg.stages)
-                slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
                 has_b = tile_b < t_hi
-                if has_b:
-                    slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
-                cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
-                if has_b:
-                    cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
+                slot, slot_b = wait_pass(ring, c, k, has_b, cfg.stages)
                 qbuf = None
                 if cutlass.const_expr(cfg.producer_fold):  # tile A's stage holds the pass's Q'
                     qbuf = slot

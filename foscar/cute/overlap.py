@@ -20,8 +20,8 @@ from .config import CORRECTION_TILES, TILE
 from .folds import fold_corrections
 from .lazy import lazy_softmax
 from .operands import build_vt_registers
-from .pair import second_tile_start
-from .ring import StageRing, ring_phase, ring_slot
+from .pair import second_tile_start, wait_pass
+from .ring import StageRing
 from .warpgroup import RunningState, TileRegisters, Warpgroup, WarpgroupThread, tile_scales
 
 
@@ -31,15 +31,8 @@ def consume_overlapped(kern, wg: Warpgroup, ring: StageRing, regs: TileRegisters
     """v1 consumer ``c``'s overlapped pass over its ``k``-th tile (``tile``, ``k`` even) and its next (``tile_b``; none
     past ``t_hi``: its rows masked, tile A's words again): both stages into registers and freed, then
     :func:`overlap_step`. Returns the new state."""
-    cfg = kern.cfg
-    slot = ring_slot(c, k, cfg.stages)
-    slot_b = slot  # no tile B: its rows are masked, its words are tile A's again
     has_b = tile_b < t_hi
-    if has_b:
-        slot_b = slot + 1  # k is even: k + 1 is the next slot, in the same phase
-    cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, cfg.stages))
-    if has_b:
-        cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, cfg.stages))
+    slot, slot_b = wait_pass(ring, c, k, has_b, kern.cfg.stages)
     kern._read_words(ring, slot, regs, thr)
     kern._read_params(ring, slot, regs, thr_c, thr)
     kern._read_words(ring, slot_b, regs_b, thr)

@@ -22,6 +22,7 @@ from .folds import fold_corrections, v_acc_fold_product
 from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, term_columns
+from .ring import StageRing, ring_phase, ring_slot
 from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
 
 
@@ -141,3 +142,18 @@ def second_tile_start(tile_b, t_hi, n):
     if tile_b >= t_hi:
         t0_b = n
     return t0_b
+
+
+@cute.jit
+def wait_pass(ring: StageRing, c, k, has_b, stages: int):
+    """``(slot, slot_b)``: the stages of consumer ``c``'s pass of two tiles, its ``k``-th (``k`` even) and, where
+    ``has_b``, its next (``k + 1``: the next slot, in the same phase), once the producer has filled them; without a
+    tile B, ``slot_b`` is tile A's (its words read again, its rows masked)."""
+    slot = ring_slot(c, k, stages)
+    slot_b = slot
+    if has_b:
+        slot_b = slot + 1
+    cute.arch.mbarrier_wait(ring.full + slot, ring_phase(k, stages))
+    if has_b:
+        cute.arch.mbarrier_wait(ring.full + slot_b, ring_phase(k, stages))
+    return slot, slot_b

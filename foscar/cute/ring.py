@@ -85,3 +85,4 @@ class StageRing:
         self.sVP = sVP
         self.full = full
         self.empty = empty
+
