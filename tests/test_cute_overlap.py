@@ -1,9 +1,9 @@
 """Overlapped one-tile passes of v1 (``foscar.cute.config.OVERLAP_COLS``, :mod:`foscar.cute.overlap`): two of a
 consumer's tiles a pass, tile B's QK product in flight over tile A's softmax and A's PV product over B's.
 
-On the CPU: the kernels compile for sm_90a with both products in flight (ptxas injects no wait and serializes no
+On the CPU (the switch at 8, 16 and 32 columns): the kernels compile for sm_90a with both products in flight (ptxas injects no wait and serializes no
 wgmma), spill nothing at one CTA an SM, and at two CTAs an SM run as one-tile passes (``config.as_run``). On an sm_90
-GPU: NaN-poisoned outputs against the float64 oracle at 16 and 32 columns, steps with their causal limits, BF16
+GPU: NaN-poisoned outputs against the float64 oracle at 8, 16 and 32 columns, steps with their causal limits, BF16
 windows, consumers left without a tile B, scores that rise tile after tile (the rare rescale in tile B, while A's PV
 product is in flight), V of any magnitude, and a CUDA graph's replay."""
 import dataclasses
@@ -29,7 +29,7 @@ gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 
 @pytest.fixture
 def overlap(monkeypatch):
-    with cute_switches(monkeypatch, OVERLAP_COLS=(16, 32)):
+    with cute_switches(monkeypatch, OVERLAP_COLS=(8, 16, 32)):
         yield
 
 
@@ -42,7 +42,8 @@ def _ptxas_report(cfg, ctas: int) -> str:
     return ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__)
 
 
-@pytest.mark.parametrize("bits,gqa,step", [(2, 32, 1), (4, 32, 1), (2, 16, 1), (2, 4, 8), (4, 4, 4)])
+@pytest.mark.parametrize("bits,gqa,step", [(2, 32, 1), (4, 32, 1), (2, 16, 1), (2, 4, 8), (4, 4, 4), (2, 8, 1), (4, 4, 2),
+                                           (4, 4, 1)])
 def test_overlapped_passes_keep_both_products_in_flight(overlap, bits, gqa, step):
     """At one CTA an SM: no wgmma serialized, no wait injected by ptxas, nothing spilled; each loop copy waits for
     one product of two in flight twice a pass (``wgmma.wait_group 1``)."""
@@ -71,7 +72,7 @@ def test_two_ctas_an_sm_run_one_tile_passes(overlap):
 
 def test_the_switch_applies_to_one_tile_passes_of_token_wise_k_and_v(overlap):
     for fmt_kw, gqa, k_operand, tiles, want in [
-            ({}, 32, "e4m3", 1, True), ({}, 16, "bf16", 1, True), ({}, 8, "e4m3", 1, False), ({}, 4, "e4m3", 2, False),
+            ({}, 32, "e4m3", 1, True), ({}, 16, "bf16", 1, True), ({}, 8, "e4m3", 1, True), ({}, 4, "e4m3", 2, False),
             ({"k_axis": "channel"}, 32, "bf16", 1, False), ({"v_axis": "channel"}, 32, "e4m3", 1, False),
             ({"group_size": 64}, 32, "e4m3", 1, False)]:
         fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **fmt_kw})
@@ -86,6 +87,8 @@ def test_the_switch_applies_to_one_tile_passes_of_token_wise_k_and_v(overlap):
     ([5000, 129, 1], 32, None, {}),  # a one-token sequence; two tiles and a token
     ([3000, 64 * 3], 32, 7, {}),  # seven splits: consumers with an odd count of tiles (no tile B in their last pass)
     ([4001, 700, 65], 16, 2, {}),
+    ([5000, 700, 65], 8, None, {}),  # 8 columns (E4M3 K's terms in column blocks)
+    ([3000, 129], 4, 5, {}),  # 4 rows: two terms share the 8 columns (INT4: FP32-promoted QK steps)
     ([3000, 5], 32, 3, {"sink": 4, "recent": 100}),  # BF16 windows: the combine attends them
     ([2000, 333], 32, None, {"head_dim": 64, "group_size": 64})])
 def test_overlapped_passes_against_the_oracle_gpu(overlap, bits, lens, G, num_splits, fmt_kw):
@@ -98,9 +101,9 @@ def test_overlapped_passes_against_the_oracle_gpu(overlap, bits, lens, G, num_sp
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("G,T", [(4, 8), (4, 4), (8, 4), (2, 8)])
+@pytest.mark.parametrize("G,T", [(4, 8), (4, 4), (8, 4), (2, 8), (4, 2), (2, 4)])
 def test_overlapped_steps_against_the_oracle_gpu(overlap, bits, G, T):
-    """A step's tokens as the columns of overlapped passes (16 and 32 columns, one CTA an SM), each column under
+    """A step's tokens as the columns of overlapped passes (8, 16 and 32 columns, one CTA an SM), each column under
     its causal limit."""
     from foscar import backends
     from test_multitoken import _cut, _step
