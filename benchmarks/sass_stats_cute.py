@@ -189,7 +189,8 @@ def main() -> int:
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
-          f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass{' (overlapped)' if cfg.overlap else ''}: {len(loop) / per:g} SASS instructions per "
+          f"g {a.group_size} GQA {a.gqa}, q_len {a.q_len} (N {cfg.cols}), {per} tile(s) per pass"
+          f"{' (overlapped)' if cfg.overlap else ''}: {len(loop) / per:g} SASS instructions per "
           f"thread per 64-token tile, {len(loop) * 4 / per / packed:.3f} warp instructions per packed byte "
           f"({packed} bytes); {spills} local-memory instructions (spills) in the kernel")
     if rare:

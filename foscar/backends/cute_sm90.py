@@ -92,9 +92,9 @@ class CuteSm90(Backend):
         return why
 
     def candidates(self, case, device: torch.device) -> list[dict]:
-        """A step (``case.q_len > 1``): :meth:`_step_candidates`. Else the launch an untuned call runs first (:meth:`_untuned`: the time a tuned entry is held against); then
-        v0, v1 with two CTAs per SM and v1 with one, each at its split
-        heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
+        """A step (``case.q_len > 1``): :meth:`_step_candidates`. Else the launch an untuned call runs first
+        (:meth:`_untuned`: the time a tuned entry is held against); then v0, v1 with two CTAs per SM and v1 with one,
+        each at its split heuristic times {1/2, 1, 2}; then, where the format takes them, v1 with E4M3 K operands at the
         splits of the BF16 v1, every v1 candidate with two tiles per softmax pass, and v1 at two CTAs per SM
         with E4M3 K and two tiles a pass also at a quarter and four times its heuristic (and, with
         :data:`~foscar.cute.config.CLUSTER_MERGE`, at the split counts between that a cluster merges). Every v1
