@@ -287,6 +287,7 @@ wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_pipeline.py
 overlap|python3 -m pytest|tests/test_cute_overlap.py
+qk-zeroing|python3 benchmarks/run_with.py QK_ZEROING_BITS=2,4 -- pytest|tests/test_cute_decode.py -k "two_tiles or test_against_the_oracle or graph or magnitude"
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -310,6 +311,7 @@ cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants 
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
+qk-zeroing --variants shipped "QK_ZEROING_BITS=4" "QK_ZEROING_BITS=2,4"
 SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped

@@ -1,5 +1,6 @@
 """Overlapped one-tile passes of v1 (``foscar.cute.config.OVERLAP_COLS``, :mod:`foscar.cute.overlap`): two of a
-consumer's tiles a pass, tile B's QK product in flight over tile A's softmax and A's PV product over B's.
+consumer's tiles a pass, tile B's QK product in flight over tile A's softmax and A's PV product over B's; and the
+zeroing atom they use in two-tile passes (``QK_ZEROING_BITS``).
 
 On the CPU (the switch at 8, 16 and 32 columns): the kernels compile for sm_90a with both products in flight (ptxas injects no wait and serializes no
 wgmma), spill nothing at one CTA an SM, and at two CTAs an SM run as one-tile passes (``config.as_run``). On an sm_90
@@ -55,6 +56,21 @@ def test_overlapped_passes_keep_both_products_in_flight(overlap, bits, gqa, step
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 2 * config.consumer_code_paths(cfg, 1)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_two_tile_passes_zeroed_by_mma_wait_only_where_they_ask(monkeypatch, bits):
+    """Two tiles a pass (GQA 4, the paper grid's default) with ``QK_ZEROING_BITS``: each QK accumulator zeroed by its
+    first MMA. As shipped, ptxas injects waits for the zeros moved into an accumulator while another product is in
+    flight (INT2: tile B's, INT4: each FP32-promoted step's); zeroed by MMA it injects none."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    shipped = _ptxas_report(config.config_for(fmt, 4, 64, "e4m3", 2), 2)
+    assert "injected" in shipped, shipped
+    with cute_switches(monkeypatch, QK_ZEROING_BITS=(2, 4)):
+        cfg = config.config_for(fmt, 4, 64, "e4m3", 2)
+        assert cfg.qk_zeroing and not cfg.overlap
+        report = _ptxas_report(cfg, 2)
+    assert "serialized" not in report and "injected" not in report, report
 
 
 def test_two_ctas_an_sm_run_one_tile_passes(overlap):

@@ -67,15 +67,13 @@ V_PLACEMENT = True
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
 #: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
-#: and reads the length past the prologue's barriers (:meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._start_prefetch`,
-#: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off the geomean of seven paper shapes on the H200
-#: (``docs/results-h200.md``)
+#: and reads the length past the prologue's barriers (``FoldDecodeSm90WS._start_prefetch``,
+#: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off seven paper shapes' geomean (``docs/results-h200.md``)
 START_PREFETCH = True
 #: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
 #: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
 #: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows, and
-#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass on the H200, where the Triton kernel
-#: stopped on an illegal address in such a step at head dim 128 (``docs/results-h200.md``); its speed not measured
+#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass (``docs/results-h200.md``)
 WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), with one
 #: power of two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``),
@@ -88,6 +86,7 @@ MASK_BRANCH = True
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: column counts whose one-tile passes overlap two tiles (Sm90Config.overlap): none, not GPU-tested
+QK_ZEROING_BITS = ()  #: bit widths whose two-tile passes zero QK accumulators by MMA (Sm90Config.qk_zeroing): none yet
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
@@ -105,8 +104,7 @@ WIDE_CONSUMERS = False
 #: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): off, slower
 #: than two CTAs an SM at every shape timed (``docs/results-h200.md``)
 WIDE_EIGHT_COLUMNS = False
-#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`, mbarriers): correct on
-#: the H200, 1.3x the two launches' time in geomean (``docs/results-h200.md``): off
+#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): correct, 1.3x the time
 CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -121,7 +119,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE", "OVERLAP_COLS")
+            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -254,6 +252,7 @@ class Sm90Config:
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
+    qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
     #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
@@ -593,6 +592,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
+                      qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
                            else fmt.k_axis == "token" or g < 2 * TILE))

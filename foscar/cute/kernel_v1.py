@@ -435,7 +435,7 @@ class FoldDecodeSm90WS(TileKernel):
             limits = causal_limits(cfg, thr.col0, last)
         mask_from = first_masked(cfg, n, last) if cfg.mask_branch else None
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from)
-        if cutlass.const_expr(cfg.overlap):  # the zeroing QK atom (foscar.cute.overlap): made once, set once
+        if cutlass.const_expr(cfg.overlap or cfg.qk_zeroing):  # the zeroing QK atom (Warpgroup.qk_mma0): made once
             wg.qk_mma0 = mmas_and_layouts(cfg)[0]
             wg.qk_mma0.set(warpgroup.Field.ACCUMULATE, False)
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)

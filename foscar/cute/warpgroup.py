@@ -159,7 +159,9 @@ class Warpgroup:
         self.qsum = qsum
         self.n = n
         self.qk_scale = qk_scale
-        self.qk_mma0 = None  # the QK atom with ACCUMULATE off: an accumulator's first MMA overwrites it
+        #: the QK atom with ACCUMULATE off (overlapped passes, Sm90Config.qk_zeroing): an accumulator's first MMA
+        #: overwrites it, where zeros moved in would make ptxas wait for another product in flight
+        self.qk_mma0 = None
 
 
 class TileScales:
