@@ -316,7 +316,9 @@ SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped
                   # kernels: GQA 32, 16 and 8 (B 8; 8 and 16 columns at one CTA an SM: TWO_CTA_COLUMNS), then steps
-                  # of 2, 4 and 8 tokens at GQA 4 (bench_steps.py, each variant its own process)
+                  # of 2, 4 and 8 tokens at GQA 4 (bench_steps.py, each variant its own process); untuned
+                  # (FOSCAR_TUNING=0), so that no tuned entry pins the CTAs an SM a variant changes
+    export FOSCAR_TUNING=0
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:1 --variants shipped "OVERLAP_COLS=32" \
       > "$OUT/sweep-overlap-gqa32.md" 2>&1; echo "gqa32 rc=$?"; tail -3 "$OUT/sweep-overlap-gqa32.md"
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 8:128K --heads 32:2 --variants shipped "TWO_CTA_COLUMNS=8" \
@@ -324,7 +326,7 @@ SWEEPS
     tail -3 "$OUT/sweep-overlap-gqa16.md"
     timeout 200 python3 benchmarks/sweep_switches.py --shapes 8:32K,8:128K --heads 32:4 --variants shipped \
       "TWO_CTA_COLUMNS=" "OVERLAP_COLS=8,16,32 TWO_CTA_COLUMNS=" > "$OUT/sweep-overlap-gqa8.md" 2>&1; echo "gqa8 rc=$?"
-    tail -3 "$OUT/sweep-overlap-gqa8.md"  # steps: a GPU whose tuning file has steps entries takes their CTAs an SM
+    tail -3 "$OUT/sweep-overlap-gqa8.md"
     for v in "" "OVERLAP_COLS=16,32" "OVERLAP_COLS=16,32 TWO_CTA_COLUMNS=8" "OVERLAP_COLS=8,16,32 TWO_CTA_COLUMNS="; do
       timeout 150 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K --bits 2 4 \
         --q-len 1 2 4 8 --backends auto > "$OUT/steps-overlap-${v// /_}.md" 2>&1

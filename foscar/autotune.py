@@ -18,7 +18,7 @@ an entry without it was tuned with the versions of the file's metadata) and its 
 data of :mod:`foscar.tuning` (through :mod:`importlib.resources`: a wheel, a zip or an editable
 install, where they are the source tree's ``foscar/tuning``). The first file with an entry of the key's
 family that applies here wins, and within it the entry with the nearest buckets. Nothing found: the
-built-in heuristic (an empty config).
+built-in heuristic (an empty config). ``FOSCAR_TUNING=0`` in the environment turns the launchers' lookups off.
 
 Validity is per entry: a Triton entry applies when the installed Triton's major.minor is the one it was
 tuned with, a CuTe entry when the installed nvidia-cutlass-dsl is the version it was tuned with (its
@@ -50,6 +50,8 @@ from .errors import InvalidArgumentError
 
 SCHEMA = "foscar-tuning-v1"
 ENV_DIR = "FOSCAR_TUNING_DIR"
+#: ``FOSCAR_TUNING=0``: the launchers read no tuned config (every call its heuristic), for A/B runs of the kernels
+ENV_OFF = "FOSCAR_TUNING"
 PACKAGE_DATA = "foscar.tuning"
 CTX_MIN = 1024
 
@@ -346,8 +348,10 @@ def tuned_config(backend: str, q, cache, G: int, q_len: int = 1) -> dict:
     """The tuned launch config of ``backend`` for a decode of ``q`` over ``cache`` (``{}``: none tuned),
     keyed by GPU, format, GQA, page size, the batch (the cache's sequences) and capacity buckets and ``q_len`` (a
     step's tokens per sequence): host facts only, no device read. Each kernel's launcher reads its own keys from
-    it."""
+    it. With ``FOSCAR_TUNING=0`` in the environment, ``{}`` always."""
     import torch
+    if os.environ.get(ENV_OFF) == "0":
+        return {}
     index = q.device.index
     if index is None:
         index = torch.cuda.current_device() if q.device.type == "cuda" else 0

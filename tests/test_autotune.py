@@ -499,3 +499,16 @@ def test_a_step_reads_its_entry_in_each_launcher(dirs, monkeypatch):
     at.clear_lookup_cache()
     assert launch.launch_config(rows[:8], cache, 4, step=2).num_splits == 7 and launch.launch_config(
         rows[:8], cache, 4).num_splits == 6
+
+
+def test_foscar_tuning_0_turns_the_launchers_lookups_off(dirs, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    cache = foscar.quantize_kv(torch.randn(8, 8, 64, 128), torch.randn(8, 8, 64, 128), FMT, page_size=64)
+    q = torch.zeros(8, 32, 128)
+    at.write_entries(dirs / "env", GPU, [(key(8, 64), {"num_splits": 5, "num_warps": 8}, {})])
+    at.clear_lookup_cache()
+    assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
+    monkeypatch.setenv("FOSCAR_TUNING", "0")
+    assert at.tuned_config("triton", q, cache, 4) == {}
+    monkeypatch.setenv("FOSCAR_TUNING", "1")
+    assert at.tuned_config("triton", q, cache, 4) == {"num_splits": 5, "num_warps": 8}
