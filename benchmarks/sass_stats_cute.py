@@ -79,9 +79,10 @@ def _loop(sass: str) -> list[tuple[int, str]]:
 
 
 def rare_paths(sass: str) -> dict:
-    """Instructions of the tile loop's blocks that a full tile on the common path skips, by kind: ``"rescale"``
-    (:func:`rescale_branch`), ``"masks"`` (the scores' masks in a branch, ``Sm90Config.mask_branch``: a block of
-    ``-inf`` selects and their compares, taken by the tiles that reach a limit), ``"fold"`` (the offset
+    """Instructions of the tile loop's blocks that a full tile on the common path skips, by kind: ``"rescale"`` (the
+    lazy rescale's rare branches, each the span its branch skips right after its ``BAR.RED`` vote,
+    :func:`foscar.cute.lazy.lazy_softmax`), ``"masks"`` (the scores' masks in a branch, ``Sm90Config.mask_branch``:
+    a block of ``-inf`` selects and their compares, taken by the tiles that reach a limit), ``"fold"`` (the offset
     corrections' fold after the PV product, taken once in :data:`~foscar.cute.config.CORRECTION_TILES` tiles) and
     ``"waits"`` (an mbarrier wait's retry)."""
     lines = [(int(a, 16), line) for a, line in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass)]
@@ -112,19 +113,6 @@ def rare_paths(sass: str) -> dict:
         else:
             covered = -1  # a branch of the common path: the blocks inside it are looked at too
     return out
-
-
-def rescale_branch(sass: str) -> int:
-    """Instructions of the tile loop's rare branch: the span a lazy rescale's branch skips right after its
-    ``BAR.RED`` vote (:func:`foscar.cute.lazy.lazy_softmax`), 0 where the kernel has none."""
-    ins = [(int(a, 16), line) for a, line in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass)]
-    for i, (a, line) in enumerate(ins):
-        if "BAR.RED" in line:
-            for b, nxt in ins[i + 1:i + 8]:
-                m = re.search(r"BRA (0x[0-9a-f]+)", nxt)
-                if m:
-                    return sum(1 for c, _ in ins if b < c < int(m.group(1), 16))
-    return 0
 
 
 def kernel_parser(description: str) -> argparse.ArgumentParser:
@@ -184,8 +172,8 @@ def main() -> int:
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
-    rare = rescale_branch(sass)
     paths = rare_paths(sass)
+    rare = paths["rescale"]
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
     print(f"{'v0' if a.v0 else f'v1 ({a.ctas} CTA/SM)'} {a.k_operand.upper()} K operands, {codes} K {a.k_axis} "
           f"V {a.v_axis} D {a.head_dim} "
