@@ -8,7 +8,8 @@ verification, its tokens causal among themselves), on a random packed cache of t
 1. every candidate launch config is run once into a NaN-poisoned output, and the output checked
    (:func:`foscar.bench.measure.measure`, the driver the decode benchmark and the launch sweeps share):
    every value finite, and on one (sequence, KV head) slice an error against the float64 oracle (a step's
-   tokens each under its causal limit) within 3x BF16 attention's on the same slice. A candidate that fails is reported and never timed;
+   tokens each under its causal limit) within 3x BF16 attention's on the same slice. A candidate that fails is
+   reported and never timed;
 2. the others are timed as CUDA-graph replays, the L2 flushed before each, CUDA events, median of
    ``--iters`` after ``--warmup``; the heuristic config is one of the candidates;
 3. the fastest is recorded with its time and the heuristic's.

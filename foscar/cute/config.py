@@ -73,7 +73,7 @@ START_PREFETCH = True
 #: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
 #: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
 #: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows, and
-#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass (``docs/results-h200.md``)
+#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass, its speed not yet measured
 WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), with one
 #: power of two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``),

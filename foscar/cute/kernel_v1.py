@@ -32,6 +32,7 @@ from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
+from .limits import causal_last, causal_limits, first_masked
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
 from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start, wait_pass
@@ -46,7 +47,6 @@ from .warpgroup import (
     WarpgroupThread,
     allocate_registers,
 )
-from .limits import causal_last, causal_limits, first_masked
 
 
 #: the named barrier of every consumer warpgroup (0: the CTA's; 1-3: each consumer's; 5: Q's staging warpgroup)

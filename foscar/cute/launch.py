@@ -97,9 +97,9 @@ def launch_config(q: torch.Tensor, cache: QuantKVCache, G: int, *, num_splits: i
                   k_operand: str | None = None, tiles_per_pass: int | None = None,
                   stages: int | None = None, use_tuned: bool = True, step: int = 1, tail: int = 0) -> LaunchConfig:
     """The :class:`LaunchConfig` of a launch (``step``: query tokens per sequence, ``q`` their rows; ``tail``: a
-    part of a longer step, :attr:`~foscar.cute.config.Sm90Config.tail`): the
-    given values, else the autotune cache's (backend ``"cute"``, keyed by ``step`` as well; a part of a
-    longer step takes none; only where its entry is the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
+    part of a longer step, :attr:`~foscar.cute.config.Sm90Config.tail`): the given values, else the autotune
+    cache's (backend ``"cute"``, keyed by ``step`` as well; a part of a longer step takes none; only where its entry
+    is the variant asked for), else :data:`DEFAULT_WARP_SPECIALIZED`, :func:`default_ctas_per_sm`,
     :func:`default_num_splits` and, for v1, E4M3 K operands and two tiles per softmax pass where the format
     takes them (:func:`default_variant`); v0 takes BF16 K operands and one tile per pass. ``stages`` (v1's
     pipeline depth): the given value, else the tuned entry's, else the format's default. Host facts only: no

@@ -85,4 +85,3 @@ class StageRing:
         self.sVP = sVP
         self.full = full
         self.empty = empty
-
