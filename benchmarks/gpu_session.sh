@@ -79,7 +79,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?usage: gpu_session.sh tests|tvm WHEELS|cute BUNDLE|sanitize [KINDS]|cute-bench|tune|speed WHEELS|accuracy|heads WHEELS|rows WHEELS|lazy WHEELS|terms WHEELS|fa4 WHEELS}"
 parallel_pytest() {  # parallel_pytest NAME RUNNER SELECTION: SELECTION's GPU tests over $JOBS processes of RUNNER
   local name=$1 runner=$2 sel=$3 jobs=${JOBS:-6} f
-  $runner --collect-only -q -m gpu $sel 2> /dev/null | grep "::" > "$OUT/ids-$name"
+  eval "$runner --collect-only -q -m gpu $sel" 2> /dev/null | grep "::" > "$OUT/ids-$name"  # eval: a quoted -k
   split -n "l/$jobs" -d "$OUT/ids-$name" "$OUT/ids-$name-"  # contiguous: a kernel's cases mostly in one process
   for f in "$OUT/ids-$name"-*; do
     [ -s "$f" ] || continue
@@ -287,7 +287,6 @@ wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_pipeline.py
 overlap|python3 -m pytest|tests/test_cute_overlap.py
-qk-zeroing|python3 benchmarks/run_with.py QK_ZEROING_BITS=2,4 -- pytest|tests/test_cute_decode.py -k "two_tiles or test_against_the_oracle or graph or magnitude"
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -311,7 +310,6 @@ cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants 
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
-qk-zeroing --variants shipped "QK_ZEROING_BITS=4" "QK_ZEROING_BITS=2,4"
 SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped

@@ -17,7 +17,6 @@ OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
 OFF["PIVOT_MMA_COLS"] = (16, 32)  # the column counts it may take
 OFF["P_COLUMN_MAJOR_COLS"] = (8, 16, 32)  # 8 columns too
 OFF["OVERLAP_COLS"] = (16, 32)
-OFF["QK_ZEROING_BITS"] = (2, 4)
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [
