@@ -52,9 +52,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cluster-merge    # the split merge in a cluster: one decode a process
 #                                                                #   under a timeout, then its GPU tests if none hung
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh grid             # paper and axes grids, GQA sweep, steps: foscar.decode
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh grid [PART]      # paper and axes grids, GQA sweep, steps: foscar.decode
 #                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune-more        # foscar tune (CuTe) into $TUNE_DIR (default /tmp/tun):
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh tune-more [PART] # foscar tune (CuTe) into $TUNE_DIR (default /tmp/tun):
 #                                                                #   INT4's paper shapes, GQA 16 and 32, steps of 2-8
 #                                                                #   tokens, the channel-wise axes (after install-cute);
 #                                                                #   then `TUNE_DIR=/tmp/tun ... grid` times with them
@@ -401,37 +401,47 @@ SWEEPS
     python3 -m pip install -q --no-index --no-deps --no-compile "$d"/*.whl
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;;
   grid)  # after install-cute and fi-parts: foscar.decode (auto) beside FlashInfer BF16 in one process each: the
-          # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens; with TUNE_DIR set,
-          # its entries first (tune-more's), then the shipped file's
+          # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens (grid [PART ...]:
+          # paper axes heads steps, default all); with TUNE_DIR set, its entries first (tune-more's), then the
+          # shipped file's
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
     [ -n "${TUNE_DIR:-}" ] && export FOSCAR_TUNING_DIR="$TUNE_DIR"
-    timeout 200 python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_auto flashinfer_tc \
-      --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"; grep "^Geomean" "$OUT/paper.log"
-    timeout 120 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto flashinfer_tc \
-      --out "$OUT/axes" > "$OUT/axes.log" 2>&1; echo "axes rc=$?"
-    for h in 32:1 32:2 32:4 32:8 32:16 32:32; do
+    shift; parts="${*:-paper axes heads steps}"
+    case " $parts " in *" paper "*)
+      timeout 200 python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_auto flashinfer_tc \
+        --out "$OUT/paper" > "$OUT/paper.log" 2>&1; echo "paper rc=$?"; grep "^Geomean" "$OUT/paper.log" ;; esac
+    case " $parts " in *" axes "*)
+      timeout 120 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto flashinfer_tc \
+        --out "$OUT/axes" > "$OUT/axes.log" 2>&1; echo "axes rc=$?" ;; esac
+    case " $parts " in *" heads "*) for h in 32:1 32:2 32:4 32:8 32:16 32:32; do
       timeout 100 python3 -m foscar.bench.decode --shapes 8:128K --heads $h --cuda-graph --kernels foscar_auto \
         flashinfer_tc --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1
       echo "heads $h rc=$? $(grep "done in" "$OUT/heads-${h/:/-}.log")"
-    done
-    timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
-      --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;;
+    done ;; esac
+    case " $parts " in *" steps "*)
+      timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
+        --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -33 ;; esac ;;
   tune-more)  # after install-cute: foscar tune (CuTe) into TUNE_DIR (default /tmp/tun, kept between calls) for INT4's
                # paper shapes, GQA 16 and 32 (B 8, L 128K), steps of 2-8 tokens at the steps bars' shapes and the
-               # channel-wise axes of the axes grid; merge the file it copies to $OUT into foscar/tuning/<GPU>.json
-    d="${TUNE_DIR:-/tmp/tun}"; mkdir -p "$d"
-    timeout 150 python3 -m foscar.tune --backend cute --preset paper --bits 4 --out "$d" \
-      > "$OUT/tune-cute-paper-4.md" 2> "$OUT/tune-cute-paper-4.log"; echo "paper INT4 rc=$?"
-    for h in 32:1 32:2; do
+               # channel-wise axes of the axes grid; tune-more [PART ...] (paper4 gqa steps axes; default all: over one
+               # call's 600 s where every candidate compiles, so a call takes two or three parts); merge the file it
+               # copies to $OUT into foscar/tuning/<GPU>.json
+    d="${TUNE_DIR:-/tmp/tun}"; mkdir -p "$d"; shift; parts="${*:-paper4 gqa steps axes}"
+    case " $parts " in *" paper4 "*)
+      timeout 150 python3 -m foscar.tune --backend cute --preset paper --bits 4 --out "$d" \
+        > "$OUT/tune-cute-paper-4.md" 2> "$OUT/tune-cute-paper-4.log"; echo "paper INT4 rc=$?" ;; esac
+    case " $parts " in *" gqa "*) for h in 32:1 32:2; do
       timeout 90 python3 -m foscar.tune --backend cute --shapes 8:128K --heads $h --bits 2 4 --out "$d" \
         >> "$OUT/tune-cute-gqa.md" 2>> "$OUT/tune-cute-gqa.log"; echo "GQA $h rc=$?"
-    done
-    timeout 240 python3 -m foscar.tune --backend cute --shapes 8:32K 8:128K 64:32K 64:128K --bits 2 4 --q-len 2 4 8 \
-      --out "$d" > "$OUT/tune-cute-steps.md" 2> "$OUT/tune-cute-steps.log"; echo "steps rc=$?"
-    for axes in "--k-axis token --v-axis channel" "--k-axis channel --v-axis token channel"; do
-      timeout 150 python3 -m foscar.tune --backend cute --shapes 1:32K 1:128K 8:32K 8:128K --bits 2 4 $axes --out "$d" \
-        >> "$OUT/tune-cute-axes.md" 2>> "$OUT/tune-cute-axes.log"; echo "axes ($axes) rc=$?"
-    done
+    done ;; esac
+    case " $parts " in *" steps "*)
+      timeout 240 python3 -m foscar.tune --backend cute --shapes 8:32K 8:128K 64:32K 64:128K --bits 2 4 --q-len 2 4 8 \
+        --out "$d" > "$OUT/tune-cute-steps.md" 2> "$OUT/tune-cute-steps.log"; echo "steps rc=$?" ;; esac
+    case " $parts " in *" axes "*)
+      for axes in "--k-axis token --v-axis channel" "--k-axis channel --v-axis token channel"; do
+        timeout 150 python3 -m foscar.tune --backend cute --shapes 1:32K 1:128K 8:32K 8:128K --bits 2 4 $axes \
+          --out "$d" >> "$OUT/tune-cute-axes.md" 2>> "$OUT/tune-cute-axes.log"; echo "axes ($axes) rc=$?"
+      done ;; esac
     cp "$d"/*.json "$OUT/" ;;
   triton-gqa)  # after fi-parts: foscar tune --backend triton at GQA 16 and 32 (B 8, L 128K, Hq 32), then the Triton
                # kernel with those entries beside FlashInfer BF16, one process a ratio
