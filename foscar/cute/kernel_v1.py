@@ -33,7 +33,7 @@ from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .limits import causal_last, causal_limits, first_masked
-from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q
+from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q, zeroing_qk_mma
 from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start, wait_pass
 from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
@@ -434,10 +434,8 @@ class FoldDecodeSm90WS(TileKernel):
             last = causal_last(cfg, mSEQ, b, n)
             limits = causal_limits(cfg, thr.col0, last)
         mask_from = first_masked(cfg, n, last) if cfg.mask_branch else None
-        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from)
-        if cutlass.const_expr(cfg.overlap or cfg.qk_zeroing):  # the zeroing QK atom (Warpgroup.qk_mma0): made once
-            wg.qk_mma0 = mmas_and_layouts(cfg)[0]
-            wg.qk_mma0.set(warpgroup.Field.ACCUMULATE, False)
+        wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from,
+                       qk_mma0=zeroing_qk_mma(cfg))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT

@@ -50,6 +50,17 @@ def mmas_and_layouts(cfg: Sm90Config):
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 
+def zeroing_qk_mma(cfg: Sm90Config):
+    """Device side, in a consumer's traced region: the S^T product's tiled MMA with ``ACCUMULATE`` off, for an
+    accumulator's first MMA (:attr:`Sm90Config.qk_zeroing`, :attr:`Sm90Config.overlap`), which overwrites it where
+    zeros moved in would make ptxas wait for another product in flight; ``None`` where neither applies."""
+    if cutlass.const_expr(not (cfg.overlap or cfg.qk_zeroing)):
+        return None
+    mma = mmas_and_layouts(cfg)[0]
+    mma.set(warpgroup.Field.ACCUMULATE, False)
+    return mma
+
+
 def sqk_layout(cfg: Sm90Config, buffers: int):
     """Channel-wise K: ``buffers`` buffers of ``Q'`` (the S^T product's B operand, :func:`foscar.cute.folds.fold_q`:
     a consumer's two, or one per stage), Q^T's swizzled layout with a buffer mode: BF16, or E4M3 terms

@@ -147,7 +147,8 @@ class Warpgroup:
     :attr:`~foscar.cute.config.Sm90Config.mask_branch`)."""
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
-                 n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None):
+                 n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None,
+                 qk_mma0=None):
         self.limits = limits
         self.mask_from = n if mask_from is None else mask_from
         self.qinv = qinv  # E4M3 K operands: the 2^-e of this thread's two head columns
@@ -159,9 +160,7 @@ class Warpgroup:
         self.qsum = qsum
         self.n = n
         self.qk_scale = qk_scale
-        #: the QK atom with ACCUMULATE off (overlapped passes, Sm90Config.qk_zeroing): an accumulator's first MMA
-        #: overwrites it, where zeros moved in would make ptxas wait for another product in flight
-        self.qk_mma0 = None
+        self.qk_mma0 = qk_mma0  #: an accumulator's first QK MMA's atom, or None (:func:`~.operands.zeroing_qk_mma`)
 
 
 class TileScales:
