@@ -7,9 +7,9 @@ against FlashInfer BF16 with the same step, in one process:
 Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V unless ``--k-axis``/``--v-axis``, BF16 windows
 with ``--sink``/``--recent``, a ring keeping the longest step's windows, random codes) and step length: the time of
 ``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
-of one launch; ``--backends`` names them) as a CUDA-graph replay, the L2 flushed before each
-(``fixed_cost.timed``: median of ``--iters``), its ratio to the same backend's one-token decode, and
-FlashInfer's paged prefill wrapper with ``q_len`` query tokens per sequence and the causal mask (BF16 KV; a
+of one launch; ``--backends`` names them) as a CUDA-graph replay, the L2 flushed before each, every step length
+timed in interleaved rounds (median of ``--iters``), its ratio to the same backend's one-token decode, and after
+them FlashInfer's paged prefill wrapper with ``q_len`` query tokens per sequence and the causal mask (BF16 KV; a
 one-token step is its decode too).
 First, at a small shape, each step's output against the float64 oracle (``foscar.decode_exact``).
 """
@@ -24,7 +24,7 @@ from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, timed
 
 import foscar
-from foscar.bench import make_block_table, random_cache, time_call
+from foscar.bench import as_graph, make_block_table, random_cache, time_call, time_interleaved
 from foscar.bench.grid import FI_WORKSPACE_BYTES
 from foscar.bench.inputs import make_bf16_inputs
 
@@ -73,6 +73,35 @@ def check(a, steps, dev) -> None:
                 print(f"check INT{bits} q_len {T} {backend}: error {err:.2e} against the float64 oracle")
 
 
+def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
+    """``(q_len, backend) -> µs`` of every step length and backend at one shape, timed in interleaved rounds
+    (:func:`foscar.bench.time_interleaved`), so that a slow spell of the GPU touches the one-token decode and the
+    steps alike and their ratios hold."""
+    cache = step_cache(a, bits, bt, L)
+    replays = {}
+    for T in a.q_len:
+        q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
+        for backend in a.backends:
+            replays[T, backend] = as_graph(lambda q=q, o=out, b=backend: foscar.decode(q, cache, out=o, backend=b))
+    timed_ = time_interleaved(replays, iters=a.iters, warmup=5, flush=flush)
+    return {k: v["median_us"] for k, v in timed_.items()}
+
+
+def flashinfer_steps(a, bt, L: int, flush, dev) -> dict:
+    """``q_len -> µs`` of FlashInfer's causal prefill over BF16 pages of the same shape (None: not installed)."""
+    inp = make_bf16_inputs(torch.zeros(bt.shape[0], HQ, D, dtype=torch.bfloat16, device=dev), bt, L, HKV)
+    fi = {}
+    for T in a.q_len:
+        run = flashinfer_step(inp, T)
+        try:
+            fi[T] = timed(run[0], flush, a.iters) if run else None
+        except Exception as e:  # a wrapper a CUDA graph cannot capture: timed eagerly, and said so
+            print(f"FlashInfer q_len {T}: no CUDA-graph capture ({type(e).__name__}: {str(e)[:80]}), timed eagerly")
+            fi[T] = time_call(run[0], iters=a.iters, warmup=5, flush=flush)["median_us"]
+    return fi
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes("8:32K,8:128K,64:32K,64:128K"))
@@ -94,26 +123,12 @@ def main():
           + " | FlashInfer BF16 µs (x its q_len 1) |\n|---|---|---|---|" + "---|" * (len(a.backends) + 1))
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // PAGE, "shuffled", 0).to(dev)
-        inp = make_bf16_inputs(torch.zeros(B, HQ, D, dtype=torch.bfloat16, device=dev), bt, L, HKV)
-        fi = {}
-        for T in a.q_len:
-            run = flashinfer_step(inp, T)
-            try:
-                fi[T] = timed(run[0], flush, a.iters) if run else None
-            except Exception as e:  # a wrapper a CUDA graph cannot capture: timed eagerly, and said so
-                print(f"FlashInfer q_len {T}: no CUDA-graph capture ({type(e).__name__}: {str(e)[:80]}), timed eagerly")
-                fi[T] = time_call(run[0], iters=a.iters, warmup=5, flush=flush)["median_us"]
+        times = {bits: foscar_steps(a, bits, bt, B, L, flush, dev) for bits in a.bits}  # before FlashInfer's
+        fi = flashinfer_steps(a, bt, L, flush, dev)
         for bits in a.bits:
-            cache = step_cache(a, bits, bt, L)
-            base = {}
+            t = times[bits]
             for T in a.q_len:
-                q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
-                out = torch.empty(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
-                row = []
-                for backend in a.backends:
-                    t = timed(lambda c=cache, b=backend: foscar.decode(q, c, out=out, backend=b), flush, a.iters)
-                    base.setdefault(backend, t)
-                    row.append(f"{t:.1f} ({t / base[backend]:.2f}x)")
+                row = [f"{t[T, b]:.1f} ({t[T, b] / t[a.q_len[0], b]:.2f}x)" for b in a.backends]
                 f = fi[T]
                 row.append("-" if f is None else f"{f:.1f} ({f / fi[a.q_len[0]]:.2f}x)")
                 print(f"| {B} | {L // 1024}K | INT{bits} | {T} | " + " | ".join(row) + " |")

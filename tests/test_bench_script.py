@@ -787,3 +787,26 @@ def test_run_with_forgets_the_variants_chosen_under_other_switches():
     finally:
         run_with.apply({}, shipped)
     assert default_variant(fmt, 4, 64) == (("e4m3", 2) if config.CHANNEL_K_E4M3 else ("bf16", 1))
+
+
+def test_interleaved_timing_takes_every_call_once_a_round_after_a_flush(monkeypatch):
+    """``time_interleaved``: the warm-up calls first, then rounds in which each call runs once, in order, right
+    after an L2 flush, timed alone; a call slowed in one round only moves its own median."""
+    import foscar.bench.common as common
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    log = []
+    monkeypatch.setattr(common, "flush_l2", lambda buf: log.append("flush"))
+    slow = iter([0, 0, 0.02, 0])  # b's second timed call sleeps
+
+    def a():
+        log.append("a")
+
+    def b():
+        log.append("b")
+        if len([x for x in log if x == "b"]) > 1:
+            time.sleep(next(slow))
+    res = common.time_interleaved({"a": a, "b": b}, iters=3, warmup=1, flush=torch.empty(1))
+    assert log == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
+    assert set(res) == {"a", "b"} and all(len(r["all_us"]) == 3 for r in res.values())
+    assert max(res["b"]["all_us"]) > 15_000 > res["b"]["median_us"]  # one slow round, not the median

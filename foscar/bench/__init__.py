@@ -14,8 +14,10 @@ from .common import (
     rel_l2,
     summarize_us,
     time_call,
+    time_interleaved,
 )
 from .measure import SLICE_FACTOR, SliceCheck, measure, slice_check
 
 __all__ = ["L2_FLUSH_BYTES", "SLICE_FACTOR", "SliceCheck", "as_graph", "cache_to", "make_block_table", "measure",
-           "one_head_cache", "random_cache", "rel_l2", "slice_check", "summarize_us", "time_call"]
+           "one_head_cache", "random_cache", "rel_l2", "slice_check", "summarize_us", "time_call",
+           "time_interleaved"]

@@ -291,6 +291,27 @@ def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch
     return summarize_us([start.elapsed_time(end) * 1e3 for start, end in events])
 
 
+def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
+    """:func:`time_call` of several calls in rounds: each round times every call of ``fns`` (name -> call) once, in
+    order, the L2 flushed before each, so that a slow spell of the GPU (its clocks after a heavy call, another
+    process) touches every call alike and their ratios hold. Returns name -> median/min/all (µs)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush_l2(flush)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: summarize_us([a.elapsed_time(b) * 1e3 for a, b in pairs]) for name, pairs in events.items()}
+
+
 def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
     side = torch.cuda.Stream()
