@@ -135,9 +135,11 @@ def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
 
 def as_run(cfg, ctas_per_sm: int):
     """``cfg`` as v1 runs it at ``ctas_per_sm`` CTAs an SM: :attr:`~Sm90Config.overlap` with two consumers at one CTA
-    only (two CTAs' 104 registers a consumer, or three consumers' 160, spill the second tile's)."""
+    only (two CTAs' 104 registers a consumer, or three consumers' 160, spill the second tile's); a split merge in a
+    cluster there without :attr:`~Sm90Config.qk_zeroing` (INT2, two CTAs, 16 a cluster: 40 bytes spilled with it)."""
     fewer = ctas_per_sm > 1 or consumers_for(cfg, ctas_per_sm) > CONSUMERS
-    return dataclasses.replace(cfg, overlap=False) if cfg.overlap and fewer else cfg
+    run = {"overlap": cfg.overlap and not fewer, "qk_zeroing": cfg.qk_zeroing and not (cfg.cluster > 1 and fewer)}
+    return cfg if run == {"overlap": cfg.overlap, "qk_zeroing": cfg.qk_zeroing} else dataclasses.replace(cfg, **run)
 
 
 def consumers_for(cfg, ctas_per_sm: int) -> int:
