@@ -69,6 +69,16 @@ def test_the_partials_shared_memory_is_budgeted():
     assert grown == 3 * cfg.cols * (cfg.head_dim + 1) * 4 + 16  # and the merge's two mbarriers
 
 
+def test_a_cluster_merge_at_two_ctas_runs_without_qk_zeroing():
+    """``as_run``: the merge's registers and the zeroing atom's spill together at two CTAs an SM; at one CTA, and
+    without a cluster, the kernel keeps the zeroing."""
+    from foscar.cute.config import as_run
+    cfg = config_for(FMT, 4, 64, "e4m3", 2)
+    clustered = dataclasses.replace(cfg, cluster=16)
+    assert cfg.qk_zeroing and as_run(cfg, 2) is cfg and as_run(clustered, 1) is clustered
+    assert not as_run(clustered, 2).qk_zeroing and as_run(clustered, 2).cluster == 16
+
+
 @pytest.mark.parametrize("bits,gqa,tiles,ctas,size,out,wide", [
     (2, 4, 2, 2, 16, "bf16", False), (4, 4, 2, 1, 16, "f32", False), (2, 1, 2, 2, 4, "bf16", False),
     (2, 4, 2, 1, 8, "bf16", True), (4, 4, 2, 2, 1, "bf16", False)])
