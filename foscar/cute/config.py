@@ -85,12 +85,8 @@ MASK_BRANCH = True
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
-#: The column counts whose one-tile passes overlap two tiles (:attr:`Sm90Config.overlap`): none. On the H100 no faster
-#: than one tile a pass (GQA 32 2.5% / 6% slower, GQA 16 and 8 within 1%: ``docs/steps-plan.md``)
-OVERLAP_COLS = ()
-#: The bit widths whose two-tile passes zero their QK accumulators by MMA (:attr:`Sm90Config.qk_zeroing`): both, ptxas
-#: then injects no wait between the two tiles' products (H100 paper grid 0.994 / 0.995 of the time without)
-QK_ZEROING_BITS = (2, 4)
+OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
+QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
 PIVOT_MMA_COLS = ()
