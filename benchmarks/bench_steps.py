@@ -8,7 +8,8 @@ Per shape (Hq 32, Hkv 8, D 128, g 128, page 64, token-wise K and V unless ``--k-
 with ``--sink``/``--recent``, a ring keeping the longest step's windows, random codes) and step length: the time of
 ``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
 of one launch; ``--backends`` names them) as a CUDA-graph replay, the L2 flushed before each, every step length
-timed in interleaved rounds (median of ``--iters``), its ratio to the same backend's one-token decode, and after
+timed in interleaved rounds (median of ``--iters``), its ratio to the same backend's one-token step (and, in
+the same rounds, the one-token decode of ``q [B, Hq, D]``, the paper grid's call, a row of its own), and after
 them FlashInfer's paged prefill wrapper with ``q_len`` query tokens per sequence and the causal mask (BF16 KV; a
 one-token step is its decode too).
 First, at a small shape, each step's output against the float64 oracle (``foscar.decode_exact``).
@@ -76,12 +77,14 @@ def check(a, steps, dev) -> None:
 def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
     """``(q_len, backend) -> µs`` of every step length and backend at one shape, timed in interleaved rounds
     (:func:`foscar.bench.time_interleaved`), so that a slow spell of the GPU touches the one-token decode and the
-    steps alike and their ratios hold."""
+    steps alike and their ratios hold; ``("decode", backend)``: the one-token decode of ``q [B, Hq, D]``, the
+    paper grid's call, beside the steps' ``q [B, 1, Hq, D]``."""
     cache = step_cache(a, bits, bt, L)
     replays = {}
-    for T in a.q_len:
-        q = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
-        out = torch.empty(B, T, HQ, D, dtype=torch.bfloat16, device=dev)
+    for T in ("decode", *a.q_len):
+        shape = (B, HQ, D) if T == "decode" else (B, T, HQ, D)
+        q = torch.randn(shape, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
         for backend in a.backends:
             replays[T, backend] = as_graph(lambda q=q, o=out, b=backend: foscar.decode(q, cache, out=o, backend=b))
     timed_ = time_interleaved(replays, iters=a.iters, warmup=5, flush=flush)
@@ -127,6 +130,8 @@ def main():
         fi = flashinfer_steps(a, bt, L, flush, dev)
         for bits in a.bits:
             t = times[bits]
+            print(f"| {B} | {L // 1024}K | INT{bits} | decode, q [B, Hq, D] | "
+                  + " | ".join(f"{t['decode', b]:.1f}" for b in a.backends) + " | - |")
             for T in a.q_len:
                 row = [f"{t[T, b]:.1f} ({t[T, b] / t[a.q_len[0], b]:.2f}x)" for b in a.backends]
                 f = fi[T]
