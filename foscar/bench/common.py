@@ -275,26 +275,17 @@ def time_call(fn: Callable[[], object], *, iters: int, warmup: int, flush: torch
               before: Callable[[], object] | None = None) -> dict:
     """Median/min/all of ``iters`` calls (µs) after ``warmup``: the L2 flushed before each (:func:`flush_l2` of
     ``flush``), or ``before()`` run instead (a study of the flush itself), CUDA events around the call alone."""
+    return time_interleaved({"call": fn}, iters=iters, warmup=warmup, flush=flush, before=before)["call"]
+
+
+def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor | None = None,
+                     before: Callable[[], object] | None = None) -> dict:
+    """:func:`time_call` of several calls in rounds: each round times every call of ``fns`` (name -> call) once, in
+    order, the L2 flushed (or ``before()`` run) before each, so that a slow spell of the GPU (its clocks after a heavy
+    call, another process) touches every call alike and their ratios hold. Returns name -> median/min/all (µs)."""
     if (flush is None) == (before is None):
         raise TypeError("time_call: give exactly one of flush and before")
     before = before if before is not None else functools.partial(flush_l2, flush)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        before()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return summarize_us([start.elapsed_time(end) * 1e3 for start, end in events])
-
-
-def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor) -> dict:
-    """:func:`time_call` of several calls in rounds: each round times every call of ``fns`` (name -> call) once, in
-    order, the L2 flushed before each, so that a slow spell of the GPU (its clocks after a heavy call, another
-    process) touches every call alike and their ratios hold. Returns name -> median/min/all (µs)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -303,7 +294,7 @@ def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor)
     for _ in range(iters):
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            flush_l2(flush)
+            before()
             start.record()
             fn()
             end.record()
