@@ -50,9 +50,8 @@ COMBINE_PDL = False
 #: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
 COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
-#: (:func:`dependent_combine`; measured in the same record)
+#: (:func:`foscar.cute.combine_config.dependent_combine`; measured in the same record)
 COMBINE_PDL_WINDOWS = True
-
 
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
 #: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: INT4 only, where it lowers the error most for
