@@ -810,3 +810,13 @@ def test_interleaved_timing_takes_every_call_once_a_round_after_a_flush(monkeypa
     assert log == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
     assert set(res) == {"a", "b"} and all(len(r["all_us"]) == 3 for r in res.values())
     assert max(res["b"]["all_us"]) > 15_000 > res["b"]["median_us"]  # one slow round, not the median
+
+
+@pytest.mark.parametrize("kw,name", [({"fns": {}}, "fns"), ({"fns": {"a": 1}}, "fns"), ({"iters": 0}, "iters"),
+                                     ({"warmup": -1}, "warmup")])
+def test_interleaved_timing_refuses_bad_arguments_by_name(kw, name):
+    from foscar.bench import time_interleaved
+    from foscar.errors import InvalidArgumentError
+    args = {"fns": {"a": lambda: None}, "iters": 3, "warmup": 1, "flush": torch.empty(1), **kw}
+    with pytest.raises(InvalidArgumentError, match=name):
+        time_interleaved(**args)

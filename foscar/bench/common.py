@@ -283,8 +283,13 @@ def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor 
     """:func:`time_call` of several calls in rounds: each round times every call of ``fns`` (name -> call) once, in
     order, the L2 flushed (or ``before()`` run) before each, so that a slow spell of the GPU (its clocks after a heavy
     call, another process) touches every call alike and their ratios hold. Returns name -> median/min/all (µs)."""
+    from .._checks import check_int
     if (flush is None) == (before is None):
         raise TypeError("time_call: give exactly one of flush and before")
+    if not isinstance(fns, dict) or not fns or not all(callable(fn) for fn in fns.values()):
+        raise InvalidArgumentError("fns", "a non-empty dict of name -> callable", type(fns).__name__)
+    check_int("iters", iters, minimum=1)
+    check_int("warmup", warmup, minimum=0)
     before = before if before is not None else functools.partial(flush_l2, flush)
     for fn in fns.values():
         for _ in range(warmup):
