@@ -9,7 +9,9 @@ against its tables:
 - ``floor, 1 kernel`` / ``floor, 2 kernels``: a graph of one (two) kernels that touch 4 bytes. What any
   decode of one (two) launches costs under this method, whatever it reads.
 - ``read N MB``: a graph of one ``torch.sum`` over as many bytes as the decode reads, from DRAM (cold L2,
-  dirty with the flush). The memory floor of that byte count, one launch.
+  dirty with the flush); and of the read-ceiling kernel (``foscar.bench.ceiling.read_kernel``) over them in
+  16 KB per program, so that every SM streams at once (its output checked). The memory floor of that byte
+  count, one launch.
 - ``decode``: ``foscar.decode`` (backend ``auto``, the tuned launch), with the L2 flushed, and warm (a GPU
   sleep before each replay in place of the flush, so that the host stays ahead of the GPU).
 - ``kernels``: each kernel of one decode (torch.profiler, L2 flushed): its duration, and its start after
@@ -28,6 +30,7 @@ from bench_decode import Case, make_random_cache, parse_shapes
 import foscar
 from foscar.bench import as_graph, make_block_table, time_call
 from foscar.bench.common import flush_l2
+from foscar.bench.ceiling import read_kernel, xor_reduce
 
 FLUSH_BYTES = 512 * 2 ** 20
 
@@ -66,6 +69,25 @@ def timed_warm(fn, iters):
         end.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+
+
+READ_CHUNK = 4096  #: int32 a program of the streaming read: 16 KB, one 16-byte load a thread (BLOCK 4096)
+
+
+def streaming_read(nbytes: int, dev):
+    """The read-ceiling kernel over ``nbytes`` (rounded down to whole 16 KB chunks) of random int32, one chunk a
+    program: a call, its result checked against the chunks' XOR first."""
+    programs = max(1, nbytes // (4 * READ_CHUNK))
+    x = torch.randint(-2 ** 31, 2 ** 31, (programs * READ_CHUNK,), dtype=torch.int32, device=dev)
+    partial = torch.empty(programs, dtype=torch.int32, device=dev)
+    reader = read_kernel()
+    fn = lambda: reader[(programs,)](x, partial, READ_CHUNK, BLOCK=READ_CHUNK, num_warps=8)  # noqa: E731
+    fn()
+    for p in (0, programs - 1):
+        want = xor_reduce(x[p * READ_CHUNK:(p + 1) * READ_CHUNK])
+        if int(partial[p]) != want:
+            raise RuntimeError(f"streaming read: program {p} gave {int(partial[p])}, expected {want}")
+    return fn
 
 
 def kernel_rows(fn, flush, iters):
@@ -109,6 +131,8 @@ def main():
             dec = lambda: foscar.decode(q, cache, out=out)  # noqa: E731
             name = f"B {B}, L {L}, INT{bits}"
             print(f"| {name}: read {nbytes / 1e6:.1f} MB (torch.sum) | {timed(lambda: blob.sum(), flush, a.iters):.1f} |")
+            print(f"| {name}: read {nbytes / 1e6:.1f} MB (Triton, {READ_CHUNK * 4 >> 10} KB a program) | "
+                  f"{timed(streaming_read(nbytes, dev), flush, a.iters):.1f} |")
             print(f"| {name}: decode ({foscar.select_backend(q, cache)}) | {timed(dec, flush, a.iters):.1f} |")
             print(f"| {name}: decode, L2 warm (not flushed) | {timed_warm(dec, a.iters):.1f} |")
             for kname, dur, gap in kernel_rows(dec, flush, a.iters):

@@ -119,7 +119,7 @@ case "$step" in
       echo "smoke $kind rc=$rc $(tail -1 "$OUT/smoke-$kind.log")"
       [ "$kind" = cute_ws ] && [ $rc = 0 ] && sel="v0 or v1"
     done
-    timeout 300 python3 -m pytest -q -s -m gpu -k "$sel or auto" tests/test_cute_decode.py > "$OUT/cute.log" 2>&1
+    timeout 300 python3 -m pytest -q -s -m gpu -k "$sel or auto" tests/test_cute_decode.py tests/test_cute_variants.py > "$OUT/cute.log" 2>&1
     grep -E "error|passed|failed" "$OUT/cute.log" | tail -14
     timeout 250 python3 -m pytest -q tests/test_api.py tests/test_cli.py tests/test_transformers.py > "$OUT/cute-api.log" 2>&1  # auto is CuTe
     echo "tests/test_api.py tests/test_cli.py tests/test_transformers.py (auto = cute): $(tail -1 "$OUT/cute-api.log")"
@@ -205,7 +205,7 @@ case "$step" in
     done
     python3 -m foscar.bench.cli plot "$OUT"/heads/*/bench_decode.json --out "$OUT/heads" --name heads ;;
   lazy)  # after the cute step: foscar.cute.config.LAZY_ONE_TILE's GPU tests (a fixture sets it), then its timings
-    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k "lazy_one_tile" > "$OUT/lazy-one-tile-tests.log" 2>&1
+    python3 -m pytest -q -s -m gpu tests/test_cute_variants.py -k "lazy_one_tile" > "$OUT/lazy-one-tile-tests.log" 2>&1
     echo "lazy one-tile tests: $(tail -1 "$OUT/lazy-one-tile-tests.log")"
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?lazy needs the FlashInfer wheels folder}"/*.whl
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
@@ -215,7 +215,7 @@ case "$step" in
       --ctas 2 --k-operands e4m3 --lazy-one-tile off on > "$OUT/lazy-one-tile-steps.md" 2>&1; echo "steps rc=$?" ;;
   terms)  # after the cute step: k_operand e4m3x3 (three Q terms) against the oracle, the stress study through the
            # two- and three-term variants, then their speed on the paper grid beside foscar.decode and FlashInfer
-    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py -k "three_q_terms" > "$OUT/terms-tests.log" 2>&1
+    python3 -m pytest -q -s -m gpu tests/test_cute_variants.py -k "three_q_terms" > "$OUT/terms-tests.log" 2>&1
     echo "three-term tests: $(tail -1 "$OUT/terms-tests.log")"
     for k in e4m3 e4m3x3; do
       python3 -m foscar.bench.cli accuracy --backend cute --k-operand $k --out "$OUT/accuracy-cute-$k" \
@@ -227,7 +227,7 @@ case "$step" in
       flashinfer_tc --out "$OUT/terms-paper" > "$OUT/terms-paper.log" 2>&1; echo "terms paper rc=$?" ;;
   rows)  # after the cute step: the GPU tests of 16/32 columns, head dim 256 and E4M3 term blocks; then timings
           # with FlashInfer BF16 beside (its wheels folder as $2): head dim 256, and E4M3 against BF16 K beyond 4 rows
-    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py tests/test_multitoken.py \
+    python3 -m pytest -q -s -m gpu tests/test_cute_decode.py tests/test_cute_variants.py tests/test_multitoken.py \
       -k "sixteen or head_dim_256 or term_blocks or columns_gpu" > "$OUT/rows-tests.log" 2>&1
     echo "rows tests: $(tail -1 "$OUT/rows-tests.log")"
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?rows needs the FlashInfer wheels folder}"/*.whl
@@ -245,7 +245,7 @@ case "$step" in
     site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     python3 -m compileall -q -j 8 "$site/nvidia_cutlass_dsl" "$site/tvm_ffi" > /dev/null 2>&1 ;;
   pipeline-tests)  # pipeline-tests [PYTEST -k]: the default takes the lazy rescale, three Q terms and PDL too
-    timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_pdl.py tests/test_cute_decode.py \
+    timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_pdl.py tests/test_cute_decode.py tests/test_cute_variants.py \
       -k "${2:-pipeline or pdl or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pipeline-tests.log" | tail -12 ;;
   placement)  # after install-cute: V^T by placement and by injection: their GPU tests, the error against the split
@@ -273,7 +273,7 @@ case "$step" in
     done <<'TESTS'
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
-stacked|python3 -m pytest|tests/test_cute_decode.py -k stacked_terms_against
+stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
 mask-branch-stacked|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_cute_mask_branch.py
 pivot-mma|python3 -m pytest|tests/test_cute_pivot_mma.py
@@ -285,7 +285,7 @@ start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
-one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_pipeline.py
+one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py
 overlap|python3 -m pytest|tests/test_cute_overlap.py
 TESTS
     ;;
@@ -343,7 +343,7 @@ SWEEPS
              # tiles a pass; three consumers at 8 columns). The cluster merge has its own step (cluster-merge)
     for name in mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
   defaults)  # the CuTe kernels' GPU suites with the switches as they ship ($JOBS pytest processes)
-    parallel_pytest defaults "python3 -m pytest" "tests/test_cute_decode.py tests/test_multitoken.py \
+    parallel_pytest defaults "python3 -m pytest" "tests/test_cute_decode.py tests/test_cute_variants.py tests/test_multitoken.py \
       tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py tests/test_steps_windows.py tests/test_cute_mask_branch.py" ;;
   wide-eight-speed)  # after install-cute and the wide-eight tests: one CTA an SM of three consumers at 8 columns
                      # (WIDE_EIGHT_COLUMNS) against foscar.decode's launch and v1 at one and two CTAs (kernel alone):

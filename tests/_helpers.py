@@ -1,5 +1,5 @@
 """Shared test helpers: random cache values, relative error and BF16 attention's error, the CuTe kernels'
-switches set for a test, ptxas's report of a CuTe kernel."""
+switches set for a test, ptxas's report of a CuTe kernel, the decode benchmark's records."""
 import contextlib
 import math
 
@@ -105,3 +105,22 @@ def assert_pipelined_without_spills(cfg, ctas_per_sm: int) -> None:
         sys.path.pop(0)
     report = ptxas_report(compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas_per_sm).__ptx__)
     assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def bench_record(B, L, bits, kernel, us, status="ok", axes=("token", "token")) -> dict:
+    """One record of the decode benchmark (``foscar.bench.decode``): a kernel timed ``us`` at every run."""
+    ka, va = (None, None) if bits == 16 else axes
+    return {"B": B, "L": L, "bits": bits, "k_axis": ka, "v_axis": va, "kernel": kernel, "status": status,
+            "median_us": us, "min_us": us, "all_us": [us] * 5}
+
+
+def bench_result(records, **extra) -> dict:
+    """A decode benchmark's result of ``records`` (an H200 run, a 4 TB/s ceiling), annotated and with its bars."""
+    import foscar.bench.decode as bd
+    result = {"meta": {"gpu": "NVIDIA H200", "timing": "eager", "command": "python3 bench_decode.py"},
+              "ceiling": {"tbps": 4.0, "source": "triton, 8 GiB"}, "checks": [], "records": records,
+              "skipped": [], "fatal": []}
+    result.update(extra)
+    bd.annotate(result["records"], 4.0)
+    result["bars"] = bd.evaluate_bars(result["records"])
+    return result

@@ -9,7 +9,6 @@ import foscar
 from foscar.errors import InvalidArgumentError, UnsupportedError
 from foscar.key_weights import query_moments, stored_weights
 from foscar.quantize import quantize_for, weighted_codes
-from foscar.rotation import rotate
 
 
 def _fresh(seed=None):
