@@ -9,7 +9,8 @@ with ``--sink``/``--recent``, a ring keeping the longest step's windows, random 
 ``foscar.decode(q [B, q_len, Hq, D])`` (backend ``auto``, and ``triton``, which takes a step's tokens as rows
 of one launch; ``--backends`` names them) as a CUDA-graph replay, the L2 flushed before each, every step length
 timed in interleaved rounds (median of ``--iters``), its ratio to the same backend's one-token step (and, in
-the same rounds, the one-token decode of ``q [B, Hq, D]``, the paper grid's call, a row of its own), and after
+the same rounds, the one-token decode of ``q [B, Hq, D]``, the paper grid's call, a row of its own; then that call
+timed alone by the grid's driver, another row), and after
 them FlashInfer's paged prefill wrapper with ``q_len`` query tokens per sequence and the causal mask (BF16 KV; a
 one-token step is its decode too).
 First, at a small shape, each step's output against the float64 oracle (``foscar.decode_exact``).
@@ -25,7 +26,7 @@ from bench_decode import parse_shapes
 from fixed_cost import FLUSH_BYTES, timed
 
 import foscar
-from foscar.bench import as_graph, make_block_table, random_cache, time_call, time_interleaved
+from foscar.bench import as_graph, make_block_table, measure, random_cache, time_call, time_interleaved
 from foscar.bench.grid import FI_WORKSPACE_BYTES
 from foscar.bench.inputs import make_bf16_inputs
 
@@ -78,7 +79,10 @@ def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
     """``(q_len, backend) -> µs`` of every step length and backend at one shape, timed in interleaved rounds
     (:func:`foscar.bench.time_interleaved`), so that a slow spell of the GPU touches the one-token decode and the
     steps alike and their ratios hold; ``("decode", backend)``: the one-token decode of ``q [B, Hq, D]``, the
-    paper grid's call, beside the steps' ``q [B, 1, Hq, D]``."""
+    paper grid's call, beside the steps' ``q [B, 1, Hq, D]``; ``("alone", backend)``: that call timed after the rounds
+    by the paper grid's driver (:func:`foscar.bench.measure`: a synchronized first call, its host-sync probe, then
+    its own warm-ups and timed replays), so that a difference between the script's one-token time and the grid's
+    shows whether it is the method's or the inputs'."""
     cache = step_cache(a, bits, bt, L)
     replays = {}
     for T in ("decode", *a.q_len):
@@ -88,7 +92,14 @@ def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
         for backend in a.backends:
             replays[T, backend] = as_graph(lambda q=q, o=out, b=backend: foscar.decode(q, cache, out=o, backend=b))
     timed_ = time_interleaved(replays, iters=a.iters, warmup=5, flush=flush)
-    return {k: v["median_us"] for k, v in timed_.items()}
+    times = {k: v["median_us"] for k, v in timed_.items()}
+    q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)  # and the grid's call alone, as its driver times it
+    out = torch.empty_like(q)
+    for backend in a.backends:
+        got = measure(lambda b=backend: foscar.decode(q, cache, out=out, backend=b), lambda o: {"status": "ok"},
+                      iters=a.iters, warmup=5, flush=flush, cuda_graph=True, host_sync=True)
+        times["alone", backend] = got.get("median_us", float("nan"))
+    return times
 
 
 def flashinfer_steps(a, bt, L: int, flush, dev) -> dict:
@@ -132,6 +143,8 @@ def main():
             t = times[bits]
             print(f"| {B} | {L // 1024}K | INT{bits} | decode, q [B, Hq, D] | "
                   + " | ".join(f"{t['decode', b]:.1f}" for b in a.backends) + " | - |")
+            print(f"| {B} | {L // 1024}K | INT{bits} | decode, timed alone as the grid times it | "
+                  + " | ".join(f"{t['alone', b]:.1f}" for b in a.backends) + " | - |")
             for T in a.q_len:
                 row = [f"{t[T, b]:.1f} ({t[T, b] / t[a.q_len[0], b]:.2f}x)" for b in a.backends]
                 f = fi[T]

@@ -30,7 +30,7 @@ from bench_decode import Case, make_random_cache, parse_shapes
 import foscar
 from foscar.bench import as_graph, make_block_table, time_call
 from foscar.bench.common import flush_l2
-from foscar.bench.ceiling import read_kernel, xor_reduce
+from foscar.bench.ceiling import checked_reader
 
 FLUSH_BYTES = 512 * 2 ** 20
 
@@ -76,18 +76,10 @@ READ_CHUNK = 4096  #: int32 a program of the streaming read: 16 KB, one 16-byte 
 
 def streaming_read(nbytes: int, dev):
     """The read-ceiling kernel over ``nbytes`` (rounded down to whole 16 KB chunks) of random int32, one chunk a
-    program: a call, its result checked against the chunks' XOR first."""
+    program (:func:`foscar.bench.ceiling.checked_reader`: its result checked first)."""
     programs = max(1, nbytes // (4 * READ_CHUNK))
     x = torch.randint(-2 ** 31, 2 ** 31, (programs * READ_CHUNK,), dtype=torch.int32, device=dev)
-    partial = torch.empty(programs, dtype=torch.int32, device=dev)
-    reader = read_kernel()
-    fn = lambda: reader[(programs,)](x, partial, READ_CHUNK, BLOCK=READ_CHUNK, num_warps=8)  # noqa: E731
-    fn()
-    for p in (0, programs - 1):
-        want = xor_reduce(x[p * READ_CHUNK:(p + 1) * READ_CHUNK])
-        if int(partial[p]) != want:
-            raise RuntimeError(f"streaming read: program {p} gave {int(partial[p])}, expected {want}")
-    return fn
+    return checked_reader(x, READ_CHUNK, READ_CHUNK)
 
 
 def kernel_rows(fn, flush, iters):

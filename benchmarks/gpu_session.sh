@@ -420,7 +420,7 @@ SWEEPS
     done ;; esac
     case " $parts " in *" steps "*)
       timeout 200 python3 benchmarks/bench_steps.py --shapes 8:32K,8:128K,64:32K,64:128K --bits 2 4 --q-len 1 2 4 8 \
-        --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -42 ;; esac ;;
+        --backends auto > "$OUT/steps.md" 2>&1; echo "steps rc=$?"; grep "^| " "$OUT/steps.md" | tail -50 ;; esac ;;
   tune-more)  # after install-cute: foscar tune (CuTe) into TUNE_DIR (default /tmp/tun, kept between calls) for INT4's
                # paper shapes, GQA 16 and 32 (B 8, L 128K), steps of 2-8 tokens at the steps bars' shapes and the
                # channel-wise axes of the axes grid; tune-more [PART ...] (paper4 gqa steps axes; default all: over one

@@ -12,7 +12,7 @@ from foscar import backends
 from foscar.bench import as_graph
 from foscar.errors import InvalidArgumentError, UnsupportedError
 
-GPU = torch.cuda.is_available()
+from _cases import GPU
 
 
 def make(lens=(300, 129), Hkv=2, G=4, D=64, device="cpu", **fmt_kw):
@@ -189,8 +189,8 @@ def test_the_custom_op_passes_opcheck():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine)")
 def test_auto_on_a_gpu_and_cuda_graph_replay():
     q, cache = make(lens=(3000, 17), D=128)
-    from test_triton import to_device
-    q, cache = q.cuda(), to_device(cache, "cuda")
+    from foscar.bench import cache_to
+    q, cache = q.cuda(), cache_to(cache, "cuda")
     status = {s.name: s for s in foscar.backend_status(q.device, cache.fmt, 4, cache.page_size)}
     assert foscar.select_backend(q, cache) == ("cute" if status["cute"].usable else "triton")  # Hopper: CuTe
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
@@ -223,9 +223,9 @@ def test_plan_then_run():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine)")
 @pytest.mark.parametrize("backend", ("triton", "cute"))
 def test_planned_runs_allocate_nothing_and_replay_in_a_graph(backend):
-    from test_triton import to_device
+    from foscar.bench import cache_to
     q, cache = make(lens=(3000, 17), D=128, sink=4, recent=16)
-    q, cache = q.cuda(), to_device(cache, "cuda")
+    q, cache = q.cuda(), cache_to(cache, "cuda")
     status = {s.name: s for s in foscar.backend_status(q.device, cache.fmt, 4, cache.page_size)}
     if not status[backend].usable:
         pytest.skip(f"{backend}: {status[backend].why}")

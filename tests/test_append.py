@@ -3,6 +3,7 @@ builds from the same tokens, every decode reads it after every append, and a bad
 nothing."""
 import pytest
 import torch
+from _cases import DEV, same_state, snapshot
 from _helpers import rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +11,6 @@ from hypothesis import strategies as st
 import foscar
 from foscar.errors import InvalidArgumentError
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton tests: the GPU, else the interpreter
 FORMATS = [
     dict(bits=4, head_dim=64, group_size=32),
     dict(bits=2, head_dim=64, group_size=64, k_axis="channel", v_axis="token", sink=3, recent=5),
@@ -23,11 +23,6 @@ def bf16_exact(*shape, seed):
     """Random values that BF16 holds exactly: the ring round trip is then lossless, so appending and
     quantizing all at once must agree bit for bit."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
-
-
-def snapshot(cache):
-    names = ("k_codes", "v_codes", "k_params", "v_params", "k_sink", "v_sink", "k_recent", "v_recent", "seq_lens")
-    return {n: getattr(cache, n).clone() for n in names}
 
 
 @settings(max_examples=12, deadline=None)
@@ -92,7 +87,7 @@ def test_a_bad_append_changes_nothing():
         with pytest.raises(err, match=match):
             cache.append(kn, vn)
         after = snapshot(cache)
-        assert all(torch.equal(before[n], after[n]) for n in before), match
+        assert same_state(before, after), match
     with pytest.raises(InvalidArgumentError, match="^quantizer: expected"):
         cache.append(x[:, :, :1], x[:, :, :1], quantizer="best")
 
@@ -147,7 +142,7 @@ def _steps_match(fmt_kw, page, quantizer):
     for t in range(48, 90):
         ref.append(k[:, :, t: t + 1], v[:, :, t: t + 1], quantizer=quantizer)
         ft.append_step(ker, k[:, :, t].contiguous(), v[:, :, t].contiguous(), check=t % 7 == 0, quantizer=quantizer)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+    assert same_state(snapshot(ref), snapshot(ker))
 
 
 PREFILL_FORMATS = [
@@ -198,7 +193,7 @@ def _prefill_matches(fmt_kw, page, quantizer):
         else:
             ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], check=c != 41, quantizer=quantizer)
         t += c
-        assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values())), t
+        assert same_state(snapshot(ref), snapshot(ker)), t
     assert t == n
 
 
@@ -222,7 +217,7 @@ def test_the_triton_append_in_any_chunking_matches_the_reference(fmt_i, chunks, 
         else:
             ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], check=False)
         t += c
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+    assert same_state(snapshot(ref), snapshot(ker))
 
 
 def test_the_triton_append_refuses_what_it_does_not_cover():
@@ -244,7 +239,7 @@ def test_the_triton_append_refuses_what_it_does_not_cover():
     before = snapshot(cache)
     with pytest.raises(InvalidArgumentError, match="capacity|room|pages"):
         ft.append(cache, torch.ones(1, 1, 65, 64, device=DEV), torch.ones(1, 1, 65, 64, device=DEV))
-    assert all(torch.equal(a, b) for a, b in zip(before.values(), snapshot(cache).values()))
+    assert same_state(before, snapshot(cache))
 
 
 @pytest.mark.gpu
@@ -281,7 +276,7 @@ def test_decode_steps_as_one_cuda_graph():
         want = foscar.decode(q, ref)
         torch.cuda.synchronize()
         assert torch.equal(out, want), t
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+    assert same_state(snapshot(ref), snapshot(ker))
 
 
 def test_foscar_append_picks_a_writer_and_says_why_not():
@@ -294,7 +289,7 @@ def test_foscar_append_picks_a_writer_and_says_why_not():
     foscar.append(a, k[:, :, :39], v[:, :, :39])
     foscar.append(a, k[:, :, 39:], v[:, :, 39:])
     foscar.append(b, k, v, backend="reference")
-    assert all(torch.equal(x, y) for x, y in zip(snapshot(a).values(), snapshot(b).values()))
+    assert same_state(snapshot(a), snapshot(b))
     with pytest.raises(InvalidArgumentError, match="^backend: expected"):
         foscar.append(a, k[:, :, :1], v[:, :, :1], backend="cute")
     with pytest.raises(InvalidArgumentError, match="^cache: expected a foscar.QuantKVCache"):

@@ -438,8 +438,6 @@ def test_triton_candidates_and_entries_name_the_lazy_rescale(dirs, monkeypatch):
         launch.launch_config(q, cache, 4, lazy_rescale=1)
 
 
-
-
 @pytest.mark.parametrize("heads,shape,q_len", [("32:8", "8:32K", 1), ("32:8", "1:128K", 1), ("32:4", "8:16K", 1),
                                                ("32:1", "8:32K", 1), ("32:8", "8:32K", 2), ("32:8", "16:16K", 4),
                                                ("32:8", "8:128K", 8), ("32:4", "1:8K", 2)])

@@ -1,6 +1,7 @@
 """CPU tests of the decode benchmark's driver (foscar.bench): check, then time; its read-ceiling kernel (Triton
 interpreter); the driver end to end with fake CUDA timing and a fake foscar.triton; interleaved timing rounds."""
 import csv
+import functools
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import types
 
 import pytest
 import torch
+from _fake_gpu import CPU_TARGET, FakeEvent, stand_in, use_triton
 from _helpers import bench_record, bench_result
 
 import foscar
@@ -131,17 +133,6 @@ def test_xor_reduce():
 
 
 # ---- the driver, end to end on the CPU --------------------------------------------------------
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
-
-
 def _fake_triton_module(folded_ok=True):
     """foscar.triton stand-in: decode = the folded reference with BF16 operands; no reconstruct kernel."""
     mod = types.ModuleType("foscar.triton")
@@ -167,35 +158,12 @@ def _fake_triton_module(folded_ok=True):
     return mod
 
 
-def _no_triton_reader():
-    raise RuntimeError("no GPU for the Triton reader here")  # (its own test runs it interpreted)
-
-
-#: The CPU stands in for the GPU: a small L2 flush, no Triton reader.
-CPU_TARGET = bd.Target(device="cpu", flush_bytes=1 << 20, read_kernel=_no_triton_reader)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """``use(module)``: foscar.triton replaced by ``module``, CUDA's host calls stood in for, the Triton
-    backend usable on the CPU; run the driver with ``bd.main(argv, target=CPU_TARGET)``."""
-    triton_backend = backends.get("triton")
-    monkeypatch.setattr(triton_backend, "status", lambda key: BackendStatus("triton", True, "fake Triton on the CPU"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake CPU device")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: types.SimpleNamespace(multi_processor_count=0, total_memory=0))
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)
-    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as on a machine without the wheel
-
-    def use(module):
-        monkeypatch.setitem(sys.modules, "foscar.triton", module)
-        monkeypatch.setattr(foscar, "triton", module, raising=False)
-    return use
+    """``use(module)``: foscar.triton replaced by ``module``, CUDA's host calls stood in for
+    (:func:`_fake_gpu.stand_in`); run the driver with ``bd.main(argv, target=CPU_TARGET)``."""
+    stand_in(monkeypatch)
+    return functools.partial(use_triton, monkeypatch)
 
 
 def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
@@ -337,15 +305,13 @@ def test_iters_below_five_are_refused():
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]
 
 
-
-
 # ---- interleaved rounds -----------------------------------------------------------------------
 def test_interleaved_timing_takes_every_call_once_a_round_after_a_flush(monkeypatch):
     """``time_interleaved``: the warm-up calls first, then rounds in which each call runs once, in order, right
     after an L2 flush, timed alone; a call slowed in one round only moves its own median."""
     import foscar.bench.common as common
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     log = []
     monkeypatch.setattr(common, "flush_l2", lambda buf: log.append("flush"))
     slow = iter([0, 0, 0.02, 0])  # b's second timed call sleeps

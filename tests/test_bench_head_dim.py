@@ -1,19 +1,16 @@
 """CPU tests of the decode benchmark's ``--head-dim`` (foscar.bench.decode): the parsed option, the cases,
 formats, bytes, softmax scale and memory plan it sets, and driver runs end to end at D = 64 and 256 with fake
-CUDA timing and a fake foscar.triton (the fakes of tests/test_bench_script.py)."""
+CUDA timing and a fake foscar.triton (the fakes of tests/_fake_gpu.py)."""
 import json
 import math
-import sys
 import types
 
 import pytest
 import torch
+from _fake_gpu import CPU_TARGET, stand_in
 
 import foscar
 import foscar.bench.decode as bd
-import test_bench_script as tbs
-from foscar import backends
-from foscar.backends import BackendStatus
 
 K = 1024
 
@@ -98,20 +95,9 @@ def _d_generic_triton_module():
 
 @pytest.fixture
 def fake_gpu_at_any_head_dim(monkeypatch):
-    """The CPU stands in for the GPU as in tests/test_bench_script.py's ``fake_gpu``, with
+    """The CPU stands in for the GPU (:func:`_fake_gpu.stand_in`), with
     :func:`_d_generic_triton_module` as foscar.triton."""
-    monkeypatch.setattr(backends.get("triton"), "status", lambda key: BackendStatus("triton", True, "fake"))
-    for name, fake in (("is_available", lambda: True), ("synchronize", lambda: None), ("empty_cache", lambda: None),
-                       ("Event", tbs._FakeEvent), ("_sleep", lambda cycles: None),
-                       ("get_device_name", lambda *a: "fake CPU device"),
-                       ("get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=0,
-                                                                                   total_memory=0))):
-        monkeypatch.setattr(torch.cuda, name, fake)
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)
-    monkeypatch.setitem(sys.modules, "flashinfer", None)
-    module = _d_generic_triton_module()
-    monkeypatch.setitem(sys.modules, "foscar.triton", module)
-    monkeypatch.setattr(foscar, "triton", module, raising=False)
+    stand_in(monkeypatch, _d_generic_triton_module())
 
 
 @pytest.mark.parametrize("d, g", [(64, 64), (256, 128)])
@@ -119,7 +105,7 @@ def test_driver_at_another_head_dim(d, g, fake_gpu_at_any_head_dim, tmp_path, ca
     argv = ["--shapes", "1:1K,2:1K", "--heads", "4:2", "--head-dim", str(d), "--bits", "4", "--check",
             "--kernels", "foscar_folded", "foscar_bf16", "cudnn_sdpa", "--out", str(tmp_path),
             "--ceiling-gib", "0.01", "--max-gb", "100", "--warmup", "1"]
-    assert bd.main(argv, target=tbs.CPU_TARGET) == 0
+    assert bd.main(argv, target=CPU_TARGET) == 0
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert result["meta"]["problem"] == {"Hq": 4, "Hkv": 2, "D": d, "g": g, "page": bd.PAGE}
     assert result["meta"]["args"]["head_dim"] == d

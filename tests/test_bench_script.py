@@ -13,7 +13,6 @@ import foscar.bench.decode as bd
 K = 1024
 
 
-
 # ---- grids ---------------------------------------------------------------------------------
 def test_imports_without_flashinfer_or_the_kernels():
     code = ("import sys, importlib.util\n"

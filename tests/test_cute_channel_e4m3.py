@@ -8,18 +8,17 @@ import os
 import re
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3")
 
 
@@ -111,9 +110,9 @@ def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis, til
     ([2500, 64], 2, None, {"v_axis": "channel", "group_size": 64}), ([2000, 3], 4, 3, {"sink": 2, "recent": 7}),
     ([1500, 90], 3, 2, {"group_size": 64, "head_dim": 64}), ([4000, 260], 4, None, {"group_size": 256, "v_axis": "channel"})])
 def test_against_the_oracle_gpu(switch, bits, lens, G, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms of Q': error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms of Q': error", num_splits=num_splits,
                                warp_specialized=True, k_operand="e4m3", tiles_per_pass=1)
 
 
@@ -126,8 +125,8 @@ def test_against_the_oracle_gpu(switch, bits, lens, G, num_splits, fmt_kw):
 def test_two_tiles_a_pass_against_the_oracle_gpu(pass_switch, bits, lens, G, num_splits, fmt_kw, ctas):
     """Two tiles of one token group a pass (one fold for both): lengths past, at and short of a pass, splits of
     a tile or two, windows, a padded head at one CTA an SM (three kernels a bit width and fold)."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms, two tiles a pass: error",
+    cute_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms, two tiles a pass: error",
                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                ctas_per_sm=ctas)

@@ -8,18 +8,17 @@ import os
 import re
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 QK_E4M3 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3")
 PV_F16 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.f16\.f16")
 K_AXES = [("token", False), ("channel", False), ("channel", True)]  # (K axis, the producer folds Q')
@@ -74,9 +73,9 @@ def test_compiles_for_sm90a(k_axis, bits, gqa):
 def test_against_the_oracle_gpu(k_axis, bits, lens, G, num_splits, fmt_kw, ctas):
     """Lengths past, at and short of a pass, splits of a tile or two, windows, one head at one CTA an SM (three
     kernels a bit width and K variant)."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis=k_axis, v_axis="channel", **{"head_dim": 128, "group_size": 128,
                                                                          **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"channel-wise V, {k_axis}-wise K, two tiles a pass: error",
+    cute_against_the_oracle(fmt, lens, G, f"channel-wise V, {k_axis}-wise K, two tiles a pass: error",
                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                ctas_per_sm=ctas)

@@ -16,12 +16,12 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import STAGE1_TENSORS, config_for, consumer_code_paths, consumers_for  # noqa: E402
 from foscar.cute.launch import cluster_for, stage1_tensors  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 
 
@@ -103,7 +103,7 @@ def test_the_cluster_kernel_compiles_pipelined_without_spills(monkeypatch, bits,
 
 def _merged_against_the_oracle(fmt, lens, G, *, out_dtype=torch.bfloat16, want_lse=True, **launch):
     from _helpers import bf16_attention, kernel_error_bound, rel
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=fmt.bits + G)
@@ -147,9 +147,9 @@ def test_the_cluster_merge_against_the_oracle_gpu(monkeypatch, bits, G, lens, sp
 def test_steps_merged_in_a_cluster_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
     """A step's columns (8, 16 and 32: one consumer code path, and one a consumer) merged in the cluster into the
     step's rows, the causal limits per column."""
-    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, CLUSTER_MERGE=True):
-        step_case(bits, G, T, num_splits, {})
+        cute_step_against_the_oracle(bits, G, T, num_splits, {})
 
 
 @pytest.mark.gpu
@@ -167,7 +167,7 @@ def test_the_cluster_merge_of_three_consumers_against_the_oracle_gpu(monkeypatch
 def test_a_nan_v_scale_makes_its_rows_nan_not_a_plausible_number_gpu(monkeypatch):
     """A NaN planted in one token's V scale (sequence 0, KV head 1): that KV head's rows of sequence 0 are NaN,
     every other row finite and as without it."""
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
@@ -187,7 +187,7 @@ def test_a_nan_v_scale_makes_its_rows_nan_not_a_plausible_number_gpu(monkeypatch
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
     """A CUDA-graph replay of ``foscar.decode`` through a plan (the switch on) equals its eager call bit for bit."""
-    from test_triton import make
+    from _cases import make
 
     from foscar.bench import as_graph
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)

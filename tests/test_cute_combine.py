@@ -16,8 +16,8 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 from foscar.cute.compile import compile_combine  # noqa: E402
 from foscar.cute.combine_config import COMBINE_MAX_CHUNK, CombineConfig, combine_chunk  # noqa: E402
 from foscar.fold import combine_partials  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 

@@ -29,9 +29,9 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 import foscar
 from foscar.cute import compile_cache, launch
 from foscar.cute.decode_sm90 import config_for
+from _cases import HOPPER
 
 REPO = Path(__file__).resolve().parent.parent
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 CFG = config_for(foscar.KVFormat(bits=4, head_dim=64, group_size=64), 4, 64)
 OTHER = config_for(foscar.KVFormat(bits=2, head_dim=64, group_size=64), 4, 64)
 REAL_LOAD = compile_cache._load

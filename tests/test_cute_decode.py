@@ -1,6 +1,7 @@
-"""The CuTe DSL Hopper kernels (v0 and v1). CPU: every supported variant compiles for sm_90a, and its
-PTX has the register-A wgmma of both products and no local memory. GPU (sm_90): against the float64
-oracle, no worse than BF16 attention on the same dequantized cache."""
+"""The CuTe DSL Hopper kernels (v0 and v1) with BF16 K operands, 8 to 32 query rows, three consumers, CUDA graphs,
+the split heuristic, contiguous caches. CPU: each compiles for sm_90a, and its PTX has the register-A wgmma of both
+products and no local memory. GPU (sm_90): against the float64 oracle, no worse than BF16 attention on the same
+dequantized cache. The kernels' variants (E4M3 K, two tiles a pass, ...): ``test_cute_variants.py``."""
 import os
 import re
 
@@ -11,13 +12,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER, WGMMA_RS, cute_against_the_oracle  # noqa: E402
 from _helpers import V_MAGNITUDES  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths, consumers_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
-
-WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16\.f32\.(bf16|f16)\.\1\s+\{[^}]*\},\s*\{([^}]*)\}")
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))
@@ -135,7 +134,7 @@ def test_unsupported_configurations_say_why(kw, what):
     ([6000, 333, 1], 4, None, {"group_size": 64}), ([1500, 90], 8, 2, {"group_size": 64, "k_axis": "channel"})])
 def test_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ws):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
-    _decode_against_the_oracle(fmt, lens, G, "error", num_splits=num_splits, warp_specialized=bool(ws),
+    cute_against_the_oracle(fmt, lens, G, "error", num_splits=num_splits, warp_specialized=bool(ws),
                                ctas_per_sm=ws or None)
 
 
@@ -176,7 +175,7 @@ def test_v0_takes_eight_columns_and_one_token():
     ([2500, 64], 32, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64})])
 def test_sixteen_and_thirtytwo_heads_against_the_oracle_gpu(bits, lens, G, num_splits, windows, ctas):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **windows})
-    _decode_against_the_oracle(fmt, lens, G, f"GQA {G} error", num_splits=num_splits, warp_specialized=True,
+    cute_against_the_oracle(fmt, lens, G, f"GQA {G} error", num_splits=num_splits, warp_specialized=True,
                                ctas_per_sm=ctas)
 
 
@@ -220,28 +219,8 @@ def test_three_consumers_compile_for_sm90a(wide):
     ([4100, 77], 12, None, {"v_axis": "channel"}, "e4m3")])
 def test_three_consumers_against_the_oracle_gpu(wide, bits, lens, G, num_splits, fmt_kw, k_operand):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, error", num_splits=num_splits,
                                warp_specialized=True, ctas_per_sm=1, k_operand=k_operand)
-
-
-def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
-    """A paged cache of ``lens`` (2 KV heads, GQA ``G``) decoded by the CuTe kernel with ``launch`` into
-    NaN-poisoned outputs: every element finite, within the kernels' bound of the float64 oracle (BF16
-    attention's error on the same dequantized cache), the LSE within 1e-2."""
-    from _helpers import bf16_attention, kernel_error_bound, rel
-    from test_triton import make
-
-    from foscar.cute.launch import decode
-    q, cache = make(fmt, lens, Hkv=2, G=G, page=64, seed=fmt.bits)
-    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, lse=lse, **launch)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    err, base = rel(out, exact), rel(bf16_attention(q, cache, sdpa=True), exact)
-    print(f"\n{label} {err:.3e}  BF16 attention {base:.3e}")
-    assert err <= kernel_error_bound(fmt, base)
-    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
 
 
 @pytest.mark.gpu
@@ -250,7 +229,7 @@ def _decode_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
 def test_cuda_graph_replay_gpu(ws):
     """The kernel launches on torch's current stream, so a CUDA graph captures it: a replay over new
     query values gives the eager result bit for bit."""
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128)
@@ -318,7 +297,7 @@ def test_auto_plans_the_cute_kernel_and_a_graph_replays_it_gpu(monkeypatch, ws):
     """On Hopper with cutlass-dsl, backend='auto' runs the CuTe kernel (either variant as the default); a
     plan holds its workspace, so a CUDA graph of plan.run allocates nothing and replays the eager result bit
     for bit, whatever the lengths."""
-    from test_triton import make
+    from _cases import make
 
     from foscar import autotune
     from foscar.cute import launch
@@ -353,7 +332,7 @@ def test_contiguous_caches_gpu(ws, windows):
     """A contiguous cache (one page per sequence, its capacity whole 64-token tiles) through both variants:
     against the oracle, as the paged ones."""
     from _helpers import bf16_attention, kernel_error_bound, rel
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=4, head_dim=128, **{"group_size": 128, **windows})
@@ -423,20 +402,3 @@ def test_values_of_any_magnitude_gpu(magnitude, v_axis, ws):
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
-
-
-
-def _magnitude_case(magnitude, **launch):
-    """A magnitude case (:func:`_helpers.magnitude_cache`, INT2, D 64) decoded by the CuTe kernel with ``launch``
-    into a NaN-poisoned output: finite, within the kernels' bound of the float64 oracle."""
-    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
-
-    from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
-    q, cache = magnitude_cache(fmt, magnitude, "cuda")
-    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
-    decode(q, cache, out=out, **launch)
-    exact = foscar.decode_exact(q, cache)
-    assert torch.isfinite(out).all()
-    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
-

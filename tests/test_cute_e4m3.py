@@ -25,9 +25,9 @@ from foscar.cute.operands_e4m3 import (
     tile_register_source_e4m3,
 )
 from foscar.format import pack_codes
+from _cases import HOPPER
 
 WGMMA_E4M3 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*\{([^}]*)\}")
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 CASES = [(bits, d) for bits in (2, 4) for d in (64, 128)]
 
 

@@ -7,17 +7,16 @@ BF16 windows) against the float64 oracle."""
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 
 
@@ -58,10 +57,10 @@ def test_the_masks_sit_in_a_branch(monkeypatch, gqa, step, ctas):
     (16, [8192, 700, 1], 16, {}), (32, [4097, 63, 130], 5, {}), (32, [3000, 5], None, {"sink": 4, "recent": 100}),
     (16, [1000, 64], 3, {"head_dim": 64, "group_size": 64})])
 def test_heads_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bits, gqa, lens, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, MASK_BRANCH=True):
-        _decode_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, masks in a branch: error", num_splits=num_splits,
+        cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, masks in a branch: error", num_splits=num_splits,
                                    warp_specialized=True, k_operand="e4m3", tiles_per_pass=1)
 
 
@@ -71,9 +70,9 @@ def test_heads_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bi
 @pytest.mark.parametrize("G,T,num_splits", [(4, 4, None), (4, 8, None), (4, 4, 64), (8, 4, 5), (4, 2, None),
                                             (4, 2, 64), (2, 4, 5)])
 def test_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
-    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, MASK_BRANCH=True):
-        step_case(bits, G, T, num_splits, {})
+        cute_step_against_the_oracle(bits, G, T, num_splits, {})
 
 
 @pytest.mark.gpu

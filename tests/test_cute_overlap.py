@@ -20,11 +20,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import V_MAGNITUDES, bf16_attention, cute_switches, kernel_error_bound, rel  # noqa: E402
 from foscar.cute import config  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 
 
@@ -108,9 +108,9 @@ def test_the_switch_applies_to_one_tile_passes_of_token_wise_k_and_v(overlap):
     ([3000, 5], 32, 3, {"sink": 4, "recent": 100}),  # BF16 windows: the combine attends them
     ([2000, 333], 32, None, {"head_dim": 64, "group_size": 64})])
 def test_overlapped_passes_against_the_oracle_gpu(overlap, bits, lens, G, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "overlapped passes: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, "overlapped passes: error", num_splits=num_splits,
                                warp_specialized=True, ctas_per_sm=1, k_operand="e4m3")
 
 
@@ -122,15 +122,15 @@ def test_overlapped_steps_against_the_oracle_gpu(overlap, bits, G, T):
     """A step's tokens as the columns of overlapped passes (8, 16 and 32 columns, one CTA an SM), each column under
     its causal limit."""
     from foscar import backends
-    from test_multitoken import _cut, _step
+    from _cases import cut_to, make_step
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     lens = [T, 64 * 7 + T - 1, 4099, 64 * 5 + 1]
-    q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
+    q, cache = make_step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     got = backends.get("cute").launch_step(q, cache, {"out": out, "warp_specialized": True, "ctas_per_sm": 1,
                                                       "k_operand": "e4m3", "tiles_per_pass": 1})
     exact = foscar.decode_exact(q, cache)
-    base = torch.stack([bf16_attention(q[:, j], _cut(cache, [L - T + 1 + j for L in lens]), sdpa=True)
+    base = torch.stack([bf16_attention(q[:, j], cut_to(cache, [L - T + 1 + j for L in lens]), sdpa=True)
                         for j in range(T)], 1)
     assert bool(torch.isfinite(got).all())
     assert rel(got, exact) <= kernel_error_bound(fmt, rel(base, exact))
@@ -189,7 +189,7 @@ def test_overlapped_values_of_any_magnitude_gpu(overlap, magnitude):
 @gpu
 def test_overlapped_graph_replay_gpu(overlap):
     """A CUDA graph's replay over new query values gives the eager result bit for bit."""
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)

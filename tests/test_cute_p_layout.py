@@ -6,17 +6,16 @@ import os
 import re
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 STORES = re.compile(r"st\.shared\.(b16|b32)\b")
 WGMMA = re.compile(r"wgmma\.mma_async\S*")
 
@@ -60,7 +59,7 @@ def test_column_major_p_compiles_for_sm90a(monkeypatch, bits, gqa, k_operand, ti
 def test_column_major_p_against_the_oracle_gpu(monkeypatch, bits, lens, G, num_splits, fmt_kw, launch):
     """Column-major P^T (v0; two tiles a pass; windows; channel-wise V; 16 and 32 columns): every element
     against the float64 oracle within the kernels' bound, LSE within 1e-2."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, P_COLUMN_MAJOR_COLS=(8, 16, 32)):
-        _decode_against_the_oracle(fmt, lens, G, "column-major P: error", num_splits=num_splits, **launch)
+        cute_against_the_oracle(fmt, lens, G, "column-major P: error", num_splits=num_splits, **launch)

@@ -12,12 +12,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_combine, compile_stage1  # noqa: E402
 from foscar.cute.combine_config import CombineConfig  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.fixture
@@ -70,9 +69,9 @@ def test_v1_signals_its_dependents_as_it_starts(pdl):
     ([8192, 4001, 129, 1], 4, None, {}), ([3000, 5], 4, 3, {"sink": 4, "recent": 100}),
     ([2000, 33], 4, 2, {"rotation": "hadamard"}), ([5000, 700], 8, None, {"k_axis": "channel"})])
 def test_the_dependent_combine_against_the_oracle_gpu(pdl, bits, lens, G, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "dependent combine: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, "dependent combine: error", num_splits=num_splits,
                                warp_specialized=True)
 
 
@@ -83,17 +82,17 @@ def test_the_dependent_combine_against_the_oracle_gpu(pdl, bits, lens, G, num_sp
 def test_the_dependent_combine_with_windows_against_the_oracle_gpu(fmt_kw):
     """``COMBINE_PDL_WINDOWS`` (on): the combine attends the windows while stage 1 runs (two CTAs an SM), or
     launches after it (one)."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=2, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     for ctas in (2, 1):
-        _decode_against_the_oracle(fmt, [3000, 70, 5], 4, "dependent combine, windows: error", num_splits=3,
+        cute_against_the_oracle(fmt, [3000, 70, 5], 4, "dependent combine, windows: error", num_splits=3,
                                    warp_specialized=True, ctas_per_sm=ctas)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 def test_a_graph_of_the_dependent_combine_replays_the_eager_call_gpu(pdl):
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)

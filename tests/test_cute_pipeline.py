@@ -13,12 +13,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.budget import fits_shared_memory, shared_bytes  # noqa: E402
 from foscar.cute.config import DEEP_STAGES, STAGES, config_for, default_stages  # noqa: E402
 from foscar.errors import InvalidArgumentError  # noqa: E402
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def test_stages_are_a_power_of_two_of_the_choices():
@@ -63,9 +62,9 @@ def test_a_deeper_ring_compiles_for_sm90a(bits, stages):
 def test_deeper_rings_against_the_oracle_gpu(bits, stages, k_operand, tiles, lens, num_splits):
     """One CTA an SM with a ring twice the default's (the ring wraps many times, splits shorter than it):
     every element against the float64 oracle within the kernels' bound, LSE within 1e-2."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
-    _decode_against_the_oracle(fmt, lens, 4, f"{stages} stages: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, 4, f"{stages} stages: error", num_splits=num_splits,
                                warp_specialized=True, ctas_per_sm=1, k_operand=k_operand, tiles_per_pass=tiles,
                                stages=stages)
 
@@ -73,7 +72,7 @@ def test_deeper_rings_against_the_oracle_gpu(bits, stages, k_operand, tiles, len
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 def test_a_ring_too_deep_for_the_ctas_is_refused_gpu():
-    from test_triton import make
+    from _cases import make
 
     from foscar.cute.launch import decode
     from foscar.errors import UnsupportedError
@@ -159,9 +158,9 @@ def test_prologues_compile_for_sm90a(prologue, bits, gqa, k_operand, tiles, ctas
 def test_prologues_against_the_oracle_gpu(prologue, bits, lens, G, num_splits, fmt_kw, launch):
     """Each prologue: every element against the float64 oracle within the kernels' bound, LSE within 1e-2 (one-tile
     splits, splits past the sequence, windows, a rotated cache, channel-wise K)."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"prologue {prologue}: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, f"prologue {prologue}: error", num_splits=num_splits,
                                warp_specialized=True, **launch)
 
 
@@ -194,9 +193,9 @@ def test_promoted_qk_steps_compile_for_sm90a(qk_promote, bits, k_operand, tiles)
     ([3000, 5, 200], 3, 3, {"k_operand": "e4m3x3", "tiles_per_pass": 1}),
     ([2500, 70], 8, 1, {"k_operand": "e4m3"}), ([3000, 64], 16, 3, {"k_operand": "e4m3"})])
 def test_promoted_qk_steps_against_the_oracle_gpu(qk_promote, bits, lens, G, num_splits, launch):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
-    _decode_against_the_oracle(fmt, lens, G, "promoted QK steps: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, "promoted QK steps: error", num_splits=num_splits,
                                warp_specialized=True, **launch)
 
 
@@ -241,9 +240,9 @@ def test_v_operands_compile_for_sm90a(v_placement, bits, group_size, k_operand, 
     ([2000, 33], 4, 2, {"rotation": "hadamard"}, {}),
     ([3000, 70], 4, 2, {}, {"warp_specialized": False})])
 def test_v_operands_against_the_oracle_gpu(v_placement, bits, lens, G, num_splits, fmt_kw, launch):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"V^T {'placed' if v_placement else 'injected'}: error",
+    cute_against_the_oracle(fmt, lens, G, f"V^T {'placed' if v_placement else 'injected'}: error",
                                num_splits=num_splits, **{"warp_specialized": True, **launch})
 
 
@@ -313,7 +312,7 @@ def test_q_folds_against_the_oracle_gpu(producer_fold, bits, lens, G, num_splits
     """Channel-wise K's ``Q'`` folded by the consumers and by the producer: every element against the float64
     oracle within the kernels' bound (token groups of 64, 128 and 256 tokens, windows, channel-wise V, 16 rows,
     one and two CTAs an SM, splits rounded to the consumers' runs of two tiles with empty splits past the end)."""
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"Q' by the {'producer' if producer_fold else 'consumers'}: error",
+    cute_against_the_oracle(fmt, lens, G, f"Q' by the {'producer' if producer_fold else 'consumers'}: error",
                                num_splits=num_splits, warp_specialized=True, **launch)

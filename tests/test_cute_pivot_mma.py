@@ -8,16 +8,15 @@ and 32 columns (stacked terms, one Q scale, the masks' branch, P^T column-major)
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 WITH = {"STACKED_TERMS": True, "SHARED_Q_SCALE": True, "MASK_BRANCH": True, "P_COLUMN_MAJOR_COLS": (16, 32)}
 
 
@@ -48,10 +47,10 @@ def test_the_kernel_keeps_its_wgmma_pipelined(monkeypatch, bits):
     (32, [8192, 700, 1], 16, {}), (32, [4097, 63, 130], 5, {}), (32, [3000, 5], None, {"sink": 4, "recent": 100}),
     (16, [1000, 64], 3, {}), (32, [2000, 77], 4, {"head_dim": 64, "group_size": 64})])
 def test_heads_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, gqa, lens, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, PIVOT_MMA_COLS=(16, 32), **WITH):
-        _decode_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, pivot sums by the MMA: error", num_splits=num_splits,
+        cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, pivot sums by the MMA: error", num_splits=num_splits,
                                    warp_specialized=True, ctas_per_sm=1, k_operand="e4m3", tiles_per_pass=1)
 
 
@@ -60,6 +59,6 @@ def test_heads_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, gqa
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,num_splits", [(4, 8, None), (4, 8, 64), (8, 4, 5)])
 def test_steps_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
-    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), **WITH):
-        step_case(bits, G, T, num_splits, {})
+        cute_step_against_the_oracle(bits, G, T, num_splits, {})

@@ -9,17 +9,15 @@ import re
 from collections import Counter
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _ptx(monkeypatch, on: bool, bits: int) -> str:
@@ -56,7 +54,7 @@ def test_the_descriptors_and_the_first_page_line_are_prefetched_first(monkeypatc
     ([3000, 5], 3, {"sink": 4, "recent": 100}, {"warp_specialized": True, "tiles_per_pass": 1}),
     ([4100, 260], None, {"k_axis": "channel"}, {"warp_specialized": True})])
 def test_prefetched_descriptors_against_the_oracle_gpu(monkeypatch, bits, lens, num_splits, fmt_kw, launch):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, START_PREFETCH=True):
-        _decode_against_the_oracle(fmt, lens, 4, "descriptors prefetched: error", num_splits=num_splits, **launch)
+        cute_against_the_oracle(fmt, lens, 4, "descriptors prefetched: error", num_splits=num_splits, **launch)

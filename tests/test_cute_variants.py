@@ -1,6 +1,6 @@
 """The CuTe DSL Hopper kernel's variants: E4M3 K operands (two and three Q terms, term blocks, stacked terms), two
 tiles per softmax pass, the lazy rescale, rotated caches, head dim 256. CPU: each compiles for sm_90a and says what
-it takes; GPU (sm_90): against the float64 oracle (``test_cute_decode._decode_against_the_oracle``), no worse than
+it takes; GPU (sm_90): against the float64 oracle (``_cases.cute_against_the_oracle``), no worse than
 BF16 attention on the same dequantized cache."""
 import dataclasses
 import os
@@ -17,7 +17,7 @@ from _helpers import V_MAGNITUDES  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
-from test_cute_decode import HOPPER, WGMMA_RS, _decode_against_the_oracle, _magnitude_case  # noqa: E402
+from _cases import HOPPER, WGMMA_RS, cute_against_the_oracle, cute_magnitude_case  # noqa: E402
 
 
 # ---- E4M3 K operands (Sm90Config.k_e4m3) --------------------------------------------------------------
@@ -65,7 +65,7 @@ def test_e4m3_k_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_k
     """E4M3 K operands with Q as two E4M3 terms: every element against the float64 oracle, within the error
     bound of the BF16 kernels (BF16 attention's on the same dequantized cache), LSE within 1e-2."""
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "E4M3 K: error", num_splits=num_splits, warp_specialized=ws,
+    cute_against_the_oracle(fmt, lens, G, "E4M3 K: error", num_splits=num_splits, warp_specialized=ws,
                                k_operand="e4m3")
 
 
@@ -112,7 +112,7 @@ def test_two_tiles_per_pass_against_the_oracle_gpu(bits, lens, G, num_splits, fm
     """Two tiles a pass (odd tile counts per consumer, one-tile splits, splits past the sequence, padded heads):
     every element against the float64 oracle within the bound of the one-tile kernels, LSE within 1e-2."""
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "two tiles a pass: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, "two tiles a pass: error", num_splits=num_splits,
                                warp_specialized=True, k_operand=k_operand, tiles_per_pass=2)
 
 
@@ -122,7 +122,7 @@ def test_two_tiles_per_pass_against_the_oracle_gpu(bits, lens, G, num_splits, fm
 def test_two_tiles_per_pass_values_of_any_magnitude_gpu(magnitude):
     """The magnitude cases of the one-tile kernels (V scales far from 1, constant groups before tiny ones)
     with two tiles a pass: finite, within the kernels' bound of the float64 oracle."""
-    _magnitude_case(magnitude, warp_specialized=True, tiles_per_pass=2)
+    cute_magnitude_case(magnitude, warp_specialized=True, tiles_per_pass=2)
 
 
 # ---- Q as three E4M3 terms (k_operand="e4m3x3") ------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_three_q_terms_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw)
     """Q as three E4M3 terms: every element against the float64 oracle within the kernels' bound (BF16
     attention's error on the same cache), LSE within 1e-2."""
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"E4M3 K, three Q terms, GQA {G}: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, f"E4M3 K, three Q terms, GQA {G}: error", num_splits=num_splits,
                                warp_specialized=True, k_operand="e4m3x3", tiles_per_pass=1)
 
 
@@ -239,7 +239,7 @@ def test_lazy_one_tile_against_the_oracle_gpu(lazy_one_tile, bits, lens, G, num_
     E4M3 K term blocks, 32 columns, head dim 256): every element against the float64 oracle within the
     kernels' bound, LSE within 1e-2."""
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, "lazy rescale, one tile a pass: error", num_splits=num_splits, **launch)
+    cute_against_the_oracle(fmt, lens, G, "lazy rescale, one tile a pass: error", num_splits=num_splits, **launch)
 
 
 @pytest.mark.gpu
@@ -249,7 +249,7 @@ def test_lazy_one_tile_against_the_oracle_gpu(lazy_one_tile, bits, lens, G, num_
 def test_lazy_one_tile_values_of_any_magnitude_gpu(lazy_one_tile, magnitude, ws):
     """The magnitude cases (V scales far from 1, constant groups before tiny ones) through one-tile passes
     with the lazy rescale: finite, within the kernels' bound of the float64 oracle."""
-    _magnitude_case(magnitude, warp_specialized=ws, tiles_per_pass=1)
+    cute_magnitude_case(magnitude, warp_specialized=ws, tiles_per_pass=1)
 
 
 # ---- a rotated cache (foscar.cute.rotation) ------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_head_dim_256_says_what_it_takes(fmt_kw, gqa, kw):
     ([3000, 5], 2, 3, {"sink": 4, "recent": 100}), ([700, 9], 1, None, {"rotation": "hadamard"})])
 def test_head_dim_256_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
     fmt = foscar.KVFormat(bits=bits, head_dim=256, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"D 256 GQA {G} error", num_splits=num_splits, warp_specialized=True,
+    cute_against_the_oracle(fmt, lens, G, f"D 256 GQA {G} error", num_splits=num_splits, warp_specialized=True,
                                ctas_per_sm=1)
 
 
@@ -377,7 +377,7 @@ def test_stacked_terms_compile_for_sm90a(stacked, bits, gqa, step, ctas, k_opera
     ([1500, 90], 12, None, {"group_size": 64}, "e4m3"), ([3000, 64], 16, 3, {}, "e4m3x3")])
 def test_stacked_terms_against_the_oracle_gpu(stacked, bits, lens, G, num_splits, fmt_kw, k_operand):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"stacked E4M3 terms GQA {G}: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, f"stacked E4M3 terms GQA {G}: error", num_splits=num_splits,
                                warp_specialized=True, k_operand=k_operand)
 
 
@@ -390,5 +390,5 @@ def test_stacked_terms_against_the_oracle_gpu(stacked, bits, lens, G, num_splits
     ([3000, 64], 32, 3, {}), ([700, 9], 24, None, {}), ([4100, 260], 32, None, {"v_axis": "channel"})])
 def test_e4m3_term_blocks_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
-    _decode_against_the_oracle(fmt, lens, G, f"E4M3 K term blocks GQA {G}: error", num_splits=num_splits,
+    cute_against_the_oracle(fmt, lens, G, f"E4M3 K term blocks GQA {G}: error", num_splits=num_splits,
                                warp_specialized=True, k_operand="e4m3")

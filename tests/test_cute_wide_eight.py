@@ -16,10 +16,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
 from _helpers import assert_pipelined_without_spills, cute_switches  # noqa: E402
 from foscar.cute.config import config_for, consumers_for  # noqa: E402
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,step,tiles,taken", [
@@ -63,10 +62,10 @@ def test_the_kernel_keeps_its_wgmma_pipelined_and_spills_nothing(monkeypatch, bi
     (4, [6000, 129], 7, {}, "bf16")])
 @pytest.mark.parametrize("tiles", (2, 1))
 def test_three_consumers_against_the_oracle_gpu(monkeypatch, bits, G, lens, num_splits, fmt_kw, k_operand, tiles):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, WIDE_EIGHT_COLUMNS=True):
-        _decode_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, {tiles} tile(s) a pass: error",
+        cute_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, {tiles} tile(s) a pass: error",
                                    num_splits=num_splits, warp_specialized=True, ctas_per_sm=1, k_operand=k_operand,
                                    tiles_per_pass=tiles)
 
@@ -78,10 +77,10 @@ def test_three_consumers_against_the_oracle_gpu(monkeypatch, bits, G, lens, num_
     (8, [8192, 700, 1], 16, {}), (8, [3000, 5], None, {"sink": 4, "recent": 100}),
     (8, [2500, 64], 3, {"v_axis": "channel"}), (6, [1500, 90], 2, {"group_size": 64})])
 def test_three_consumers_of_eight_query_heads_against_the_oracle_gpu(monkeypatch, bits, G, lens, num_splits, fmt_kw):
-    from test_cute_decode import _decode_against_the_oracle
+    from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, WIDE_EIGHT_COLUMNS=True):
-        _decode_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers: error", num_splits=num_splits,
+        cute_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers: error", num_splits=num_splits,
                                    warp_specialized=True, ctas_per_sm=1, k_operand="e4m3", tiles_per_pass=1)
 
 
@@ -91,9 +90,9 @@ def test_three_consumers_of_eight_query_heads_against_the_oracle_gpu(monkeypatch
 @pytest.mark.parametrize("G,T,num_splits", [(4, 2, None), (4, 2, 64), (2, 4, 5)])
 def test_steps_of_eight_rows_with_three_consumers_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
     """A step's 8 rows at one CTA an SM (``TWO_CTA_COLUMNS`` without 8), the masks in a branch."""
-    from test_multitoken import test_the_cute_kernel_takes_a_step_as_its_columns_gpu as step_case
+    from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, WIDE_EIGHT_COLUMNS=True, MASK_BRANCH=True, TWO_CTA_COLUMNS=(16,)):
-        step_case(bits, G, T, num_splits, {})
+        cute_step_against_the_oracle(bits, G, T, num_splits, {})
 
 
 @pytest.mark.gpu
@@ -101,7 +100,7 @@ def test_steps_of_eight_rows_with_three_consumers_against_the_oracle_gpu(monkeyp
 def test_three_consumer_passes_replay_in_a_graph_gpu(monkeypatch):
     """A CUDA-graph replay of the launch (its workspace given: nothing allocated) equals its eager call bit for
     bit."""
-    from test_triton import make
+    from _cases import make
 
     from foscar.bench import as_graph
     from foscar.cute.launch import decode, num_parts

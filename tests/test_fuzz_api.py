@@ -17,13 +17,14 @@ import os
 
 import pytest
 import torch
+from _cases import same_state, snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import foscar
 from foscar import FoscarError, KVFormat, QuantKVCache
 
-GPU = torch.cuda.is_available()
+from _cases import GPU
 MAGNITUDES = (1e-30, 1e-8, 1.0, 1.0, 1.0, 1e4, 1e26, 1e30, 1e38)
 SPECIALS = (math.inf, -math.inf, math.nan, 7e4, 1e300)
 INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -55,15 +56,6 @@ def values(draw, shape, dtype):
     return x.to(dtype)
 
 
-def snapshot(cache):
-    return [t.clone() for t in (cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.k_sink,
-                                cache.v_sink, cache.k_recent, cache.v_recent, cache.seq_lens)]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def attempt(fn):
     """``(result, None)`` or ``(None, error)`` for a foscar error; any other exception fails the test."""
     try:
@@ -81,7 +73,7 @@ def check_decode(q, cache, backend: str) -> None:
         got, err = attempt(lambda: ft.decode(q, cache, return_lse=True))
     else:
         got, err = attempt(lambda: foscar.decode(q, cache, backend=backend, return_lse=True))
-    assert same(snapshot(cache), before)
+    assert same_state(snapshot(cache), before)
     ref, ref_err = attempt(lambda: foscar.decode_exact(q, cache, return_lse=True))
     if err is not None:  # what the API refuses, the oracle refuses too (the same input checks)
         assert ref_err is not None, f"decode refused what the oracle takes: {err}"
@@ -169,7 +161,7 @@ def build_in_chunks(p):
         before = snapshot(cache)
         _, err = attempt(lambda: cache.append(k[:, :, t: t + c], v[:, :, t: t + c]))
         if err is not None:
-            assert same(snapshot(cache), before), "a refused append changed the cache"
+            assert same_state(snapshot(cache), before), "a refused append changed the cache"
             return cache, err
         t += c
     return cache, None
@@ -220,8 +212,8 @@ def test_the_triton_kernels_are_right_or_refused(p):
         return
     q = p["q"]
     if GPU:
-        from test_triton import to_device
-        cache, q = to_device(cache, "cuda"), q.cuda()
+        from foscar.bench import cache_to
+        cache, q = cache_to(cache, "cuda"), q.cuda()
         if not torch.isfinite(q).all():
             return  # the GPU path does not read q back to check it: covered on the CPU
         check_decode(q, cache, "triton")
@@ -234,13 +226,13 @@ def test_the_triton_kernels_are_right_or_refused(p):
 @given(p=problems())
 def test_every_gpu_backend_is_right_or_refused(p):
     """The contract through ``auto`` and every usable GPU backend, on the GPU."""
-    from test_triton import to_device
+    from foscar.bench import cache_to
     lens = torch.tensor(p["lens"], dtype=torch.int32)
     cache, err = attempt(lambda: foscar.quantize_kv(p["k"], p["v"], p["fmt"], seq_lens=lens, page_size=p["page"],
                                                     window_dtype=p["window_dtype"]))
     if err is not None or not torch.isfinite(p["q"]).all():
         return
-    cache, q = to_device(cache, "cuda"), p["q"].cuda()
+    cache, q = cache_to(cache, "cuda"), p["q"].cuda()
     for s in foscar.backend_status(fmt=cache.fmt, gqa=q.shape[1] // cache.num_kv_heads, page_size=cache.page_size):
         if s.usable and s.name != "reference":
             check_decode(q, cache, s.name)

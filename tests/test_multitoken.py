@@ -5,41 +5,19 @@ within the kernels' arithmetic, on every backend here (the reference; Triton und
 CPU machine); the step's outputs are the single-token decodes of its rows; bad steps are refused by name."""
 import pytest
 import torch
+from _cases import DEV, GPU, cut_to, cute_step_against_the_oracle, make_step
 from _helpers import rel
 
 import foscar
 from foscar.errors import InvalidArgumentError
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
-
-
-def _step(fmt, lens, T, Hkv=2, G=4, seed=0):
-    """A step's query ``[B, T, Hkv G, D]`` and a cache of ``lens`` quantized where the tests run (its ring as the
-    write paths leave it: a step over windows reads it)."""
-    gen = torch.Generator().manual_seed(seed)
-    B, L, D = len(lens), max(lens), fmt.head_dim
-    k, v = torch.randn(2, B, Hkv, L, D, generator=gen).unbind(0)
-    cache = foscar.quantize_kv(k.to(DEV), v.to(DEV), fmt, page_size=64,
-                               seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
-    return torch.randn(B, T, Hkv * G, D, generator=gen).to(torch.bfloat16).to(DEV), cache
-
-
-def _cut(cache, lens):
-    """The same cache with other lengths (token-wise, no windows: the codes of the first tokens are theirs)."""
-    import copy
-    c = copy.copy(cache)
-    c.seq_lens = torch.tensor(lens, dtype=torch.int32, device=cache.seq_lens.device)
-    return c
-
-
 def test_the_oracle_is_causal_among_the_steps_tokens():
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
-    q, cache = _step(fmt, [70, 5, 130], 3)
+    q, cache = make_step(fmt, [70, 5, 130], 3)
     out, lse = foscar.decode_exact(q, cache, return_lse=True)
     assert out.shape == (3, 3, 8, 64) and lse.shape == (3, 3, 8)
     for j in range(3):
-        cut = _cut(cache, [L - 2 + j for L in (70, 5, 130)])
+        cut = cut_to(cache, [L - 2 + j for L in (70, 5, 130)])
         o, s = foscar.decode_exact(q[:, j], cut, return_lse=True)
         assert torch.equal(o, out[:, j]) and torch.equal(s, lse[:, j])
 
@@ -52,7 +30,7 @@ def test_decode_and_plans_give_the_oracles_step(T, backend):
     status = {s.name: s for s in foscar.backend_status(DEV, fmt, 4)}
     if backend in status and not status[backend].usable:
         pytest.skip(status[backend].why)
-    q, cache = _step(fmt, [T, 77, 161], T, seed=T)
+    q, cache = make_step(fmt, [T, 77, 161], T, seed=T)
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), device=q.device)
@@ -62,7 +40,7 @@ def test_decode_and_plans_give_the_oracles_step(T, backend):
     assert float((lse.double() - lse_exact).abs().max()) < 1e-2
     # the step's rows are single-token decodes of the cache cut at each token
     for j in range(T):
-        cut = _cut(cache, [int(L) - T + 1 + j for L in cache.seq_lens.cpu()])
+        cut = cut_to(cache, [int(L) - T + 1 + j for L in cache.seq_lens.cpu()])
         one = foscar.decode(q[:, j], cut, backend=backend, out=torch.empty_like(out[:, j]))
         assert torch.allclose(out[:, j], one, atol=1e-6, rtol=0)
     plan = foscar.plan(q, cache, backend=backend)
@@ -83,7 +61,7 @@ def test_decode_and_plans_give_the_oracles_step(T, backend):
 
 def test_bad_steps_are_refused_by_name():
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
-    q, cache = _step(fmt, [3, 40], 4)
+    q, cache = make_step(fmt, [3, 40], 4)
     if not GPU:  # the lengths are read on the host only there
         with pytest.raises(InvalidArgumentError, match=r"^cache.seq_lens: expected lengths >= q_len=4"):
             foscar.decode(q, cache)
@@ -92,7 +70,7 @@ def test_bad_steps_are_refused_by_name():
     with pytest.raises(InvalidArgumentError, match=r"^out: expected"):
         foscar.decode(q[:, :1], cache, out=torch.empty(2, 2, 8, 64, device=q.device))
     plan_q = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16, device=q.device)
-    q, cache = _step(fmt, [30, 40], 2)
+    q, cache = make_step(fmt, [30, 40], 2)
     plan = foscar.plan(plan_q, cache)
     with pytest.raises(InvalidArgumentError, match="^q: expected the planned step of 2 tokens"):
         plan.run(torch.zeros(2, 3, 8, 64, dtype=torch.bfloat16, device=q.device), cache)
@@ -104,7 +82,7 @@ def test_the_triton_kernel_decodes_a_steps_rows():
     import foscar.triton as ft
     from foscar.multitoken import flatten_step, unflatten
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=32)
-    q, cache = _step(fmt, [4, 90, 161], 4, seed=9)
+    q, cache = make_step(fmt, [4, 90, 161], 4, seed=9)
     exact = foscar.decode_exact(q, cache)
     for fused in (True, False):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
@@ -123,7 +101,7 @@ def test_the_triton_kernel_takes_a_step_as_it_is(kw, T):
     kernel of its own; the oracle's step to float32 (the interpreter) and NaN-poisoned outputs written."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(bits=4, head_dim=64, **({"group_size": 32} | kw))
-    q, cache = _step(fmt, [T, 90, 161], T, seed=T)
+    q, cache = make_step(fmt, [T, 90, 161], T, seed=T)
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     for fused in (True, False):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
@@ -136,7 +114,7 @@ def test_the_triton_kernel_takes_a_step_as_it_is(kw, T):
 
 def test_torch_compile_traces_a_step_without_graph_breaks():
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
-    q, cache = _step(fmt, [10, 40], 3)
+    q, cache = make_step(fmt, [10, 40], 3)
     step = torch.compile(lambda x: foscar.decode(x, cache), fullgraph=True)
     out = step(q)
     assert out.shape == q.shape and rel(out, foscar.decode_exact(q, cache)) < 1e-2
@@ -151,7 +129,7 @@ def test_the_custom_op_takes_a_step(backend):
     status = {s.name: s for s in foscar.backend_status(DEV, fmt, 2)}
     if not status[backend].usable:
         pytest.skip(status[backend].why)
-    q, cache = _step(fmt, [10, 40], 2, Hkv=1, G=2)
+    q, cache = make_step(fmt, [10, 40], 2, Hkv=1, G=2)
     rows = q.reshape(-1, *q.shape[2:])
     out = torch.full(rows.shape, float("nan"), device=q.device)
     lse = torch.full(rows.shape[:2], float("nan"), device=q.device)
@@ -171,33 +149,8 @@ def test_the_custom_op_takes_a_step(backend):
     (16, 2, None, {}), (8, 8, None, {}), (4, 4, 5, {"rotation": "hadamard"}), (4, 3, None, {"group_size": 64}),
     (4, 2, None, {"head_dim": 256}), (4, 4, None, {"head_dim": 256})])
 def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits, fmt_kw):
-    """A step's tokens as N columns of the CuTe kernel beside the heads (``G T`` rows; beyond
-    :func:`foscar.cute.config.max_rows`, 32 or 8 at head dim 256, in parts of its tokens), the causal limit
-    per column, splits whose last tile some columns do not see (64 splits
-    over a few tiles): NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle
-    (BF16 attention's error on the same dequantized cache, token by token), the LSE within 1e-2."""
-    from _helpers import bf16_attention, kernel_error_bound
-
-    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
-    if not status["cute"].usable:
-        pytest.skip(status["cute"].why)
-    lens = [T, 64 * 7 + T - 1, 4099, 64 * 5 + 1]  # a step alone; one past a tile by T - 1; long; a tile ending
-    # inside the step's tokens (its earlier rows' limits before the tile's end)
-    q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=bits + T)
-    rows = q.reshape(-1, *q.shape[2:])
-    out = torch.full(rows.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full(rows.shape[:2], float("nan"), device=q.device)
-    foscar.decode(q, cache, out=out.view(q.shape), lse=lse.view(q.shape[:3]), backend="cute", num_splits=num_splits)
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    got = out.view(q.shape)
-    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(lse).all())
-    base = torch.stack([bf16_attention(q[:, j], _cut(cache, [L - T + 1 + j for L in lens]), sdpa=True)
-                        for j in range(T)], 1)
-    err, ref_err = rel(got, exact), rel(base, exact)
-    print(f"\nG {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
-    assert err <= kernel_error_bound(fmt, ref_err)
-    assert float((lse.view(q.shape[:3]).double() - lse_exact).abs().max()) <= 1e-2
+    """A step's tokens as N columns of the CuTe kernel (:func:`_cases.cute_step_against_the_oracle`)."""
+    cute_step_against_the_oracle(bits, G, T, num_splits, fmt_kw)
 
 
 def test_a_planned_triton_step_splits_as_a_direct_call(monkeypatch):
@@ -211,7 +164,7 @@ def test_a_planned_triton_step_splits_as_a_direct_call(monkeypatch):
         monkeypatch.setattr(autotune, "tuned_config", lambda *a: {})
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64)
     for T in (1, 4, 8):
-        q, cache = _step(fmt, [4096, 4000], T, Hkv=1, G=4)
+        q, cache = make_step(fmt, [4096, 4000], T, Hkv=1, G=4)
         problem = step_problem(q, cache)
         planned = get("triton").launch_config(problem)["num_splits"]
         assert planned == launch_config(q[:, 0], cache, 4)[1]

@@ -11,12 +11,11 @@ import math
 
 import pytest
 import torch
+from _cases import DEV, GPU, same_state, snapshot
 
 import foscar
 from foscar import InvalidArgumentError, KVFormat, QuantKVCache
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 NAN = float("nan")
 
 
@@ -27,14 +26,8 @@ def gpu_backends() -> list[str]:
     return [s.name for s in foscar.backend_status() if s.usable and s.name != "reference"]
 
 
-def snapshot(cache: QuantKVCache) -> list[torch.Tensor]:
-    return [t.clone() for t in (cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, cache.k_sink,
-                                cache.v_sink, cache.k_recent, cache.v_recent, cache.seq_lens)]
-
-
 def assert_unchanged(cache: QuantKVCache, before: list[torch.Tensor]) -> None:
-    for a, b in zip(snapshot(cache), before):
-        assert torch.equal(a, b)
+    assert same_state(snapshot(cache), before)
 
 
 def randn(*shape, seed=0, dtype=torch.float32):
@@ -171,8 +164,8 @@ def _broken_cache(where: str, device: str):
     fmt = KVFormat(bits=4, head_dim=64, group_size=64, sink=4, recent=16)
     cache = foscar.quantize_kv(randn(2, 2, 150, 64), randn(2, 2, 150, 64, seed=1), fmt, page_size=64)
     if device != "cpu":
-        from test_triton import to_device
-        cache = to_device(cache, device)
+        from foscar.bench import cache_to
+        cache = cache_to(cache, device)
     if where == "sink":
         cache.k_sink[0, 1, 1, 3] = NAN
     elif where == "recent":
@@ -225,8 +218,8 @@ def test_every_window_dtype_decodes_on_every_backend(backend, window_dtype, q_dt
                                seq_lens=torch.tensor([300, 37]), window_dtype=window_dtype)
     dev = DEV if backend != "reference" else "cpu"
     if dev != "cpu":
-        from test_triton import to_device
-        cache = to_device(cache, dev)
+        from foscar.bench import cache_to
+        cache = cache_to(cache, dev)
     q = randn(2, 8, 128, seed=2).to(q_dtype).to(dev)
     out = torch.full((2, 8, 128), NAN, dtype=q_dtype, device=dev)
     foscar.decode(q, cache, out=out, backend=backend)

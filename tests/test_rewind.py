@@ -7,15 +7,13 @@ rewind of at most ``rollback`` tokens, after appends of as many, is always accep
 nothing."""
 import pytest
 import torch
+from _cases import DEV, GPU
 from _helpers import rel
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import foscar
 from foscar.errors import InvalidArgumentError
-
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 
 
 @st.composite

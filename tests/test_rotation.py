@@ -200,7 +200,7 @@ def test_the_triton_write_path_writes_a_rotated_cache_as_the_reference_does():
     kernels: the two caches are equal bit for bit (the kernels under the interpreter on the CPU)."""
     import foscar.triton as ft
     from foscar.rotation import rotate_given
-    from test_append import DEV, snapshot
+    from _cases import DEV, same_state, snapshot
     fmt = fmt_of(head_dim=64, group_size=32, bits=2, rotation_seed=8, sink=3, recent=5)
     # tokens whose rotated values are small multiples of 1/4 (BF16-exact: the interpreter truncates FP32 to
     # BF16 casts where the GPU rounds): y R^T with R's entries +-1/8 is exact in FP32, and so is its rotation
@@ -218,4 +218,4 @@ def test_the_triton_write_path_writes_a_rotated_cache_as_the_reference_does():
             ft.append_step(ker, kr[:, :, 0].contiguous(), vr[:, :, 0].contiguous(), check=False)
         else:
             ft.append(ker, kr, vr, check=False)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(ref).values(), snapshot(ker).values()))
+    assert same_state(snapshot(ref), snapshot(ker))

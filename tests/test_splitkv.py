@@ -10,15 +10,13 @@ import math
 
 import pytest
 import torch
+from _cases import DEV, GPU, HOPPER
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foscar
 from foscar.splitkv import new_workspace, num_window_parts, split_ranges
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
-HOPPER = GPU and torch.cuda.get_device_capability() == (9, 0)
 LN2 = math.log(2.0)
 
 
@@ -65,8 +63,8 @@ def make_case(fmt, lens, seed=0):
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens), page_size=64)
     q = torch.randn(len(lens), 8, fmt.head_dim, generator=gen).bfloat16()
     if GPU:
-        from test_triton import to_device
-        cache, q = to_device(cache, DEV), q.to(DEV)
+        from foscar.bench import cache_to
+        cache, q = cache_to(cache, DEV), q.to(DEV)
     return q, cache
 
 

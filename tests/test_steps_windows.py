@@ -12,18 +12,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _cases import DEV, GPU, HOPPER, make_step  # noqa: E402
 from _helpers import rel  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_fold import PAPER, build, decode_case  # noqa: E402
-from test_multitoken import _step  # noqa: E402
 
 import foscar  # noqa: E402
 from foscar.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
-
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
-HOPPER = GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 @st.composite
@@ -116,7 +112,7 @@ def test_a_step_over_windows_is_the_oracles(kw, backend):
     if not status[backend].usable and (GPU or backend != "triton"):  # a CPU machine: the interpreter
         pytest.skip(status[backend].why)
     T = 3
-    q, cache = _step(fmt, [T, 9, 70, 161], T, seed=T)
+    q, cache = make_step(fmt, [T, 9, 70, 161], T, seed=T)
     exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
     runs = ((True, False) if backend == "triton" else (None,))
     for fused in runs:
@@ -136,7 +132,7 @@ def test_a_one_token_query_with_a_step_axis_keeps_it():
     """``q [B, 1, Hq, D]`` is a step of one token: ``out [B, 1, Hq, D]``, from every entry point."""
     import foscar.triton as ft
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, recent=8)
-    q, cache = _step(fmt, [5, 70], 1)
+    q, cache = make_step(fmt, [5, 70], 1)
     assert ft.decode(q, cache).shape == q.shape
     assert foscar.decode(q, cache).shape == q.shape
     assert foscar.decode_folded(q, cache).shape == q.shape
@@ -148,12 +144,12 @@ def test_a_ring_that_cannot_hold_the_steps_windows_is_refused():
     (``from_quantized`` holds the window alone) is refused where the lengths are read."""
     from foscar.multitoken import causal_view
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel")
-    q, cache = _step(fmt, [30, 40], 2)
+    q, cache = make_step(fmt, [30, 40], 2)
     for call in (lambda: causal_view(cache, 2), lambda: foscar.decode(q, cache), lambda: foscar.decode_exact(q, cache)):
         with pytest.raises(UnsupportedError, match=r"rollback >= 1\)"):
             call()
     kept = foscar.KVFormat(bits=4, head_dim=64, group_size=64, k_axis="channel", rollback=1)
-    q, cache = _step(kept, [64, 70], 2)  # the first token's window: the group that the second one completed
+    q, cache = make_step(kept, [64, 70], 2)  # the first token's window: the group that the second one completed
     foscar.decode_exact(q, cache)  # quantize_kv fills the ring as appends do
     cache.ring_from.copy_(kept.split_length(cache.seq_lens)[1])  # a ring that holds its window alone
     if not GPU:
@@ -288,7 +284,7 @@ def _check_windowed_step(kw, head_dim, G, T, backend):
     if not status[backend].usable:
         pytest.skip(status[backend].why)
     lens = [T, 64 * 7 + T - 1, 4099]
-    q, cache = _step(fmt, lens, T, Hkv=2, G=G, seed=T)
+    q, cache = make_step(fmt, lens, T, Hkv=2, G=G, seed=T)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), device=q.device)
     foscar.decode(q, cache, out=out, lse=lse, backend=backend)
@@ -367,7 +363,7 @@ def test_a_step_in_parts_is_the_step(monkeypatch, kw, G, T, rows):
         part.lse.copy_(s.reshape(part.lse.shape))
 
     fmt = _fmt(kw)
-    q, cache = _step(fmt, [T, 70, 161], T, Hkv=1, G=G, seed=T)
+    q, cache = make_step(fmt, [T, 70, 161], T, Hkv=1, G=G, seed=T)
     problem = step_problem(q, cache, out=torch.full(q.shape, float("nan")), lse=torch.full(q.shape[:3], float("nan")))
     parts = launch.step_parts(G, T, rows)
     assert len(parts) > 1

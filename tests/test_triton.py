@@ -10,69 +10,14 @@ import itertools
 
 import pytest
 import torch
-from _helpers import V_MAGNITUDES, bf16_attention, kernel_error_bound, rel
+from _cases import DEV, GPU, make, run_and_check
+from _helpers import V_MAGNITUDES, rel
 
 import foscar
 import foscar.triton as ft
 from foscar.errors import InvalidArgumentError, UnsupportedError
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 AXES = ("token", "channel")
-
-
-def make(fmt, lens, Hkv, G, *, page=None, seed=0, device=DEV, shuffle=True):
-    gen = torch.Generator().manual_seed(seed)
-    B, L, D = len(lens), max(lens), fmt.head_dim
-    k = torch.randn(B, Hkv, L, D, generator=gen)
-    v = torch.randn(B, Hkv, L, D, generator=gen)
-    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16()
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kw = {}
-    if page is not None:
-        n_quant = fmt.split_length(seq_lens.long())[1]
-        need = [-(-int(n) // page) for n in n_quant]
-        pool = sum(need) + 2
-        perm = torch.randperm(pool, generator=gen) if shuffle else torch.arange(pool)
-        indptr = torch.tensor([0] + need).cumsum(0).to(torch.int32)
-        kw = dict(page_size=page, page_table=foscar.PageTable.from_csr(indptr, perm[: sum(need)].to(torch.int32)),
-                  num_pages=pool)
-    cache = foscar.quantize_kv(k, v, fmt, seq_lens=seq_lens, **kw)
-    if device != "cpu":
-        cache = to_device(cache, device)
-    return q.to(device), cache
-
-
-def to_device(cache, device):
-    """The same cache on another device (tests only; the library writes caches where they live)."""
-    pt = cache.page_table
-    table = foscar.PageTable(pt.block_table.to(device), pt.num_pages.to(device))
-    return foscar.QuantKVCache(cache.fmt, k_codes=cache.k_codes.to(device), v_codes=cache.v_codes.to(device),
-                               k_params=cache.k_params.to(device), v_params=cache.v_params.to(device),
-                               seq_lens=cache.seq_lens.to(device), page_table=table, k_sink=cache.k_sink.to(device),
-                               v_sink=cache.v_sink.to(device), k_recent=cache.k_recent.to(device),
-                               v_recent=cache.v_recent.to(device), contiguous=cache.contiguous,
-                               tensor_scales=cache.tensor_scales.to(device))
-
-
-def run_and_check(q, cache, *, kernel="folded", num_splits=None, sdpa=False, tol=1e-5, **launch):
-    B, Hq, D = q.shape
-    out_dtype = torch.bfloat16 if GPU else torch.float32  # the interpreter's float32 kernel is held to 1e-5
-    out = torch.full((B, Hq, D), float("nan"), dtype=out_dtype, device=q.device)  # poisoned
-    lse = torch.full((B, Hq), float("nan"), dtype=torch.float32, device=q.device)
-    ft.decode(q, cache, out=out, lse=lse, kernel=kernel, num_splits=num_splits, **launch)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "unwritten or NaN output"
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    err = rel(out, exact)
-    if GPU:  # BF16 operands: no worse than BF16 attention on the same dequantized cache
-        base = rel(bf16_attention(q, cache, sdpa=sdpa), exact)
-        print(f"\nerror {err:.3e}  BF16 attention {base:.3e}  ratio {err / base:.3f}")
-        assert err <= kernel_error_bound(cache.fmt, base), (err, base)
-        assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
-    else:  # interpreter: float32 operands and output, the float32 bound of the fold
-        assert err <= tol, err
-        assert float((lse.double() - lse_exact).abs().max()) <= 1e-4
-    return err
 
 
 @pytest.mark.parametrize("bits,k_axis,v_axis", list(itertools.product((2, 4), AXES, AXES)))

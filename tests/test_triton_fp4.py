@@ -7,14 +7,13 @@ every element checked.
 """
 import pytest
 import torch
+from _cases import DEV, GPU, snapshot
 from _helpers import bf16_attention, rel
 
 import foscar
 import foscar.triton as ft
 from foscar.errors import UnsupportedError
 
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 SCHEMES = ("nvfp4", "mxfp4")
 
 
@@ -194,11 +193,6 @@ def test_paper_shape_gpu(scheme, G):
         q, cache)) + 1e-4
 
 
-def _snapshot(cache):
-    names = ("k_codes", "v_codes", "k_params", "v_params", "k_sink", "v_sink", "k_recent", "v_recent", "seq_lens")
-    return {n: getattr(cache, n).clone() for n in names}
-
-
 def _fp4_values(B, H, n, D, seed):
     """BF16-exact values (the ring round trip is lossless) with blocks that hit the E2M1 midpoints exactly:
     each token's first block is 6 (its scale 1 at NVFP4's tensor scale 1, MXFP4's) and the seven midpoints."""
@@ -232,7 +226,7 @@ def test_the_triton_append_writes_what_the_reference_writes_bit_for_bit(scheme, 
         else:
             ft.append(ker, k[:, :, t: t + c], v[:, :, t: t + c], quantizer=quantizer, check=c != 30)
         t += c
-        for name, a in _snapshot(ref).items():
+        for name, a in snapshot(ref).items():
             assert torch.equal(a, getattr(ker, name)), (name, t)
     assert t == n
 
@@ -240,7 +234,7 @@ def test_the_triton_append_writes_what_the_reference_writes_bit_for_bit(scheme, 
 def test_the_triton_fp4_append_refuses_by_name_and_leaves_the_cache():
     fmt = foscar.KVFormat.fp4("nvfp4", 64)
     cache = foscar.QuantKVCache.empty(fmt, 1, 1, max_len=64, page_size=32, device=DEV, tensor_scales=(1e-4, 1.0))
-    before = _snapshot(cache)
+    before = snapshot(cache)
     x = torch.ones(1, 1, 4, 64, device=DEV)
     with pytest.raises(foscar.InvalidArgumentError, match=r"^quantizer: expected one of \('minmax', 'mse'\)"):
         ft.append(cache, x, x, quantizer="oscar")
@@ -287,5 +281,5 @@ def test_append_then_decode_as_one_cuda_graph_gpu(scheme):
         assert rel(out, want) < 1e-2 and bool(torch.isfinite(out).all()), t
         exact = foscar.decode_exact(q, eager)
         assert rel(out, exact) <= 1.05 * rel(bf16_attention(q, eager), exact) + 1e-4
-    for name, a in _snapshot(eager).items():
+    for name, a in snapshot(eager).items():
         assert torch.equal(a, getattr(graphed, name)), name

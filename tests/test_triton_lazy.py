@@ -8,7 +8,7 @@ step's causal limit, windows), NaN in one query head (NaN in its rows only), GQA
 import pytest
 import torch
 from _helpers import V_MAGNITUDES, rel
-from test_triton import DEV, GPU, make, run_and_check
+from _cases import DEV, GPU, make, run_and_check
 
 import foscar
 import foscar.triton as ft
@@ -39,8 +39,8 @@ def _growing(fmt, L, G, seed, keys: float, values: float):
     q = torch.randn(1, G, fmt.head_dim, generator=gen).abs().bfloat16()  # the keys point the query's way
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor([L], dtype=torch.int32), page_size=64)
     if DEV != "cpu":
-        from test_triton import to_device
-        cache, q = to_device(cache, DEV), q.to(DEV)
+        from foscar.bench import cache_to
+        cache, q = cache_to(cache, DEV), q.to(DEV)
     return q, cache
 
 
@@ -83,9 +83,9 @@ def test_a_step_with_the_lazy_rescale_is_the_oracles(T, kw):
     """A step's rows: columns that see no token of a split's first tiles (the causal limit) keep their maximum
     at -inf until they do; lengths whose last tile ends inside the step's tokens (the masks of 16 rows or more
     are taken by the tiles that reach the first row's limit, not only the length)."""
-    from test_multitoken import _step
+    from _cases import make_step
     fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, **kw)
-    q, cache = _step(fmt, [T, 90, 161, 128, 129], T, seed=T)
+    q, cache = make_step(fmt, [T, 90, 161, 128, 129], T, seed=T)
     exact = foscar.decode_exact(q, cache)
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     ft.decode(q, cache, out=out, num_splits=5, lazy_rescale=True)

@@ -38,6 +38,21 @@ def xor_reduce(t: torch.Tensor) -> int:
     return int(t[0])
 
 
+def checked_reader(x: torch.Tensor, chunk: int, block: int, kernel: Callable[[], object] = read_kernel):
+    """A call of the reader ``kernel()`` over ``x`` (int32, whole chunks of ``chunk``), one chunk a program in loads
+    of ``block``; called once first and its first and last programs' XOR checked (a reader that skips its loads
+    would time as a fast one)."""
+    reader, programs = kernel(), x.numel() // chunk
+    partial = torch.empty(programs, dtype=torch.int32, device=x.device)
+    fn = lambda: reader[(programs,)](x, partial, chunk, BLOCK=block, num_warps=8)  # noqa: E731
+    fn()
+    for p in (0, programs - 1):
+        want = xor_reduce(x[p * chunk: (p + 1) * chunk])
+        if int(partial[p]) != want:
+            raise RuntimeError(f"read kernel: program {p} gave {int(partial[p])}, expected {want}")
+    return fn
+
+
 def read_rates(x: torch.Tensor, *, iters: int, warmup: int, flush: torch.Tensor,
                kernel: Callable[[], object] = read_kernel) -> dict:
     """Streaming-read rates over ``x`` (int32, whole 1 MiB chunks): the reader ``kernel()`` makes, checked,
@@ -46,14 +61,7 @@ def read_rates(x: torch.Tensor, *, iters: int, warmup: int, flush: torch.Tensor,
     res: dict = {"bytes": n * 4}
     iters = max(iters, 10)
     try:
-        reader, programs = kernel(), n // CHUNK
-        partial = torch.empty(programs, dtype=torch.int32, device=x.device)
-        fn = lambda: reader[(programs,)](x, partial, CHUNK, BLOCK=BLOCK, num_warps=8)  # noqa: E731
-        fn()
-        for p in (0, programs - 1):
-            want = xor_reduce(x[p * CHUNK: (p + 1) * CHUNK])
-            if int(partial[p]) != want:
-                raise RuntimeError(f"read kernel: program {p} gave {int(partial[p])}, expected {want}")
+        fn = checked_reader(x, CHUNK, BLOCK, kernel)
         t = time_call(fn, iters=iters, warmup=warmup, flush=flush)
         res["triton"] = {**t, "tbps": n * 4 / (t["median_us"] * 1e-6) / 1e12}
     except Exception as e:

@@ -3,7 +3,9 @@ module-scoped caches they are checked against: ``conftest.py``).
 
 Project rule: a bad argument fails with ``foscar.InvalidArgumentError(name, expected, got)``
 ("name: expected X, got Y") or ``foscar.UnsupportedError(what, reason)`` ("what: unsupported: ..."),
-never with ``assert`` or a bare torch/Python error."""
+never with ``assert`` or a bare torch/Python error. Every test checks the exception type and that the message
+names the offending argument; positive controls next to the bad calls show that the error comes from the bad
+argument and not from the surrounding setup."""
 from __future__ import annotations
 
 import contextlib

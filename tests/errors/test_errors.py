@@ -1,8 +1,5 @@
-"""Bad-input tests: the error classes, ``KVFormat`` and its page-size check.
-
-Every test checks the exception type and that the message names the offending argument; positive controls
-next to the bad calls show that the error comes from the bad argument and not from the surrounding setup
-(the rule and the helpers: ``_bad_inputs.py``, the caches: ``conftest.py``)."""
+"""Bad-input tests: the error classes, ``KVFormat`` and its page-size check (the rule and the
+helpers: ``_bad_inputs.py``)."""
 from __future__ import annotations
 
 import re

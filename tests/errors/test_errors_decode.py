@@ -1,9 +1,6 @@
 """Bad-input tests: ``decode_exact`` / ``decode_folded``, ``QuantKVCache.dequantize``,
-``pack_codes`` / ``unpack_codes``, ``combine_partials``.
-
-Every test checks the exception type and that the message names the offending argument; positive controls
-next to the bad calls show that the error comes from the bad argument and not from the surrounding setup
-(the rule and the helpers: ``_bad_inputs.py``, the caches: ``conftest.py``)."""
+``pack_codes`` / ``unpack_codes``, ``combine_partials`` (the rule and the
+helpers: ``_bad_inputs.py``)."""
 from __future__ import annotations
 
 import math
