@@ -1,6 +1,7 @@
 """The CPU standing in for a GPU, for the decode benchmark's driver run end to end in the tests: CUDA's host calls
 (events timed by the host clock, no-op syncs, a device name), the Triton backend usable with a stand-in
-``foscar.triton`` module, FlashInfer absent, and the driver's target (:data:`CPU_TARGET`)."""
+``foscar.triton`` module (:func:`fake_triton_module`), FlashInfer absent, and the driver's target
+(:data:`CPU_TARGET`)."""
 import sys
 import time
 import types
@@ -24,6 +25,33 @@ class FakeEvent:
 
     def elapsed_time(self, end):
         return (end.t - self.t) * 1e3
+
+
+def fake_triton_module(folded_ok: bool = True) -> types.ModuleType:
+    """A ``foscar.triton`` stand-in at any head dim: ``decode`` the folded reference with BF16 operands (without
+    ``folded_ok``, its last row left NaN: an unwritten row), no reconstruct kernel; ``decode_bf16`` SDPA over each
+    sequence's pages."""
+    mod = types.ModuleType("foscar.triton")
+
+    def decode(q, cache, *, sm_scale=None, out=None, num_splits=None, kernel="folded"):
+        if kernel != "folded":
+            raise NotImplementedError(f"kernel={kernel!r} not written yet")
+        o = foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16)
+        if not folded_ok:
+            o[-1, -1] = float("nan")  # one unwritten row
+        return out.copy_(o)
+
+    def decode_bf16(q, k_cache, v_cache, block_table, seq_lens, *, out):  # caches [pages, Hkv, page, D]
+        _, hkv, _, d = k_cache.shape
+        for b in range(q.shape[0]):
+            pages = block_table[b].long()
+            k, v = (c[pages].transpose(0, 1).reshape(hkv, -1, d).float() for c in (k_cache, v_cache))
+            o = torch.nn.functional.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True)
+            out[b] = o.squeeze(1)
+        return out
+
+    mod.decode, mod.decode_bf16 = decode, decode_bf16
+    return mod
 
 
 def no_triton_reader():

@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from _fake_gpu import CPU_TARGET, FakeEvent, stand_in, use_triton
+from _fake_gpu import CPU_TARGET, FakeEvent, fake_triton_module, stand_in, use_triton
 from _helpers import bench_record, bench_result
 
 import foscar
@@ -133,31 +133,6 @@ def test_xor_reduce():
 
 
 # ---- the driver, end to end on the CPU --------------------------------------------------------
-def _fake_triton_module(folded_ok=True):
-    """foscar.triton stand-in: decode = the folded reference with BF16 operands; no reconstruct kernel."""
-    mod = types.ModuleType("foscar.triton")
-
-    def decode(q, cache, *, sm_scale=None, out=None, num_splits=None, kernel="folded"):
-        if kernel != "folded":
-            raise NotImplementedError(f"kernel={kernel!r} not written yet")
-        o = foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16)
-        if not folded_ok:
-            o[-1, -1] = float("nan")  # one unwritten row
-        out.copy_(o)
-        return out
-
-    def decode_bf16(q, k_cache, v_cache, block_table, seq_lens, *, out):  # caches [pages, Hkv, page, D]
-        for b in range(q.shape[0]):
-            pages = block_table[b].long()
-            k, v = (c[pages].transpose(0, 1).reshape(bd.HKV, -1, bd.HEAD_DIM).float() for c in (k_cache, v_cache))
-            o = torch.nn.functional.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True)
-            out[b] = o.squeeze(1)
-        return out
-
-    mod.decode, mod.decode_bf16 = decode, decode_bf16
-    return mod
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """``use(module)``: foscar.triton replaced by ``module``, CUDA's host calls stood in for
@@ -167,7 +142,7 @@ def fake_gpu(monkeypatch):
 
 
 def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
-    fake_gpu(_fake_triton_module())
+    fake_gpu(fake_triton_module())
     argv = ["--shapes", "1:1K,2:2K", "--check", "--out", str(tmp_path), "--ceiling-gib", "0.01", "--max-gb", "100",
             "--warmup", "1"]
     assert bd.main(argv, target=CPU_TARGET) == 0
@@ -202,7 +177,7 @@ def test_driver_end_to_end(fake_gpu, tmp_path, capsys):
 
 
 def test_driver_fails_on_a_wrong_kernel_before_timing(fake_gpu, tmp_path, capsys):
-    fake_gpu(_fake_triton_module(folded_ok=False))
+    fake_gpu(fake_triton_module(folded_ok=False))
     argv = ["--grid", "quick", "--bits", "4", "--check", "--out", str(tmp_path), "--max-gb", "100"]
     assert bd.main(argv, target=CPU_TARGET) == 1
     result = json.loads((tmp_path / "bench_decode.json").read_text())
@@ -211,7 +186,7 @@ def test_driver_fails_on_a_wrong_kernel_before_timing(fake_gpu, tmp_path, capsys
 
 
 def test_driver_flags_wrong_outputs_untimed_and_skips_loudly(fake_gpu, tmp_path):
-    fake_gpu(_fake_triton_module(folded_ok=False))
+    fake_gpu(fake_triton_module(folded_ok=False))
     argv = ["--shapes", "1:1K,64:128K", "--bits", "2", "--kernels", "foscar_folded", "--out", str(tmp_path),
             "--max-gb", "1", "--ceiling-gib", "0.01", "--warmup", "1"]
     assert bd.main(argv, target=CPU_TARGET) == 1

@@ -3,11 +3,10 @@ formats, bytes, softmax scale and memory plan it sets, and driver runs end to en
 CUDA timing and a fake foscar.triton (the fakes of tests/_fake_gpu.py)."""
 import json
 import math
-import types
 
 import pytest
 import torch
-from _fake_gpu import CPU_TARGET, stand_in
+from _fake_gpu import CPU_TARGET, fake_triton_module, stand_in
 
 import foscar
 import foscar.bench.decode as bd
@@ -70,34 +69,11 @@ def test_the_bf16_inputs_and_their_reference_take_the_queries_head_dim():
     assert ref.exact.shape == (2, 256) and 0 < ref.bf16_err < 2e-2
 
 
-def _d_generic_triton_module():
-    """foscar.triton stand-in at any head dim: decode = the folded reference with BF16 operands; no
-    reconstruct kernel; decode_bf16 = SDPA over each sequence's pages."""
-    mod = types.ModuleType("foscar.triton")
-
-    def decode(q, cache, *, sm_scale=None, out=None, num_splits=None, kernel="folded"):
-        if kernel != "folded":
-            raise NotImplementedError(f"kernel={kernel!r} not written yet")
-        return out.copy_(foscar.decode_folded(q, cache, dtype=torch.float32, operand_dtype=torch.bfloat16))
-
-    def decode_bf16(q, k_cache, v_cache, block_table, seq_lens, *, out):  # caches [pages, Hkv, page, D]
-        _, hkv, _, d = k_cache.shape
-        for b in range(q.shape[0]):
-            pages = block_table[b].long()
-            k, v = (c[pages].transpose(0, 1).reshape(hkv, -1, d).float() for c in (k_cache, v_cache))
-            o = torch.nn.functional.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True)
-            out[b] = o.squeeze(1)
-        return out
-
-    mod.decode, mod.decode_bf16 = decode, decode_bf16
-    return mod
-
-
 @pytest.fixture
 def fake_gpu_at_any_head_dim(monkeypatch):
-    """The CPU stands in for the GPU (:func:`_fake_gpu.stand_in`), with
-    :func:`_d_generic_triton_module` as foscar.triton."""
-    stand_in(monkeypatch, _d_generic_triton_module())
+    """The CPU stands in for the GPU (:func:`_fake_gpu.stand_in`), with :func:`_fake_gpu.fake_triton_module` (any
+    head dim) as foscar.triton."""
+    stand_in(monkeypatch, fake_triton_module())
 
 
 @pytest.mark.parametrize("d, g", [(64, 64), (256, 128)])
