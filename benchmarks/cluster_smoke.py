@@ -21,7 +21,7 @@ def one(bits: int, splits: int, ctas: int) -> None:
     from foscar.cute import config
     from foscar.cute.launch import decode
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from test_triton import make
+    from _cases import make
     config.CLUSTER_MERGE = True
     config.clear_switch_caches()
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)

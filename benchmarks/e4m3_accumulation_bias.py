@@ -10,12 +10,8 @@ zero shows as opposite signs, toward minus infinity as the same sign), and the s
 exact value. An unbiased accumulation has a mean near 0 at about ``std / sqrt(n)``.
 """
 import argparse
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def measure(bits: int, head_dim: int, tiles: int, q_scale: float) -> dict:
