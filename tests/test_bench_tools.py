@@ -27,16 +27,37 @@ def test_compare_kernels_table():
 
 
 @pytest.mark.parametrize("script,words", [("first_call.py", ("--shapes", "cold")),
-                                          ("cluster_smoke.py", ("--timeout", "TIMEOUT"))])
+                                          ("cluster_smoke.py", ("--timeout", "TIMEOUT")),
+                                          ("cluster_placement.py", ("--splits", "--ctas", "--compile-only"))])
 def test_the_gpu_scripts_parse_their_options(script, words):
-    """``benchmarks/first_call.py`` and ``benchmarks/cluster_smoke.py`` (run on an sm_90 GPU) at least parse and
-    document their options here."""
+    """``benchmarks/first_call.py``, ``cluster_smoke.py`` and ``cluster_placement.py`` (run on an sm_90 GPU) at least
+    parse and document their options here."""
     import subprocess
     import sys
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     res = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and all(w in res.stdout for w in words)
+
+
+def test_cluster_placement_counts_sms_rounds_and_a_clusters_spread():
+    """``benchmarks/cluster_placement.py``'s summary of the CTAs' records: two KV heads of four CTAs; head 0's on
+    SMs 0 and 1 two at once, head 1's on four SMs a spin later (a second round)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import cluster_placement
+    finally:
+        sys.path.pop(0)
+    import torch
+    spin = 1000
+    rec = torch.tensor([[[0, 0, 0, spin], [0, 1, 10, spin + 10], [1, 2, 5, spin + 5], [1, 3, 5, spin + 5]],
+                        [[2, 0, spin + 50, 2 * spin], [3, 1, spin + 50, 2 * spin], [4, 2, spin + 60, 2 * spin],
+                         [5, 3, spin + 60, 2 * spin]]])
+    f = cluster_placement.summarize(rec, spin)
+    assert f["sms"] == 6 and f["most_an_sm"] == 2 and f["cluster_sms"] == (2, 4) and f["late_ctas"] == 4
+    assert f["span_us"] == pytest.approx(2 * spin / 1e3)
+    assert cluster_placement.shared_bytes(1) > cluster_placement.SM_SHARED_BYTES // 2
+    assert cluster_placement.SM_SHARED_BYTES // 3 < cluster_placement.shared_bytes(2) <= cluster_placement.SM_SHARED_BYTES // 2
 
 
 def test_ptxas_reports_a_cute_kernels_registers_spills_and_injected_waits():
