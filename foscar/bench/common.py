@@ -285,7 +285,7 @@ def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor 
     call, another process) touches every call alike and their ratios hold. Returns name -> median/min/all (µs)."""
     from .._checks import check_int
     if (flush is None) == (before is None):
-        raise TypeError("time_call: give exactly one of flush and before")
+        raise TypeError("give exactly one of flush and before")
     if not isinstance(fns, dict) or not fns or not all(callable(fn) for fn in fns.values()):
         raise InvalidArgumentError("fns", "a non-empty dict of name -> callable", type(fns).__name__)
     check_int("iters", iters, minimum=1)
