@@ -2,7 +2,9 @@
 lengths on a shuffled page pool (:func:`make`), a decode step's query and cache (:func:`make_step`, :func:`cut_to`),
 and the checks of a kernel's output against the float64 oracle, NaN-poisoned and every element held to the bound:
 the Triton kernel's (:func:`run_and_check`) and the CuTe kernel's (:func:`cute_against_the_oracle`,
-:func:`cute_magnitude_case`, :func:`cute_step_against_the_oracle`); what a write may change in a cache
+:func:`cute_magnitude_case`, :func:`cute_step_against_the_oracle`) and a windowed step's through any backend
+(:func:`check_windowed_step`, against :func:`bf16_step_attention`); a cache broken after the checks
+(:func:`broken_cache`); what a write may change in a cache
 (:func:`snapshot`, :func:`same_state`); the register-A wgmma of the CuTe kernels' PTX (:data:`WGMMA_RS`)."""
 import copy
 import re
@@ -12,7 +14,7 @@ import torch
 from _helpers import bf16_attention, kernel_error_bound, magnitude_cache, rel
 
 import foscar
-from foscar.bench import cache_to
+from foscar.bench import as_graph, cache_to
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -144,6 +146,81 @@ def cute_step_against_the_oracle(bits, G, T, num_splits, fmt_kw) -> None:
     print(f"\nG {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
     assert err <= kernel_error_bound(fmt, ref_err)
     assert float((lse.view(q.shape[:3]).double() - lse_exact).abs().max()) <= 1e-2
+
+
+def step_format(kw, head_dim=64):
+    """The format of ``kw`` (an affine format's arguments, or ``scheme`` and an FP4 format's) at ``head_dim``."""
+    kw = dict(kw)
+    if "scheme" in kw:
+        return foscar.KVFormat.fp4(kw.pop("scheme"), head_dim, **kw)
+    return foscar.KVFormat(head_dim=head_dim, **kw)
+
+
+def bf16_step_attention(q, cache):
+    """BF16 attention of a step over the dequantized cache, token ``j`` over the cache at its length (the causal
+    view's row; ``foscar.reference.attend`` with BF16 operands and P, FP32 math, a BF16 output)."""
+    import math
+
+    from foscar.multitoken import causal_view
+    B, T, Hq, D = q.shape
+    Hkv = cache.num_kv_heads
+    view = causal_view(cache, T)
+    kd, vd = view.dequantize(torch.float32)
+    out = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for j in range(T):
+            r = b * T + j
+            n = int(view.seq_lens[r])
+            o, _ = foscar.reference.attend(q[b, j].float().reshape(Hkv, Hq // Hkv, D), kd[r, :, :n], vd[r, :, :n],
+                                           1 / math.sqrt(D), operand_dtype=torch.bfloat16)
+            out[b, j] = o.reshape(Hq, D).bfloat16().float()
+    return out
+
+
+def check_windowed_step(kw, head_dim, G, T, backend):
+    """A step of ``T`` tokens over a cache of the windowed format ``kw`` through ``backend`` (skipped where it cannot
+    run here): NaN-poisoned outputs, every element within the kernels' bound of the float64 oracle (BF16 attention's
+    error, token by token), the LSE within 1e-2; a CUDA-graph replay of its plan equal to the eager call."""
+    fmt = step_format(kw, head_dim)
+    status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
+    if not status[backend].usable:
+        pytest.skip(status[backend].why)
+    lens = [T, 64 * 7 + T - 1, 4099]
+    q, cache = make_step(fmt, lens, T, Hkv=2, G=G, seed=T)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    foscar.decode(q, cache, out=out, lse=lse, backend=backend)
+    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    err, ref_err = rel(out, exact), rel(bf16_step_attention(q, cache), exact)
+    print(f"\n{fmt} G {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
+    assert err <= kernel_error_bound(fmt, ref_err)
+    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
+    plan = foscar.plan(q, cache, backend=backend)
+    again = torch.full_like(out, float("nan"))
+    replay = as_graph(lambda: plan.run(q, cache, out=again))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, out)
+
+
+def broken_cache(where: str, device: str):
+    """A cache whose stored values were broken after the checks (a caller writing its tensors): one NaN in
+    KV head 1 of sequence 0 (the oracle's output is NaN there). Every other head must decode as the
+    oracle does."""
+    fmt = foscar.KVFormat(bits=4, head_dim=64, group_size=64, sink=4, recent=16)
+    k, v = torch.randn(2, 2, 2, 150, 64, generator=torch.Generator().manual_seed(0)).unbind(0)
+    cache = foscar.quantize_kv(k, v, fmt, page_size=64)
+    if device != "cpu":
+        cache = cache_to(cache, device)
+    if where == "sink":
+        cache.k_sink[0, 1, 1, 3] = float("nan")
+    elif where == "recent":
+        cache.v_recent[0, 1, 2, 3] = float("nan")
+    else:  # a quantized scale
+        page = int(cache.page_table.block_table[0, 0])
+        cache.k_params[page, 1, 5, 0, 0] = float("nan")
+    return cache
 
 
 #: what a write to a cache may change: its codes, ``(s', z')``, windows, lengths and the ring's oldest position

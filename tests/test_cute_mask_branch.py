@@ -80,6 +80,6 @@ def test_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, bi
 @pytest.mark.parametrize("kw,G,T", [(dict(bits=2, group_size=128, sink=4, recent=16, rollback=8), 4, 4),
                                     (dict(bits=4, group_size=128, k_axis="channel", rollback=8), 4, 8)])
 def test_windowed_steps_with_the_masks_in_a_branch_against_the_oracle_gpu(monkeypatch, kw, G, T):
-    from test_steps_windows import _check_windowed_step
+    from _cases import check_windowed_step
     with cute_switches(monkeypatch, MASK_BRANCH=True):
-        _check_windowed_step(kw, 128, G, T, "cute")
+        check_windowed_step(kw, 128, G, T, "cute")

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _cases import DEV, GPU, same_state, snapshot
+from _cases import DEV, GPU, broken_cache, same_state, snapshot
 
 import foscar
 from foscar import InvalidArgumentError, KVFormat, QuantKVCache
@@ -157,25 +157,6 @@ def test_the_triton_merge_propagates_a_broken_partial(bad_lse):
     assert torch.allclose(out[0, 2], torch.ones(D, device=DEV)) and abs(float(l_out[0, 2])) < 1e-6
 
 
-def _broken_cache(where: str, device: str):
-    """A cache whose stored values were broken after the checks (a caller writing its tensors): one NaN in
-    KV head 1 of sequence 0 (the oracle's output is NaN there). Every other head must decode as the
-    oracle does."""
-    fmt = KVFormat(bits=4, head_dim=64, group_size=64, sink=4, recent=16)
-    cache = foscar.quantize_kv(randn(2, 2, 150, 64), randn(2, 2, 150, 64, seed=1), fmt, page_size=64)
-    if device != "cpu":
-        from foscar.bench import cache_to
-        cache = cache_to(cache, device)
-    if where == "sink":
-        cache.k_sink[0, 1, 1, 3] = NAN
-    elif where == "recent":
-        cache.v_recent[0, 1, 2, 3] = NAN
-    else:  # a quantized scale
-        page = int(cache.page_table.block_table[0, 0])
-        cache.k_params[page, 1, 5, 0, 0] = NAN
-    return cache
-
-
 @pytest.mark.parametrize("where", ["sink", "recent", "params"])
 @pytest.mark.parametrize("backend", ["reference", "triton"] + [b for b in gpu_backends() if b != "triton"])
 def test_a_broken_cache_decodes_to_nan_not_zeros(backend, where):
@@ -183,7 +164,7 @@ def test_a_broken_cache_decodes_to_nan_not_zeros(backend, where):
     channel), in the output and in the LSE; every other element matches the oracle. Those heads used to
     be zeros: a NaN partial weighed nothing in the merge."""
     dev = DEV if backend != "reference" else "cpu"
-    cache = _broken_cache(where, dev)
+    cache = broken_cache(where, dev)
     q = randn(2, 4, 64, seed=3).to(torch.bfloat16).to(dev)
     out = torch.full((2, 4, 64), 7.0, dtype=torch.float32, device=dev)
     lse = torch.full((2, 4), 7.0, device=dev)

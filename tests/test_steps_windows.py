@@ -12,11 +12,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _cases import DEV, GPU, HOPPER, make_step  # noqa: E402
+from _cases import DEV, GPU, HOPPER, check_windowed_step, make_step, step_format  # noqa: E402
 from _helpers import rel  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fold import PAPER, build, decode_case  # noqa: E402
+from _strategies import PAPER, build, decode_case  # noqa: E402
 
 import foscar  # noqa: E402
 from foscar.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
@@ -91,13 +91,6 @@ FORMATS = [dict(bits=4, group_size=64, sink=4), dict(bits=2, group_size=64, rece
            dict(scheme="nvfp4", recent=8, rollback=8)]
 
 
-def _fmt(kw, head_dim=64):
-    kw = dict(kw)
-    if "scheme" in kw:
-        return foscar.KVFormat.fp4(kw.pop("scheme"), head_dim, **kw)
-    return foscar.KVFormat(head_dim=head_dim, **kw)
-
-
 @pytest.mark.parametrize("kw", FORMATS)
 @pytest.mark.parametrize("backend", ("reference", "triton"))
 def test_a_step_over_windows_is_the_oracles(kw, backend):
@@ -107,7 +100,7 @@ def test_a_step_over_windows_is_the_oracles(kw, backend):
     interpreter's arithmetic: 1e-5; the GPU's, 1e-2). Lengths: the step alone (its first token sees part of the
     sink), a step within the ring, one across a flush, long."""
     import foscar.triton as ft
-    fmt = _fmt(kw)
+    fmt = step_format(kw)
     status = {s.name: s for s in foscar.backend_status(DEV, fmt, 4)}
     if not status[backend].usable and (GPU or backend != "triton"):  # a CPU machine: the interpreter
         pytest.skip(status[backend].why)
@@ -206,7 +199,7 @@ def test_the_cute_kernels_of_a_windowed_step_compile(kw, gqa, step, tail):
     from foscar.cute.compile import compile_combine, compile_stage1
     from foscar.cute.config import config_for
     from foscar.errors import UnsupportedError as Refused
-    fmt = _fmt(kw, 128)
+    fmt = step_format(kw, 128)
     k_operand = "e4m3" if gqa * step > 4 and not fmt.is_fp4 and fmt.k_axis == "token" else "bf16"
     cfg = config_for(fmt, gqa, 64, k_operand, 1, step, tail=tail)
     assert cfg.causal and cfg.windows and cfg.tail == tail
@@ -217,27 +210,6 @@ def test_the_cute_kernels_of_a_windowed_step_compile(kw, gqa, step, tail):
     win = CombineConfig(128, "bf16", True, 16, False, sink=fmt.sink, recent=fmt.recent, flush=fmt.flush,
                         ring=fmt.recent_capacity, gqa=gqa, step=step, tail=tail)
     compile_combine(win)
-
-
-def _bf16_step_attention(q, cache):
-    """BF16 attention of a step over the dequantized cache, token ``j`` over the cache at its length (the causal
-    view's row; ``foscar.reference.attend`` with BF16 operands and P, FP32 math, a BF16 output)."""
-    import math
-
-    from foscar.multitoken import causal_view
-    B, T, Hq, D = q.shape
-    Hkv = cache.num_kv_heads
-    view = causal_view(cache, T)
-    kd, vd = view.dequantize(torch.float32)
-    out = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        for j in range(T):
-            r = b * T + j
-            n = int(view.seq_lens[r])
-            o, _ = foscar.reference.attend(q[b, j].float().reshape(Hkv, Hq // Hkv, D), kd[r, :, :n], vd[r, :, :n],
-                                           1 / math.sqrt(D), operand_dtype=torch.bfloat16)
-            out[b, j] = o.reshape(Hq, D).bfloat16().float()
-    return out
 
 
 @pytest.mark.gpu
@@ -260,7 +232,7 @@ def test_the_cute_kernel_takes_a_windowed_step_gpu(monkeypatch, kw, head_dim, G,
     replays it."""
     from _helpers import cute_switches
     with cute_switches(monkeypatch, WINDOWED_STEPS=columns):
-        _check_windowed_step(kw, head_dim, G, T, "cute")
+        check_windowed_step(kw, head_dim, G, T, "cute")
 
 
 @pytest.mark.gpu
@@ -272,34 +244,7 @@ def test_the_cute_kernel_takes_a_windowed_step_gpu(monkeypatch, kw, head_dim, G,
 def test_the_triton_kernel_takes_a_windowed_step_gpu(kw, head_dim, G, T):
     """The Triton kernels' steps over windows on the GPU (the interpreter's cases above, compiled): the same
     checks as the CuTe kernels'."""
-    _check_windowed_step(kw, head_dim, G, T, "triton")
-
-
-def _check_windowed_step(kw, head_dim, G, T, backend):
-    from _helpers import kernel_error_bound
-
-    from foscar.bench import as_graph
-    fmt = _fmt(kw, head_dim)
-    status = {s.name: s for s in foscar.backend_status(DEV, fmt, G)}
-    if not status[backend].usable:
-        pytest.skip(status[backend].why)
-    lens = [T, 64 * 7 + T - 1, 4099]
-    q, cache = make_step(fmt, lens, T, Hkv=2, G=G, seed=T)
-    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
-    foscar.decode(q, cache, out=out, lse=lse, backend=backend)
-    exact, lse_exact = foscar.decode_exact(q, cache, return_lse=True)
-    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
-    err, ref_err = rel(out, exact), rel(_bf16_step_attention(q, cache), exact)
-    print(f"\n{fmt} G {G} q_len {T}: error {err:.3e}  BF16 attention {ref_err:.3e}")
-    assert err <= kernel_error_bound(fmt, ref_err)
-    assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
-    plan = foscar.plan(q, cache, backend=backend)
-    again = torch.full_like(out, float("nan"))
-    replay = as_graph(lambda: plan.run(q, cache, out=again))
-    replay()
-    torch.cuda.synchronize()
-    assert torch.equal(again, out)
+    check_windowed_step(kw, head_dim, G, T, "triton")
 
 
 COMPILE_WINDOWED = """
@@ -362,7 +307,7 @@ def test_a_step_in_parts_is_the_step(monkeypatch, kw, G, T, rows):
         part.out.copy_(o.reshape(part.out.shape))
         part.lse.copy_(s.reshape(part.lse.shape))
 
-    fmt = _fmt(kw)
+    fmt = step_format(kw)
     q, cache = make_step(fmt, [T, 70, 161], T, Hkv=1, G=G, seed=T)
     problem = step_problem(q, cache, out=torch.full(q.shape, float("nan")), lse=torch.full(q.shape[:3], float("nan")))
     parts = launch.step_parts(G, T, rows)

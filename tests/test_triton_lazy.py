@@ -97,8 +97,8 @@ def test_a_broken_scale_decodes_to_nan_where_the_oracle_does(tensor):
     """A NaN planted in one token's K or V scale after the checks: NaN exactly where the oracle is NaN (the rows
     of its KV head), every other element the oracle's; a NaN passes no comparison of the lazy test, and never
     hides another column's first scores from it."""
-    from test_nonfinite import _broken_cache
-    cache = _broken_cache("params", DEV)
+    from _cases import broken_cache
+    cache = broken_cache("params", DEV)
     if tensor == "v":  # the same token's V scale instead
         page = int(cache.page_table.block_table[0, 0])
         cache.k_params[page, 1, 5, 0, 0] = cache.k_params[page, 0, 5, 0, 0]
