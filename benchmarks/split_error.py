@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--v0", action="store_true", help="the v0 kernel (no warp specialization)")
     a = p.parse_args()
     q, k, v = stress_inputs(1, 32, 8, a.length, 128, seed=a.seed, dtype=torch.bfloat16, device="cuda")
-    print(f"| config | L | splits | error vs dequantized | BF16 attention |")
+    print("| config | L | splits | error vs dequantized | BF16 attention |")
     print("|---|---|---|---|---|")
     for c in PAPER_CONFIGS[:2]:
         cache = quantize_kv(k, v, c.fmt(128, 128), quantizer=c.quantizer)

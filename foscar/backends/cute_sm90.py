@@ -188,7 +188,6 @@ class CuteSm90(Backend):
         """The launch an untuned call of ``case`` runs (:func:`foscar.cute.launch.launch_config` with no entry): the
         default variant, its CTAs an SM for the case's rows (a step's tokens times the heads), its K operands and
         passes, its split heuristic."""
-        from ..cute.budget import default_ring
         from ..cute.config import TILE
         from ..cute.launch import (DEFAULT_WARP_SPECIALIZED, V0_RESIDENT, default_ctas_per_sm, default_num_splits,
                                    default_variant, default_waves)
