@@ -402,8 +402,8 @@ SWEEPS
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;;
   grid)  # after install-cute and fi-parts: foscar.decode (auto) beside FlashInfer BF16 in one process each: the
           # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens (grid [PART ...]:
-          # paper axes heads steps, default all); with TUNE_DIR set, its entries first (tune-more's), then the
-          # shipped file's
+          # paper axes heads steps, default all; HEADS names the ratios of the sweep, default all six); with TUNE_DIR
+          # set, its entries first (tune-more's), then the shipped file's
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
     [ -n "${TUNE_DIR:-}" ] && export FOSCAR_TUNING_DIR="$TUNE_DIR"
     shift; parts="${*:-paper axes heads steps}"
@@ -413,7 +413,7 @@ SWEEPS
     case " $parts " in *" axes "*)
       timeout 120 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto flashinfer_tc \
         --out "$OUT/axes" > "$OUT/axes.log" 2>&1; echo "axes rc=$?" ;; esac
-    case " $parts " in *" heads "*) for h in 32:1 32:2 32:4 32:8 32:16 32:32; do
+    case " $parts " in *" heads "*) for h in ${HEADS:-32:1 32:2 32:4 32:8 32:16 32:32}; do
       timeout 100 python3 -m foscar.bench.decode --shapes 8:128K --heads $h --cuda-graph --kernels foscar_auto \
         flashinfer_tc --out "$OUT/heads/${h/:/-}" > "$OUT/heads-${h/:/-}.log" 2>&1
       echo "heads $h rc=$? $(grep "done in" "$OUT/heads-${h/:/-}.log")"
