@@ -225,6 +225,15 @@ case "$step" in
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
     python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_cute_e4m3 foscar_cute_e4m3x3 foscar_auto \
       flashinfer_tc --out "$OUT/terms-paper" > "$OUT/terms-paper.log" 2>&1; echo "terms paper rc=$?" ;;
+  digits)  # after install-cute: k_operand e4m3d4 (Q as four integer digits) against the oracle, then the stress study
+            # through it and through BF16 K (the bar's reference), each length and seed
+    python3 -m pytest -q -s -m gpu tests/test_cute_variants.py -k "four_q_digits" > "$OUT/digits-tests.log" 2>&1
+    echo "four-digit tests: $(tail -1 "$OUT/digits-tests.log")"
+    for k in e4m3d4 bf16; do
+      timeout 200 python3 -m foscar.bench.cli accuracy --backend cute --k-operand $k --lengths 1024 4096 16384 \
+        --out "$OUT/accuracy-cute-$k" > "$OUT/accuracy-cute-$k.log" 2>&1; echo "accuracy $k rc=$?"
+      grep "INT2 min-max |" "$OUT/accuracy-cute-$k/accuracy.md" | head -3
+    done ;;
   rows)  # after the cute step: the GPU tests of 16/32 columns, head dim 256 and E4M3 term blocks; then timings
           # with FlashInfer BF16 beside (its wheels folder as $2): head dim 256, and E4M3 against BF16 K beyond 4 rows
     python3 -m pytest -q -s -m gpu tests/test_cute_decode.py tests/test_cute_variants.py tests/test_multitoken.py \

@@ -127,7 +127,7 @@ def kernel_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gqa", type=int, default=4)
     p.add_argument("--v0", action="store_true", help="v0 (one warpgroup) instead of v1")
     p.add_argument("--ctas", type=int, default=2, help="v1: CTAs per SM (1 or 2)")
-    p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3", "e4m3x3"),
+    p.add_argument("--k-operand", default="bf16", choices=("bf16", "e4m3", "e4m3x3", "e4m3d4"),
                    help="the K operands (foscar.cute.config.K_OPERANDS)")
     p.add_argument("--tiles-per-pass", type=int, default=1, choices=(1, 2),
                    help="v1: KV tiles per softmax pass (Sm90Config.tiles_per_pass); counts are per tile")

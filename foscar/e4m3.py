@@ -226,6 +226,51 @@ def split_terms(x: torch.Tensor, terms: int, dims: tuple[int, ...], in_place: bo
     return out
 
 
+#: The largest ``|x 2^e|`` of a slice whose :func:`split_digits` terms are integer digits: ``2^e`` puts the slice's
+#: largest ``|x|`` in ``(7, 14]``, so the first digit is at most 14 and every later one at most 8 in magnitude.
+DIGIT_TOP = 14.0
+
+
+def split_digits(x: torch.Tensor, terms: int, dims: tuple[int, ...]) -> list[torch.Tensor]:
+    """``x`` as ``terms`` integer digits in base 16 (float64, each scaled back): scale ``2^e`` per slice over
+    ``dims``, the largest with the slice's largest ``|x 2^e|`` at most :data:`DIGIT_TOP` (in ``(7, 14]``),
+    ``r_0 = x 2^e``; digit ``k`` is ``d_k = round(r_k)`` (half away from zero) and ``r_{k+1} = 16 (r_k - d_k)``
+    (exact). Returns ``d_k 16^-k 2^-e``. Every digit is an integer of magnitude at most 14 (the first) or 8, an
+    exact E4M3 value, so every product with a code placed as ``q 2^-9`` is a multiple of ``2^-9`` and a k32 step's
+    sum of them (at most ``32 x 12 x 14`` such units, INT2 with token half 1's ``4 q``) is exact in the FP8
+    wgmma's accumulation, which keeps about 14 bits (:func:`split_terms`' residual terms are not: their products
+    span many exponents, and the accumulation rounds the small ones toward zero). The digits hold ``x`` to
+    ``2^-(4 terms - 1)`` of the slice's largest ``|x|`` (four digits: ``2^-15``)."""
+    check_int("terms", terms, minimum=1)
+    xd = x.double()
+    top = xd.abs().amax(dim=dims, keepdim=True)
+    e = scale_exponent(top) - 5  # top 2^e in (224, 448] -> (7, 14]
+    r = torch.ldexp(xd, e)
+    out = []
+    for k in range(terms):
+        d = torch.trunc(r + torch.copysign(torch.full_like(r, 0.5), r))
+        out.append(torch.ldexp(d * 16.0 ** -k, -e))
+        r = (r - d) * 16.0
+    return out
+
+
+#: Significant bits an FP8 wgmma keeps of its sums, in :func:`truncating_step_sum`'s model (about 14 on Hopper:
+#: ``../shared/docs/cute-dsl-hopper.md``; ``benchmarks/e4m3_accumulation_bias.py`` measures its bias toward zero)
+FP8_SUM_BITS = 14
+
+
+def truncating_step_sum(products: torch.Tensor, acc: torch.Tensor, bits: int = FP8_SUM_BITS) -> torch.Tensor:
+    """A model of one FP8 wgmma k-step's accumulation: ``acc + sum(products[..., :])`` (float64) with every addend
+    first truncated toward zero to ``2^(E - bits + 1)``, ``E`` the exponent of the largest ``|addend|``, as a sum that
+    aligns its addends to the largest and keeps ``bits`` bits. Exact where every addend is a multiple of that step
+    (:func:`split_digits`' products), short toward zero otherwise (:func:`split_terms`' residual terms)."""
+    addends = torch.cat([products.double(), acc.double()[..., None]], -1)
+    top = addends.abs().amax(-1, keepdim=True)
+    _, ex = torch.frexp(torch.where(top > 0, top, torch.ones_like(top)))  # top in [2^(ex - 1), 2^ex)
+    step = torch.ldexp(torch.ones_like(top), ex.to(torch.int64) - bits)
+    return (torch.trunc(addends / step) * step).sum(-1)
+
+
 def term_product(equation: str, terms: list[torch.Tensor], y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``sum_k einsum(equation, terms[k], y)``, as a tile's E4M3 MMA gives it with FP32 accumulation: the
     product of two E4M3 values has 8 significant bits and one term's values span at most 2^27 (448

@@ -74,7 +74,7 @@ from .splitkv import split_ranges
 
 E4M3 = torch.float8_e4m3fn
 #: How token-wise K's query takes its E4M3 terms (:func:`decode_folded`'s ``q_terms``)
-Q_TERMS = ("columns", "stacked", "stacked_kv_head")
+Q_TERMS = ("columns", "stacked", "stacked_kv_head", "digits")
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32, E4M3)
 
 
@@ -217,7 +217,11 @@ class _FoldedSequence:
             eq, yg = "hgcj,hncj->hgnc", yk.reshape(H, tile.n, C, g)
             if self.e4m3["k"]:  # Q split per query row (or per KV head: its rows together)
                 dims = (-2, -1) if self.q_terms == "stacked_kv_head" else (-1,)
-                terms, Qc = self.split_operand(Qt, dims, self.q_terms != "columns")
+                if self.q_terms == "digits":
+                    terms = e4m3.split_digits(Qt, self.terms, dims)
+                    Qc = sum(terms).to(self.dtype)
+                else:
+                    terms, Qc = self.split_operand(Qt, dims, self.q_terms != "columns")
                 partial = e4m3.term_product(eq, [t.reshape(H, G, C, g) for t in terms], yg, self.dtype)
             else:
                 Qc = Qt
@@ -312,8 +316,10 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
     numerics). ``q_terms``, how token-wise K's query takes its E4M3 terms: ``"columns"`` (a power of two per
     query row, each term scaled by ``16^k`` before its rounding, as the kernels with the terms in separate
     columns), ``"stacked"`` (each term rounded where it sits, :func:`foscar.e4m3.split_terms`'s ``in_place``:
-    the terms stacked along the contraction, ``foscar.cute.config.STACKED_TERMS``) or ``"stacked_kv_head"``
-    (and one power of two per KV head, ``SHARED_Q_SCALE``). The sink and recent windows are attended with BF16
+    the terms stacked along the contraction, ``foscar.cute.config.STACKED_TERMS``), ``"stacked_kv_head"``
+    (and one power of two per KV head, ``SHARED_Q_SCALE``) or ``"digits"`` (integer digits in base 16 in separate
+    columns, :func:`foscar.e4m3.split_digits`: ``k_operand="e4m3d4"``'s four, each product exact in the FP8
+    accumulation). The sink and recent windows are attended with BF16
     operands, the query as two BF16 terms.
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``, natural log). ``q [B, q_len, Hq, D]``: a step of ``q_len``
     tokens already in the cache, causal among them (:mod:`foscar.multitoken`), the KV head's rows its heads
@@ -341,7 +347,7 @@ def decode_folded(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | Non
         raise InvalidArgumentError("q_terms", f"one of {Q_TERMS} ('columns' without torch.float8_e4m3fn K operands)",
                                    q_terms)
     if operand_terms is not None:
-        check_int("operand_terms", operand_terms, allowed=(1, 2, 3))
+        check_int("operand_terms", operand_terms, allowed=(1, 2, 3, 4))
         if E4M3 not in (operand_dtype, pv_operand_dtype):
             raise InvalidArgumentError("operand_terms", "None without a torch.float8_e4m3fn operand dtype",
                                        operand_terms)

@@ -74,7 +74,7 @@ def test_foscar_kernels_go_through_the_backend_registry(monkeypatch):
     assert kinds == {"foscar_folded": "BackendKernel", "foscar_reconstruct": "Baseline",
                      "foscar_cute": "BackendKernel", "foscar_cute_ws": "BackendKernel",
                      "foscar_cute_e4m3": "BackendKernel", "foscar_cute_pair": "BackendKernel",
-                     "foscar_cute_e4m3x3": "BackendKernel",
+                     "foscar_cute_e4m3x3": "BackendKernel", "foscar_cute_e4m3d4": "BackendKernel",
                      "foscar_auto": "AutoKernel", "foscar_auto_rotated": "AutoKernel",
                      "foscar_bf16": "Baseline", "flashinfer_tc": "Baseline", "flashinfer": "Baseline",
                      "cudnn_sdpa": "Baseline", "flashinfer_fp8": "Baseline", "flashinfer_nvfp4": "Baseline",
@@ -274,7 +274,7 @@ def test_iters_below_five_are_refused():
     args = bd.parse_args(["--bits", "4", "2", "2"])
     assert args.bits == (2, 4) and args.grid == "paper"
     opt_in = ("foscar_cute", "foscar_cute_ws", "foscar_cute_e4m3", "foscar_cute_pair", "foscar_cute_e4m3x3",
-              "foscar_auto",
+              "foscar_cute_e4m3d4", "foscar_auto",
               "foscar_auto_rotated", "flashinfer_fp8",
               "flashinfer_nvfp4", "fa4")  # named
     assert args.kernels == [k for k in bd.KERNELS if k not in opt_in]

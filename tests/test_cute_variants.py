@@ -140,6 +140,37 @@ def test_three_q_terms_compile_for_sm90a(bits, gqa, cols):
         config_for(fmt, gqa, 64, "e4m3x3", 2)
 
 
+@pytest.mark.parametrize("bits,gqa", [(2, 1), (2, 4), (4, 2), (4, 4)])
+def test_four_q_digits_compile_for_sm90a(bits, gqa):
+    """Four integer digits of Q (``e4m3d4``) take four column blocks of 8 (``m64n32k32``), each k32 step into its own
+    accumulator (promoted to FP32), one tile a pass, up to 4 query rows; more rows and two tiles a pass are refused
+    by name."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    cfg = config_for(fmt, gqa, 64, "e4m3d4")
+    assert cfg.k_e4m3 and cfg.q_terms == 4 and cfg.q_digits and cfg.term_blocks and cfg.qk_cols == 32
+    assert cfg.qk_promote
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    copies = consumer_code_paths(cfg, 2)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx)) == copies * 4
+    for args in ((fmt, 8, 64, "e4m3d4"), (fmt, gqa, 64, "e4m3d4", 2)):
+        with pytest.raises(UnsupportedError, match="e4m3d4"):
+            config_for(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
+    ([8192, 4001, 129, 1], 4, None, {}), ([777, 64], 1, 2, {}), ([700, 9], 2, None, {"group_size": 64}),
+    ([4100, 260], 4, None, {"v_axis": "channel"}), ([2000, 33], 4, 2, {"rotation": "hadamard"})])
+def test_four_q_digits_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw):
+    """Q as four integer digits: every element against the float64 oracle within the kernels' bound (BF16
+    attention's error on the same cache), LSE within 1e-2."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
+    cute_against_the_oracle(fmt, lens, G, f"E4M3 K, four Q digits, GQA {G}: error", num_splits=num_splits,
+                            warp_specialized=True, k_operand="e4m3d4", tiles_per_pass=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))

@@ -396,7 +396,7 @@ def test_operand_terms_arguments():
         foscar.decode_folded(q, cache, operand_dtype=E4)
     with bad_arg("pv_operand_dtype"):
         foscar.decode_folded(q, cache, operand_dtype=torch.bfloat16, pv_operand_dtype=E4)
-    for terms in (0, 4, 2.0, "2", True):
+    for terms in (0, 5, 2.0, "2", True):
         with bad_arg("operand_terms"):
             foscar.decode_folded(q, cache, operand_dtype=E4, operand_terms=terms)
     with bad_arg("operand_terms"):

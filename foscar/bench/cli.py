@@ -83,9 +83,10 @@ def _accuracy(argv: list[str], prog: str) -> int:
     p.add_argument("--group-size", type=int_in(1), default=128,
                    help="channels per (s, z) group of the token-wise K and V: 32, 64, 128 or the head dim, dividing "
                         "the head dim (default: 128)")
-    p.add_argument("--k-operand", choices=("bf16", "e4m3", "e4m3x3"), default=None,
+    p.add_argument("--k-operand", choices=("bf16", "e4m3", "e4m3x3", "e4m3d4"), default=None,
                    help="--backend cute: the CuTe kernel's K operands (foscar.cute.config.K_OPERANDS; e4m3x3: the "
-                        "query as three E4M3 terms, one tile a pass; default: what foscar.decode plans)")
+                        "query as three E4M3 terms, e4m3d4 as four integer digits, one tile a pass; default: what "
+                        "foscar.decode plans)")
     p.add_argument("--fp4", action="store_true",
                    help="also the FP4 block formats, NVFP4 and MXFP4 (accuracy.FP4_CONFIGS; decoded by the Triton "
                         "and reference backends, not the CuTe kernels)")

@@ -19,8 +19,10 @@ after ``--warmup``):
 - ``foscar_cute_ws``      its v1: TMA producer and two consumer warpgroups, BF16 K operands (opt-in; likewise)
 - ``foscar_cute_e4m3``    v1 with E4M3 K operands and Q as two E4M3 terms (opt-in; token-wise K, GQA <= 4)
 - ``foscar_cute_pair``    that with two KV tiles per softmax pass (opt-in; token-wise K and V, GQA <= 4)
-- ``foscar_cute_e4m3x3``  v1 with E4M3 K operands and Q as three E4M3 terms, one tile a pass: the accuracy
-                          option (opt-in; token-wise K, up to 16 query rows)
+- ``foscar_cute_e4m3x3``  v1 with E4M3 K operands and Q as three E4M3 terms, one tile a pass (opt-in; token-wise
+                          K, up to 16 query rows)
+- ``foscar_cute_e4m3d4``  the same with Q as four integer digits (every k32 step's sum exact in the FP8
+                          accumulation): the accuracy option (opt-in; token-wise K, up to 4 query rows)
 - ``foscar_auto``         foscar.decode(q, cache, out=out): the backend, variant and launch the library picks
                           (``backend="auto"``, the autotune cache; opt-in)
 - ``fa4``                 FlashAttention-4 (flash_attn.cute) over an unpaged copy of the BF16 cache (opt-in;

@@ -322,7 +322,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     BackendKernel("foscar_cute_pair", "cute", {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2},
                   default=False),  # two tiles per softmax pass
     BackendKernel("foscar_cute_e4m3x3", "cute", {"warp_specialized": True, "k_operand": "e4m3x3", "tiles_per_pass": 1},
-                  default=False),  # the query as three E4M3 terms: the accuracy option
+                  default=False),  # the query as three E4M3 terms
+    BackendKernel("foscar_cute_e4m3d4", "cute", {"warp_specialized": True, "k_operand": "e4m3d4", "tiles_per_pass": 1},
+                  default=False),  # the query as four integer digits: the accuracy option
     AutoKernel("foscar_auto", default=False),
     AutoKernel("foscar_auto_rotated", default=False, rotated=True),
     Baseline("foscar_bf16", "bf16", build_foscar_bf16, _foscar_unavailable),

@@ -205,8 +205,9 @@ class Sm90Config:
     v_channel: bool = False  #: channel-wise V (acc-fold of each tile's PV partial)
     k_e4m3: bool = False  #: E4M3 K operands by bit placement and Q as E4M3 terms (foscar.cute.operands_e4m3)
     #: E4M3 K operands: Q's residual terms (``hi``, ``lo``; three: ``hi``, ``mid``, ``lo``, each step x16,
-    #: ``k_operand="e4m3x3"``, the accuracy option: always in separate column blocks, :attr:`term_blocks`)
+    #: ``k_operand="e4m3x3"``; four digits, ``e4m3d4``: always in separate column blocks, :attr:`term_blocks`)
     q_terms: int = 2
+    q_digits: bool = False  #: Q's terms as integer digits in base 16 (``e4m3d4``, :func:`foscar.e4m3.split_digits`)
     #: the K operand's scale per token half: s' k_factor multiplies the MMA's sum (E4M3: 2^9; INT2 placed
     #: with two registers a rotation, :func:`foscar.cute.operands_e4m3.k_placement_e4m3`: 2^7 for half 1)
     k_factors: tuple[float, float] = (1.0, 1.0)
@@ -440,10 +441,10 @@ def columns_for(rows: int) -> int:
     return cols
 
 
-#: The K operands a kernel takes: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, or
-#: as three (``e4m3x3``: Q's residual to about 2^-12 of its row's largest value, in QK products 3 column blocks
-#: wide)
-K_OPERANDS = ("bf16", "e4m3", "e4m3x3")
+#: The K operands: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, three (``e4m3x3``: to about
+#: 2^-12 of the row's largest value, 3 column blocks) or four integer digits (``e4m3d4``: to 2^-15, every k32 step's
+#: sum exact in the FP8 accumulation and promoted to FP32, 4 column blocks; the accuracy option)
+K_OPERANDS = ("bf16", "e4m3", "e4m3x3", "e4m3d4")
 #: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
 TILES_PER_PASS = (1, 2)
 
@@ -518,21 +519,21 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                                f"k_operand={k_operand!r}, tiles_per_pass={tiles_per_pass}",
                                "head dim 256 takes token-wise K, groups of 128 or 256, gqa * q_len <= 8, BF16 K "
                                "operands and one tile a pass (the registers of one CTA per SM)")
-    e4m3 = k_operand in ("e4m3", "e4m3x3")
-    q_terms = 3 if k_operand == "e4m3x3" else 2
+    e4m3 = k_operand != "bf16"
+    q_terms, digits = {"e4m3x3": 3, "e4m3d4": 4}.get(k_operand, 2), k_operand == "e4m3d4"
     rows = gqa * step
     if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= HEADS // 2
                                                   and (tiles_per_pass == 2 or not PRODUCER_Q_FOLD)):
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
                                "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
                                "with two Q terms, one token, gqa <= 4 (and two tiles a pass where the producer folds)")
-    most = 2 * HEADS if q_terms == 3 else MAX_COLS  # three terms: measured on the GPU up to 16 rows
+    most = {3: 2 * HEADS, 4: HEADS // 2}.get(q_terms, MAX_COLS)  # three terms: measured up to 16 rows
     if e4m3 and (rows > most or (step > 1 and rows <= HEADS // 2)):
         raise UnsupportedError(f"k_operand={k_operand!r} with gqa={gqa}, q_len={step}",
                                f"{k_operand!r} K operands take gqa * q_len <= {most} (a step: more than 4 rows)")
-    if q_terms == 3 and tiles_per_pass == 2:
-        raise UnsupportedError("k_operand='e4m3x3' with tiles_per_pass=2", "Q's three E4M3 terms take one tile a "
-                               "pass (the second tile's scores sit in the columns two terms leave free)")
+    if q_terms > 2 and tiles_per_pass == 2:
+        raise UnsupportedError(f"k_operand={k_operand!r} with tiles_per_pass=2", f"Q's {q_terms} E4M3 terms take one "
+                               "tile a pass (the second tile's scores sit in the columns two terms leave free)")
     k_pass = fmt.k_axis == "token" or (e4m3 and g >= 2 * TILE)  # channel-wise K: a pass within one token group
     v_pass = fmt.v_axis == "token" or (PAIR_CHANNEL_V and g >= 2 * TILE)
     if tiles_per_pass == 2 and (not k_pass or not v_pass or gqa > HEADS // 2 or step > 1 or tail):
@@ -574,7 +575,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
-                      k_e4m3=e4m3, q_terms=q_terms, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
+                      k_e4m3=e4m3, q_terms=q_terms, q_digits=digits, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
                       v_pivots=pivots, v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
@@ -584,7 +585,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
-                      qk_promote=fmt.bits in QK_PROMOTE_BITS and e4m3 and fmt.k_axis == "token" and rows <= HEADS // 2
+                      qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token" and rows <= 4
                       and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,

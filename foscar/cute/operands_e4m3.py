@@ -306,14 +306,17 @@ def store_q_terms(sQ: cute.Tensor, col_hi, col_lo, p, q: Float32, scale: Float32
     store_q_term_list(sQ, [col_hi, col_lo], p, q, scale)
 
 
-def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32, grow: float = 16.0):
+def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32, grow: float = 16.0,
+                      digits: bool = False):
     """One channel of Q as ``len(cols)`` E4M3 terms at contraction index ``p`` of columns ``cols`` (or at
     ``(column, index)`` pairs, ``p`` then unused): ``r_0 = q 2^e``, term ``k`` is ``t_k = e4m3(r_k)``,
     ``r_{k+1} = (r_k - t_k) grow`` (each remainder exact in FP32), as :func:`foscar.e4m3.split_terms` forms them
-    (``grow`` 1: each term rounded where it sits, ``in_place``)."""
+    (``grow`` 1: each term rounded where it sits, ``in_place``); ``digits``: ``t_k`` is ``r_k`` rounded to an
+    integer, half away from zero, as :func:`foscar.e4m3.split_digits` forms them (``scale`` from
+    :func:`row_scales` with ``digits``)."""
     r = q * scale
     for k in range(len(cols)):
-        t = r.to(Float8E4M3FN)
+        t = (cute.math.round(r) if digits else r).to(Float8E4M3FN)
         if isinstance(cols[k], tuple):
             sQ[cols[k]] = t
         else:
@@ -327,12 +330,14 @@ def store_q_term_list(sQ: cute.Tensor, cols: list, p, q: Float32, scale: Float32
 @cute.jit
 def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutlass.Constexpr, mQ: cute.Tensor, b,
                query_row, sQred: cute.Tensor, sQinv: cute.Tensor, tidx, bar_id: cutlass.Constexpr,
-               shared: cutlass.Constexpr = False):
+               shared: cutlass.Constexpr = False, digits: cutlass.Constexpr = False):
     """Each query row's power-of-two scale for its E4M3 terms, by one warpgroup (named barrier ``bar_id``):
     from the row's largest ``|q|`` (``mQ[b, query_row(h), :]``, :func:`scale_exponent`), ``2^e`` into
     ``sQred[0, h]`` and ``2^-e`` into ``sQinv[h]`` for the ``cols`` columns (``e`` 0 past the ``rows``);
     ``sQred`` ``[4, cols]`` floats, the warps' maxima first. Both written before the last barrier. ``shared``: one
-    scale for every row, from the largest ``|q|`` of all of them (every column's entries the same)."""
+    scale for every row, from the largest ``|q|`` of all of them (every column's entries the same). ``digits``: the
+    scale of integer digits, ``2^-5`` of that (the row's largest ``|q 2^e|`` at most 14,
+    :data:`foscar.e4m3.DIGIT_TOP`)."""
     D = head_dim
     warp = tidx // 32
     lane = tidx % 32
@@ -361,6 +366,8 @@ def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutla
             for wi in cutlass.range_constexpr(1, THREADS // 32):
                 top = cute.arch.fmax(top, sQred[wi, tidx])
             e = scale_exponent(top)
+        if cutlass.const_expr(digits):  # clamped as scale_exponent's (a largest |q| below 2^128 stays within 4)
+            e = cutlass.max(e - 5, Int32(-126))
         sQred[0, tidx] = power_of_two(e)
         sQinv[tidx] = power_of_two(-e)
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
@@ -431,7 +438,7 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
     R = cfg.rows
     C = cfg.cols
     T = cfg.q_terms
-    row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id, cfg.shared_q_scale)
+    row_scales(D, R, C, mQ, b, query_row, sQred, sQinv, tidx, bar_id, cfg.shared_q_scale, cfg.q_digits)
     for p0 in cutlass.range_constexpr(max(1, D // THREADS)):
         p = p0 * THREADS + tidx
         if p < D:
@@ -443,7 +450,7 @@ def load_q_term_blocks(cfg, mQ: cute.Tensor, b, query_row, sQ: cute.Tensor, sQin
                     at = [(h, (T - 1 - k) * D + p) for k in range(T)]
                 if cutlass.const_expr(h < R):
                     store_q_term_list(sQ, at, p, Float32(mQ[b, query_row(h), d]), sQred[0, h],
-                                      1.0 if cfg.stacked_terms else 16.0)
+                                      1.0 if cfg.stacked_terms else 16.0, cfg.q_digits)
                 else:
                     for k in cutlass.range_constexpr(T):
                         if cutlass.const_expr(cfg.stacked_terms):
