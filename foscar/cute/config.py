@@ -100,10 +100,8 @@ FOLD_WARPS = 3
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
-#: Three consumer warpgroups at one CTA an SM at 8 columns, one tile a pass or two (token-wise K and V): off, slower
-#: than two CTAs an SM at every shape timed (``docs/results-h200.md``)
-WIDE_EIGHT_COLUMNS = False
-#: The split merge inside stage 1 where the splits fit one cluster (:attr:`Sm90Config.cluster`): correct, 1.3x the time
+WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
+#: The split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower at every short shape
 CLUSTER_MERGE = False
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -575,7 +573,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
-                      k_e4m3=e4m3, q_terms=q_terms, q_digits=digits, k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
+                      k_e4m3=e4m3, q_terms=q_terms, q_digits=digits,
+                      k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
                       v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
                       v_pivots=pivots, v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
@@ -585,8 +584,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
-                      qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token" and rows <= 4
-                      and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
+                      qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
+                      and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
