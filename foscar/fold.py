@@ -166,11 +166,15 @@ class _FoldedSequence:
         hi = Qt.to(torch.bfloat16).to(self.dtype)
         return hi + (Qt - hi).to(torch.bfloat16).to(self.dtype)
 
-    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False
+    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False, digits: bool = False
                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``; ``in_place``: each term rounded
-        where it sits, :func:`foscar.e4m3.split_terms`) and the consumed operand, their sum (exact in FP32)."""
-        terms = e4m3.split_terms(x, self.terms, dims, in_place)
+        where it sits, :func:`foscar.e4m3.split_terms`; ``digits``: integer digits, :func:`foscar.e4m3.split_digits`)
+        and the consumed operand, their sum (exact in FP32)."""
+        if digits:
+            terms = e4m3.split_digits(x, self.terms, dims)
+        else:
+            terms = e4m3.split_terms(x, self.terms, dims, in_place)
         return terms, sum(terms).to(self.dtype)
 
     def rnd_scaled(self, p: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
@@ -217,11 +221,7 @@ class _FoldedSequence:
             eq, yg = "hgcj,hncj->hgnc", yk.reshape(H, tile.n, C, g)
             if self.e4m3["k"]:  # Q split per query row (or per KV head: its rows together)
                 dims = (-2, -1) if self.q_terms == "stacked_kv_head" else (-1,)
-                if self.q_terms == "digits":
-                    terms = e4m3.split_digits(Qt, self.terms, dims)
-                    Qc = sum(terms).to(self.dtype)
-                else:
-                    terms, Qc = self.split_operand(Qt, dims, self.q_terms != "columns")
+                terms, Qc = self.split_operand(Qt, dims, self.q_terms.startswith("stacked"), self.q_terms == "digits")
                 partial = e4m3.term_product(eq, [t.reshape(H, G, C, g) for t in terms], yg, self.dtype)
             else:
                 Qc = Qt
