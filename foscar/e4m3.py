@@ -263,7 +263,12 @@ def truncating_step_sum(products: torch.Tensor, acc: torch.Tensor, bits: int = F
     """A model of one FP8 wgmma k-step's accumulation: ``acc + sum(products[..., :])`` (float64) with every addend
     first truncated toward zero to ``2^(E - bits + 1)``, ``E`` the exponent of the largest ``|addend|``, as a sum that
     aligns its addends to the largest and keeps ``bits`` bits. Exact where every addend is a multiple of that step
-    (:func:`split_digits`' products), short toward zero otherwise (:func:`split_terms`' residual terms)."""
+    (:func:`split_digits`' products); otherwise each addend loses its low bits (:func:`split_terms`' residual terms),
+    the sum moving toward zero by what its own-signed addends lose."""
+    check_int("bits", bits, minimum=1)
+    if acc.shape != products.shape[:-1]:
+        want = tuple(products.shape[:-1])
+        raise InvalidArgumentError("acc", f"a tensor of products' shape less its last dim, {want}", tuple(acc.shape))
     addends = torch.cat([products.double(), acc.double()[..., None]], -1)
     top = addends.abs().amax(-1, keepdim=True)
     _, ex = torch.frexp(torch.where(top > 0, top, torch.ones_like(top)))  # top in [2^(ex - 1), 2^ex)

@@ -46,15 +46,24 @@ def test_digit_products_sum_exactly_in_the_fp8_accumulation(bits, placed):
     codes = torch.randint(0, 1 << bits, (512, 32), generator=g).double() * placed * 2.0 ** -9
     q = torch.randn(1, 32, generator=g, dtype=torch.float64)
     for parts, exact_sums in ((split_digits(q, 4, (-1,)), True), (split_terms(q, 3, (-1,)), False)):
-        for p in parts:
-            e = scale_exponent(q.abs().amax()) - (5 if exact_sums else 0)
-            unit = torch.ldexp(p, e)  # the E4M3 values the tensor core takes, before their power-of-two scale
+        e = scale_exponent(q.abs().amax()) - (5 if exact_sums else 0)
+        for k, p in enumerate(parts):
+            unit = torch.ldexp(p, e) * 16.0 ** k  # the E4M3 values the tensor core takes (their scales after the MMA)
+            assert torch.equal(round_e4m3(unit), unit)
             prods = codes * unit
             got = truncating_step_sum(prods, torch.zeros(prods.shape[0], dtype=torch.float64))
             if exact_sums:
                 assert torch.equal(got, prods.sum(-1))
         if not exact_sums:  # the last term's products are the finest
             assert not torch.equal(got, prods.sum(-1))
+    with pytest.raises(InvalidArgumentError, match="acc"):
+        truncating_step_sum(prods, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(InvalidArgumentError, match="bits"):
+        truncating_step_sum(prods, torch.zeros(prods.shape[0], dtype=torch.float64), bits=0)
+    nan = prods.clone()
+    nan[0, 0] = float("nan")  # a NaN product stays NaN in its sum, never a finite number
+    got = truncating_step_sum(nan, torch.zeros(nan.shape[0], dtype=torch.float64))
+    assert bool(got[0].isnan()) and bool(got[1:].isfinite().all())
 
 
 @pytest.mark.parametrize("bits", (2, 4))
