@@ -7,7 +7,8 @@
 
 Kinds: ``triton``, ``cute`` (``foscar.decode``'s pick), ``cute_ws`` / ``cute_ws2`` (v1 at one / two CTAs per
 SM), ``cute_pair`` (v1, E4M3 K, two tiles a pass with the lazy rescale; ``cute_pair1``: the same at one CTA per
-SM) and ``cute_lazy1`` (v1, one tile a pass, with
+SM), ``cute_digits`` (v1, E4M3 K with Q as four integer digits, one tile a pass) and ``cute_lazy1`` (v1, one
+tile a pass, with
 ``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
@@ -67,6 +68,10 @@ def main(backend: str) -> None:
     elif backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
+    elif backend == "cute_digits":  # Q as four integer digits (E4M3 K, one tile a pass)
+        from foscar.cute.launch import decode
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3d4",
+                     tiles_per_pass=1)
     elif backend in ("cute_pair", "cute_pair1", "cute_lazy1"):
         from foscar.cute import config
         from foscar.cute.launch import decode
