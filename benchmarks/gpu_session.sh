@@ -150,20 +150,19 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
-  racecheck-narrow)  # racecheck's report on the E4M3 K variants, narrowed: sanitize_one.py cute_pair (INT4, E4M3 K, two
-                     # tiles a pass) twice as shipped, then with one switch changed at a time (the combine's early
-                     # launch, the start prefetch, QK zeroing, Q staged by the first consumer), and cute_ws2 (BF16 K)
+  racecheck-narrow)  # racecheck's report on the E4M3 K variants, narrowed (benchmarks/racecheck_probe.py): the kernel as it
+                     # ships (twice), Q's staging on another barrier, each consumer asleep before its first read of
+                     # sum(Q), the combine's early launch and the start prefetch off; then cute_ws2 (BF16 K) beside
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for v in shipped shipped COMBINE_PDL_WINDOWS=0 START_PREFETCH=0 QK_ZEROING_BITS= PROLOGUE_BY_BITS=4:consumer_q; do
-      for kind in cute_pair; do
-        timeout 120 "$CS" --tool racecheck --racecheck-report hazard --report-api-errors no --error-exitcode 1 \
-          python3 benchmarks/run_with.py $([ "$v" = shipped ] || echo "$v") -- benchmarks/sanitize_one.py $kind \
-          > "$OUT/race-$kind-${v//[=:,]/_}.log" 2>&1
-        echo "$kind $v rc=$? $(tail -1 "$OUT/race-$kind-${v//[=:,]/_}.log")" \
-          "blocks: $(grep -o "block ([0-9,]*)" "$OUT/race-$kind-${v//[=:,]/_}.log" | sort | uniq -c | tr -s ' \n' ' ')"
-      done
+    for v in shipped shipped qbar=6 sleep=2000 sleep=20000 COMBINE_PDL_WINDOWS=0 START_PREFETCH=0; do
+      case $v in [A-Z]*) run="benchmarks/run_with.py $v -- benchmarks/racecheck_probe.py shipped" ;;
+                 *) run="benchmarks/racecheck_probe.py $v" ;; esac
+      log="$OUT/race-${v//[=:,]/_}.log"
+      timeout 150 "$CS" --tool racecheck --racecheck-report hazard --report-api-errors no --error-exitcode 1 \
+        python3 $run > "$log" 2>&1
+      echo "$v rc=$? $(tail -1 "$log") blocks: $(grep -o "block ([0-9,]*)" "$log" | sort | uniq -c | tr -s ' \n' ' ')"
     done
-    timeout 120 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
+    timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
   triton-lazy)  # Triton alone (the tvm call will do): the lazy rescale's GPU tests, then the kernel with and without
                 # it at GQA 4, 16 and 32 (B 8, L 128K, Hq 32; the heuristic's splits and twice as many)
