@@ -119,19 +119,24 @@ def test_accumulator_ownership(m):
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("v_axis,placed", [("token", False), ("channel", False), ("token", True)])
-def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axis, placed, bits, head_dim):
+@pytest.mark.parametrize("v_axis,placed,low,rows", [("token", False, False, False), ("channel", False, False, False),
+                                                    ("token", True, False, False), ("token", True, True, False),
+                                                    ("token", True, True, True)])
+def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axis, placed, low, rows, bits, head_dim):
     """V^T's FP16 registers as ``operands.build_vt_registers`` builds them (a word rotated by the config's
     placement of the register's token half, one ``lop3``) hold ``q + beta_h`` for CuTe's element, ``h`` the
     token half of its k16 block, whose pivot ``v_operand_fold`` takes; fewer rotations than one placement.
     By placement (``V_PLACEMENT``) they hold ``q 2^(shl_h - 24)``: ``q`` times the half's P' factor over the
-    accumulator's unit, no offset (the pivot, in the accumulator's units, is the middle code's operand)."""
+    accumulator's unit, no offset (the pivot, in the accumulator's units, is the middle code's operand); from bit
+    0 (``V_LOW_PLACEMENT``) with fewer rotations; by channel-row class too (``V_ROW_SHIFTS``: ``2^b_c`` more for
+    the rows +8 of a 16, ``v_row_class``), one rotation a word."""
     import foscar
     from foscar.cute.config import config_for
-    from foscar.cute.fragment import v_register_source, v_rotations, v_token_half
-    with cute_switches(monkeypatch, V_PLACEMENT=placed):
+    from foscar.cute.fragment import v_register_source, v_rotations, v_row_class, v_token_half
+    with cute_switches(monkeypatch, V_PLACEMENT=placed, V_LOW_PLACEMENT=low, V_ROW_SHIFTS=rows):
         cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64 if head_dim < 256 else 128,
                                          v_axis=v_axis), 4, 64)
+    assert (cfg.v_row_shls != (0, 0)) == rows
     mid = ((1 << bits) - 1) / 2
     gen = torch.Generator().manual_seed(7 * bits + head_dim)
     codes = torch.randint(0, 1 << bits, (TILE_TOKENS, head_dim), generator=gen, dtype=torch.int32)
@@ -139,21 +144,24 @@ def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axi
     word, _ = tile_register_source(bits, head_dim, "v")
     token, channel = ownership("v", head_dim)
     for r in range(word.shape[1]):
-        h = v_token_half(r)
+        h, c = v_token_half(r), v_row_class(r)
         assert bool(((token[:, r] % 16) // 8 == h).all()), "the register's tokens are not its token half"
-        shl, pattern = cfg.v_shls[h], cfg.v_patterns[h]
+        assert bool(((channel[:, r] % 16) // 8 == c).all()), "the register's channels are not its row class"
+        shl, pattern = cfg.v_shls[h] + cfg.v_row_shls[c], cfg.v_patterns[h]
         rot = (v_register_source(bits, head_dim, r)[2] - shl) % 32
         w = words[word[:, r, 0]]
         x = ((w >> rot) | (w << (32 - rot))) & 0xFFFFFFFF
         reg = (x & ((((1 << bits) - 1) << shl) * 0x00010001)) | (pattern * 0x00010001)
         halves = torch.stack([reg & 0xFFFF, reg >> 16], -1).to(torch.int32).to(torch.int16)
-        value = halves.view(torch.float16).double() * cfg.v_unit * cfg.v_factors[h]  # exact: powers of two
+        value = halves.view(torch.float16).double() * cfg.v_unit * cfg.v_factors[h] / 2 ** cfg.v_row_shls[c]  # exact
         beta = cfg.v_pivots[h] * cfg.v_factors[h] - mid
         assert beta == 0 or not placed
         assert torch.equal(value, codes[token[:, r], channel[:, r]].double() + beta)
     uniform = len(v_rotations(bits, head_dim, (10 - bits,) * 2) - {0})
-    placed = len(v_rotations(bits, head_dim, cfg.v_shls) - {0})
+    placed = len(v_rotations(bits, head_dim, cfg.v_shls, cfg.v_row_shls) - {0})
     assert placed == uniform if v_axis == "channel" else placed < uniform
+    if low:  # INT2 3, INT4 2 rotations a word (from 4 and 3); by row class 1
+        assert placed == (1 if rows else {2: 3, 4: 2}[bits])
 
 
 @pytest.mark.parametrize("m,n", [(64, 8), (64, 16), (64, 32), (128, 16), (128, 32), (256, 8)])

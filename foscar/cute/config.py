@@ -62,6 +62,12 @@ QK_PROMOTE_BITS = (4,)
 #: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
 #: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
 V_PLACEMENT = True
+#: V^T by placement from bit 0 of an FP16 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset
+#: ``2^(10 - shl)`` bounds it to bit 4): fewer rotations a word (INT2 3 for 4, INT4 2 for 3). And with
+#: ``V_ROW_SHIFTS`` the bits by channel-row class too (:func:`foscar.cute.fragment.v_class_shls`): one rotation a
+#: word. Both off until their GPU tests run.
+V_LOW_PLACEMENT = False
+V_ROW_SHIFTS = False
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
@@ -116,7 +122,8 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS")
+            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT",
+            "V_ROW_SHIFTS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -196,6 +203,9 @@ class Sm90Config:
     #: factor ``2^(24 - shl)``: the accumulator holds the output in units of ``sigma v_unit``); 1 for injection
     v_factors: tuple[float, float] = (1.0, 1.0)
     v_unit: float = 1.0
+    #: by placement, the extra bits of channel-row class 1's codes (rows +8 of 16; :data:`V_ROW_SHIFTS`): its
+    #: accumulator rows are ``2^b`` times the output's units until the end
+    v_row_shls: tuple[int, int] = (0, 0)
     sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
@@ -491,8 +501,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     import torch
 
     from ..errors import InvalidArgumentError, UnsupportedError
-    from ..format import E4M3_PLACEMENT, f16_placement, fold_constants, injection, injection_constants, operand_for
-    from .fragment import v_token_half_shls
+    from ..format import E4M3_PLACEMENT, fold_constants, injection_constants, operand_for
+    from .v_operands import v_operand_fields
     if k_operand not in K_OPERANDS:
         raise InvalidArgumentError("k_operand", f"one of {K_OPERANDS}", k_operand)
     if tiles_per_pass not in TILES_PER_PASS:
@@ -546,23 +556,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
         k = {**injection_constants("K", operand_for(torch.bfloat16, fmt.bits), fmt), "K_FACTOR": 1.0}
     pivot = float(k["K_PIVOT"])
     placed = 4.0 if e4m3 and fmt.bits == 2 else 1.0  # token half 1's operand is 4 q 2^-9 (k_placement_e4m3)
-    if fmt.v_axis == "channel":  # the acc-fold takes one pivot for every token of a tile
-        v_ops = (operand_for(torch.float16, fmt.bits),) * 2
-    else:
-        v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in v_token_half_shls(fmt.bits, fmt.head_dim))
-    v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
-    assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
-    v_factors, v_unit = (1.0, 1.0), 1.0
-    if V_PLACEMENT and fmt.v_axis == "token":  # the same bits, no offset: q 2^(shl - 24)
-        shls = (v0["V_SHL"], v1["V_SHL"])
-        folds = [fold_constants("V", f16_placement(shl), fmt) for shl in shls]
-        v_unit = folds[shls.index(min(shls))]["V_FACTOR"]
-        v_factors = tuple(f["V_FACTOR"] / v_unit for f in folds)
-        for v, f in zip((v0, v1), folds):
-            v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
-    pivots = (float(v0["V_PIVOT"]), float(v1["V_PIVOT"]))  # the pivot sums' A: FP16, exact (1.5 or 7.5 times 2^k)
-    assert all(float(torch.tensor(c, dtype=torch.float16)) == c for c in pivots), pivots
+    pivot_mma = columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim
+    v_fields = v_operand_fields(fmt, pivot_mma)
     if stages is None:  # a Q' per stage takes a deep ring's room
         stages = STAGES if producer_fold else default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
@@ -575,8 +571,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, q_digits=digits,
                       k_factors=(float(k["K_FACTOR"]), float(k["K_FACTOR"]) / placed),
-                      v_patterns=(v0["V_PATTERN"], v1["V_PATTERN"]), v_shls=(v0["V_SHL"], v1["V_SHL"]),
-                      v_pivots=pivots, v_mid=float(v0["V_MID"]), v_factors=v_factors, v_unit=v_unit, sink=fmt.sink, recent=fmt.recent,
+                      **v_fields, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, tail=tail, cols=columns_for(gqa * step),
@@ -590,7 +585,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
-                      pivot_mma=columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim,
+                      pivot_mma=pivot_mma,
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,

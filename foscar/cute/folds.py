@@ -45,12 +45,13 @@ class OutputAccumulator:
     units of ``sigma``, and the offset corrections gathered per S^T element since the last fold (``corr``).
     Token-wise V has one ``sigma`` (a power of two at least every ``|s'_V|`` so far) and one ``corr`` per
     channel group, each group one m64 half of V^T; channel-wise V keeps ``sigma`` 1. A run-time loop carries
-    ``sigma``. V^T by placement (``Sm90Config.v_unit``): the elements are in units of ``sigma * unit``.
+    ``sigma``. V^T by placement (``Sm90Config.v_unit``): the elements are in units of ``sigma * unit``, those of
+    channel-row class 1 (``row_half(e)``, ``Sm90Config.v_row_shls``) in ``row_scale`` times those.
     ``pivot`` (``Sm90Config.pivot_mma``): the C fragment of V^T's extra m64 block, whose row 0 sums ``c_h P'`` by
     column (:mod:`foscar.cute.pivot`), scaled as ``acc`` is."""
 
     def __init__(self, acc: cute.Tensor, sigma: list, corr: list, nb: int = 1, mh: int = 2, unit: float = 1.0,
-                 pivot: cute.Tensor | None = None):
+                 pivot: cute.Tensor | None = None, row_scale: float = 1.0):
         self.acc = acc
         self.sigma = sigma
         self.corr = corr
@@ -58,6 +59,7 @@ class OutputAccumulator:
         self.mh = mh
         self.unit = unit
         self.pivot = pivot
+        self.row_scale = row_scale
 
     def group(self, e: int) -> int:
         """The channel group (its ``sigma`` and ``corr``) of accumulator element ``e``."""
@@ -68,7 +70,7 @@ class OutputAccumulator:
 
     def __new_from_mlir_values__(self, values) -> OutputAccumulator:
         return OutputAccumulator(self.acc, [Float32(v) for v in values], self.corr, self.nb, self.mh, self.unit,
-                                 self.pivot)
+                                 self.pivot, self.row_scale)
 
     def rescale(self, al: list, sigma: list):
         """Rescale the accumulator to new running maxima (``al``, by column slot) and new units ``sigma``."""
@@ -584,9 +586,12 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: c
     cs = [c * inv for c in cs]  # in units of sigma
     if cutlass.const_expr(out.unit != 1.0):  # the accumulator in units of sigma * unit (a power of two)
         cs = [c * (1.0 / out.unit) for c in cs]
+    by_class = [cs, cs]  # channel-row class 1's rows in row_scale times the units (a power of two)
+    if cutlass.const_expr(out.row_scale != 1.0):
+        by_class[1] = [c * out.row_scale for c in cs]
     for e in cutlass.range_constexpr(cute.size(accO)):
         if cutlass.const_expr(out.group(e) == g):
-            accO[e] = accO[e] + cs[o_slot(e, nb)]
+            accO[e] = accO[e] + by_class[row_half(e)][o_slot(e, nb)]
     out.corr[g].fill(0.0)
 
 

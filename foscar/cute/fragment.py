@@ -77,12 +77,19 @@ def v_token_half(r: int) -> int:
     return (r % 4) // 2
 
 
-def v_rotations(bits: int, head_dim: int, shls: tuple[int, int]) -> frozenset[int]:
-    """The right rotations of a V word its registers are built from when the codes of token half ``h`` go to
-    bit ``shls[h]`` of each 16-bit half (``v_register_source``, ``v_token_half``): one funnel shift each but
-    for rotation 0."""
+def v_row_class(r: int) -> int:
+    """1 when V^T register ``r``'s channel row is the +8 of its 16 (bit 0 of ``r``, fragment order ``((2, 2, 2),
+    ...)``); the O^T accumulator element ``e`` of that row has ``row_half(e)`` 1."""
+    return r % 2
+
+
+def v_rotations(bits: int, head_dim: int, shls: tuple[int, int], row_shls: tuple[int, int] = (0, 0)) -> frozenset[int]:
+    """The right rotations of a V word its registers are built from when the codes of token half ``h`` and
+    channel-row class ``c`` go to bit ``shls[h] + row_shls[c]`` of each 16-bit half (``v_register_source``,
+    ``v_token_half``, ``v_row_class``): one funnel shift each but for rotation 0."""
     regs = 4 * (head_dim // 64) * (TILE_TOKENS // 16)
-    return frozenset((v_register_source(bits, head_dim, r)[2] - shls[v_token_half(r)]) % 32 for r in range(regs))
+    return frozenset((v_register_source(bits, head_dim, r)[2] - shls[v_token_half(r)] - row_shls[v_row_class(r)]) % 32
+                     for r in range(regs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,10 +101,25 @@ def v_token_half_shls(bits: int, head_dim: int, min_shl: int = 4) -> tuple[int, 
     core's FP32 sum loses its low bits to it (offsets of 256 raised the kernels' error measurably,
     ``docs/results-h200.md``; 64 is the largest taken); by placement (:data:`foscar.cute.config.V_PLACEMENT`) it is
     ``q 2^(shl - 24)``, no offset. INT2: (4, 8), 4 rotations a word where one bit for every register takes 7;
-    INT4: (4, 6), 3 where one bit takes 4."""
+    INT4: (4, 6), 3 where one bit takes 4. From bit 0 (placement): INT2 (2, 6), 3; INT4 (0, 4), 2."""
     top = 10 - bits
     cands = [(s0, s1) for s0 in range(min_shl, top + 1, 2) for s1 in range(min_shl, top + 1, 2)]
     return min(cands, key=lambda s: (len(v_rotations(bits, head_dim, s) - {0}), -min(s), -sum(s)))
+
+
+@functools.lru_cache(maxsize=None)
+def v_class_shls(bits: int, head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """By placement, the codes' bits per token half and per channel-row class, ``((a_0, a_1), (0, b_1))``: a
+    register of half ``h`` and class ``c`` places its codes at bit ``a_h + b_c`` (at most ``10 - bits``). The
+    halves' difference rides on P' (:attr:`~foscar.cute.config.Sm90Config.v_factors`), the classes' on the
+    accumulator's rows (taken off as the offset corrections join them and at the end). The fewest rotations a word,
+    then the least difference between the halves (P''s FP16 range): INT2 ((0, 4), (0, 2)) and INT4 ((0, 0), (0, 4)),
+    one rotation a word."""
+    top = 10 - bits
+    even = range(0, top + 1, 2)
+    cands = [((a0, a1), (0, b1)) for a0 in even for a1 in even for b1 in even if max(a0, a1) + b1 <= top]
+    return min(cands, key=lambda c: (len(v_rotations(bits, head_dim, *c) - {0}), abs(c[0][0] - c[0][1]),
+                                     -min(c[0]), -c[1][1]))
 
 
 def tile_register_source(bits: int, head_dim: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from cutlass import BFloat16, Float16, Float32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .config import THREADS, TILE, Sm90Config
-from .fragment import k_register_source, v_register_source, v_token_half
+from .fragment import k_register_source, v_register_source, v_row_class, v_token_half
 
 LOP_AND_OR = 0xEA  #: lop3 LUT: (a & b) | c
 #: The P^T operand's shared-memory atom by N columns, column-major (:attr:`Sm90Config.p_column_major`; else
@@ -163,7 +163,7 @@ def build_vt_registers(cfg: Sm90Config, regs: cute.Tensor, vw: cute.Tensor):
     """V^T's A registers (``regs``: the Uint32 view of the O^T product's A fragment) from this thread's
     words of the tile (``vw[mh, vb]``, loaded at :func:`foscar.cute.fragment.v_word`): FP16
     ``q + beta_V[h]`` (injection) or ``q 2^(shl_h - 24)`` (placement, pattern 0) for the tokens of half ``h``
-    (:func:`foscar.cute.fragment.v_token_half`); the registers
+    (:func:`foscar.cute.fragment.v_token_half`; by placement also by channel-row class, ``v_row_shls``); the registers
     of one word that take the same rotation share it."""
     values = vt_register_values(cfg, vw, cute.size(regs))
     for r in cutlass.range_constexpr(cute.size(regs)):
@@ -177,7 +177,7 @@ def vt_register_values(cfg: Sm90Config, vw: cute.Tensor, nregs: int) -> list:
     for r in range(nregs):
         vb, mh, field = v_register_source(cfg.bits, cfg.head_dim, r)
         h = v_token_half(r)
-        shl = cfg.v_shls[h]
+        shl = cfg.v_shls[h] + cfg.v_row_shls[v_row_class(r)]
         key = (mh, vb, (field - shl) % 32)
         if key not in rotated:
             rotated[key] = inject_rotated(Uint32(vw[mh, vb]), key[2])

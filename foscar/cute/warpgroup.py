@@ -230,7 +230,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
         pivot = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((TILE, cfg.cols)), Float32)
         pivot.fill(0.0)
     out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit,
-                            pivot)
+                            pivot, float(2 ** (cfg.v_row_shls[1] - cfg.v_row_shls[0])))
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
     return RunningState(softmax, out, Int32(-1)), regs, regs_next
@@ -548,8 +548,11 @@ class TileKernel:
             if h < cfg.rows:
                 row = self.query_row(h, kvh, n_kvh)
                 a = accO[e]
-                if cutlass.const_expr(cfg.v_unit != 1.0):  # V^T by placement: units of sigma * v_unit, the unit
-                    a = a * cfg.v_unit  # first (sigma * v_unit can pass FP32's range)
+                # V^T by placement: units of sigma * v_unit (channel-row class c's 2^v_row_shls[c] times those), the
+                # unit first (sigma * v_unit can pass FP32's range)
+                unit = cfg.v_unit * 2.0 ** -cfg.v_row_shls[row_half(e)]
+                if cutlass.const_expr(unit != 1.0):
+                    a = a * unit
                 if cutlass.const_expr(cfg.vc == 2):
                     mOP[b, row, split, ch] = a * out.sigma[out.group(e)] * inv[o_slot(e, nb)]
                 else:

@@ -1,0 +1,114 @@
+"""Token-wise V^T's FP16 operands by placement from bit 0 (``foscar.cute.config.V_LOW_PLACEMENT``) and by
+channel-row class (``V_ROW_SHIFTS``, ``Sm90Config.v_row_shls``): each register's codes at bit ``a_h + b_c`` of its
+FP16s (token half ``h``, channel-row class ``c``), one rotation a word where the shipped placement takes three or
+four. The halves' difference rides on P' as before; the classes' on the accumulator's rows, taken off as the offset
+corrections join them and in the epilogue. Every change of units is a power of two, so at INT2 (whose halves keep
+their difference, 2^4) the output is the shipped kernel's bit for bit; at INT4 the halves' factors become equal
+(P' of half 1 four times larger, its FP16 rounding the same but below FP16's normal range).
+
+CPU: the tile loop issues fewer instructions, spills nothing (``tests/test_cute_fragment.py`` checks the
+registers' values and rotations). GPU (sm_90): against the float64 oracle (E4M3 and BF16 K, one and two tiles a
+pass, windows, GQA 32, a step of 4 tokens, head dims 64 and 256, channel-wise K, V's magnitude cases), and against
+the shipped kernel bit for bit (INT2)."""
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from _cases import (HOPPER, cute_against_the_oracle, cute_magnitude_case,  # noqa: E402
+                    cute_step_against_the_oracle, make)
+from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
+
+BOTH = {"V_LOW_PLACEMENT": True, "V_ROW_SHIFTS": True}
+
+
+def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[float, int]:
+    """``(instructions a full tile, local-memory instructions)`` of v1 (E4M3 K, GQA 4 unless ``args`` say
+    otherwise) under ``switches`` (``benchmarks/sass_stats_cute.py``'s count)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sass_stats_cute as ss
+    from foscar.cute.compile import compile_stage1
+    from foscar.cute.config import CORRECTION_TILES, as_run
+    a = ss.kernel_parser("").parse_args(["--bits", str(bits), "--k-operand", "e4m3", *args])
+    with cute_switches(monkeypatch, **switches):
+        cfg = ss.kernel_config(a)
+        sass = ss.sass_of(compile_stage1(cfg, keep_cubin=True, warp_specialized=True, ctas_per_sm=a.ctas).__cubin__)
+    cfg = as_run(cfg, a.ctas)
+    paths = ss.rare_paths(sass)
+    loop = ss.tile_loop(sass)
+    full = (len(loop) - sum(paths.values()) + paths["fold"] * cfg.p_tiles / CORRECTION_TILES) / cfg.p_tiles
+    return full, len(re.findall(r"\b(?:LDL|STL)\b", sass))
+
+
+@pytest.mark.parametrize("bits,args", [(2, ("--tiles-per-pass", "2", "--ctas", "2")),
+                                       (4, ("--tiles-per-pass", "2", "--ctas", "2")),
+                                       (2, ("--gqa", "32", "--ctas", "1"))])
+def test_one_rotation_a_word_takes_instructions_off_every_tile(monkeypatch, bits, args):
+    shipped, spills = _full_tile(monkeypatch, {}, bits, *args)
+    both, spills_both = _full_tile(monkeypatch, BOTH, bits, *args)
+    print(f"\nINT{bits} {' '.join(args)}: {shipped:g} -> {both:g} instructions a full tile")
+    assert both <= shipped - 8 and spills_both <= spills
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("fmt_kw,G,lens,launch", [
+    ({}, 4, [8192, 700, 1], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2, "num_splits": 16}),
+    ({"sink": 4, "recent": 100}, 4, [3000, 5], {"warp_specialized": True, "tiles_per_pass": 1, "num_splits": 3}),
+    ({}, 32, [4100, 77], {"warp_specialized": True, "k_operand": "e4m3", "ctas_per_sm": 1}),
+    ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
+    ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True}),
+    ({}, 8, [2000, 33], {"warp_specialized": False})])
+def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch):
+    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
+    with cute_switches(monkeypatch, **BOTH):
+        cute_against_the_oracle(fmt, lens, G, "V^T by row class: error", **launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+def test_v_bits_head_dim_256_and_a_step_gpu(monkeypatch, bits):
+    with cute_switches(monkeypatch, **BOTH):
+        fmt = foscar.KVFormat(bits=bits, head_dim=256, group_size=128)
+        cute_against_the_oracle(fmt, [3000, 9], 2, "V^T by row class, head dim 256: error", warp_specialized=True,
+                                ctas_per_sm=1)
+        cute_step_against_the_oracle(bits, 4, 4, 64, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
+def test_v_bits_magnitudes_gpu(monkeypatch, magnitude):
+    with cute_switches(monkeypatch, **BOTH):
+        cute_magnitude_case(magnitude, warp_specialized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("launch", [{"k_operand": "e4m3", "tiles_per_pass": 2}, {"tiles_per_pass": 1}])
+def test_v_bits_match_the_shipped_kernel_gpu(monkeypatch, bits, launch):
+    """The same decode under the shipped placement and under both switches: INT2 bit for bit (every unit a power of
+    two, P' unchanged), INT4 within FP16's subnormal rounding of the smallest P'."""
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    q, cache = make(fmt, [6000, 300, 1], Hkv=2, G=4, page=64, seed=11)
+    outs = []
+    for switches in ({}, BOTH):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
+        with cute_switches(monkeypatch, **switches):
+            decode(q, cache, out=out, warp_specialized=True, num_splits=4, **launch)
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all()
+    diff = float((outs[1].double() - outs[0].double()).norm() / outs[0].double().norm())
+    print(f"\nINT{bits} {launch}: relative difference to the shipped kernel {diff:.3e}")
+    assert torch.equal(outs[0], outs[1]) if bits == 2 else diff <= 1e-5
