@@ -167,16 +167,19 @@ case "$step" in
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
   v-bits)  # after install-cute: V^T's operands from bit 0 and by channel-row class (V_LOW_PLACEMENT, V_ROW_SHIFTS): their
-           # GPU tests ($JOBS processes), then six paper shapes and GQA 32 with and without them (each variant's
-           # kernels compiled first, in processes of their own)
-    parallel_pytest v-bits "python3 -m pytest" tests/test_cute_v_bits.py
+           # GPU tests ($JOBS processes), then GQA 32 and six paper shapes with and without them (each variant's
+           # kernels compiled first, in processes of their own); v-bits [PART ...]: tests gqa32 paper (default all)
+    shift; parts=" ${*:-tests gqa32 paper} "
+    case "$parts" in *" tests "*) parallel_pytest v-bits "python3 -m pytest" tests/test_cute_v_bits.py ;; esac
     both="V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1"
-    for args in "--shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K" "--shapes 8:128K --heads 32:1"; do
+    for name in gqa32 paper; do
+      case "$parts" in *" $name "*) ;; *) continue ;; esac
+      args="--shapes 8:128K --heads 32:1"
+      [ $name = paper ] && args="--shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K"
       for v in shipped "$both"; do
         (timeout 200 python3 benchmarks/sweep_switches.py $args --warm --variants "$v" > /dev/null 2>&1) &
       done
       wait
-      name=$([ "${args#*heads}" = "$args" ] && echo paper || echo gqa32)
       timeout 200 python3 benchmarks/sweep_switches.py $args --variants shipped "$both" > "$OUT/sweep-v-bits-$name.md" 2>&1
       echo "$name rc=$?"; tail -4 "$OUT/sweep-v-bits-$name.md"
     done ;;
