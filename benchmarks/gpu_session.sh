@@ -13,8 +13,8 @@
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh racecheck-narrow # racecheck's report on E4M3 K, one switch at a time
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh v-bits           # V^T's operands from bit 0, by row class: GPU tests,
-#                                                                #   then the paper grid and GQA 32 with and without
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh v-bits           # V^T's operands from bit 0, by row class, words off
+#                                                                #   one base: GPU tests, then paper shapes and GQA 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
 #                                                                #   timed against the eager one at GQA 4, 16, 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh wide-eight-speed # three consumers at 8 columns, timed; steps of 2
@@ -166,12 +166,13 @@ case "$step" in
     done
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
-  v-bits)  # after install-cute: V^T's operands from bit 0 and by channel-row class (V_LOW_PLACEMENT, V_ROW_SHIFTS): their
-           # GPU tests ($JOBS processes), then GQA 32 and six paper shapes with and without them (each variant's
-           # kernels compiled first, in processes of their own); v-bits [PART ...]: tests gqa32 paper (default all)
+  v-bits)  # after install-cute: V^T's operands from bit 0 and by channel-row class, the words off one base
+           # (V_LOW_PLACEMENT, V_ROW_SHIFTS, FLAT_WORDS): their GPU tests ($JOBS processes), then GQA 32 and six paper
+           # shapes with and without them (each variant's kernels compiled first, in processes of their own);
+           # v-bits [PART ...]: tests gqa32 paper (default all)
     shift; parts=" ${*:-tests gqa32 paper} "
     case "$parts" in *" tests "*) parallel_pytest v-bits "python3 -m pytest" tests/test_cute_v_bits.py ;; esac
-    both="V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1"
+    both="V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
     for name in gqa32 paper; do
       case "$parts" in *" $name "*) ;; *) continue ;; esac
       args="--shapes 8:128K --heads 32:1"

@@ -1,15 +1,18 @@
-"""Token-wise V^T's FP16 operands by placement from bit 0 (``foscar.cute.config.V_LOW_PLACEMENT``) and by
-channel-row class (``V_ROW_SHIFTS``, ``Sm90Config.v_row_shls``): each register's codes at bit ``a_h + b_c`` of its
-FP16s (token half ``h``, channel-row class ``c``), one rotation a word where the shipped placement takes three or
-four. The halves' difference rides on P' as before; the classes' on the accumulator's rows, taken off as the offset
-corrections join them and in the epilogue. Every change of units is a power of two, so at INT2 (whose halves keep
-their difference, 2^4) the output is the shipped kernel's bit for bit; at INT4 the halves' factors become equal
-(P' of half 1 four times larger, its FP16 rounding the same but below FP16's normal range).
+"""Two cuts of v1's tile loop, each a switch until its GPU tests run: token-wise V^T's FP16 operands by placement
+from bit 0 (``foscar.cute.config.V_LOW_PLACEMENT``) and by channel-row class (``V_ROW_SHIFTS``,
+``Sm90Config.v_row_shls``), and a thread's K and V words of a stage read off one base (``FLAT_WORDS``).
 
-CPU: the tile loop issues fewer instructions, spills nothing (``tests/test_cute_fragment.py`` checks the
-registers' values and rotations). GPU (sm_90): against the float64 oracle (E4M3 and BF16 K, one and two tiles a
-pass, windows, GQA 32, a step of 4 tokens, head dims 64 and 256, channel-wise K, V's magnitude cases), and against
-the shipped kernel bit for bit (INT2)."""
+The first places each register's codes at bit ``a_h + b_c`` of its FP16s (token half ``h``, channel-row class
+``c``), one rotation a word where the shipped placement takes three or four. The halves' difference rides on P' as
+before; the classes' on the accumulator's rows, taken off as the offset corrections join them and in the epilogue.
+Every change of units is a power of two, so at INT2 (whose halves keep their difference, 2^4) the output is the
+shipped kernel's bit for bit; at INT4 the halves' factors become equal (P' of half 1 four times larger, its FP16
+rounding the same but below FP16's normal range). The second reads the same words: no change of arithmetic.
+
+CPU: the tile loop issues fewer instructions and spills no more (``tests/test_cute_fragment.py`` checks the
+registers' values and rotations); a stage's 2-D layout is the flat run of words the second reads. GPU (sm_90):
+against the float64 oracle (E4M3 and BF16 K, one and two tiles a pass, windows, GQA 32, a step of 4 tokens, head
+dims 64 and 256, channel-wise K, v0, V's magnitude cases), and against the shipped kernel bit for bit (INT2)."""
 import os
 import re
 import sys
@@ -26,7 +29,7 @@ from _cases import (HOPPER, cute_against_the_oracle, cute_magnitude_case,  # noq
                     cute_step_against_the_oracle, make)
 from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
 
-BOTH = {"V_LOW_PLACEMENT": True, "V_ROW_SHIFTS": True}
+ALL = {"V_LOW_PLACEMENT": True, "V_ROW_SHIFTS": True, "FLAT_WORDS": True}
 
 
 def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[float, int]:
@@ -52,9 +55,21 @@ def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[floa
                                        (2, ("--gqa", "32", "--ctas", "1"))])
 def test_one_rotation_a_word_takes_instructions_off_every_tile(monkeypatch, bits, args):
     shipped, spills = _full_tile(monkeypatch, {}, bits, *args)
-    both, spills_both = _full_tile(monkeypatch, BOTH, bits, *args)
+    both, spills_both = _full_tile(monkeypatch, ALL, bits, *args)
     print(f"\nINT{bits} {' '.join(args)}: {shipped:g} -> {both:g} instructions a full tile")
     assert both <= shipped - 8 and spills_both <= spills
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_a_stage_is_a_flat_run_of_words(bits, head_dim):
+    """The stage layout v1's ring allocates (``((ci, co), slots)`` of stride ``((1, ci), tile_words)``, ``(ci, co)``
+    the TMA box) is word ``w`` of slot ``s`` at ``w + s tile_words``: what ``FLAT_WORDS`` reads."""
+    from foscar.cute.config import config_for
+    fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=min(head_dim, 128))
+    cfg = config_for(fmt, 2, 64, "bf16" if head_dim == 256 else "e4m3", 1)
+    ci, co = cfg.tma_box
+    assert ci * co == cfg.tile_words
 
 
 @pytest.mark.gpu
@@ -69,17 +84,17 @@ def test_one_rotation_a_word_takes_instructions_off_every_tile(monkeypatch, bits
     ({}, 8, [2000, 33], {"warp_specialized": False})])
 def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch):
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    with cute_switches(monkeypatch, **BOTH):
-        cute_against_the_oracle(fmt, lens, G, "V^T by row class: error", **launch)
+    with cute_switches(monkeypatch, **ALL):
+        cute_against_the_oracle(fmt, lens, G, "V^T by row class, flat words: error", **launch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 def test_v_bits_head_dim_256_and_a_step_gpu(monkeypatch, bits):
-    with cute_switches(monkeypatch, **BOTH):
+    with cute_switches(monkeypatch, **ALL):
         fmt = foscar.KVFormat(bits=bits, head_dim=256, group_size=128)
-        cute_against_the_oracle(fmt, [3000, 9], 2, "V^T by row class, head dim 256: error", warp_specialized=True,
+        cute_against_the_oracle(fmt, [3000, 9], 2, "V^T by row class, flat words, head dim 256: error", warp_specialized=True,
                                 ctas_per_sm=1)
         cute_step_against_the_oracle(bits, 4, 4, 64, {})
 
@@ -88,7 +103,7 @@ def test_v_bits_head_dim_256_and_a_step_gpu(monkeypatch, bits):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("magnitude", V_MAGNITUDES)
 def test_v_bits_magnitudes_gpu(monkeypatch, magnitude):
-    with cute_switches(monkeypatch, **BOTH):
+    with cute_switches(monkeypatch, **ALL):
         cute_magnitude_case(magnitude, warp_specialized=True)
 
 
@@ -97,13 +112,13 @@ def test_v_bits_magnitudes_gpu(monkeypatch, magnitude):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("launch", [{"k_operand": "e4m3", "tiles_per_pass": 2}, {"tiles_per_pass": 1}])
 def test_v_bits_match_the_shipped_kernel_gpu(monkeypatch, bits, launch):
-    """The same decode under the shipped placement and under both switches: INT2 bit for bit (every unit a power of
-    two, P' unchanged), INT4 within FP16's subnormal rounding of the smallest P'."""
+    """The same decode as shipped and under the switches: INT2 bit for bit (every unit a power of two, P' unchanged),
+    INT4 within FP16's subnormal rounding of the smallest P'."""
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     q, cache = make(fmt, [6000, 300, 1], Hkv=2, G=4, page=64, seed=11)
     outs = []
-    for switches in ({}, BOTH):
+    for switches in ({}, ALL):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
         with cute_switches(monkeypatch, **switches):
             decode(q, cache, out=out, warp_specialized=True, num_splits=4, **launch)

@@ -68,6 +68,9 @@ V_PLACEMENT = True
 #: word. Both off until their GPU tests run.
 V_LOW_PLACEMENT = False
 V_ROW_SHIFTS = False
+#: v1 reads a thread's K and V words of a stage as one base plus constants (the stage viewed flat), not through the
+#: stage's 2-D layout (an index per word, each added to the slot's base every tile). Off until its GPU tests run.
+FLAT_WORDS = False
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
@@ -123,7 +126,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
             "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT",
-            "V_ROW_SHIFTS")
+            "V_ROW_SHIFTS", "FLAT_WORDS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -206,6 +209,7 @@ class Sm90Config:
     #: by placement, the extra bits of channel-row class 1's codes (rows +8 of 16; :data:`V_ROW_SHIFTS`): its
     #: accumulator rows are ``2^b`` times the output's units until the end
     v_row_shls: tuple[int, int] = (0, 0)
+    flat_words: bool = False  #: v1 reads its K and V words off one base a stage (:data:`FLAT_WORDS`)
     sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
@@ -588,7 +592,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       pivot_mma=pivot_mma,
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
-                      qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
+                      qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS, flat_words=FLAT_WORDS,
                       wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
                            else fmt.k_axis == "token" or g < 2 * TILE))

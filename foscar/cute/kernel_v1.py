@@ -562,11 +562,23 @@ class FoldDecodeSm90WS(TileKernel):
         :func:`~foscar.cute.fragment.v_word`), into ``regs``."""
         cfg = self.cfg
         D = cfg.head_dim
-        for i in cutlass.range_constexpr(cfg.k_words):
-            regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, thr.warp, thr.lane, i), slot)]
-        for vb in cutlass.range_constexpr(cfg.v_blocks):
-            for mh in cutlass.range_constexpr(cfg.mh):
-                regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, thr.tidx, vb, mh), slot)]
+        if cutlass.const_expr(cfg.flat_words):  # each stage a flat run of words: a thread's words off one base
+            chunk = cfg.tile_words
+            sK = cute.make_tensor(ring.sK.iterator, cute.make_layout(cute.cosize(ring.sK.layout)))
+            sV = cute.make_tensor(ring.sV.iterator, cute.make_layout(cute.cosize(ring.sV.layout)))
+            kbase = slot * chunk + k_word(cfg.bits, D, 0, thr.warp, thr.lane, 0)
+            vbase = slot * chunk + v_word(cfg.bits, D, 0, thr.tidx, 0, 0)
+            for i in cutlass.range_constexpr(cfg.k_words):
+                regs.kw[i] = sK[kbase + i]
+            for vb in cutlass.range_constexpr(cfg.v_blocks):
+                for mh in cutlass.range_constexpr(cfg.mh):
+                    regs.vw[mh, vb] = sV[vbase + (v_word(cfg.bits, D, 0, 0, vb, mh))]
+        else:
+            for i in cutlass.range_constexpr(cfg.k_words):
+                regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, thr.warp, thr.lane, i), slot)]
+            for vb in cutlass.range_constexpr(cfg.v_blocks):
+                for mh in cutlass.range_constexpr(cfg.mh):
+                    regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, thr.tidx, vb, mh), slot)]
 
     @cute.jit
     def _read_params(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
