@@ -94,8 +94,8 @@ def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launc
 def test_v_bits_head_dim_256_and_a_step_gpu(monkeypatch, bits):
     with cute_switches(monkeypatch, **ALL):
         fmt = foscar.KVFormat(bits=bits, head_dim=256, group_size=128)
-        cute_against_the_oracle(fmt, [3000, 9], 2, "V^T by row class, flat words, head dim 256: error", warp_specialized=True,
-                                ctas_per_sm=1)
+        cute_against_the_oracle(fmt, [3000, 9], 2, "V^T by row class, flat words, head dim 256: error",
+                                warp_specialized=True, ctas_per_sm=1)
         cute_step_against_the_oracle(bits, 4, 4, 64, {})
 
 

@@ -315,7 +315,8 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     :func:`foscar.plan` holds); given, the call allocates nothing (given ``out``). ``k_operand``: the K
     operands (:data:`foscar.cute.config.K_OPERANDS`): ``"bf16"``, or E4M3 codes with Q as two E4M3 terms
     (``"e4m3"``), three (``"e4m3x3"``) or four integer digits (``"e4m3d4"``: every k32 step's sum exact, the error
-    BF16 K has on an unrotated cache, on a rotated one too; :func:`foscar.cute.config.config_for` says what each takes), and
+    BF16 K has on an unrotated cache, on a rotated one too; :func:`foscar.cute.config.config_for` says what each
+    takes), and
     ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
     autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0). ``stages``:
     v1's shared-memory stages per consumer (:data:`foscar.cute.config.STAGE_CHOICES`, fitting ``ctas_per_sm``
