@@ -13,8 +13,6 @@
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh racecheck-narrow # racecheck's report on E4M3 K, one switch at a time
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh v-bits           # V^T's operands from bit 0, by row class, words off
-#                                                                #   one base: GPU tests, then paper shapes and GQA 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
 #                                                                #   timed against the eager one at GQA 4, 16, 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh wide-eight-speed # three consumers at 8 columns, timed; steps of 2
@@ -166,24 +164,6 @@ case "$step" in
     done
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
-  v-bits)  # after install-cute: V^T's operands from bit 0 and by channel-row class, the words off one base
-           # (V_LOW_PLACEMENT, V_ROW_SHIFTS, FLAT_WORDS): their GPU tests ($JOBS processes), then GQA 32 and six paper
-           # shapes with and without them (each variant's kernels compiled first, in processes of their own);
-           # v-bits [PART ...]: tests gqa32 paper (default all)
-    shift; parts=" ${*:-tests gqa32 paper} "
-    case "$parts" in *" tests "*) parallel_pytest v-bits "python3 -m pytest" tests/test_cute_v_bits.py ;; esac
-    both="V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
-    for name in gqa32 paper; do
-      case "$parts" in *" $name "*) ;; *) continue ;; esac
-      args="--shapes 8:128K --heads 32:1"
-      [ $name = paper ] && args="--shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K"
-      for v in shipped "$both"; do
-        (timeout 200 python3 benchmarks/sweep_switches.py $args --warm --variants "$v" > /dev/null 2>&1) &
-      done
-      wait
-      timeout 200 python3 benchmarks/sweep_switches.py $args --variants shipped "$both" > "$OUT/sweep-v-bits-$name.md" 2>&1
-      echo "$name rc=$?"; tail -4 "$OUT/sweep-v-bits-$name.md"
-    done ;;
   triton-lazy)  # Triton alone (the tvm call will do): the lazy rescale's GPU tests, then the kernel with and without
                 # it at GQA 4, 16 and 32 (B 8, L 128K, Hq 32; the heuristic's splits and twice as many)
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_lazy.py > "$OUT/triton-lazy-tests.log" 2>&1
@@ -331,6 +311,7 @@ wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py
 overlap|python3 -m pytest|tests/test_cute_overlap.py
+v-bits|python3 -m pytest|tests/test_cute_v_bits.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -354,6 +335,8 @@ cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants 
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
+v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
+v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
 SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped

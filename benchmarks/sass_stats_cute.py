@@ -155,23 +155,42 @@ def kernel_config(a: argparse.Namespace):
     return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len, tail=a.tail)
 
 
-def main() -> int:
+def kernel_sass(a: argparse.Namespace) -> tuple:
+    """``(cfg, sass)``: the kernel :func:`kernel_parser`'s options name, compiled for sm_90a and disassembled, and its
+    config as v1 runs it at ``a.ctas`` CTAs an SM (the switches of ``foscar.cute.config`` as they are set now)."""
     from foscar.cute.compile import compile_stage1
-    from foscar.cute.config import TILE
-    p = kernel_parser(__doc__.splitlines()[0])
-    p.add_argument("--top", type=int, default=20, help="opcodes listed")
-    a = p.parse_args()
     cfg = kernel_config(a)
     cubin = compile_stage1(cfg, keep_cubin=True, warp_specialized=not a.v0, ctas_per_sm=a.ctas).__cubin__
     if not a.v0:  # as v1 runs it at these CTAs an SM
         from foscar.cute.config import as_run
         cfg = as_run(cfg, a.ctas)
-    sass = sass_of(cubin)
+    return cfg, sass_of(cubin)
+
+
+def full_tile(sass: str, per: int) -> float:
+    """The instructions of a full tile on the tile loop's common path: no rescale, no mask, no wait retried, the
+    correction fold once in ``CORRECTION_TILES`` tiles (``per``: tiles a pass)."""
+    from foscar.cute.config import CORRECTION_TILES
+    paths = rare_paths(sass)
+    return (len(tile_loop(sass)) - sum(paths.values()) + paths["fold"] * per / CORRECTION_TILES) / per
+
+
+def local_memory(sass: str) -> int:
+    """The kernel's local-memory loads and stores: register spills."""
+    return len(re.findall(r"\b(?:LDL|STL)\b", sass))
+
+
+def main() -> int:
+    from foscar.cute.config import CORRECTION_TILES, TILE
+    p = kernel_parser(__doc__.splitlines()[0])
+    p.add_argument("--top", type=int, default=20, help="opcodes listed")
+    a = p.parse_args()
+    cfg, sass = kernel_sass(a)
     loop = tile_loop(sass)
     per = cfg.p_tiles  # the loop's body is one pass: two tiles with two a pass or overlapped
     packed = 2 * TILE * a.head_dim * a.bits // 8  # K and V codes of one tile and KV head
     by_class = Counter(classify(op) for op in loop)
-    spills = len(re.findall(r"\b(?:LDL|STL)\b", sass))  # local-memory loads and stores: register spills
+    spills = local_memory(sass)
     paths = rare_paths(sass)
     rare = paths["rescale"]
     codes = f"INT{a.bits}" if a.scheme == "affine" else a.scheme.upper()
@@ -184,8 +203,7 @@ def main() -> int:
     if rare:
         print(f"of which {rare / per:g} per tile are the lazy rescale's branch, rarely taken: "
               f"{(len(loop) - rare) / per:g} per tile when it is not")
-    from foscar.cute.config import CORRECTION_TILES
-    full = (len(loop) - sum(paths.values()) + paths["fold"] * per / CORRECTION_TILES) / per
+    full = full_tile(sass, per)
     print(f"a full tile on the common path (no rescale, no mask, the correction fold once in {CORRECTION_TILES} "
           f"tiles, no wait retried): {full:g} per tile; skipped blocks {paths}")
     print()

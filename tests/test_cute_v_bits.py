@@ -14,7 +14,6 @@ registers' values and rotations); a stage's 2-D layout is the flat run of words 
 against the float64 oracle (E4M3 and BF16 K, one and two tiles a pass, windows, GQA 32, a step of 4 tokens, head
 dims 64 and 256, channel-wise K, v0, V's magnitude cases), and against the shipped kernel bit for bit (INT2)."""
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -37,17 +36,10 @@ def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[floa
     otherwise) under ``switches`` (``benchmarks/sass_stats_cute.py``'s count)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import sass_stats_cute as ss
-    from foscar.cute.compile import compile_stage1
-    from foscar.cute.config import CORRECTION_TILES, as_run
     a = ss.kernel_parser("").parse_args(["--bits", str(bits), "--k-operand", "e4m3", *args])
     with cute_switches(monkeypatch, **switches):
-        cfg = ss.kernel_config(a)
-        sass = ss.sass_of(compile_stage1(cfg, keep_cubin=True, warp_specialized=True, ctas_per_sm=a.ctas).__cubin__)
-    cfg = as_run(cfg, a.ctas)
-    paths = ss.rare_paths(sass)
-    loop = ss.tile_loop(sass)
-    full = (len(loop) - sum(paths.values()) + paths["fold"] * cfg.p_tiles / CORRECTION_TILES) / cfg.p_tiles
-    return full, len(re.findall(r"\b(?:LDL|STL)\b", sass))
+        cfg, sass = ss.kernel_sass(a)
+    return ss.full_tile(sass, cfg.p_tiles), ss.local_memory(sass)
 
 
 @pytest.mark.parametrize("bits,args", [(2, ("--tiles-per-pass", "2", "--ctas", "2")),

@@ -586,8 +586,7 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: c
     cs = [c * inv for c in cs]  # in units of sigma
     if cutlass.const_expr(out.unit != 1.0):  # the accumulator in units of sigma * unit (a power of two)
         cs = [c * (1.0 / out.unit) for c in cs]
-    # channel-row class 1's rows in row_scale times the units (a power of two)
-    by_class = [cs, cs if out.row_scale == 1.0 else [c * out.row_scale for c in cs]]
+    by_class = [cs, cs if out.row_scale == 1.0 else [c * out.row_scale for c in cs]]  # row class 1: row_scale more
     for e in cutlass.range_constexpr(cute.size(accO)):
         if cutlass.const_expr(out.group(e) == g):
             accO[e] = accO[e] + by_class[row_half(e)][o_slot(e, nb)]

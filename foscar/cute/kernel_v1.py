@@ -558,27 +558,20 @@ class FoldDecodeSm90WS(TileKernel):
 
     @cute.jit
     def _read_words(self, ring: StageRing, slot, regs: TileRegisters, thr: WarpgroupThread):
-        """This thread's words of the tile in stage ``slot`` (:func:`~foscar.cute.fragment.k_word`,
-        :func:`~foscar.cute.fragment.v_word`), into ``regs``."""
-        cfg = self.cfg
-        D = cfg.head_dim
+        """This thread's words of the tile in stage ``slot`` (``fragment.k_word``, ``v_word``), into ``regs``."""
+        cfg, D = self.cfg, self.cfg.head_dim
+        k_at = lambda i: ring.sK[(k_word(cfg.bits, D, 0, thr.warp, thr.lane, i), slot)]  # noqa: E731
+        v_at = lambda vb, mh: ring.sV[(v_word(cfg.bits, D, 0, thr.tidx, vb, mh), slot)]  # noqa: E731
         if cutlass.const_expr(cfg.flat_words):  # each stage a flat run of words: a thread's words off one base
-            chunk = cfg.tile_words
-            sK = cute.make_tensor(ring.sK.iterator, cute.make_layout(cute.cosize(ring.sK.layout)))
-            sV = cute.make_tensor(ring.sV.iterator, cute.make_layout(cute.cosize(ring.sV.layout)))
-            kbase = slot * chunk + k_word(cfg.bits, D, 0, thr.warp, thr.lane, 0)
-            vbase = slot * chunk + v_word(cfg.bits, D, 0, thr.tidx, 0, 0)
-            for i in cutlass.range_constexpr(cfg.k_words):
-                regs.kw[i] = sK[kbase + i]
-            for vb in cutlass.range_constexpr(cfg.v_blocks):
-                for mh in cutlass.range_constexpr(cfg.mh):
-                    regs.vw[mh, vb] = sV[vbase + (v_word(cfg.bits, D, 0, 0, vb, mh))]
-        else:
-            for i in cutlass.range_constexpr(cfg.k_words):
-                regs.kw[i] = ring.sK[(k_word(cfg.bits, D, 0, thr.warp, thr.lane, i), slot)]
-            for vb in cutlass.range_constexpr(cfg.v_blocks):
-                for mh in cutlass.range_constexpr(cfg.mh):
-                    regs.vw[mh, vb] = ring.sV[(v_word(cfg.bits, D, 0, thr.tidx, vb, mh), slot)]
+            sK, sV = (cute.make_tensor(t.iterator, cute.make_layout(cute.cosize(t.layout))) for t in (ring.sK, ring.sV))
+            base = slot * cfg.tile_words
+            k_at = lambda i: sK[base + k_word(cfg.bits, D, 0, thr.warp, thr.lane, i)]  # noqa: E731
+            v_at = lambda vb, mh: sV[base + v_word(cfg.bits, D, 0, thr.tidx, vb, mh)]  # noqa: E731
+        for i in cutlass.range_constexpr(cfg.k_words):
+            regs.kw[i] = k_at(i)
+        for vb in cutlass.range_constexpr(cfg.v_blocks):
+            for mh in cutlass.range_constexpr(cfg.mh):
+                regs.vw[mh, vb] = v_at(vb, mh)
 
     @cute.jit
     def _read_params(self, ring: StageRing, slot, regs: TileRegisters, thr_c: cute.Tensor, thr: WarpgroupThread):
