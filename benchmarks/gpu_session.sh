@@ -13,6 +13,7 @@
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh racecheck-narrow # racecheck's report on E4M3 K, one switch at a time
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh v-bits-numerics  # the FP16 PV chain at V^T's magnitudes; the stress study per V^T switch
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
 #                                                                #   timed against the eager one at GQA 4, 16, 32
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh wide-eight-speed # three consumers at 8 columns, timed; steps of 2
@@ -84,7 +85,7 @@ parallel_pytest() {  # parallel_pytest NAME RUNNER SELECTION: SELECTION's GPU te
   split -n "l/$jobs" -d "$OUT/ids-$name" "$OUT/ids-$name-"  # contiguous: a kernel's cases mostly in one process
   for f in "$OUT/ids-$name"-*; do
     [ -s "$f" ] || continue
-    (mapfile -t ids < "$f"; timeout 420 $runner -q -s -m gpu -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1
+    (mapfile -t ids < "$f"; timeout 420 $runner -q -s -m gpu -p no:cacheprovider "${ids[@]}" < /dev/null > "$f.log" 2>&1
      echo "rc=$?" >> "$f.log") &
   done
   wait
@@ -150,11 +151,11 @@ case "$step" in
       timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
         > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
     done; done ;;
-  racecheck-narrow)  # racecheck's report on the E4M3 K variants, narrowed (benchmarks/racecheck_probe.py): the kernel as it
-                     # ships (twice), Q's staging on another barrier, each consumer asleep before its first read of
-                     # sum(Q), the combine's early launch and the start prefetch off; then cute_ws2 (BF16 K) beside
+  racecheck-narrow)  # racecheck on the E4M3 K kernel (benchmarks/racecheck_probe.py): as it ships (three runs), with one
+                     # barrier after sum(Q)'s stores (two runs), the sums by the producer's third warp; then cute_ws2
+                     # (BF16 K) beside (RACE_VARIANTS: other variants of racecheck_probe.py, or switches)
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for v in shipped shipped qbar=6 sleep=2000 sleep=20000 COMBINE_PDL_WINDOWS=0 START_PREFETCH=0; do
+    for v in ${RACE_VARIANTS:-shipped shipped shipped bars=1 bars=1 sumwarps=2}; do
       case $v in [A-Z]*) run="benchmarks/run_with.py $v -- benchmarks/racecheck_probe.py shipped" ;;
                  *) run="benchmarks/racecheck_probe.py $v" ;; esac
       log="$OUT/race-${v//[=:,]/_}.log"
@@ -164,6 +165,16 @@ case "$step" in
     done
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
+  v-bits-numerics)  # after install-cute: the tensor core's FP16 PV chain at V^T's operand magnitudes
+                     # (f16_magnitude_probe.py), then the stress study with each V^T switch alone and together
+    timeout 120 python3 benchmarks/f16_magnitude_probe.py > "$OUT/f16-magnitude.md" 2>&1
+    echo "probe rc=$?"; cat "$OUT/f16-magnitude.md"
+    for v in V_LOW_PLACEMENT=0 V_LOW_PLACEMENT=1 "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1" FLAT_WORDS=1; do
+      name="accuracy-${v//[ =]/_}"
+      timeout 150 python3 benchmarks/run_with.py $v -- foscar.bench.cli accuracy --backend cute --lengths 4096 16384 \
+        --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+      echo "$v rc=$?"; grep -E "^\| INT[24] (min-max|mse-clipped) \|" "$OUT/$name.log" | cut -d'|' -f2,3,7
+    done ;;
   triton-lazy)  # Triton alone (the tvm call will do): the lazy rescale's GPU tests, then the kernel with and without
                 # it at GQA 4, 16 and 32 (B 8, L 128K, Hq 32; the heuristic's splits and twice as many)
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_lazy.py > "$OUT/triton-lazy-tests.log" 2>&1
@@ -323,10 +334,10 @@ TESTS
       while [ $# -gt 0 ] && [ "$1" != "--variants" ]; do pre+=("$1"); shift; done
       [ $# -gt 0 ] && shift
       for v in "$@"; do
-        (timeout 200 python3 benchmarks/sweep_switches.py "${pre[@]}" --warm --variants "$v" > /dev/null 2>&1) &
+        (timeout 200 python3 benchmarks/sweep_switches.py "${pre[@]}" --warm --variants "$v" < /dev/null > /dev/null 2>&1) &
       done
       wait
-      eval "timeout 290 python3 benchmarks/sweep_switches.py $args" > "$OUT/sweep-$name.md" 2>&1
+      eval "timeout 290 python3 benchmarks/sweep_switches.py $args" < /dev/null > "$OUT/sweep-$name.md" 2>&1
       echo "$name rc=$?"; tail -3 "$OUT/sweep-$name.md"
     done <<'SWEEPS'
 stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=32"
@@ -335,8 +346,8 @@ cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants 
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
-v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
-v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 FLAT_WORDS=1"
+v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
+v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
 SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped

@@ -9,7 +9,11 @@ kernel, to tell a hazard of the kernel from one of the tool's model.
 - ``qbar=N``: Q's staging (the row scales' named barrier of the producer warpgroup) on barrier ``N`` instead of
   :data:`foscar.cute.operands.Q_LOAD_BARRIER`;
 - ``sleep=NS``: every consumer thread sleeps ``NS`` ns (``nanosleep``) after raising its registers, before its first
-  read of ``sum(Q)``: the kernel's order unchanged, only the time between the CTA barrier and that read.
+  read of ``sum(Q)``: the kernel's order unchanged, only the time between the CTA barrier and that read;
+- ``sumwarps=N``: ``sum(Q)`` written by the producer's threads ``32 N...`` (``tidx ^ 32 N``) instead of its first
+  warp's (whose thread 0 goes on to issue the TMA copies while its other lanes wait for it);
+- ``bars=N``: ``N`` barriers (each after a fence) after the sums' stores, not
+  :data:`foscar.cute.operands.Q_SUMS_BARRIERS`.
 
 Each run compiles into a fresh compile cache (``FOSCAR_CACHE_DIR``): the variants' changes are not part of the
 kernels' config, so a cached kernel would hide them. Prints ``sanitize_one.py``'s line (the error against the
@@ -38,6 +42,16 @@ def sleeping(ns: int):
     return increase
 
 
+def summing(warps: int):
+    """v1's ``q_sums`` with its thread index remapped (``tidx ^ 32 warps``)."""
+    from foscar.cute import folds, kernel_v1
+
+    def q_sums(cfg, sQ, sQsum, tidx, sQinv=None):
+        folds.q_sums(cfg, sQ, sQsum, tidx ^ (32 * warps), sQinv)
+
+    kernel_v1.q_sums = q_sums
+
+
 def apply(variant: str) -> None:
     """Set ``variant``'s change before any kernel is traced."""
     name, _, value = variant.partition("=")
@@ -49,8 +63,13 @@ def apply(variant: str) -> None:
     elif name == "sleep":
         import cutlass.cute as cute
         cute.arch.setmaxregister_increase = sleeping(int(value))
+    elif name == "sumwarps":
+        summing(int(value))
+    elif name == "bars":
+        from foscar.cute import operands
+        operands.Q_SUMS_BARRIERS = int(value)
     else:
-        raise SystemExit(f"unknown variant {variant!r}: shipped, qbar=N or sleep=NS")
+        raise SystemExit(f"unknown variant {variant!r}: shipped, qbar=N, sleep=NS, sumwarps=N or bars=N")
 
 
 def main() -> None:

@@ -65,11 +65,12 @@ V_PLACEMENT = True
 #: V^T by placement from bit 0 of an FP16 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset
 #: ``2^(10 - shl)`` bounds it to bit 4): fewer rotations a word (INT2 3 for 4, INT4 2 for 3). And with
 #: ``V_ROW_SHIFTS`` the bits by channel-row class too (:func:`foscar.cute.fragment.v_class_shls`): one rotation a
-#: word. Both off until their GPU tests run.
+#: word. Off: correct on an H100 and 1-4% faster, but the stress study's error rose with them (results doc).
 V_LOW_PLACEMENT = False
 V_ROW_SHIFTS = False
 #: v1 reads a thread's K and V words of a stage as one base plus constants (the stage viewed flat), not through the
-#: stage's 2-D layout (an index per word, each added to the slot's base every tile). Off until its GPU tests run.
+#: stage's 2-D layout (an index per word, each added to the slot's base every tile). Off: run on a GPU only with the
+#: two above.
 FLAT_WORDS = False
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)

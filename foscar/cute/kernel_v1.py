@@ -11,12 +11,11 @@ stage, copies its words and parameters into registers, frees the stage and runs 
 writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits', or, where
 a (sequence, KV head)'s splits are one cluster (``cfg.cluster``), the CTAs merge them from each other's shared
 memory (:mod:`foscar.cute.cluster`).
-``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`).
+``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`). Q is
+staged by the producer before any copy, or by the first consumer while the producer copies (``cfg.prologue``).
 Channel-wise K: each consumer folds ``Q'`` at each token group it reaches (two tiles of one group a pass: once a
-pass), or (``cfg.producer_fold``) the producer's other warps fold it into a ``Q'`` per stage (two tiles a pass:
-each pass's tile A's stage; :meth:`FoldDecodeSm90WS._fold_stages`).
-Q is staged by the producer before any copy, or by the first consumer while the producer copies
-(``cfg.prologue``).
+pass), or (``cfg.producer_fold``) the producer's other warps fold it into a ``Q'`` per stage (two tiles a pass: each
+pass's tile A's stage; :meth:`FoldDecodeSm90WS._fold_stages`).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from . import cluster
+from . import cluster, operands
 from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
@@ -167,8 +166,9 @@ class FoldDecodeSm90WS(TileKernel):
                 stage_q(cfg, mQ, smem0, b, kvh, tidx, mRot, sQrot, lambda c: self.query_row(c, kvh, n_kvh))
             cute.arch.sync_threads()
             q_sums(cfg, sQ, sQsum, tidx, smem0.sQinv)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
+            for _ in cutlass.range_constexpr(operands.Q_SUMS_BARRIERS):
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
         # START_PREFETCH: the length read past the prologue's barriers (its line prefetched); with Q staged by the
         # first consumer, past each role's own: the producer's at once, the consumers' once Q is staged
         split_tiles = None
@@ -304,11 +304,10 @@ class FoldDecodeSm90WS(TileKernel):
         return ring, smem_for, merged
 
     @cute.jit
-    def _stage_q_early(self, c, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh,
-                       mRot: cute.Tensor):
-        """Q^T and sum(Q) by the first consumer while the producer copies (``cfg.prologue``), between two
-        barriers of every consumer (:data:`CONSUMERS_BARRIER`): Q staged, then its sums and the fence that
-        orders the writes before the MMAs read them."""
+    def _stage_q_early(self, c, mQ: cute.Tensor, smem: WarpgroupSmem, b, kvh, n_kvh, mRot: cute.Tensor):
+        """Q^T and sum(Q) by the first consumer while the producer copies (``cfg.prologue``), between barriers of
+        every consumer (:data:`CONSUMERS_BARRIER`): Q staged, then its sums, the fence that orders the writes before
+        the MMAs read them and :data:`~foscar.cute.operands.Q_SUMS_BARRIERS` barriers, as the producer's prologue."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx - THREADS  # the first consumer's threads 0..127 (the second's past the sums' threads)
@@ -316,8 +315,9 @@ class FoldDecodeSm90WS(TileKernel):
             stage_q(cfg, mQ, smem, b, kvh, ctid, mRot, None, lambda col: self.query_row(col, kvh, n_kvh))
         cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
         q_sums(cfg, smem.sQ, smem.sQsum, ctid, smem.sQinv)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
+        for _ in cutlass.range_constexpr(operands.Q_SUMS_BARRIERS):
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
 
     def _tma_views(self, tma: tuple, ring: StageRing):
         """The TMA partitions of the pools and of the ring's stages: ``(tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs,

@@ -80,6 +80,10 @@ def qk_element_type(cfg: Sm90Config):
 
 #: the named barrier of the warpgroup that stages Q as E4M3 terms (1-3: the consumers', 4: all of theirs)
 Q_LOAD_BARRIER = 5
+#: The CTA (or consumers') barriers the prologues pass after ``sum(Q)``'s stores (:func:`~foscar.cute.folds.q_sums`),
+#: each after a fence: one orders the stores before the consumers' loads (``bar.sync``), but compute-sanitizer's
+#: racecheck reports the pair across one in a few CTAs of every run and across two in none (``docs/results-h200.md``).
+Q_SUMS_BARRIERS = 2
 
 
 def q_element_type(cfg: Sm90Config):
