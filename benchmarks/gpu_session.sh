@@ -166,10 +166,13 @@ case "$step" in
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
   v-bits-numerics)  # after install-cute: the tensor core's FP16 PV chain at V^T's operand magnitudes
-                     # (f16_magnitude_probe.py), then the stress study with each V^T switch alone and together
+                     # (f16_magnitude_probe.py), then the stress study: as shipped, V^T from bit 0 and by row class
+                     # with P' as from bit 4 up (V_PRODUCT_BIT=0: as first measured) and with every product in bit
+                     # 4's units (the default V_PRODUCT_BIT), from bit 0 alone, the words off one base alone
     timeout 120 python3 benchmarks/f16_magnitude_probe.py > "$OUT/f16-magnitude.md" 2>&1
     echo "probe rc=$?"; cat "$OUT/f16-magnitude.md"
-    for v in V_LOW_PLACEMENT=0 V_LOW_PLACEMENT=1 "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1" FLAT_WORDS=1; do
+    for v in V_LOW_PLACEMENT=0 "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1 V_PRODUCT_BIT=0" "V_LOW_PLACEMENT=1 V_ROW_SHIFTS=1" \
+             V_LOW_PLACEMENT=1 FLAT_WORDS=1; do
       name="accuracy-${v//[ =]/_}"
       timeout 150 python3 benchmarks/run_with.py $v -- foscar.bench.cli accuracy --backend cute --lengths 4096 16384 \
         --out "$OUT/$name" > "$OUT/$name.log" 2>&1

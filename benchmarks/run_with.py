@@ -5,8 +5,8 @@ becomes a default:
     python benchmarks/run_with.py @/tmp/variant -- foscar.bench.decode --grid paper ...
     python benchmarks/run_with.py PROLOGUE_BY_BITS=4:consumer_q -- benchmarks/sass_stats_cute.py --bits 4 ...
 
-Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, comma-separated ints (or nothing) for a
-tuple, comma-separated ``KEY:VALUE`` pairs (an int key) for a dict, which updates the shipped one; ``@FILE`` reads
+Each ``NAME=VALUE`` sets that module constant: ``0``/``1`` for a flag, digits for a number, comma-separated ints
+(or nothing) for a tuple, comma-separated ``KEY:VALUE`` pairs (an int key) for a dict, which updates the shipped one; ``@FILE`` reads
 such words from a file (a choice written by ``sweep_switches.py --choose FILE``). Every switch is part of the
 kernels' static config (``Sm90Config``), so compiled kernels and the disk compile cache keep the variants apart.
 """
@@ -15,7 +15,7 @@ import sys
 
 from foscar.cute import config as _config
 
-#: each switch of ``foscar.cute.config.SWITCHES`` and its kind (bool, tuple or dict), from its shipped value
+#: each switch of ``foscar.cute.config.SWITCHES`` and its kind (bool, int, tuple or dict), from its shipped value
 SWITCHES = {name: type(getattr(_config, name)) for name in _config.SWITCHES}
 
 
@@ -29,10 +29,14 @@ def settings(words: list[str]) -> dict:
         pairs = [x.partition(":") for x in value.split(",")]
         if name not in SWITCHES or (SWITCHES[name] is bool and value not in ("0", "1")) or (
                 SWITCHES[name] is tuple and not all(x.isdigit() for x in value.split(",") if x)) or (
-                SWITCHES[name] is dict and not all(k.isdigit() and sep for k, sep, _ in pairs)):
+                SWITCHES[name] is dict and not all(k.isdigit() and sep for k, sep, _ in pairs)) or (
+                SWITCHES[name] is int and not value.isdigit()):
             raise SystemExit(f"run_with: expected NAME=VALUE with NAME one of {tuple(SWITCHES)}, got {w!r}")
         if SWITCHES[name] is tuple:
             out[name] = tuple(int(x) for x in value.split(",") if x)
+            continue
+        if SWITCHES[name] is int:
+            out[name] = int(value)
             continue
         out[name] = {int(k): v for k, _, v in pairs} if SWITCHES[name] is dict else value == "1"
     return out

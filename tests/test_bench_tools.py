@@ -85,12 +85,12 @@ def test_run_with_takes_every_kernel_switch_and_refuses_others():
         sys.path.pop(0)
     from foscar.cute import config
     assert set(run_with.SWITCHES) == set(config.SWITCHES)
-    assert all(kind in (bool, tuple, dict) for kind in run_with.SWITCHES.values())
-    words = {bool: "1", tuple: "2,4", dict: "2:q_first"}
+    assert all(kind in (bool, int, tuple, dict) for kind in run_with.SWITCHES.values())
+    words = {bool: "1", int: "3", tuple: "2,4", dict: "2:q_first"}
     chosen = run_with.settings([f"{name}={words[kind]}" for name, kind in run_with.SWITCHES.items()])
     assert chosen["QK_PROMOTE_BITS"] == (2, 4) and chosen["PROLOGUE_BY_BITS"] == {2: "q_first"}
-    assert chosen["P_COLUMN_MAJOR_COLS"] == (2, 4) and chosen["MASK_BRANCH"] is True
-    for bad in ("STAGES=8", "MASK_BRANCH=2", "QK_PROMOTE_BITS=a"):
+    assert chosen["P_COLUMN_MAJOR_COLS"] == (2, 4) and chosen["MASK_BRANCH"] is True and chosen["V_PRODUCT_BIT"] == 3
+    for bad in ("STAGES=8", "MASK_BRANCH=2", "QK_PROMOTE_BITS=a", "V_PRODUCT_BIT=x"):
         with pytest.raises(SystemExit, match="run_with: expected NAME=VALUE"):
             run_with.settings([bad])
 

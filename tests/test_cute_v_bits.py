@@ -5,10 +5,11 @@ from bit 0 (``foscar.cute.config.V_LOW_PLACEMENT``) and by channel-row class (``
 The first places each register's codes at bit ``a_h + b_c`` of its FP16s (token half ``h``, channel-row class
 ``c``), one rotation a word where the shipped placement takes three or four. The halves' difference rides on P' as
 before; the classes' on the accumulator's rows, taken off as the offset corrections join them and in the epilogue.
-Every change of units is a power of two; at INT2 the halves keep their difference (2^4), at INT4 their factors
-become equal (P' of half 1 four times larger, its FP16 rounding the same but below FP16's normal range). Against the
-kernel with the switches off the output differs by FP32 rounding only (3.4e-6 relative at INT2, 6.2e-7 at INT4 on an
-H100, where equal bits were predicted at INT2: the FP32 sums do not round alike). The second reads the same words: no change of arithmetic.
+Every change of units is a power of two, and P' carries ``2^(V_PRODUCT_BIT - shl_h)`` so that every product stays in
+bit 4's units (``q 2^-20``, the shipped kernel's). Without that factor, on an H100, the output moved from the
+kernel's without the switches by 3.4e-6 relative at INT2 (equal bits were predicted) and 6.2e-7 at INT4 on random
+inputs, and the stress study's error rose (``docs/results-h200.md``). The second reads the same words: no change of
+arithmetic.
 
 CPU: the tile loop issues fewer instructions and spills no more (``tests/test_cute_fragment.py`` checks the
 registers' values and rotations); a stage's 2-D layout is the flat run of words the second reads. GPU (sm_90):
@@ -64,6 +65,26 @@ def test_a_stage_is_a_flat_run_of_words(bits, head_dim):
     cfg = config_for(fmt, 2, 64, "bf16" if head_dim == 256 else "e4m3", 1)
     ci, co = cfg.tma_box
     assert ci * co == cfg.tile_words
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_every_pv_product_takes_bit_fours_units(monkeypatch, bits):
+    """By placement P' of token half ``h`` carries ``2^(V_PRODUCT_BIT - shl_h)`` (``v_factors``): a code's operand
+    ``q 2^(shl_h - 24)`` times it is ``q 2^-20`` from any bit, the shipped kernel's units (``v_unit`` ``2^20``), and
+    P' (at most ``2^8`` under the lazy rescale) stays far inside FP16's range. ``V_PRODUCT_BIT=0``: P' as from bit 4
+    up, the codes' own units."""
+    from foscar.cute.config import config_for
+    from foscar.format import RESCALE_HEADROOM
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    for switches in (OFF, {"V_LOW_PLACEMENT": True}, ALL):
+        with cute_switches(monkeypatch, **switches):
+            cfg = config_for(fmt, 4, 64)
+        assert cfg.v_unit == 2.0 ** 20
+        assert all(2.0 ** (shl - 24) * f == 2.0 ** -20 for shl, f in zip(cfg.v_shls, cfg.v_factors))
+        assert max(cfg.v_factors) * 2.0 ** RESCALE_HEADROOM <= 2.0 ** 12
+    with cute_switches(monkeypatch, V_PRODUCT_BIT=0, **ALL):
+        cfg = config_for(fmt, 4, 64)
+    assert cfg.v_unit == 2.0 ** 24 and max(cfg.v_factors) == 1.0
 
 
 @pytest.mark.gpu

@@ -43,8 +43,8 @@ PROLOGUES = ("q_first", "consumer_q")
 #: and at one CTA an SM and 8 columns (``foscar.cute.launch.prologue_at``): INT4 ``consumer_q`` (B 1, L 8K 0.82x)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 PROLOGUE_ONE_CTA: dict = {4: "consumer_q"}
-#: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: correct, no
-#: faster than two launches (``docs/results-h200.md``), so off
+#: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: off, correct and
+#: no faster than two launches (``docs/results-h200.md``)
 COMBINE_PDL = False
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
 #: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
@@ -52,7 +52,6 @@ COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
 #: (:func:`foscar.cute.combine_config.dependent_combine`; measured in the same record)
 COMBINE_PDL_WINDOWS = True
-
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
 #: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: INT4 only, where it lowers the error most for
 #: the least time (``docs/results-h200.md``: the FP8 accumulation rounds toward zero)
@@ -62,15 +61,16 @@ QK_PROMOTE_BITS = (4,)
 #: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
 #: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
 V_PLACEMENT = True
-#: V^T by placement from bit 0 of an FP16 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset
-#: ``2^(10 - shl)`` bounds it to bit 4): fewer rotations a word (INT2 3 for 4, INT4 2 for 3). And with
-#: ``V_ROW_SHIFTS`` the bits by channel-row class too (:func:`foscar.cute.fragment.v_class_shls`): one rotation a
-#: word. Off: correct on an H100 and 1-4% faster, but the stress study's error rose with them (results doc).
+#: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset bounds it to bit
+#: 4): INT2 3 rotations a word for 4, INT4 2 for 3; ``V_ROW_SHIFTS`` by channel-row class too (``v_class_shls``): one.
+#: Off: correct on an H100 and 1-4% faster, but the stress study's error rose with them (results doc).
 V_LOW_PLACEMENT = False
 V_ROW_SHIFTS = False
+#: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
+#: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
+V_PRODUCT_BIT = 4
 #: v1 reads a thread's K and V words of a stage as one base plus constants (the stage viewed flat), not through the
-#: stage's 2-D layout (an index per word, each added to the slot's base every tile). Off: run on a GPU only with the
-#: two above.
+#: stage's 2-D layout (an index per word added to the slot's base every tile). Off: run only with the two above.
 FLAT_WORDS = False
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
@@ -126,8 +126,8 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT",
-            "V_ROW_SHIFTS", "FLAT_WORDS")
+            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
+            "V_PRODUCT_BIT")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:

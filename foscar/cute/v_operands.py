@@ -31,7 +31,10 @@ def v_operand_fields(fmt, pivot_mma: bool) -> dict:
     if placement:  # the same bits, no offset: q 2^(shl - 24), row class 0's
         shls = (v0["V_SHL"], v1["V_SHL"])
         folds = [fold_constants("V", f16_placement(shl), fmt) for shl in shls]
-        v_unit = folds[shls.index(min(shls))]["V_FACTOR"]
+        # P' of half h carries 2^(V_PRODUCT_BIT - shl_h): every product in the units of that bit's codes, whatever
+        # bits they sit at (codes from bit 0 with P' as from bit 4 raised the stress study's error: results doc)
+        gain = 2.0 ** max(0, config.V_PRODUCT_BIT - min(shls))
+        v_unit = folds[shls.index(min(shls))]["V_FACTOR"] / gain
         v_factors = tuple(f["V_FACTOR"] / v_unit for f in folds)
         for v, f in zip((v0, v1), folds):
             v.update(V_PATTERN=0, V_PIVOT=f["V_PIVOT"] * v_unit, V_MID=f["V_MID"])
