@@ -13,6 +13,7 @@
 #                                                                #   kernel, INT2 and INT4 (after the cute step)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh sanitize [KINDS]  # compute-sanitizer memcheck/racecheck/synccheck
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh racecheck-narrow # racecheck's report on E4M3 K, one switch at a time
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh b1-long          # B 1 at long contexts: split sweep, ncu (INT4)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh v-bits-numerics  # the FP16 PV chain at V^T's magnitudes; the stress study per V^T switch
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh triton-lazy      # the Triton kernel's lazy rescale: GPU tests, then
 #                                                                #   timed against the eager one at GQA 4, 16, 32
@@ -177,6 +178,18 @@ case "$step" in
       timeout 150 python3 benchmarks/run_with.py $v -- foscar.bench.cli accuracy --backend cute --lengths 4096 16384 \
         --out "$OUT/$name" > "$OUT/$name.log" 2>&1
       echo "$v rc=$?"; grep -E "^\| INT[24] (min-max|mse-clipped) \|" "$OUT/$name.log" | cut -d'|' -f2,3,7
+    done ;;
+  b1-long)  # after install-cute: why B 1 at long contexts reads 62-75% of the ceiling where B 8 and 64 read 88-98%
+            # (INT4, the same CTA count): the split sweep at B 1, L 128K and 512K beside B 8, L 128K (one and two
+            # CTAs an SM), then Nsight Compute's memory, warp-state and occupancy sections of the tuned call
+    timeout 300 python3 benchmarks/sweep_cute.py --shapes 1:128K 1:512K 8:128K --bits 4 --variants tuned v1 v1x2 \
+      --splits 0.5 1 2 > "$OUT/b1-long-sweep.md" 2>&1; echo "sweep rc=$?"; tail -8 "$OUT/b1-long-sweep.md"
+    for shape in "1 524288" "8 131072"; do
+      timeout 120 ncu --clock-control none -k regex:v1FoldDecode --launch-skip 1 --launch-count 1 --section \
+        SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy python3 \
+        benchmarks/profile_one_call.py $shape 4 backend=cute > "$OUT/ncu-b1-long-${shape// /-}.txt" 2>&1
+      echo "ncu $shape rc=$?"; grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy" \
+        "$OUT/ncu-b1-long-${shape// /-}.txt"
     done ;;
   triton-lazy)  # Triton alone (the tvm call will do): the lazy rescale's GPU tests, then the kernel with and without
                 # it at GQA 4, 16 and 32 (B 8, L 128K, Hq 32; the heuristic's splits and twice as many)
