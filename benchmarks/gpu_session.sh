@@ -339,6 +339,7 @@ cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py
 overlap|python3 -m pytest|tests/test_cute_overlap.py
 v-bits|python3 -m pytest|tests/test_cute_v_bits.py
+fused-merge|python3 -m pytest|tests/test_cute_fused_merge.py
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
@@ -364,6 +365,7 @@ one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
 v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
+fused-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --kernels --variants shipped FUSED_MERGE=1
 SWEEPS
     ;;
   overlap-speed)  # after install-cute and `pending overlap`: overlapped passes (OVERLAP_COLS) against the shipped

@@ -16,17 +16,14 @@ partial that weighs, makes the output and LSE NaN.
 """
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
 from cutlass._mlir.dialects import nvvm
 
 from .config import THREADS, Sm90Config
-from .softmax import raise_running_maximum
+from .softmax import merged_lse, raise_running_maximum
 
-LN2 = math.log(2.0)
 MEM_SCOPE_CLUSTER = nvvm.MemScopeKind.CLUSTER  #: remote arrivals that hand data over: cluster scope
 
 
@@ -126,10 +123,7 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
             row = query_row(g, kvh, n_kvh)
             mO[b, row, ch] = (acc / denom).to(mO.element_type)
             if rank == 0 and i % span == 0:
-                lse = -Float32.inf
-                if total != 0:
-                    lse = (m_safe + cute.math.log2(total)) * Float32(LN2)
-                mLSE[b, row] = lse
+                mLSE[b, row] = merged_lse(m, total)
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # every read of the peers' partials done
     _arrive_everywhere(cfg, bars + 1, t)
     cute.arch.mbarrier_wait(bars + 1, 0)  # no CTA leaves while a peer may still read its shared memory

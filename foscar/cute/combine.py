@@ -18,8 +18,6 @@ of the others.
 """
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -29,9 +27,8 @@ from cutlass.memory import SmemAllocator
 from . import windows
 from .combine_config import CombineConfig
 from .rotation import walsh_hadamard
-from .softmax import raise_running_maximum
+from .softmax import merged_lse, raise_running_maximum
 
-LN2 = math.log(2.0)
 
 
 class CombineSm90:
@@ -148,13 +145,7 @@ class CombineSm90:
             if cutlass.const_expr(cfg.write_lse):
                 if d == 0:
                     for g in cutlass.range_constexpr(rows):
-                        out_lse = -Float32.inf
-                        if total[g] != 0:
-                            m_safe = m[g]
-                            if m[g] == -Float32.inf:
-                                m_safe = Float32(0.0)
-                            out_lse = (m_safe + cute.math.log2(total[g])) * Float32(LN2)
-                        mLSE[b, h0 + g] = out_lse
+                        mLSE[b, h0 + g] = merged_lse(m[g], total[g])
 
 
 class CombineWindowsSm90(CombineSm90):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tempfile
 import warnings
 
+import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
@@ -22,6 +23,21 @@ from .combine_config import COMBINE_TENSORS, COMBINE_WINDOW_TENSORS, CombineConf
 from .config import ALIGN, WS_REGISTERS, Sm90Config
 from .kernel_v0 import FoldDecodeSm90
 from .kernel_v1 import FoldDecodeSm90WS
+
+
+class FoldDecodeSm90WSMerged(FoldDecodeSm90WS):
+    """v1 whose last CTA of each (sequence, KV head) merges the splits (``cfg.fused_merge``,
+    :mod:`foscar.cute.tail_merge`): after :data:`~foscar.cute.config.STAGE1_TENSORS` it takes the output ``[B, rows,
+    D]``, the LSE ``[B, rows]`` (any such tensor where ``cfg.fused_merge`` is 1: not written) and the counters
+    ``[B Hkv]`` (int32, zero; left at zero)."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                 mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
+                 mTS: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSEM: cute.Tensor, qk_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
+        self._launch(mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP, mRot, mTS, (mO, mLSE, mSEM), qk_scale, num_splits,
+                     stream)
 
 
 #: The cutlass element type of each :data:`~foscar.cute.config.STAGE1_TENSORS` element type.
@@ -56,7 +72,10 @@ def compile_stage1(cfg: Sm90Config, *, keep_ptx: bool = False, warp_specialized:
         raise ValueError("warp_specialized: v0 takes channel-wise K with BF16 K operands (E4M3 terms of Q' are v1's)")
     if cfg.tiles_per_pass != 1 and not warp_specialized:
         raise ValueError(f"tiles_per_pass: v0 takes 1, got {cfg.tiles_per_pass!r} (two tiles per pass are v1's)")
-    kernel = FoldDecodeSm90WS(cfg, ctas_per_sm) if warp_specialized else FoldDecodeSm90(cfg)
+    if cfg.fused_merge and not warp_specialized:
+        raise ValueError("warp_specialized: the fused merge (cfg.fused_merge) is v1's")
+    kernel = ((FoldDecodeSm90WSMerged if cfg.fused_merge else FoldDecodeSm90WS)(cfg, ctas_per_sm) if warp_specialized
+              else FoldDecodeSm90(cfg))
     from .launch import stage1_tensors
     args = [_placeholder(ELEMENT_TYPES[dtype], rank) for _, dtype, rank in stage1_tensors(cfg)]
     return _compile(kernel, (*args, Float32(1.0), Int32(1)), keep_ptx, keep_cubin)

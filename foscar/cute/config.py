@@ -75,14 +75,12 @@ FLAT_WORDS = False
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
-#: v1: a CTA prefetches the length's line, the four TMA descriptors and its first page's page-table line as it starts,
-#: and reads the length past the prologue's barriers (``FoldDecodeSm90WS._start_prefetch``,
-#: :attr:`Sm90Config.start_prefetch`): on, 0.8-1.2% off seven paper shapes' geomean (``docs/results-h200.md``)
+#: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
+#: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
-#: The CuTe backend takes steps of several tokens over BF16 windows as its columns (each column's quantized tokens
-#: and the combine's windows of its own length) and runs a step of more rows than the columns in parts of its tokens
-#: (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`); off: both run as the causal view's rows, and
-#: ``auto`` gives a step over windows to the Triton kernel. On: its GPU tests pass, its speed not yet measured
+#: The CuTe backend takes steps over BF16 windows as its columns (each column's tokens and windows of its own length)
+#: and a step of more rows than the columns in parts (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`);
+#: off: both as the causal view's rows, ``auto`` giving the first to Triton. On: its GPU tests pass, speed not measured
 WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), with one
 #: power of two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``),
@@ -97,7 +95,7 @@ TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
-#: :mod:`foscar.cute.pivot`): none until its GPU tests run (``docs/steps-plan.md``)
+#: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (with E4M3
 #: K its graph replays fault on the H200; with BF16 K little faster: ``docs/results-h200.md``)
@@ -105,14 +103,14 @@ PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
 #: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it)
 CHANNEL_K_E4M3 = True
-#: The warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA issuer's
-FOLD_WARPS = 3
+FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 #: The split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower at every short shape
 CLUSTER_MERGE = False
+FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, not run
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
@@ -127,7 +125,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
             "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
-            "V_PRODUCT_BIT")
+            "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -274,7 +272,9 @@ class Sm90Config:
     #: v1: a (sequence, KV head)'s splits one cluster of this many CTAs, merged from their shared memory into the
     #: output (``cluster_out``, :mod:`foscar.cute.cluster`); 0: the partials to memory, then the combine
     cluster: int = 0
-    cluster_out: str = "bf16"
+    cluster_out: str = "bf16"  #: the output's element type where stage 1 merges (``cluster``, ``fused_merge``)
+    #: v1: the last CTA of a (sequence, KV head)'s splits merges them (:mod:`foscar.cute.tail_merge`; 2: with the LSE)
+    fused_merge: int = 0
 
     @property
     def tile_run(self) -> int:

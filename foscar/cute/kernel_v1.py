@@ -10,7 +10,8 @@ stage, copies its words and parameters into registers, frees the stage and runs 
 :class:`~foscar.cute.warpgroup.TileKernel` with its own online-softmax state and accumulators. Each consumer
 writes its own partial (``split * consumers + c``); the LSE combine merges them with the other splits', or, where
 a (sequence, KV head)'s splits are one cluster (``cfg.cluster``), the CTAs merge them from each other's shared
-memory (:mod:`foscar.cute.cluster`).
+memory (:mod:`foscar.cute.cluster`), or (``cfg.fused_merge``) the last of its CTAs merges them from memory
+(:mod:`foscar.cute.tail_merge`).
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`). Q is
 staged by the producer before any copy, or by the first consumer while the producer copies (``cfg.prologue``).
 Channel-wise K: each consumer folds ``Q'`` at each token group it reaches (two tiles of one group a pass: once a
@@ -26,7 +27,7 @@ from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from . import cluster, operands
+from . import cluster, operands, tail_merge
 from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
@@ -37,6 +38,7 @@ from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start, wait_pass
 from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
 from .softmax import reduction_layout
+from .tma_ring import tma_atoms, tma_views
 from .warpgroup import (
     Fragments,
     TileKernel,
@@ -76,48 +78,34 @@ class FoldDecodeSm90WS(TileKernel):
     def __call__(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
                  mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
                  mTS: cute.Tensor, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+        self._launch(mQ, mKC, mVC, mKP, mVP, mBT, mSEQ, mOP, mLP, mRot, mTS, (mOP, mLP, mSEQ), qk_scale, num_splits,
+                     stream)
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor,
+                mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, mRot: cute.Tensor,
+                mTS: cute.Tensor, merge_to: tuple, qk_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+        """The launch; ``merge_to``: the output, LSE and counters of ``cfg.fused_merge`` (else placeholders)."""
         cfg = self.cfg
         qk_mma, pv_mma, sQ_layout, sP_layout = mmas_and_layouts(cfg)
-        atoms = self._tma_atoms(mKC, mVC, mKP, mVP)
+        atoms = tma_atoms(cfg, mKC, mVC, mKP, mVP)
         batch = cute.size(mQ, mode=[0])
         kv_heads = cute.size(mKC, mode=[1])
         self.ws_kernel(qk_mma, pv_mma, sQ_layout, sP_layout, atoms[0][0], atoms[0][1], atoms[1][0], atoms[1][1],
                        atoms[2][0], atoms[2][1], atoms[3][0], atoms[3][1], mQ, mBT, mSEQ, mOP, mLP, mRot,
-                       mTS, qk_scale).launch(grid=(kv_heads, batch, num_splits),
+                       mTS, *merge_to, qk_scale).launch(grid=(kv_heads, batch, num_splits),
                                              block=(THREADS * (1 + self.consumers), 1, 1),
                                              cluster=[1, 1, cfg.cluster] if cfg.cluster else None,
                                              stream=stream, min_blocks_per_mp=self.ctas_per_sm,
                                              preferred_smem_carveout=100)  # all of the SM's shared memory
-
-    def _tma_atoms(self, mKC: cute.Tensor, mVC: cute.Tensor, mKP: cute.Tensor, mVP: cute.Tensor) -> list:
-        """The TMA (atom, tensor) pairs of the pools, by (tile in page, KV head, page): K words, V words (a tile's
-        words as ``co`` boxes of ``ci <= 256``), then K and V ``(s', z')`` (a tile's rows; channel-wise: its token
-        group's)."""
-        cfg = self.cfg
-        chunk = cfg.tile_words
-        ci, co = cfg.tma_box
-        tpp = cfg.page // TILE
-        words = cute.make_layout((ci, co), stride=(1, ci))
-        atoms = []
-        for m in (mKC, mVC):
-            g = cute.make_tensor(m.iterator, cute.make_layout(
-                (ci, co, tpp, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
-                stride=(1, ci, chunk, m.stride[1], m.stride[0])))
-            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, words, (ci, co)))
-        for m, width, rows in ((mKP, cfg.k_param_words, cfg.k_param_rows), (mVP, cfg.v_param_words, cfg.v_param_rows)):
-            g = cute.make_tensor(m.iterator, cute.make_layout(
-                (width, rows, cute.size(m, mode=[1]), cute.size(m, mode=[0])),
-                stride=(1, width, m.stride[1], m.stride[0])))
-            atoms.append(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g, cute.make_layout(width),
-                                                     (width,)))
-        return atoms
 
     @cute.kernel
     def ws_kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                   sP_layout: cute.ComposedLayout, atom_kc: cute.CopyAtom, tma_kc: cute.Tensor, atom_vc: cute.CopyAtom,
                   tma_vc: cute.Tensor, atom_kp: cute.CopyAtom, tma_kp: cute.Tensor, atom_vp: cute.CopyAtom,
                   tma_vp: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSEQ: cute.Tensor, mOP: cute.Tensor,
-                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, qk_scale: Float32):
+                  mLP: cute.Tensor, mRot: cute.Tensor, mTS: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                  mSEM: cute.Tensor, qk_scale: Float32):
         cfg = self.cfg
         slots = cfg.stages * self.consumers
         tidx, _, _ = cute.arch.thread_idx()
@@ -130,7 +118,7 @@ class FoldDecodeSm90WS(TileKernel):
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         ring, smem_for, merged = self._shared_memory(sQ_layout, sP_layout)
-        dest = (mOP, mLP) if merged is None else merged[:2]  # where the consumers' partials go (cfg.cluster: shared)
+        dest = merged[:2] if cfg.cluster else (mOP, mLP)  # where the consumers' partials go (cfg.cluster: shared)
         full = ring.full
         empty = ring.empty
         smem0 = smem_for(0)
@@ -194,12 +182,18 @@ class FoldDecodeSm90WS(TileKernel):
                                    t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                     if cutlass.const_expr(cfg.cluster):
                         cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
+                    if cutlass.const_expr(cfg.fused_merge):
+                        tail_merge.merge(cfg, self.consumers, mOP, mLP, (mO, mLSE, mSEM), merged, self.query_row,
+                                         CONSUMERS_BARRIER)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-                if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster -----------------------
+                if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster, or by the last CTA -----
                     cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
+                if cutlass.const_expr(cfg.fused_merge):
+                    tail_merge.merge(cfg, self.consumers, mOP, mLP, (mO, mLSE, mSEM), merged, self.query_row,
+                                     CONSUMERS_BARRIER)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
@@ -207,7 +201,7 @@ class FoldDecodeSm90WS(TileKernel):
         channel-wise K's ``Q'`` (``producer_fold``), its other warps' folds."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            views = self._tma_views(tma, ring)
+            views = tma_views(self.cfg, tma, ring)
             for tile in cutlass.range(t_lo, t_hi, unroll=1):
                 self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         if cutlass.const_expr(self.cfg.producer_fold):
@@ -260,7 +254,8 @@ class FoldDecodeSm90WS(TileKernel):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
         buffer kind by buffer kind, the consumers' buffers of a kind one after another at a fixed stride (so
         that one code path serves every consumer, its index a run-time value). Returns ``(ring, smem_for, merged)``,
-        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`, ``merged`` the partials a cluster merges (or None)."""
+        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`, ``merged`` the partials a cluster merges, the fused
+        merge's count word (:mod:`foscar.cute.tail_merge`), or None."""
         cfg = self.cfg
         alloc = SmemAllocator()
         ring = self._ring(alloc)
@@ -300,7 +295,8 @@ class FoldDecodeSm90WS(TileKernel):
                                  consumer_buffer(sRed, c), consumer_buffer(sSum, c), qk[0], qk[1], sQinv, sQred,
                                  None if sMx is None else consumer_buffer(sMx, c))
 
-        merged = cluster.allocate(alloc, cfg, n) if cfg.cluster else None
+        merged = cluster.allocate(alloc, cfg, n) if cfg.cluster else (tail_merge.allocate(alloc) if cfg.fused_merge
+                                                                       else None)
         return ring, smem_for, merged
 
     @cute.jit
@@ -318,23 +314,6 @@ class FoldDecodeSm90WS(TileKernel):
         for _ in cutlass.range_constexpr(operands.Q_SUMS_BARRIERS):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=self.consumers * THREADS)
-
-    def _tma_views(self, tma: tuple, ring: StageRing):
-        """The TMA partitions of the pools and of the ring's stages: ``(tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs,
-        tVPg)``, from ``tma``, the (atom, tensor) pairs of K words, V words, K and V ``(s', z')``."""
-        cfg = self.cfg
-        ci, co = cfg.tma_box
-        (atom_kc, tma_kc), (atom_vc, tma_vc), (atom_kp, tma_kp), (atom_vp, tma_vp) = tma
-        gKC = cute.local_tile(tma_kc, (ci, co), (0, 0, None, None, None))
-        gVC = cute.local_tile(tma_vc, (ci, co), (0, 0, None, None, None))
-        gKP = cute.local_tile(tma_kp, (cfg.k_param_words,), (0, None, None, None))
-        gVP = cute.local_tile(tma_vp, (cfg.v_param_words,), (0, None, None, None))
-        one = cute.make_layout(1)
-        tKs, tKg = cpasync.tma_partition(atom_kc, 0, one, ring.sK, cute.group_modes(gKC, 0, 2))
-        tVs, tVg = cpasync.tma_partition(atom_vc, 0, one, ring.sV, cute.group_modes(gVC, 0, 2))
-        tKPs, tKPg = cpasync.tma_partition(atom_kp, 0, one, ring.sKP, cute.group_modes(gKP, 0, 1))
-        tVPs, tVPg = cpasync.tma_partition(atom_vp, 0, one, ring.sVP, cute.group_modes(gVP, 0, 1))
-        return tKs, tKg, tVs, tVg, tKPs, tKPg, tVPs, tVPg
 
     @cute.jit
     def _start_prefetch(self, atoms: tuple, mSEQ: cute.Tensor, mBT: cute.Tensor, b, split, n_splits):

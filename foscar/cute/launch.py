@@ -233,8 +233,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def stage1_tensors(cfg) -> tuple:
     """The tensors stage 1 of ``cfg`` takes: :data:`~foscar.cute.config.STAGE1_TENSORS`, where the splits merge in
     a cluster (:attr:`~foscar.cute.config.Sm90Config.cluster`) the output ``[B, Hq, D]`` and its LSE ``[B, Hq]`` in
-    place of the partials."""
+    place of the partials; where the last CTA merges them (``fused_merge``) those and the counters after them."""
     from .config import STAGE1_TENSORS
+    if cfg.fused_merge:  # the last CTA of a KV head's splits merges them (foscar.cute.tail_merge)
+        return STAGE1_TENSORS + (("out", cfg.cluster_out, 3), ("lse", "f32", 2), ("counters", "i32", 1))
     if not cfg.cluster:
         return STAGE1_TENSORS
     merged = {"partial_out": ("out", cfg.cluster_out, 3), "partial_lse": ("lse", "f32", 2)}
@@ -258,6 +260,24 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
     if not fits_shared_memory(dataclasses.replace(cfg, cluster=num_splits), ctas):
         return 0
     return num_splits if all(t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in (out, lse)) else 0
+
+
+def fused_merge_to(fmt, warp_specialized: bool, out: torch.Tensor, lse: torch.Tensor | None, l_part: torch.Tensor,
+                   sem: torch.Tensor, B: int, rows: int) -> tuple:
+    """``(out, lse, counters)`` as stage 1 takes them where its last CTA of each KV head merges the splits
+    (:data:`~foscar.cute.config.FUSED_MERGE`, :mod:`foscar.cute.tail_merge`), else ``()`` (the combine merges): v1, a
+    format without BF16 windows or rotation, an output ``[B, rows, D]`` (and the LSE ``[B, rows]`` asked for; else a
+    placeholder never written, the contiguous workspace's first floats) with unit last stride on 16-byte aligned
+    bases, the workspace's zeroed counters ``[B Hkv]``."""
+    from ..splitkv import num_window_parts
+    from .config import ALIGN, FUSED_MERGE
+    if not (FUSED_MERGE and warp_specialized and not num_window_parts(fmt) and fmt.rotation is None
+            and out.dtype in _OUT_TYPES and (lse is not None or l_part.is_contiguous())):
+        return ()
+    out_to = _as_rows(out, B, rows)
+    lse_to = _as_rows(lse, B, rows) if lse is not None else l_part.view(-1)[:B * rows].view(B, rows)
+    fits = all(t is not None and t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in (out_to, lse_to, sem))
+    return (out_to, lse_to, sem) if fits else ()
 
 
 def prologue_at(cfg, warp_specialized: bool, ctas: int):
@@ -416,8 +436,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     from .config import CLUSTER_MERGE, consumers_for
     cfg = prologue_at(cfg, warp_specialized, ctas)
     parts = num_parts(fmt, num_splits, warp_specialized, consumers_for(cfg, ctas))  # windows: after the splits
-    o_part, l_part, _ = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
-                                      cache.num_kv_heads)
+    o_part, l_part, sem = workspace_for(workspace, q.shape[0], q.shape[1], parts, fmt.head_dim, q.device,
+                                        cache.num_kv_heads)
     rot = rotation_factors(fmt, q.device)  # a rotated cache: the kernels rotate Q in and the output back
     Hr = T * q.shape[1]  # the rows of one sequence: q [B T, Hq, D] as [B, T Hq, D] (token-major)
     dest = (o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]))
@@ -431,13 +451,16 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     if size:  # stage 1 writes the output
         cfg = dataclasses.replace(cfg, cluster=size, cluster_out=_OUT_TYPES[out.dtype])
         dest = (out_to, lse_to)
+    fused = () if size else fused_merge_to(fmt, warp_specialized, out, lse, l_part, sem, B, Hr)
+    if fused:  # stage 1's last CTA of each KV head merges its splits
+        cfg = dataclasses.replace(cfg, fused_merge=1 + (lse is not None), cluster_out=_OUT_TYPES[out.dtype])
     tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
                *(_param_words(p) for p in (cache.k_params, cache.v_params)), cache.page_table.block_table,
-               cache.seq_lens.to(torch.int32), *dest, rot, cache.tensor_scales)  # Q: BF16
+               cache.seq_lens.to(torch.int32), *dest, rot, cache.tensor_scales, *fused)  # Q: BF16
     _check_stage1_tensors(tensors, cfg)
     qk_scale = sm_scale * 1.4426950408889634
     _compiled(cfg, warp_specialized, ctas)(*tensors, qk_scale, num_splits)  # on torch's current stream
-    if size:
+    if size or fused:
         return
     windows = None
     if combine_attends_windows(fmt):  # no launch of their own

@@ -218,3 +218,16 @@ def raise_running_maximum(m: Float32, values):
     if m_new == -Float32.inf:
         m_safe = Float32(0.0)
     return m_new, m_safe, cute.math.exp2(m - m_safe, fastmath=True)
+
+
+@cute.jit
+def merged_lse(m: Float32, total: Float32) -> Float32:
+    """The natural-log LSE of a base-2 running merge (the combine's, the split merges in stage 1) with maximum ``m``
+    and sum ``total``: ``-inf`` where nothing weighed, NaN where the sum is."""
+    out = -Float32.inf
+    if total != 0:  # NaN != 0
+        m_safe = m
+        if m == -Float32.inf:
+            m_safe = Float32(0.0)
+        out = (m_safe + cute.math.log2(total)) * Float32(0.6931471805599453)
+    return out

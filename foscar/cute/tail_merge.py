@@ -1,0 +1,89 @@
+"""The split merge by stage 1's last CTA of each (sequence, KV head) (:attr:`~foscar.cute.config.Sm90Config.
+fused_merge`, :data:`~foscar.cute.config.FUSED_MERGE`): every CTA writes its consumers' partials to memory as
+always; then one thread of its consumers releases them and counts the CTA in on the (sequence, KV head)'s counter
+(an atomic add, acquire-release at GPU scope, past the consumers' barrier: the fence is cumulative over the
+partials they stored). The CTA that counts last (the split count minus one) merges every split's partials of the
+KV head's rows into the output (and LSE), what the combine (:mod:`foscar.cute.combine`) computes, and sets the
+counter back to zero, so that the next launch (a CUDA-graph replay too) finds it so: no second launch. The
+workspace's counters (:func:`foscar.splitkv.workspace_for`) are the Triton kernels' fused merge's.
+
+The merge's arithmetic is the combine's and the cluster merge's (:mod:`foscar.cute.cluster`): empty partials
+(``lse = -inf``) weigh 0 whatever their output holds; all empty, ``out = 0`` and ``lse = -inf``; a NaN or ``+inf``
+LSE, or a NaN output of a partial that weighs, makes the output and LSE NaN. The partials are read at L2 (``.cg``):
+other SMs wrote them.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .config import THREADS, Sm90Config
+from .softmax import merged_lse, raise_running_maximum
+
+
+def allocate(alloc):
+    """The CTA's word in shared memory that carries the count its consumers' thread read to every consumer."""
+    return alloc.allocate_array(Int32, 4)
+
+
+@cute.jit
+def _global(t: cute.Tensor, coord):
+    """A pointer to element ``coord`` of global tensor ``t``."""
+    return t.iterator + cute.crd2idx(coord, t.layout)
+
+
+@cute.jit
+def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: cute.Tensor, dest: tuple, sCount,
+          query_row, bar_id: cutlass.Constexpr):
+    """Called by each consumer thread once its partial is in ``mOP [B, rows, parts, D]``, ``mLP [B, rows, parts]``:
+    the CTA counts in (``dest``: the output, the LSE and the counters, :class:`FoldDecodeSm90WSMerged`); the last of
+    the (sequence, KV head)'s splits merges its columns' partials, channel by channel over the consumers' threads,
+    into ``mO`` at the rows ``query_row(g, kvh, n_kvh)`` gives (a step's tokens too), and (``cfg.fused_merge`` 2)
+    the LSE, natural log, into ``mLSE``. ``sCount``: :func:`allocate`'s word; ``bar_id``: the consumers' named
+    barrier."""
+    mO, mLSE, mSEM = dest
+    D = cfg.head_dim
+    G = cfg.rows
+    n = consumers * THREADS
+    kvh, b, _ = cute.arch.block_idx()
+    n_kvh, _, n_splits = cute.arch.grid_dim()
+    tidx, _, _ = cute.arch.thread_idx()
+    t = tidx - THREADS  # this thread among the consumers'
+    counter = _global(mSEM, (b * n_kvh + kvh,))
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # every consumer's partial stored
+    if t == 0:
+        cute.arch.fence_acq_rel_gpu()
+        sCount[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)
+    if sCount[0] == n_splits - 1:  # the last split of the KV head here: every other split's partials released
+        parts = cute.size(mLP, mode=[2])
+        pairs = (G * D + n - 1) // n  # this thread's (column, channel) pairs: i = t + k n
+        rows = [query_row((t + k * n) // D, kvh, n_kvh) for k in range(pairs)]
+        m = [-Float32.inf for _ in range(pairs)]
+        total = [Float32(0.0) for _ in range(pairs)]
+        acc = [Float32(0.0) for _ in range(pairs)]
+        for p in cutlass.range(parts, unroll=4):  # one pass, a running maximum: every pair's loads of a few
+            for k in cutlass.range_constexpr(pairs):  # partials in flight together
+                if t + k * n < G * D:
+                    lse = cute.arch.load(_global(mLP, (b, rows[k], p)), Float32, cop="cg")
+                    o = cute.arch.load(_global(mOP, (b, rows[k], p, (t + k * n) % D)), Float32, cop="cg")
+                    m_new, m_safe, scale = raise_running_maximum(m[k], [lse])
+                    w = cute.math.exp2(lse - m_safe, fastmath=True)  # an empty partial weighs 0
+                    total[k] = total[k] * scale + w
+                    acc[k] = acc[k] * scale
+                    if w > 0:  # an empty partial's output is never read into the sum (it may hold anything)
+                        acc[k] = acc[k] + w * o
+                    m[k] = m_new
+        for k in cutlass.range_constexpr(pairs):
+            ch = (t + k * n) % D
+            if t + k * n < G * D:
+                denom = Float32(1.0)
+                if total[k] != 0:  # NaN != 0: a NaN total divides and stays NaN
+                    denom = total[k]
+                mO[b, rows[k], ch] = (acc[k] / denom).to(mO.element_type)
+                if cutlass.const_expr(cfg.fused_merge == 2):
+                    if ch == 0:
+                        mLSE[b, rows[k]] = merged_lse(m[k], total[k])
+        if t == 0:  # no other split of this launch counts here again: zero for the next
+            cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
