@@ -12,7 +12,8 @@ tile a pass, with
 ``foscar.cute.config.LAZY_ONE_TILE`` set); ``cute_vcha`` and ``cute_kvcha``: v1 over channel-wise V (the lazy
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
-``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
+``cute_fused`` (v1 as ``cute_pair``, no windows, its last CTA of each KV head merging the splits:
+``foscar.cute.config.FUSED_MERGE``); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
 Hq 32, Hkv 8, random codes: ``benchmarks/bench_steps.py``'s check, where the H200 stopped on an illegal address).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
@@ -47,7 +48,7 @@ def step_over_a_ring() -> None:
 def main(backend: str) -> None:
     if backend == "triton_step_ring":
         return step_over_a_ring()
-    windows = {"sink": 4, "recent": 32}  # the CuTe combine attends them
+    windows = {} if backend == "cute_fused" else {"sink": 4, "recent": 32}  # the CuTe combine attends them
     axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
     if backend == "cute_kvcha":
         axes["k_axis"] = "channel"
@@ -72,11 +73,11 @@ def main(backend: str) -> None:
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3d4",
                      tiles_per_pass=1)
-    elif backend in ("cute_pair", "cute_pair1", "cute_lazy1"):
+    elif backend in ("cute_pair", "cute_pair1", "cute_lazy1", "cute_fused"):
         from foscar.cute import config
         from foscar.cute.launch import decode
-        if backend == "cute_lazy1":
-            config.LAZY_ONE_TILE = True
+        if backend in ("cute_lazy1", "cute_fused"):
+            setattr(config, "LAZY_ONE_TILE" if backend == "cute_lazy1" else "FUSED_MERGE", True)
             config.clear_switch_caches()
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1 if backend == "cute_pair1" else 2,
                      k_operand="e4m3", tiles_per_pass=1 if backend == "cute_lazy1" else 2)

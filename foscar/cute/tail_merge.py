@@ -63,8 +63,10 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
         m = [-Float32.inf for _ in range(pairs)]
         total = [Float32(0.0) for _ in range(pairs)]
         acc = [Float32(0.0) for _ in range(pairs)]
-        for p in cutlass.range(parts, unroll=4):  # one pass, a running maximum: every pair's loads of a few
-            for k in cutlass.range_constexpr(pairs):  # partials in flight together
+        # one pass, a running maximum: every pair's loads of a few partials in flight together (fewer partials a
+        # round the more pairs a thread takes: GQA 32's 16 pairs within a consumer's registers)
+        for p in cutlass.range(parts, unroll=max(1, 8 // pairs)):
+            for k in cutlass.range_constexpr(pairs):
                 if t + k * n < G * D:
                     lse = cute.arch.load(_global(mLP, (b, rows[k], p)), Float32, cop="cg")
                     o = cute.arch.load(_global(mOP, (b, rows[k], p, (t + k * n) % D)), Float32, cop="cg")
