@@ -32,6 +32,7 @@ from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
 
 ALL = {"V_LOW_PLACEMENT": True, "V_ROW_SHIFTS": True, "FLAT_WORDS": True}
 OFF = dict.fromkeys(ALL, False)
+FLAT = {"FLAT_WORDS": True}  #: the words off one base alone: no change of arithmetic
 
 
 def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[float, int]:
@@ -97,9 +98,10 @@ def test_every_pv_product_takes_bit_fours_units(monkeypatch, bits):
     ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
     ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True}),
     ({}, 8, [2000, 33], {"warp_specialized": False})])
-def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch):
+@pytest.mark.parametrize("switches", [ALL, FLAT], ids=["all", "flat"])
+def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch, switches):
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    with cute_switches(monkeypatch, **ALL):
+    with cute_switches(monkeypatch, **switches):
         cute_against_the_oracle(fmt, lens, G, "V^T by row class, flat words: error", **launch)
 
 
@@ -126,19 +128,20 @@ def test_v_bits_magnitudes_gpu(monkeypatch, magnitude):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("launch", [{"k_operand": "e4m3", "tiles_per_pass": 2}, {"tiles_per_pass": 1}])
-def test_v_bits_match_the_kernel_without_them_gpu(monkeypatch, bits, launch):
-    """The same decode with the switches off and on: within FP32 rounding (every unit a power of two; at INT4 the
-    smallest P' rounded below FP16's normal range)."""
+@pytest.mark.parametrize("switches", [ALL, FLAT], ids=["all", "flat"])
+def test_v_bits_match_the_kernel_without_them_gpu(monkeypatch, bits, launch, switches):
+    """The same decode with the switches off and on: the words off one base alone bit for bit; all three within FP32
+    rounding (every unit a power of two; the smallest P' rounded below FP16's normal range)."""
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     q, cache = make(fmt, [6000, 300, 1], Hkv=2, G=4, page=64, seed=11)
     outs = []
-    for switches in (OFF, ALL):
+    for chosen in (OFF, switches):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
-        with cute_switches(monkeypatch, **switches):
+        with cute_switches(monkeypatch, **chosen):
             decode(q, cache, out=out, warp_specialized=True, num_splits=4, **launch)
         outs.append(out)
     assert torch.isfinite(outs[1]).all()
     diff = float((outs[1].double() - outs[0].double()).norm() / outs[0].double().norm())
     print(f"\nINT{bits} {launch}: relative difference to the kernel without the switches {diff:.3e}")
-    assert diff <= 1e-5
+    assert torch.equal(outs[0], outs[1]) if switches == FLAT else diff <= 1e-5
