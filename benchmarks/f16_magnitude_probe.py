@@ -10,7 +10,9 @@ the same relative error at every ``shl``; a loss of small products or of their s
 shows as an error that grows as ``shl`` falls. A Triton kernel (``tl.dot``, FP32 accumulator chained over the
 tokens; a tensor-core MMA on the GPU) against float64 on the same FP16 inputs; per ``(bits, tokens, shl)`` the error
 of each element in units of its ``sum |products|``: mean, root mean square and largest, and the norm-wise relative
-error of the whole product.
+error of the whole product; for each ``shl`` below ``--product-bits``, again with P' carrying ``2^(bit - shl)``
+(``foscar.cute.config.V_PRODUCT_BIT``: every product in that bit's units), which a loss below some magnitude
+would not see.
 """
 import argparse
 
@@ -53,11 +55,17 @@ def product(codes: torch.Tensor, p: torch.Tensor, shl: int, device: str) -> torc
     return out.cpu().double() * 2.0 ** (24 - shl)
 
 
-def measure(bits: int, tokens: int, shl: int, seed: int = 0, device: str = "cuda") -> dict:
+def measure(bits: int, tokens: int, shl: int, seed: int = 0, device: str = "cuda", product_bit: int = 0) -> dict:
+    """The chain's error at ``shl``; with ``product_bit`` above ``shl``, P' times ``2^(product_bit - shl)`` first
+    (``foscar.cute.config.V_PRODUCT_BIT``: the products in that bit's units), against the exact product of the
+    FP16 inputs the chain takes."""
     codes, p = inputs(bits, tokens, seed)
+    if product_bit > shl:
+        p = (p.double() * 2.0 ** (product_bit - shl)).to(torch.float16)
     ref = codes.double() @ p.double()
-    got = product(codes, p, shl, device)
-    scale = (codes.double().abs() @ p.double().abs()).clamp(min=1e-300)
+    got = product(codes, p, shl, device) / 2.0 ** max(0, product_bit - shl)
+    ref = ref / 2.0 ** max(0, product_bit - shl)
+    scale = (codes.double().abs() @ p.double().abs()).clamp(min=1e-300) / 2.0 ** max(0, product_bit - shl)
     rel = (got - ref) / scale
     return {"mean": rel.mean().item(), "rms": rel.pow(2).mean().sqrt().item(), "max": rel.abs().max().item(),
             "norm": ((got - ref).norm() / ref.norm()).item()}
@@ -69,19 +77,24 @@ def main() -> None:
     ap.add_argument("--shls", type=int, nargs="+", default=[0, 2, 4, 8])
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--product-bits", type=int, nargs="*", default=[4],
+                    help="also each shl below these with P' carrying 2^(bit - shl) (V_PRODUCT_BIT)")
     a = ap.parse_args()
     if any(t % STEP for t in a.tokens):
         ap.error(f"argument --tokens: expected multiples of {STEP}, got {a.tokens}")
     if any(not 0 <= s <= 10 - b for s in a.shls for b in a.bits):
         ap.error(f"argument --shls: expected 0 <= shl <= 10 - bits, got {a.shls}")
     print(f"device: {torch.cuda.get_device_name()}\n")
-    print("| bits | tokens | shl | mean | rms | max | norm-wise |\n|---|---|---|---|---|---|---|")
+    print("| bits | tokens | shl | P' units | mean | rms | max | norm-wise |\n|---|---|---|---|---|---|---|---|")
     for bits in a.bits:
         for tokens in a.tokens:
             for shl in a.shls:
-                rs = [measure(bits, tokens, shl, seed) for seed in range(a.seeds)]
-                cell = lambda k: f"{min(r[k] for r in rs):.2e}..{max(r[k] for r in rs):.2e}"  # noqa: E731
-                print(f"| {bits} | {tokens} | {shl} | {cell('mean')} | {cell('rms')} | {cell('max')} | {cell('norm')} |")
+                for bit in sorted({0, *(b for b in a.product_bits if b > shl)}):
+                    rs = [measure(bits, tokens, shl, seed, product_bit=bit) for seed in range(a.seeds)]
+                    cell = lambda k: f"{min(r[k] for r in rs):.2e}..{max(r[k] for r in rs):.2e}"  # noqa: E731
+                    units = f"bit {bit}" if bit > shl else "the codes'"
+                    print(f"| {bits} | {tokens} | {shl} | {units} | {cell('mean')} | {cell('rms')} | {cell('max')} | "
+                          f"{cell('norm')} |")
 
 
 if __name__ == "__main__":

@@ -184,12 +184,13 @@ def test_run_with_forgets_the_variants_chosen_under_other_switches():
 
 def test_f16_magnitude_probe_is_scale_invariant_under_ieee_sums():
     """``benchmarks/f16_magnitude_probe.py`` (the tensor core's FP16 PV chain at V^T's magnitudes, run on a GPU):
-    under the Triton interpreter's IEEE FP32 sums every ``shl`` gives the same error, at FP32's rounding, so a GPU's
-    difference between them is the tensor core's."""
+    under the Triton interpreter's IEEE FP32 sums every ``shl`` gives the same error, at FP32's rounding, and so does
+    P' carrying ``2^(4 - shl)``, so a GPU's difference between them is the tensor core's."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU check runs the kernel under TRITON_INTERPRET=1")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import f16_magnitude_probe as probe
-    runs = [probe.measure(bits, 256, shl, seed=1, device="cpu") for bits in (2, 4) for shl in (0, 10 - bits)]
-    assert runs[0] == runs[1] and runs[2] == runs[3]
+    runs = [probe.measure(bits, 256, shl, seed=1, device="cpu", product_bit=b) for bits in (2, 4)
+            for shl, b in ((0, 0), (10 - bits, 0), (0, 4))]
+    assert runs[0] == runs[1] == runs[2] and runs[3] == runs[4] == runs[5]
     assert all(r["max"] < 1e-6 and r["norm"] < 1e-6 for r in runs)
