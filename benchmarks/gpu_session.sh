@@ -166,8 +166,8 @@ case "$step" in
     done
     timeout 150 "$CS" --tool racecheck --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py \
       cute_ws2 > "$OUT/race-cute_ws2.log" 2>&1; echo "cute_ws2 rc=$? $(tail -1 "$OUT/race-cute_ws2.log")" ;;
-  v-bits-numerics)  # after install-cute: the tensor core's FP16 PV chain at V^T's operand magnitudes
-                     # (f16_magnitude_probe.py), then the stress study: as shipped, V^T from bit 0 and by row class
+  v-bits-numerics)  # after install-cute: the tensor core's FP16 PV chain at V^T's operand magnitudes, and with P'
+                     # carrying 2^(4 - shl) (f16_magnitude_probe.py), then the stress study: as shipped, V^T from bit 0 and by row class
                      # with P' as from bit 4 up (V_PRODUCT_BIT=0: as first measured) and with every product in bit
                      # 4's units (the default V_PRODUCT_BIT), from bit 0 alone, the words off one base alone
     timeout 120 python3 benchmarks/f16_magnitude_probe.py > "$OUT/f16-magnitude.md" 2>&1
