@@ -63,9 +63,8 @@ def measure(bits: int, tokens: int, shl: int, seed: int = 0, device: str = "cuda
     if product_bit > shl:
         p = (p.double() * 2.0 ** (product_bit - shl)).to(torch.float16)
     ref = codes.double() @ p.double()
-    got = product(codes, p, shl, device) / 2.0 ** max(0, product_bit - shl)
-    ref = ref / 2.0 ** max(0, product_bit - shl)
-    scale = (codes.double().abs() @ p.double().abs()).clamp(min=1e-300) / 2.0 ** max(0, product_bit - shl)
+    got = product(codes, p, shl, device)
+    scale = (codes.double().abs() @ p.double().abs()).clamp(min=1e-300)
     rel = (got - ref) / scale
     return {"mean": rel.mean().item(), "rms": rel.pow(2).mean().sqrt().item(), "max": rel.abs().max().item(),
             "norm": ((got - ref).norm() / ref.norm()).item()}

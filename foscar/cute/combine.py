@@ -30,7 +30,6 @@ from .rotation import walsh_hadamard
 from .softmax import merged_lse, raise_running_maximum
 
 
-
 class CombineSm90:
     """The compiled combine of one :class:`~foscar.cute.combine_config.CombineConfig`."""
 

@@ -180,20 +180,22 @@ class FoldDecodeSm90WS(TileKernel):
                 if role == c + 1:
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
                                    t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-                    if cutlass.const_expr(cfg.cluster):
-                        cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
-                    if cutlass.const_expr(cfg.fused_merge):
-                        tail_merge.merge(cfg, self.consumers, mOP, mLP, (mO, mLSE, mSEM), merged, self.query_row,
-                                         CONSUMERS_BARRIER)
+                    self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
                 self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
                                t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-                if cutlass.const_expr(cfg.cluster):  # ---- the split merge in the cluster, or by the last CTA -----
-                    cluster.merge(cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
-                if cutlass.const_expr(cfg.fused_merge):
-                    tail_merge.merge(cfg, self.consumers, mOP, mLP, (mO, mLSE, mSEM), merged, self.query_row,
-                                     CONSUMERS_BARRIER)
+                self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
+
+    @cute.jit
+    def _merge_splits(self, merged, mOP: cute.Tensor, mLP: cute.Tensor, merge_to: tuple):
+        """By each consumer thread past its partial: the split merge where stage 1 runs it, in the cluster
+        (``cfg.cluster``, ``merged`` its partials and barriers) or by the last CTA (``cfg.fused_merge``, ``merged`` its
+        count word, ``merge_to`` the output, LSE and counters)."""
+        if cutlass.const_expr(self.cfg.cluster):
+            cluster.merge(self.cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
+        if cutlass.const_expr(self.cfg.fused_merge):
+            tail_merge.merge(self.cfg, self.consumers, mOP, mLP, merge_to, merged, self.query_row, CONSUMERS_BARRIER)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):

@@ -251,7 +251,7 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
     memory, an output ``[B, rows, D]`` and an LSE ``[B, rows]`` (``lse``: the LSE asked for, or where the launch
     would put one not asked for; None, nowhere) stage 1 can write: unit last stride, 16-byte aligned."""
     from .budget import fits_shared_memory
-    from .config import ALIGN, CLUSTER_MERGE
+    from .config import CLUSTER_MERGE
     if not (CLUSTER_MERGE and warp_specialized and not cfg.windows and not cfg.rotation and not cfg.fp4_block
             and out is not None and lse is not None):
         return 0
@@ -259,7 +259,7 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
         return 0
     if not fits_shared_memory(dataclasses.replace(cfg, cluster=num_splits), ctas):
         return 0
-    return num_splits if all(t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in (out, lse)) else 0
+    return num_splits if _writable(out, lse) else 0
 
 
 def fused_merge_to(fmt, warp_specialized: bool, out: torch.Tensor, lse: torch.Tensor | None, l_part: torch.Tensor,
@@ -270,14 +270,12 @@ def fused_merge_to(fmt, warp_specialized: bool, out: torch.Tensor, lse: torch.Te
     placeholder never written, the contiguous workspace's first floats) with unit last stride on 16-byte aligned
     bases, the workspace's zeroed counters ``[B Hkv]``."""
     from ..splitkv import num_window_parts
-    from .config import ALIGN, FUSED_MERGE
+    from .config import FUSED_MERGE
     if not (FUSED_MERGE and warp_specialized and not num_window_parts(fmt) and fmt.rotation is None
-            and out.dtype in _OUT_TYPES and (lse is not None or l_part.is_contiguous())):
+            and out.dtype in _OUT_TYPES):
         return ()
-    out_to = _as_rows(out, B, rows)
-    lse_to = _as_rows(lse, B, rows) if lse is not None else l_part.view(-1)[:B * rows].view(B, rows)
-    fits = all(t is not None and t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in (out_to, lse_to, sem))
-    return (out_to, lse_to, sem) if fits else ()
+    merged = (_as_rows(out, B, rows), _lse_rows(lse, l_part, B, rows), sem)
+    return merged if _writable(*merged) else ()
 
 
 def prologue_at(cfg, warp_specialized: bool, ctas: int):
@@ -304,6 +302,20 @@ def _as_rows(t: torch.Tensor | None, B: int, rows: int) -> torch.Tensor | None:
         return t.view(B, rows, *t.shape[2:])
     except RuntimeError:
         return None
+
+
+def _lse_rows(lse: torch.Tensor | None, l_part: torch.Tensor, B: int, rows: int) -> torch.Tensor | None:
+    """Where stage 1 merging the splits puts the LSE ``[B, rows]``: the one asked for (:func:`_as_rows`), else the
+    contiguous workspace's first ``B rows`` floats (else None: nowhere)."""
+    if lse is not None:
+        return _as_rows(lse, B, rows)
+    return l_part.view(-1)[:B * rows].view(B, rows) if l_part.is_contiguous() else None
+
+
+def _writable(*tensors) -> bool:
+    """Whether stage 1 can write each of ``tensors``: given, unit last stride, a 16-byte aligned base."""
+    from .config import ALIGN
+    return all(t is not None and t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 for t in tensors)
 
 
 def _check_stage1_tensors(tensors, cfg) -> None:
@@ -336,8 +348,7 @@ def decode(q: torch.Tensor, cache: QuantKVCache, *, sm_scale: float | None = Non
     operands (:data:`foscar.cute.config.K_OPERANDS`): ``"bf16"``, or E4M3 codes with Q as two E4M3 terms
     (``"e4m3"``), three (``"e4m3x3"``) or four integer digits (``"e4m3d4"``: every k32 step's sum exact, the error
     BF16 K has on an unrotated cache, on a rotated one too; :func:`foscar.cute.config.config_for` says what each
-    takes), and
-    ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
+    takes), and ``tiles_per_pass``: KV tiles per softmax pass of v1, 1 or 2 (:mod:`foscar.cute.pair`); unset, the
     autotune cache's, else :func:`default_variant`'s for v1 (BF16 K and one tile a pass for v0). ``stages``:
     v1's shared-memory stages per consumer (:data:`foscar.cute.config.STAGE_CHOICES`, fitting ``ctas_per_sm``
     CTAs an SM); unset, the autotune cache's, else :func:`foscar.cute.config.default_stages`."""
@@ -443,9 +454,7 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     dest = (o_part.view(B, Hr, *o_part.shape[2:]), l_part.view(B, Hr, l_part.shape[2]))
     size = 0
     if CLUSTER_MERGE:  # the output and LSE as a sequence's rows, views made only where the switch is on
-        lse_to = _as_rows(lse, B, Hr)  # an LSE not asked for: into the workspace's first B Hr floats (a contiguous one)
-        if lse is None and l_part.is_contiguous():
-            lse_to = l_part.view(-1)[:B * Hr].view(B, Hr)
+        lse_to = _lse_rows(lse, l_part, B, Hr)  # an LSE not asked for: into the workspace's first floats
         out_to = _as_rows(out, B, Hr)
         size = cluster_for(cfg, warp_specialized, ctas, num_splits, out_to, lse_to)
     if size:  # stage 1 writes the output

@@ -24,7 +24,7 @@ from .softmax import merged_lse, raise_running_maximum
 
 def allocate(alloc):
     """The CTA's word in shared memory that carries the count its consumers' thread read to every consumer."""
-    return alloc.allocate_array(Int32, 4)
+    return alloc.allocate_array(Int32, 1)
 
 
 @cute.jit
@@ -58,8 +58,9 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)
     if sCount[0] == n_splits - 1:  # the last split of the KV head here: every other split's partials released
         parts = cute.size(mLP, mode=[2])
-        pairs = (G * D + n - 1) // n  # this thread's (column, channel) pairs: i = t + k n
-        rows = [query_row((t + k * n) // D, kvh, n_kvh) for k in range(pairs)]
+        pairs = (G * D + n - 1) // n
+        pair = [t + k * n for k in range(pairs)]  # this thread's (column, channel) pairs: column i // D, channel i % D
+        rows = [query_row(i // D, kvh, n_kvh) for i in pair]
         m = [-Float32.inf for _ in range(pairs)]
         total = [Float32(0.0) for _ in range(pairs)]
         acc = [Float32(0.0) for _ in range(pairs)]
@@ -67,9 +68,9 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
         # round the more pairs a thread takes: GQA 32's 16 pairs within a consumer's registers)
         for p in cutlass.range(parts, unroll=max(1, 8 // pairs)):
             for k in cutlass.range_constexpr(pairs):
-                if t + k * n < G * D:
+                if pair[k] < G * D:
                     lse = cute.arch.load(_global(mLP, (b, rows[k], p)), Float32, cop="cg")
-                    o = cute.arch.load(_global(mOP, (b, rows[k], p, (t + k * n) % D)), Float32, cop="cg")
+                    o = cute.arch.load(_global(mOP, (b, rows[k], p, pair[k] % D)), Float32, cop="cg")
                     m_new, m_safe, scale = raise_running_maximum(m[k], [lse])
                     w = cute.math.exp2(lse - m_safe, fastmath=True)  # an empty partial weighs 0
                     total[k] = total[k] * scale + w
@@ -78,8 +79,8 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
                         acc[k] = acc[k] + w * o
                     m[k] = m_new
         for k in cutlass.range_constexpr(pairs):
-            ch = (t + k * n) % D
-            if t + k * n < G * D:
+            ch = pair[k] % D
+            if pair[k] < G * D:
                 denom = Float32(1.0)
                 if total[k] != 0:  # NaN != 0: a NaN total divides and stays NaN
                     denom = total[k]
