@@ -179,6 +179,26 @@ case "$step" in
         --out "$OUT/$name" > "$OUT/$name.log" 2>&1
       echo "$v rc=$?"; grep -E "^\| INT[24] (min-max|mse-clipped) \|" "$OUT/$name.log" | cut -d'|' -f2,3,7
     done ;;
+  steps-crash)  # after install-cute and fi-parts, on the H200: bench_steps.py's four shapes stopped on an illegal
+                # instruction (64:128K INT2's interleaved replays) with the steps entries the H200 tuned
+                # (docs/bench/h200/tune-steps-held-1206.json) beside the shipped file; as shipped it ran. Reproduced,
+                # then each half of the held entries, then with the crash's kernel named under memcheck
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    python3 - <<'PY'
+import json, os
+t = json.load(open("docs/bench/h200/tune-steps-held-1206.json"))
+for name, keep in (("all", lambda k: True), ("int2", lambda k: k["bits"] == 2), ("int4", lambda k: k["bits"] == 4)):
+    os.makedirs(f"/tmp/held-{name}", exist_ok=True)
+    json.dump(dict(t, entries=[e for e in t["entries"] if keep(e["key"])]), open(f"/tmp/held-{name}/NVIDIA_H200.json", "w"))
+PY
+    for name in all int2 int4; do
+      FOSCAR_TUNING_DIR=/tmp/held-$name timeout 150 python3 benchmarks/bench_steps.py --backends auto \
+        > "$OUT/steps-held-$name.md" 2>&1
+      echo "held $name rc=$? $(grep -c '^| [0-9]' "$OUT/steps-held-$name.md") rows $(grep -m1 -o 'an illegal [a-z ]*' "$OUT/steps-held-$name.md")"
+    done
+    FOSCAR_TUNING_DIR=/tmp/held-all timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python3 \
+      benchmarks/bench_steps.py --backends auto --iters 2 > "$OUT/steps-held-memcheck.log" 2>&1
+    echo "memcheck rc=$?"; grep -E "Invalid|Illegal|illegal|at 0x|by thread|ERROR SUMMARY" "$OUT/steps-held-memcheck.log" | head -20 ;;
   b1-long)  # after install-cute: why B 1 at long contexts reads 62-75% of the ceiling where B 8 and 64 read 88-98%
             # (INT4, the same CTA count): the split sweep at B 1, L 128K and 512K beside B 8, L 128K (one and two
             # CTAs an SM), then Nsight Compute's memory, warp-state and occupancy sections of the tuned call
@@ -365,8 +385,8 @@ one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
 v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
-flat-words --shapes 8:128K --heads 32:1 --variants shipped FLAT_WORDS=1
-flat-words-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped FLAT_WORDS=1
+flat-words --shapes 8:128K --heads 32:1 --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
+flat-words-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
 fused-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --kernels --variants shipped FUSED_MERGE=1
 SWEEPS
     ;;

@@ -188,10 +188,13 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
     assert doc["schema"] == at.SCHEMA and (meta["gpu"], meta["triton"], meta["cutlass_dsl"]) == (
         "NVIDIA_H200", "3.6.0", "4.8.1")
     assert at.meta_mismatch(meta, {"foscar": foscar.__version__}) is None  # this foscar reads it
-    # the paper grid's 26 cases a backend, and the Triton kernel's GQA 16 and 32 at B 8, L 128K (INT2 and INT4)
-    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 30, "cute": 26}
-    assert sorted((e["key"]["gqa"], e["key"]["bits"]) for e in doc["entries"] if e["key"]["gqa"] != 4) == [
-        (16, 2), (16, 4), (32, 2), (32, 4)]
+    # the paper grid's 26 cases a backend; GQA 16 and 32 at B 8, L 128K (INT2 and INT4) of both backends; the CuTe
+    # kernel's channel-wise axes of the axes grid (24)
+    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 30, "cute": 54}
+    assert sorted((e["key"]["gqa"], e["key"]["bits"]) for e in doc["entries"] if e["key"]["gqa"] != 4) == sorted(
+        2 * [(16, 2), (16, 4), (32, 2), (32, 4)])
+    assert sum(e["key"]["backend"] == "cute" and "channel" in (e["key"]["k_axis"], e["key"]["v_axis"])
+               for e in doc["entries"]) == 24
     # every CuTe entry names the variant it was timed as (a default left open would be another entry's)
     from foscar.cute.config import config_for  # plain Python: the variant is one the kernels take
     for e in (e for e in doc["entries"] if e["key"]["backend"] == "cute"):
@@ -228,14 +231,14 @@ def test_tuning_report(dirs, monkeypatch):
     assert shipped.location.endswith(os.path.join("foscar", "tuning", "NVIDIA_H200.json"))
     assert shipped.meta["triton"] == "3.6.0" and shipped.backends == (
         at.BackendTuning("triton", 30, 0, (("tuned with triton 3.6.0 (installed: 3.8.0)", 30),)),
-        at.BackendTuning("cute", 26, 26))
+        at.BackendTuning("cute", 54, 54))
     assert report.in_use("triton") is env and report.in_use("cute") is shipped
     text = "\n".join(report.lines())
     assert "tuning files for NVIDIA_H200 (triton 3.8.0, nvidia-cutlass-dsl 4.8.1)" in text
     assert f"user cache: {user.location}: skipped as a whole: malformed JSON" in text
     assert f"package data: {shipped.location} (written with foscar 0.1.0, triton 3.6.0" in text
     assert "triton: 30 entries, 0 apply here; not: 30 tuned with triton 3.6.0 (installed: 3.8.0)" in text
-    assert "cute: 26 entries, 26 apply here" in text
+    assert "cute: 54 entries, 54 apply here" in text
     assert "in use: triton: $FOSCAR_TUNING_DIR; cute: package data" in text
     monkeypatch.delenv("FOSCAR_TUNING_DIR")
     monkeypatch.setattr(at, "shipped_folder", lambda: dirs / "shipped")

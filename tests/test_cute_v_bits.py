@@ -33,6 +33,7 @@ from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
 ALL = {"V_LOW_PLACEMENT": True, "V_ROW_SHIFTS": True, "FLAT_WORDS": True}
 OFF = dict.fromkeys(ALL, False)
 FLAT = {"FLAT_WORDS": True}  #: the words off one base alone: no change of arithmetic
+LOW_FLAT = {"V_LOW_PLACEMENT": True, "FLAT_WORDS": True}  #: without the row classes (the stress study's error as off)
 
 
 def _full_tile(monkeypatch, switches: dict, bits: int, *args: str) -> tuple[float, int]:
@@ -98,7 +99,7 @@ def test_every_pv_product_takes_bit_fours_units(monkeypatch, bits):
     ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
     ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True}),
     ({}, 8, [2000, 33], {"warp_specialized": False})])
-@pytest.mark.parametrize("switches", [ALL, FLAT], ids=["all", "flat"])
+@pytest.mark.parametrize("switches", [ALL, FLAT, LOW_FLAT], ids=["all", "flat", "low-flat"])
 def test_v_bits_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch, switches):
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, **switches):
@@ -128,10 +129,11 @@ def test_v_bits_magnitudes_gpu(monkeypatch, magnitude):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("launch", [{"k_operand": "e4m3", "tiles_per_pass": 2}, {"tiles_per_pass": 1}])
-@pytest.mark.parametrize("switches", [ALL, FLAT], ids=["all", "flat"])
+@pytest.mark.parametrize("switches", [ALL, FLAT, LOW_FLAT], ids=["all", "flat", "low-flat"])
 def test_v_bits_match_the_kernel_without_them_gpu(monkeypatch, bits, launch, switches):
     """The same decode with the switches off and on: the words off one base alone bit for bit; all three within FP32
-    rounding (every unit a power of two; the smallest P' rounded below FP16's normal range)."""
+    rounding (every unit a power of two; the smallest P' rounded below FP16's normal range), V^T from bit 0 with the
+    words off one base too."""
     from foscar.cute.launch import decode
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     q, cache = make(fmt, [6000, 300, 1], Hkv=2, G=4, page=64, seed=11)

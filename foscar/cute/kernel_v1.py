@@ -190,12 +190,12 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _merge_splits(self, merged, mOP: cute.Tensor, mLP: cute.Tensor, merge_to: tuple):
         """By each consumer thread past its partial: the split merge where stage 1 runs it, in the cluster
-        (``cfg.cluster``, ``merged`` its partials and barriers) or by the last CTA (``cfg.fused_merge``, ``merged`` its
-        count word, ``merge_to`` the output, LSE and counters)."""
+        (``cfg.cluster``, ``merged`` its partials and barriers) or by the last CTA (``cfg.fused_merge``, ``merge_to`` the
+        output, LSE and counters)."""
         if cutlass.const_expr(self.cfg.cluster):
             cluster.merge(self.cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
         if cutlass.const_expr(self.cfg.fused_merge):
-            tail_merge.merge(self.cfg, self.consumers, mOP, mLP, merge_to, merged, self.query_row, CONSUMERS_BARRIER)
+            tail_merge.merge(self.cfg, self.consumers, mOP, mLP, merge_to, self.query_row, CONSUMERS_BARRIER)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
@@ -256,8 +256,7 @@ class FoldDecodeSm90WS(TileKernel):
         """The CTA's shared memory: the stage ring, Q^T and sum(Q), then each consumer's buffers, allocated
         buffer kind by buffer kind, the consumers' buffers of a kind one after another at a fixed stride (so
         that one code path serves every consumer, its index a run-time value). Returns ``(ring, smem_for, merged)``,
-        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`, ``merged`` the partials a cluster merges, the fused
-        merge's count word (:mod:`foscar.cute.tail_merge`), or None."""
+        ``smem_for(c)`` consumer ``c``'s :class:`WarpgroupSmem`, ``merged`` the partials a cluster merges, or None."""
         cfg = self.cfg
         alloc = SmemAllocator()
         ring = self._ring(alloc)
@@ -297,8 +296,7 @@ class FoldDecodeSm90WS(TileKernel):
                                  consumer_buffer(sRed, c), consumer_buffer(sSum, c), qk[0], qk[1], sQinv, sQred,
                                  None if sMx is None else consumer_buffer(sMx, c))
 
-        merged = cluster.allocate(alloc, cfg, n) if cfg.cluster else (tail_merge.allocate(alloc) if cfg.fused_merge
-                                                                       else None)
+        merged = cluster.allocate(alloc, cfg, n) if cfg.cluster else None
         return ring, smem_for, merged
 
     @cute.jit

@@ -19,12 +19,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .config import THREADS, Sm90Config
-from .softmax import merged_lse, raise_running_maximum
+from .softmax import barrier_any, merged_lse, raise_running_maximum
 
-
-def allocate(alloc):
-    """The CTA's word in shared memory that carries the count its consumers' thread read to every consumer."""
-    return alloc.allocate_array(Int32, 1)
+#: Partials whose loads a thread issues together before it merges them, over all its (column, channel) pairs: one
+#: round trip to L2 for up to this many partials of a pair that is alone (fewer a round the more pairs a thread takes).
+LOADS_IN_FLIGHT = 16
 
 
 @cute.jit
@@ -34,14 +33,14 @@ def _global(t: cute.Tensor, coord):
 
 
 @cute.jit
-def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: cute.Tensor, dest: tuple, sCount,
-          query_row, bar_id: cutlass.Constexpr):
+def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: cute.Tensor, dest: tuple, query_row,
+          bar_id: cutlass.Constexpr):
     """Called by each consumer thread once its partial is in ``mOP [B, rows, parts, D]``, ``mLP [B, rows, parts]``:
     the CTA counts in (``dest``: the output, the LSE and the counters, :class:`FoldDecodeSm90WSMerged`); the last of
     the (sequence, KV head)'s splits merges its columns' partials, channel by channel over the consumers' threads,
     into ``mO`` at the rows ``query_row(g, kvh, n_kvh)`` gives (a step's tokens too), and (``cfg.fused_merge`` 2)
-    the LSE, natural log, into ``mLSE``. ``sCount``: :func:`allocate`'s word; ``bar_id``: the consumers' named
-    barrier."""
+    the LSE, natural log, into ``mLSE``. The count reaches every consumer thread through the second barrier's
+    reduction (``bar.red.or``: no shared memory word). ``bar_id``: the consumers' named barrier."""
     mO, mLSE, mSEM = dest
     D = cfg.head_dim
     G = cfg.rows
@@ -52,32 +51,41 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
     t = tidx - THREADS  # this thread among the consumers'
     counter = _global(mSEM, (b * n_kvh + kvh,))
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # every consumer's partial stored
+    last = Int32(0)
     if t == 0:
         cute.arch.fence_acq_rel_gpu()
-        sCount[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-    cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)
-    if sCount[0] == n_splits - 1:  # the last split of the KV head here: every other split's partials released
+        if cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu") == n_splits - 1:
+            last = Int32(1)
+    if barrier_any(last, bar_id, n) != 0:  # the last split of the KV head here: every other's partials released
         parts = cute.size(mLP, mode=[2])
         pairs = (G * D + n - 1) // n
+        per = max(1, LOADS_IN_FLIGHT // pairs)  # partials a round
         pair = [t + k * n for k in range(pairs)]  # this thread's (column, channel) pairs: column i // D, channel i % D
-        rows = [query_row(i // D, kvh, n_kvh) for i in pair]
+        rows = [query_row(cutlass.min(i, G * D - 1) // D, kvh, n_kvh) for i in pair]
         m = [-Float32.inf for _ in range(pairs)]
         total = [Float32(0.0) for _ in range(pairs)]
         acc = [Float32(0.0) for _ in range(pairs)]
-        # one pass, a running maximum: every pair's loads of a few partials in flight together (fewer partials a
-        # round the more pairs a thread takes: GQA 32's 16 pairs within a consumer's registers)
-        for p in cutlass.range(parts, unroll=max(1, 8 // pairs)):
+        for p0 in cutlass.range(0, parts, per, unroll=1):
+            lse = []
+            o = []
+            for k in cutlass.range_constexpr(pairs):  # every load of the round in flight together
+                for j in cutlass.range_constexpr(per):
+                    p = cutlass.min(p0 + j, parts - 1)
+                    o.append(cute.arch.load(_global(mOP, (b, rows[k], p, pair[k] % D)), Float32, cop="cg"))
+                    x = cute.arch.load(_global(mLP, (b, rows[k], p)), Float32, cop="cg")
+                    if p0 + j >= parts:  # past the end: the last partial's, weighed 0
+                        x = -Float32.inf
+                    lse.append(x)
             for k in cutlass.range_constexpr(pairs):
-                if pair[k] < G * D:
-                    lse = cute.arch.load(_global(mLP, (b, rows[k], p)), Float32, cop="cg")
-                    o = cute.arch.load(_global(mOP, (b, rows[k], p, pair[k] % D)), Float32, cop="cg")
-                    m_new, m_safe, scale = raise_running_maximum(m[k], [lse])
-                    w = cute.math.exp2(lse - m_safe, fastmath=True)  # an empty partial weighs 0
-                    total[k] = total[k] * scale + w
-                    acc[k] = acc[k] * scale
+                m_new, m_safe, scale = raise_running_maximum(m[k], lse[k * per:(k + 1) * per])
+                total[k] = total[k] * scale
+                acc[k] = acc[k] * scale
+                for j in cutlass.range_constexpr(per):
+                    w = cute.math.exp2(lse[k * per + j] - m_safe, fastmath=True)  # an empty partial weighs 0
+                    total[k] = total[k] + w
                     if w > 0:  # an empty partial's output is never read into the sum (it may hold anything)
-                        acc[k] = acc[k] + w * o
-                    m[k] = m_new
+                        acc[k] = acc[k] + w * o[k * per + j]
+                m[k] = m_new
         for k in cutlass.range_constexpr(pairs):
             ch = pair[k] % D
             if pair[k] < G * D:
