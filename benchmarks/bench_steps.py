@@ -126,6 +126,8 @@ def main():
     p.add_argument("--v-axis", default="token", choices=("token", "channel"))
     p.add_argument("--sink", type=int, default=0, help="BF16 sink tokens")
     p.add_argument("--recent", type=int, default=0, help="BF16 recent window")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the queries' random seed, set before each shape (default: the process's generator as it runs)")
     p.add_argument("--backends", nargs="+", default=["auto", "triton"], choices=("auto", "triton", "cute"),
                    help="the foscar backends checked and timed (default: auto triton)")
     a = p.parse_args()
@@ -137,6 +139,8 @@ def main():
           + " | FlashInfer BF16 µs (x its q_len 1) |\n|---|---|---|---|" + "---|" * (len(a.backends) + 1))
     for (B, L) in a.shapes:
         bt = make_block_table(B, L // PAGE, "shuffled", 0).to(dev)
+        if a.seed is not None:
+            torch.manual_seed(a.seed)
         times = {bits: foscar_steps(a, bits, bt, B, L, flush, dev) for bits in a.bits}  # before FlashInfer's
         fi = flashinfer_steps(a, bt, L, flush, dev)
         for bits in a.bits:

@@ -181,9 +181,12 @@ case "$step" in
     done ;;
   steps-crash)  # after install-cute and fi-parts, on the H200: bench_steps.py's four shapes stopped on an illegal
                 # instruction (64:128K INT2's interleaved replays) with the steps entries the H200 tuned
-                # (docs/bench/h200/tune-steps-held-1206.json) beside the shipped file; as shipped it ran. Reproduced,
-                # then each half of the held entries, then with the crash's kernel named under memcheck
+                # (docs/bench/h200/tune-steps-held-1206.json) beside the shipped file; as shipped it ran.
+                # steps-crash [PART ...]: halves (reproduced, then each bits' half of the held entries), seeds (64:128K
+                # INT2 alone at six query seeds: the one input the earlier shapes' history changes), memcheck (the
+                # failing command under compute-sanitizer); default halves seeds
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
+    shift; parts="${*:-halves seeds}"
     python3 - <<'PY'
 import json, os
 t = json.load(open("docs/bench/h200/tune-steps-held-1206.json"))
@@ -191,14 +194,20 @@ for name, keep in (("all", lambda k: True), ("int2", lambda k: k["bits"] == 2), 
     os.makedirs(f"/tmp/held-{name}", exist_ok=True)
     json.dump(dict(t, entries=[e for e in t["entries"] if keep(e["key"])]), open(f"/tmp/held-{name}/NVIDIA_H200.json", "w"))
 PY
-    for name in all int2 int4; do
+    case " $parts " in *" halves "*) for name in all int2 int4; do
       FOSCAR_TUNING_DIR=/tmp/held-$name timeout 150 python3 benchmarks/bench_steps.py --backends auto \
         > "$OUT/steps-held-$name.md" 2>&1
       echo "held $name rc=$? $(grep -c '^| [0-9]' "$OUT/steps-held-$name.md") rows $(grep -m1 -o 'an illegal [a-z ]*' "$OUT/steps-held-$name.md")"
-    done
-    FOSCAR_TUNING_DIR=/tmp/held-all timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python3 \
-      benchmarks/bench_steps.py --backends auto --iters 2 > "$OUT/steps-held-memcheck.log" 2>&1
-    echo "memcheck rc=$?"; grep -E "Invalid|Illegal|illegal|at 0x|by thread|ERROR SUMMARY" "$OUT/steps-held-memcheck.log" | head -20 ;;
+    done ;; esac
+    case " $parts " in *" seeds "*) for seed in 0 1 2 3 4 5; do
+      FOSCAR_TUNING_DIR=/tmp/held-all timeout 60 python3 benchmarks/bench_steps.py --backends auto --shapes 64:128K \
+        --bits 2 --seed $seed > "$OUT/steps-held-seed-$seed.md" 2>&1
+      echo "seed $seed rc=$? $(grep -m1 -o 'an illegal [a-z ]*' "$OUT/steps-held-seed-$seed.md")"
+    done ;; esac
+    case " $parts " in *" memcheck "*)
+      FOSCAR_TUNING_DIR=/tmp/held-all timeout 560 compute-sanitizer --tool memcheck --print-limit 20 python3 \
+        benchmarks/bench_steps.py --backends auto --iters 2 > "$OUT/steps-held-memcheck.log" 2>&1
+      echo "memcheck rc=$?"; grep -E "Invalid|Illegal|illegal|at 0x|by thread|ERROR SUMMARY" "$OUT/steps-held-memcheck.log" | head -20 ;; esac ;;
   b1-long)  # after install-cute: why B 1 at long contexts reads 62-75% of the ceiling where B 8 and 64 read 88-98%
             # (INT4, the same CTA count): the split sweep at B 1, L 128K and 512K beside B 8, L 128K (one and two
             # CTAs an SM), then Nsight Compute's memory, warp-state and occupancy sections of the tuned call
