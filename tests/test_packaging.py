@@ -71,13 +71,15 @@ def _check_lookups(got: dict, root: Path) -> None:
     doc = json.loads(SHIPPED.read_text())
     assert got["foscar"].startswith(str(root)), f"foscar imported from {got['foscar']}, not from {root}"
     assert got["resource"].startswith(str(root))
-    assert len(got["found"]) == len(doc["entries"]) == 56
+    assert len(got["found"]) == len(doc["entries"]) > 0  # every shipped entry found, each its own config
     for entry, (config, source) in zip(doc["entries"], got["found"]):
         assert config == entry["config"], entry["key"]
         assert source.startswith(got["resource"]), source
     report = "\n".join(got["report"])
     assert "package data: " + got["resource"] in report
-    assert "triton: 30 entries, 30 apply here" in report and "cute: 26 entries, 26 apply here" in report
+    for backend in ("triton", "cute"):  # every entry of the file applies here
+        n = sum(e["key"]["backend"] == backend for e in doc["entries"])
+        assert f"{backend}: {n} entries, {n} apply here" in report
 
 
 def test_the_wheel_ships_the_tuned_configs(wheel):
