@@ -195,7 +195,8 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(self.cfg.cluster):
             cluster.merge(self.cfg, self.consumers, *merged, mOP, mLP, self.query_row, CONSUMERS_BARRIER)
         if cutlass.const_expr(self.cfg.fused_merge):
-            tail_merge.merge(self.cfg, self.consumers, mOP, mLP, merge_to, self.query_row, CONSUMERS_BARRIER)
+            tail_merge.merge(self.cfg, self.consumers, ws_registers(self.cfg, self.ctas_per_sm)[1], mOP, mLP, merge_to,
+                             self.query_row, CONSUMERS_BARRIER)
 
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):

@@ -22,8 +22,11 @@ from .config import THREADS, Sm90Config
 from .softmax import barrier_any, merged_lse, raise_running_maximum
 
 #: Partials whose loads a thread issues together before it merges them, over all its (column, channel) pairs: one
-#: round trip to L2 for up to this many partials of a pair that is alone (fewer a round the more pairs a thread takes).
+#: round trip to L2 for up to this many partials of a pair that is alone (fewer a round the more pairs a thread takes);
+#: twice as many where a consumer thread holds :data:`WIDE_REGISTERS` or more (one CTA an SM) and takes at most 4 pairs
+#: (GQA 32 at one CTA an SM spilled with twice: 16 pairs' running states beside the loads).
 LOADS_IN_FLIGHT = 16
+WIDE_REGISTERS = 200
 
 
 @cute.jit
@@ -33,14 +36,15 @@ def _global(t: cute.Tensor, coord):
 
 
 @cute.jit
-def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: cute.Tensor, dest: tuple, query_row,
-          bar_id: cutlass.Constexpr):
+def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, registers: cutlass.Constexpr, mOP: cute.Tensor,
+          mLP: cute.Tensor, dest: tuple, query_row, bar_id: cutlass.Constexpr):
     """Called by each consumer thread once its partial is in ``mOP [B, rows, parts, D]``, ``mLP [B, rows, parts]``:
     the CTA counts in (``dest``: the output, the LSE and the counters, :class:`FoldDecodeSm90WSMerged`); the last of
     the (sequence, KV head)'s splits merges its columns' partials, channel by channel over the consumers' threads,
     into ``mO`` at the rows ``query_row(g, kvh, n_kvh)`` gives (a step's tokens too), and (``cfg.fused_merge`` 2)
     the LSE, natural log, into ``mLSE``. The count reaches every consumer thread through the second barrier's
-    reduction (``bar.red.or``: no shared memory word). ``bar_id``: the consumers' named barrier."""
+    reduction (``bar.red.or``: no shared memory word). ``registers``: a consumer thread's (setmaxnreg); ``bar_id``: the
+    consumers' named barrier."""
     mO, mLSE, mSEM = dest
     D = cfg.head_dim
     G = cfg.rows
@@ -59,7 +63,8 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, mOP: cute.Tensor, mLP: 
     if barrier_any(last, bar_id, n) != 0:  # the last split of the KV head here: every other's partials released
         parts = cute.size(mLP, mode=[2])
         pairs = (G * D + n - 1) // n
-        per = max(1, LOADS_IN_FLIGHT // pairs)  # partials a round
+        wide = registers >= WIDE_REGISTERS and pairs <= 4  # more pairs: their running states take the registers
+        per = max(1, LOADS_IN_FLIGHT * (2 if wide else 1) // pairs)  # partials a round
         pair = [t + k * n for k in range(pairs)]  # this thread's (column, channel) pairs: column i // D, channel i % D
         rows = [query_row(cutlass.min(i, G * D - 1) // D, kvh, n_kvh) for i in pair]
         m = [-Float32.inf for _ in range(pairs)]
