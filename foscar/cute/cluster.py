@@ -22,7 +22,7 @@ from cutlass import Float32, Int64
 from cutlass._mlir.dialects import nvvm
 
 from .config import THREADS, Sm90Config
-from .softmax import merged_lse, raise_running_maximum
+from .softmax import merged_lse, merged_output, raise_running_maximum
 
 MEM_SCOPE_CLUSTER = nvvm.MemScopeKind.CLUSTER  #: remote arrivals that hand data over: cluster scope
 
@@ -117,11 +117,8 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, sPart: cute.Tensor, sLs
                 total = total + weights[j]
                 if weights[j] > 0:  # an empty partial's output is never read into the sum (it may hold anything)
                     acc = acc + weights[j] * outs[j]
-            denom = Float32(1.0)
-            if total != 0:  # NaN != 0: a NaN total divides and stays NaN
-                denom = total
             row = query_row(g, kvh, n_kvh)
-            mO[b, row, ch] = (acc / denom).to(mO.element_type)
+            mO[b, row, ch] = merged_output(acc, total).to(mO.element_type)
             if rank == 0 and i % span == 0:
                 mLSE[b, row] = merged_lse(m, total)
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=n)  # every read of the peers' partials done

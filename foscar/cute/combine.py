@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator
 from . import windows
 from .combine_config import CombineConfig
 from .rotation import walsh_hadamard
-from .softmax import merged_lse, raise_running_maximum
+from .softmax import merged_lse, merged_output, raise_running_maximum
 
 
 class CombineSm90:
@@ -126,14 +126,11 @@ class CombineSm90:
                     acc[g] = acc[g] + sAcc[g, d]
                     total[g] = total[g] + sAcc[g, D]
         for g in cutlass.range_constexpr(rows):
-            denom = Float32(1.0)
-            if total[g] != 0:  # NaN != 0: a NaN total divides and stays NaN
-                denom = total[g]
             if cutlass.const_expr(cfg.rotate):  # o = (o_R H) s / sqrt(D): every channel of the rows first
                 if r == 0:
-                    sRow[0, g, d] = acc[g] / denom
+                    sRow[0, g, d] = merged_output(acc[g], total[g])
             elif r == 0:
-                mO[b, h0 + g, d] = (acc[g] / denom).to(self.out_type)
+                mO[b, h0 + g, d] = merged_output(acc[g], total[g]).to(self.out_type)
         if cutlass.const_expr(cfg.rotate):
             cute.arch.sync_threads()
             walsh_hadamard(sRow, rows, D, tid, threads, 0)

@@ -221,6 +221,16 @@ def raise_running_maximum(m: Float32, values):
 
 
 @cute.jit
+def merged_output(acc: Float32, total: Float32) -> Float32:
+    """The output of a running merge (the combine's, the split merges in stage 1): ``acc / total``, or ``acc`` (0)
+    where nothing weighed (``total`` 0); a NaN total divides and stays NaN."""
+    denom = Float32(1.0)
+    if total != 0:  # NaN != 0
+        denom = total
+    return acc / denom
+
+
+@cute.jit
 def merged_lse(m: Float32, total: Float32) -> Float32:
     """The natural-log LSE of a base-2 running merge (the combine's, the split merges in stage 1) with maximum ``m``
     and sum ``total``: ``-inf`` where nothing weighed, NaN where the sum is."""

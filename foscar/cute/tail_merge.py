@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .config import THREADS, Sm90Config
-from .softmax import barrier_any, merged_lse, raise_running_maximum
+from .softmax import barrier_any, merged_lse, merged_output, raise_running_maximum
 
 #: Partials whose loads a thread issues together before it merges them, over all its (column, channel) pairs: one
 #: round trip to L2 for up to this many partials of a pair that is alone (fewer a round the more pairs a thread takes);
@@ -94,10 +94,7 @@ def merge(cfg: Sm90Config, consumers: cutlass.Constexpr, registers: cutlass.Cons
         for k in cutlass.range_constexpr(pairs):
             ch = pair[k] % D
             if pair[k] < G * D:
-                denom = Float32(1.0)
-                if total[k] != 0:  # NaN != 0: a NaN total divides and stays NaN
-                    denom = total[k]
-                mO[b, rows[k], ch] = (acc[k] / denom).to(mO.element_type)
+                mO[b, rows[k], ch] = merged_output(acc[k], total[k]).to(mO.element_type)
                 if cutlass.const_expr(cfg.fused_merge == 2):
                     if ch == 0:
                         mLSE[b, rows[k]] = merged_lse(m[k], total[k])
