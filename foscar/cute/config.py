@@ -63,7 +63,7 @@ QK_PROMOTE_BITS = (4,)
 V_PLACEMENT = True
 #: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset bounds it to bit
 #: 4): INT2 3 rotations a word for 4, INT4 2 for 3; ``V_ROW_SHIFTS`` by channel-row class too (``v_class_shls``): one.
-#: Off: correct on an H100 and 1-4% faster, but the stress study's error rose with them (results doc).
+#: Off: correct on an H100 and 1-4% faster, but the stress study's error rose with the row classes (results doc).
 V_LOW_PLACEMENT = False
 V_ROW_SHIFTS = False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries

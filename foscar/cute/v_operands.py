@@ -32,7 +32,7 @@ def v_operand_fields(fmt, pivot_mma: bool) -> dict:
         shls = (v0["V_SHL"], v1["V_SHL"])
         folds = [fold_constants("V", f16_placement(shl), fmt) for shl in shls]
         # P' of half h carries 2^(V_PRODUCT_BIT - shl_h): every product in the units of that bit's codes, whatever
-        # bits they sit at (codes from bit 0 with P' as from bit 4 raised the stress study's error: results doc)
+        # bits they sit at (the stress study's error no lower with it than without: results doc)
         gain = 2.0 ** max(0, config.V_PRODUCT_BIT - min(shls))
         v_unit = folds[shls.index(min(shls))]["V_FACTOR"] / gain
         v_factors = tuple(f["V_FACTOR"] / v_unit for f in folds)
