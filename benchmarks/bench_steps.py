@@ -90,7 +90,11 @@ def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
         q = torch.randn(shape, dtype=torch.bfloat16, device=dev)
         out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
         for backend in a.backends:
+            if a.sync_each:
+                print(f"INT{bits} B {B} L {L} q_len {T} {backend}: planned {plan_of(q, cache, backend)}", flush=True)
             replays[T, backend] = as_graph(lambda q=q, o=out, b=backend: foscar.decode(q, cache, out=o, backend=b))
+    if a.sync_each:
+        replays = {k: synced(k, fn) for k, fn in replays.items()}
     timed_ = time_interleaved(replays, iters=a.iters, warmup=5, flush=flush)
     times = {k: v["median_us"] for k, v in timed_.items()}
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)  # and the grid's call alone, as its driver times it
@@ -100,6 +104,25 @@ def foscar_steps(a, bits: int, bt, B: int, L: int, flush, dev) -> dict:
                       iters=a.iters, warmup=5, flush=flush, cuda_graph=True, host_sync=True)
         times["alone", backend] = got.get("median_us", float("nan"))
     return times
+
+
+def plan_of(q, cache, backend: str) -> dict:
+    """The backend and launch config :func:`foscar.plan` takes for ``q`` over ``cache``."""
+    p = foscar.plan(q, cache, backend=backend)
+    return {"backend": p.backend, "num_splits": p.num_splits, **p.options}
+
+
+def synced(key, fn):
+    """``fn`` followed by a device synchronize; a CUDA error is printed with ``key`` (the replay that raised it)
+    before it propagates (``--sync-each``: a diagnostic; the times then hold the host's waits)."""
+    def run():
+        fn()
+        try:
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"replay {key}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            raise
+    return run
 
 
 def flashinfer_steps(a, bt, L: int, flush, dev) -> dict:
@@ -128,6 +151,9 @@ def main():
     p.add_argument("--recent", type=int, default=0, help="BF16 recent window")
     p.add_argument("--seed", type=int, default=None,
                    help="the queries' random seed, set before each shape (default: the process's generator as it runs)")
+    p.add_argument("--sync-each", action="store_true",
+                   help="a diagnostic: print each call's plan, synchronize after every replay and name the one a CUDA "
+                        "error follows (the times then hold the host's waits)")
     p.add_argument("--backends", nargs="+", default=["auto", "triton"], choices=("auto", "triton", "cute"),
                    help="the foscar backends checked and timed (default: auto triton)")
     a = p.parse_args()

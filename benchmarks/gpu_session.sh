@@ -182,18 +182,28 @@ case "$step" in
   steps-crash)  # after install-cute and fi-parts, on the H200: bench_steps.py's four shapes stopped on an illegal
                 # instruction (64:128K INT2's interleaved replays) with the steps entries the H200 tuned
                 # (docs/bench/h200/tune-steps-held-1206.json) beside the shipped file; as shipped it ran.
-                # steps-crash [PART ...]: halves (reproduced, then each bits' half of the held entries), seeds (64:128K
-                # INT2 alone at six query seeds: the one input the earlier shapes' history changes), memcheck (the
-                # failing command under compute-sanitizer); default halves seeds
+                # steps-crash [PART ...]: locate (the failing command with --sync-each: each call's plan, and the
+                # replay the error follows), halves (each bits' half of the held entries), seeds (64:128K INT2 alone
+                # at six query seeds: the one input the earlier shapes' history changes), memcheck (the failing
+                # command under compute-sanitizer); default locate seeds
     export FLASHINFER_WORKSPACE_BASE=/tmp/fi
-    shift; parts="${*:-halves seeds}"
+    shift; parts="${*:-locate seeds}"
     python3 - <<'PY'
-import json, os
+import json, os, torch
+from foscar.autotune import normalize_gpu_name
+gpu = normalize_gpu_name(torch.cuda.get_device_name())  # another Hopper GPU takes the H200's entries as its own
 t = json.load(open("docs/bench/h200/tune-steps-held-1206.json"))
+t["meta"]["gpu"] = gpu
+for e in t["entries"]:
+    e["key"]["gpu"] = gpu
 for name, keep in (("all", lambda k: True), ("int2", lambda k: k["bits"] == 2), ("int4", lambda k: k["bits"] == 4)):
     os.makedirs(f"/tmp/held-{name}", exist_ok=True)
-    json.dump(dict(t, entries=[e for e in t["entries"] if keep(e["key"])]), open(f"/tmp/held-{name}/NVIDIA_H200.json", "w"))
+    json.dump(dict(t, entries=[e for e in t["entries"] if keep(e["key"])]), open(f"/tmp/held-{name}/{gpu}.json", "w"))
 PY
+    case " $parts " in *" locate "*)
+      FOSCAR_TUNING_DIR=/tmp/held-all timeout 200 python3 benchmarks/bench_steps.py --backends auto --sync-each \
+        > "$OUT/steps-held-locate.md" 2>&1
+      echo "locate rc=$?"; grep -E "^replay|illegal|INT2 B 64 L 131072" "$OUT/steps-held-locate.md" | head -12 ;; esac
     case " $parts " in *" halves "*) for name in all int2 int4; do
       FOSCAR_TUNING_DIR=/tmp/held-$name timeout 150 python3 benchmarks/bench_steps.py --backends auto \
         > "$OUT/steps-held-$name.md" 2>&1

@@ -202,6 +202,34 @@ def test_auto_on_a_gpu_and_cuda_graph_replay():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none on this machine)")
+def test_a_graph_replay_holds_the_inputs_it_reads():
+    """as_graph's replay keeps what the captured call holds alive: a benchmark that rebinds its inputs in a loop and
+    replays later (bench_steps.py) read freed memory, and stopped on an illegal address once the allocator had given
+    that memory back to the driver."""
+    import gc
+    import weakref
+    q, cache = make(lens=(3000, 17), D=128)
+    from foscar.bench import cache_to
+    q, cache = q.cuda(), cache_to(cache, "cuda")
+    eager = foscar.decode(q, cache).clone()
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    replay = as_graph(lambda q=q.clone(), o=out: foscar.decode(q, cache, out=o))
+    held = weakref.ref(replay.__defaults__[0].__defaults__[0])  # the captured query, held only by the replay
+    del q
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert held() is not None
+    out.fill_(float("nan"))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    del replay
+    gc.collect()
+    assert held() is None
+
+
 def test_plan_then_run():
     q, cache = make(lens=(300, 111), sink=2, recent=5)
     p = foscar.plan(q, cache)

@@ -309,7 +309,10 @@ def time_interleaved(fns: dict, *, iters: int, warmup: int, flush: torch.Tensor 
 
 
 def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
+    """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay, which holds ``fn``: the
+    tensors ``fn`` holds (its closure, its defaults) live as long as the replay that reads their memory does. (A
+    replay of a graph whose input was freed reads whatever the allocator put there since, or, once the allocator has
+    given that memory back to the driver, stops on an illegal address.)"""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -318,7 +321,10 @@ def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay(_inputs=fn):
+        graph.replay()
+    return replay
 
 
 def to_csv(rows: list[dict], columns: Sequence[str]) -> str:
