@@ -70,8 +70,11 @@ V_ROW_SHIFTS = False
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
 #: v1 reads a thread's K and V words of a stage as one base plus constants (the stage viewed flat), not through the
-#: stage's 2-D layout (an index per word added to the slot's base every tile). Off: run only with the two above.
+#: stage's 2-D layout (an index per word added to the slot's base every tile): at every column count (``FLAT_WORDS``),
+#: else at the column counts of ``FLAT_WORDS_COLS``: on an H100 INT2 2.6-3.0% faster at 16 and 32 columns (GQA 16
+#: and 32, B 8, L 128K), INT4 the same; at 8 columns from 5% faster to 2.4% slower, by shape (``docs/results-h200.md``)
 FLAT_WORDS = False
+FLAT_WORDS_COLS = (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
@@ -125,6 +128,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
             "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
+            "FLAT_WORDS_COLS",
             "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
@@ -593,7 +597,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       pivot_mma=pivot_mma,
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
-                      qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS, flat_words=FLAT_WORDS,
+                      qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
+                      flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
                       wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
                            else fmt.k_axis == "token" or g < 2 * TILE))
