@@ -13,7 +13,8 @@ tile a pass, with
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
 ``cute_fused`` (v1 as ``cute_pair``, no windows, its last CTA of each KV head merging the splits:
-``foscar.cute.config.FUSED_MERGE``); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
+``foscar.cute.config.FUSED_MERGE``); ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32 query rows a KV head (GQA 16
+and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
 Hq 32, Hkv 8, random codes: ``benchmarks/bench_steps.py``'s check, where the H200 stopped on an illegal address).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
@@ -58,7 +59,7 @@ def main(backend: str) -> None:
         fmt = foscar.KVFormat.fp4(fp4, 128, **windows)
     gen = torch.Generator().manual_seed(0)
     lens = [1000, 77, 1]
-    B, Hkv, G, D = len(lens), 2, 4, 128
+    B, Hkv, G, D = len(lens), 2, int(backend[len("cute_rows"):]) if backend.startswith("cute_rows") else 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
@@ -73,6 +74,9 @@ def main(backend: str) -> None:
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3d4",
                      tiles_per_pass=1)
+    elif backend.startswith("cute_rows"):  # 16 or 32 columns
+        from foscar.cute.launch import decode
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1, k_operand="e4m3", tiles_per_pass=1)
     elif backend in ("cute_pair", "cute_pair1", "cute_lazy1", "cute_fused"):
         from foscar.cute import config
         from foscar.cute.launch import decode

@@ -353,8 +353,8 @@ def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutla
         if lane == 0:
             sQred[warp, h] = top
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
-    if tidx < cols:  # a thread reads and then writes its own column only
-        e = Int32(0)
+    e = Int32(0)
+    if tidx < cols:  # a thread writes its own column only (and, unless shared, reads only its own)
         if cutlass.const_expr(shared):
             top = sQred[0, 0]
             for h in cutlass.range_constexpr(rows):
@@ -368,6 +368,9 @@ def row_scales(head_dim: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutla
             e = scale_exponent(top)
         if cutlass.const_expr(digits):  # clamped as scale_exponent's (a largest |q| below 2^128 stays within 4)
             e = cutlass.max(e - 5, Int32(-126))
+    if cutlass.const_expr(shared):  # every column's thread read every column's maxima: all read before any write
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
+    if tidx < cols:
         sQred[0, tidx] = power_of_two(e)
         sQinv[tidx] = power_of_two(-e)
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=THREADS)
