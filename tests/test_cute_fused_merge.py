@@ -96,7 +96,8 @@ def test_fused_merge_against_the_oracle_gpu(monkeypatch, bits, launch):
     with cute_switches(monkeypatch, FUSED_MERGE=True):
         cute_against_the_oracle(fmt, [8192, 700, 1], 4, "fused merge: error", warp_specialized=True, **launch)
         gqa = 4 if launch.get("k_operand") == "e4m3" else 8  # E4M3 K operands take channel-wise K up to GQA 4
-        cute_against_the_oracle(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis="channel"),
+        group = 128 if launch.get("tiles_per_pass") == 2 else 64  # two tiles a pass: token groups of two tiles
+        cute_against_the_oracle(foscar.KVFormat(bits=bits, head_dim=128, group_size=group, k_axis="channel"),
                                 [3000, 65], gqa, "fused merge, channel-wise K: error", warp_specialized=True, **launch)
 
 
