@@ -12,7 +12,8 @@ Arguments: batch, length, bits, then optional name=value arguments: ``k_axis=cha
 ``backend=cute`` runs ``foscar.decode(..., backend="cute")`` (and ``num_splits``; with any other argument,
 the backend's launch with that config, as ``foscar.bench.kernels`` runs it: ``k_operand=bf16
 warp_specialized=True tiles_per_pass=1``); without it the Triton kernel runs through ``foscar.triton.decode``,
-which takes any of its integer launch arguments.
+which takes any of its integer launch arguments. ``q_len=N`` (N > 1): a step of N query tokens a sequence,
+``q [B, N, Hq, D]`` through ``foscar.decode`` (no launch config then).
 """
 import sys
 
@@ -32,9 +33,14 @@ def value(text: str):
 
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
 backend = extra.pop("backend", "triton")
+q_len = extra.pop("q_len", 1)
+if q_len > 1 and extra:
+    sys.exit("profile_one_call.py: q_len takes no launch config (a step goes through foscar.decode)")
 axes = {"k_axis": extra.pop("k_axis", "token"), "v_axis": extra.pop("v_axis", "token"),
         "kv_heads": extra.pop("kv_heads", 8)}
-if backend == "triton":
+if q_len > 1:
+    call = lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw)  # noqa: E731
+elif backend == "triton":
     call = launch.decode
 elif extra:  # a launch config: the backend's variant options (as foscar.bench.kernels' BackendKernel passes)
     from foscar import backends
@@ -43,7 +49,7 @@ else:
     call = lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw)  # noqa: E731
 dev = torch.device("cuda")
 cache = make_random_cache(Case(B, L, bits, **axes), make_block_table(B, L // 64, "shuffled", 0).to(dev))
-q = torch.randn(B, 32, 128, dtype=torch.bfloat16, device=dev)
+q = torch.randn(B, *((q_len,) if q_len > 1 else ()), 32, 128, dtype=torch.bfloat16, device=dev)
 for _ in range(2):
     call(q, cache, **extra)
 torch.cuda.synchronize()
