@@ -43,11 +43,9 @@ PROLOGUES = ("q_first", "consumer_q")
 #: and at one CTA an SM and 8 columns (``foscar.cute.launch.prologue_at``): INT4 ``consumer_q`` (B 1, L 8K 0.82x)
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 PROLOGUE_ONE_CTA: dict = {4: "consumer_q"}
-#: The split merge as a programmatic dependent launch (PDL), each v1 CTA signalling it as it starts: off, correct and
-#: no faster than two launches (``docs/results-h200.md``)
-COMBINE_PDL = False
-#: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch
-#: each: one launch fewer, faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
+COMBINE_PDL = False  #: the split merge as a dependent launch (PDL) v1's CTAs signal: off, no faster (results doc)
+#: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch each:
+#: faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
 COMBINE_WINDOWS = True
 #: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
 #: (:func:`foscar.cute.combine_config.dependent_combine`; measured in the same record)
@@ -69,10 +67,9 @@ V_ROW_SHIFTS = False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
-#: v1 reads a thread's K and V words of a stage as one base plus constants (the stage viewed flat), not through the
-#: stage's 2-D layout (an index per word added to the slot's base every tile): at every column count (``FLAT_WORDS``),
-#: else at the column counts of ``FLAT_WORDS_COLS``: on an H100 INT2 2.6-3.0% faster at 16 and 32 columns (GQA 16
-#: and 32, B 8, L 128K), INT4 the same; at 8 columns from 5% faster to 2.4% slower, by shape (``docs/results-h200.md``)
+#: v1 reads a thread's K and V words of a stage off one base (the stage viewed flat), not through its 2-D layout, at
+#: every column count (``FLAT_WORDS``), else at ``FLAT_WORDS_COLS``'s: on an H100 INT2 2.6-3.0% faster at 16 and 32,
+#: INT4 the same; at 8 from 5% faster to 2.4% slower by shape (``docs/results-h200.md``)
 FLAT_WORDS = False
 FLAT_WORDS_COLS = (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
@@ -113,7 +110,7 @@ WIDE_CONSUMERS = False
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 #: The split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower at every short shape
 CLUSTER_MERGE = False
-FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, not run
+FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, slower
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
@@ -128,8 +125,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
             "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
             "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
-            "FLAT_WORDS_COLS",
-            "V_PRODUCT_BIT", "FUSED_MERGE")
+            "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -212,7 +208,7 @@ class Sm90Config:
     #: by placement, the extra bits of channel-row class 1's codes (rows +8 of 16; :data:`V_ROW_SHIFTS`): its
     #: accumulator rows are ``2^b`` times the output's units until the end
     v_row_shls: tuple[int, int] = (0, 0)
-    flat_words: bool = False  #: v1 reads its K and V words off one base a stage (:data:`FLAT_WORDS`)
+    flat_words: bool = False  #: v1 reads its K and V words off one base a stage (:data:`FLAT_WORDS_COLS`)
     sink: int = 0  #: the format's BF16 windows: the kernel derives each sequence's quantized length
     recent: int = 0
     k_channel: bool = False  #: channel-wise K: groups of group_size tokens (operand-fold into Q)
