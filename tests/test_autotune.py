@@ -189,8 +189,10 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
         "NVIDIA_H200", "3.6.0", "4.8.1")
     assert at.meta_mismatch(meta, {"foscar": foscar.__version__}) is None  # this foscar reads it
     # the paper grid's 26 cases a backend; GQA 16 and 32 at B 8, L 128K (INT2 and INT4) of both backends; the CuTe
-    # kernel's channel-wise axes of the axes grid (24)
-    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 30, "cute": 54}
+    # kernel's channel-wise axes of the axes grid (24); its steps of 2, 4 and 8 tokens at GQA 4 (24: B 8 and 64, L 32K
+    # and 128K, INT2 and INT4)
+    assert Counter(e["key"]["backend"] for e in doc["entries"]) == {"triton": 30, "cute": 78}
+    assert Counter(e["key"].get("q_len", 1) for e in doc["entries"]) == {1: 84, 2: 8, 4: 8, 8: 8}
     assert sorted((e["key"]["gqa"], e["key"]["bits"]) for e in doc["entries"] if e["key"]["gqa"] != 4) == sorted(
         2 * [(16, 2), (16, 4), (32, 2), (32, 4)])
     assert sum(e["key"]["backend"] == "cute" and "channel" in (e["key"]["k_axis"], e["key"]["v_axis"])
@@ -202,7 +204,7 @@ def test_the_shipped_h200_file_is_package_data_and_applies_per_backend(monkeypat
         assert {"warp_specialized", "k_operand", "tiles_per_pass"} <= set(c), e
         fmt = foscar.KVFormat(bits=k["bits"], head_dim=k["head_dim"], group_size=k["group"], k_axis=k["k_axis"],
                               v_axis=k["v_axis"])
-        config_for(fmt, k["gqa"], k["page"], c["k_operand"], c["tiles_per_pass"])
+        config_for(fmt, k["gqa"], k["page"], c["k_operand"], c["tiles_per_pass"], k.get("q_len", 1))
     tuned = {e["key"]["backend"]: e["config"] for e in doc["entries"]
              if {"q_len": 1, **e["key"], "backend": "triton"} == asdict(key())}  # B = 8, L = 32K, INT4, GQA 4, page 64
     installed(monkeypatch, "3.6.1", "4.8.1")
@@ -231,14 +233,14 @@ def test_tuning_report(dirs, monkeypatch):
     assert shipped.location.endswith(os.path.join("foscar", "tuning", "NVIDIA_H200.json"))
     assert shipped.meta["triton"] == "3.6.0" and shipped.backends == (
         at.BackendTuning("triton", 30, 0, (("tuned with triton 3.6.0 (installed: 3.8.0)", 30),)),
-        at.BackendTuning("cute", 54, 54))
+        at.BackendTuning("cute", 78, 78))
     assert report.in_use("triton") is env and report.in_use("cute") is shipped
     text = "\n".join(report.lines())
     assert "tuning files for NVIDIA_H200 (triton 3.8.0, nvidia-cutlass-dsl 4.8.1)" in text
     assert f"user cache: {user.location}: skipped as a whole: malformed JSON" in text
     assert f"package data: {shipped.location} (written with foscar 0.1.0, triton 3.6.0" in text
     assert "triton: 30 entries, 0 apply here; not: 30 tuned with triton 3.6.0 (installed: 3.8.0)" in text
-    assert "cute: 54 entries, 54 apply here" in text
+    assert "cute: 78 entries, 78 apply here" in text
     assert "in use: triton: $FOSCAR_TUNING_DIR; cute: package data" in text
     monkeypatch.delenv("FOSCAR_TUNING_DIR")
     monkeypatch.setattr(at, "shipped_folder", lambda: dirs / "shipped")

@@ -30,7 +30,8 @@ for e in doc["entries"]:
     k = e["key"]
     fmt = foscar.KVFormat(bits=k["bits"], head_dim=k["head_dim"], group_size=k["group"], k_axis=k["k_axis"],
                           v_axis=k["v_axis"])
-    key = at.make_key(k["backend"], "NVIDIA H200", fmt, k["gqa"], k["page"], k["batch_bucket"], k["ctx_bucket"])
+    key = at.make_key(k["backend"], "NVIDIA H200", fmt, k["gqa"], k["page"], k["batch_bucket"], k["ctx_bucket"],
+                      k.get("q_len", 1))
     found.append(at.lookup(key))
 print(json.dumps({"foscar": foscar.__file__, "resource": str(res), "found": found,
                   "report": at.tuning_report("NVIDIA H200").lines()}))
