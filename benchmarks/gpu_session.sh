@@ -180,9 +180,9 @@ case "$step" in
         --out "$OUT/$name" > "$OUT/$name.log" 2>&1
       echo "$v rc=$?"; grep -E "^\| INT[24] (min-max|mse-clipped) \|" "$OUT/$name.log" | cut -d'|' -f2,3,7
     done ;;
-  steps-crash)  # after install-cute and fi-parts, on the H200: bench_steps.py's four shapes stopped on an illegal
-                # instruction (64:128K INT2's interleaved replays) with the steps entries the H200 tuned
-                # (docs/bench/h200/tune-steps-held-1206.json) beside the shipped file; as shipped it ran.
+  steps-crash)  # after install-cute: bench_steps.py with the H200's tuned steps entries
+                # (docs/bench/h200/tune-steps-held-1206.json, named for this GPU) in FOSCAR_TUNING_DIR, to find where a
+                # replay fails (docs/bench/h100/steps-crash-bisect-1206.md: the benchmark's freed queries, since mended).
                 # steps-crash [PART ...]: locate (the failing command with --sync-each: each call's plan, and the
                 # replay the error follows), halves (each bits' half of the held entries), seeds (64:128K INT2 alone
                 # at six query seeds: the one input the earlier shapes' history changes), memcheck (the failing

@@ -34,10 +34,10 @@ def value(text: str):
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
 backend = extra.pop("backend", "triton")
 q_len = extra.pop("q_len", 1)
-if q_len > 1 and extra:
-    sys.exit("profile_one_call.py: q_len takes no launch config (a step goes through foscar.decode)")
 axes = {"k_axis": extra.pop("k_axis", "token"), "v_axis": extra.pop("v_axis", "token"),
         "kv_heads": extra.pop("kv_heads", 8)}
+if q_len > 1 and extra:  # the cache's axes and heads taken: what is left is a launch config
+    sys.exit("profile_one_call.py: q_len takes no launch config (a step goes through foscar.decode)")
 if q_len > 1:
     call = lambda q, cache, **kw: foscar.decode(q, cache, backend=backend, **kw)  # noqa: E731
 elif backend == "triton":

@@ -67,9 +67,8 @@ V_ROW_SHIFTS = False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
-#: v1 reads a thread's K and V words of a stage off one base (the stage viewed flat), not through its 2-D layout, at
-#: every column count (``FLAT_WORDS``), else at ``FLAT_WORDS_COLS``'s: on an H100 INT2 2.6-3.0% faster at 16 and 32,
-#: INT4 the same; at 8 from 5% faster to 2.4% slower by shape (``docs/results-h200.md``)
+#: v1 reads a stage's K and V words off one base (the stage flat), not via its 2-D layout: everywhere (``FLAT_WORDS``),
+#: else at ``FLAT_WORDS_COLS``' columns (H100: INT2 2.6-3.0% faster at 16, 32; at 8 +5% to -2.4% by shape: results doc)
 FLAT_WORDS = False
 FLAT_WORDS_COLS = (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
