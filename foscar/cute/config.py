@@ -38,9 +38,8 @@ STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
 #: ``consumer_q``, the first consumer stages Q while the producer copies (``docs/hopper-e4m3-plan.md``)
 PROLOGUES = ("q_first", "consumer_q")
-#: Each bit width's prologue (a rotated cache takes ``q_first``: its Q is staged through the ring's first stage):
-#: the faster of the two for each width (``consumer_q`` spills at INT4 at two CTAs an SM; ``docs/results-h200.md``);
-#: and at one CTA an SM and 8 columns (``foscar.cute.launch.prologue_at``): INT4 ``consumer_q`` (B 1, L 8K 0.82x)
+#: Each bit width's prologue, the faster (``consumer_q`` spills at INT4 at two CTAs an SM; a rotated cache, whose Q
+#: the ring's first stage stages, ``q_first``); at one CTA an SM and 8 columns (``prologue_at``): INT4 ``consumer_q``
 PROLOGUE_BY_BITS = {2: "consumer_q", 4: "q_first"}
 PROLOGUE_ONE_CTA: dict = {4: "consumer_q"}
 COMBINE_PDL = False  #: the split merge as a dependent launch (PDL) v1's CTAs signal: off, no faster (results doc)
@@ -55,9 +54,8 @@ COMBINE_PDL_WINDOWS = True
 #: the least time (``docs/results-h200.md``: the FP8 accumulation rounds toward zero)
 QK_PROMOTE_BITS = (4,)
 #: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
-#: :attr:`Sm90Config.v_factors`, :attr:`Sm90Config.v_unit`) where mantissa injection (``q + 2^(10 - shl)``) makes the
-#: PV chain carry the offset times the sum of P', which its truncating FP32 sum loses bits to: by injection the
-#: error grows with a split's tiles, by placement it does not, for the same time (``docs/results-h200.md``)
+#: :attr:`Sm90Config.v_factors`), not by injection (``q + 2^(10 - shl)``), whose offset times the sum of P' the PV
+#: chain's truncating FP32 sum loses bits of: its error grew with a split's tiles; the same time (results doc)
 V_PLACEMENT = True
 #: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset bounds it to bit
 #: 4): INT2 3 rotations a word for 4, INT4 2 for 3; ``V_ROW_SHIFTS`` by channel-row class too (``v_class_shls``): one.
@@ -106,6 +104,7 @@ FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
+WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 #: The split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower at every short shape
 CLUSTER_MERGE = False
@@ -121,10 +120,10 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
-            "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_EIGHT_COLUMNS",
-            "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
-            "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
+            "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
+            "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
+            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
+            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -594,7 +593,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
-                      wide=not producer_fold and (WIDE_CONSUMERS if columns_for(rows) > HEADS else WIDE_EIGHT_COLUMNS)
+                      wide=not producer_fold and (WIDE_EIGHT_COLUMNS if columns_for(rows) <= HEADS else WIDE_CONSUMERS
+                                                  or (step > 1 and columns_for(rows) in WIDE_STEP_COLUMNS))
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
                            else fmt.k_axis == "token" or g < 2 * TILE))
 
