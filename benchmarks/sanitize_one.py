@@ -14,7 +14,9 @@ rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a co
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
 ``cute_fused`` (v1 as ``cute_pair``, no windows, its last CTA of each KV head merging the splits:
 ``foscar.cute.config.FUSED_MERGE``); ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32 query rows a KV head (GQA 16
-and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
+and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row); ``cute_step8``, ``cute_step8_int2``:
+a step of 8 tokens at GQA 4 through ``foscar.decode`` (32 columns: three consumers, INT4 on one copy of their code,
+INT2 on one each); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
 Hq 32, Hkv 8, random codes: ``benchmarks/bench_steps.py``'s check, where the H200 stopped on an illegal address).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
@@ -53,16 +55,18 @@ def main(backend: str) -> None:
     axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
     if backend == "cute_kvcha":
         axes["k_axis"] = "channel"
-    fmt = foscar.KVFormat(bits=4, head_dim=128, group_size=128, **axes, **windows)
+    step = 8 if backend.startswith("cute_step8") else 1  # a step's ring keeps its tokens' windows (rollback)
+    fmt = foscar.KVFormat(bits=2 if backend.endswith("int2") else 4, head_dim=128, group_size=128, **axes, **windows,
+                          rollback=step - 1)
     fp4 = backend.split("_")[1] if "fp4" in backend else None
     if fp4:
         fmt = foscar.KVFormat.fp4(fp4, 128, **windows)
     gen = torch.Generator().manual_seed(0)
-    lens = [1000, 77, 1]
+    lens = [1000, 77, step]
     B, Hkv, G, D = len(lens), 2, int(backend[len("cute_rows"):]) if backend.startswith("cute_rows") else 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
-    q = torch.randn(B, Hkv * G, D, generator=gen).bfloat16().cuda()
+    q = torch.randn(B, *(step,) * (step > 1), Hkv * G, D, generator=gen).bfloat16().cuda()
     if fp4:
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2,
@@ -86,7 +90,7 @@ def main(backend: str) -> None:
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1 if backend == "cute_pair1" else 2,
                      k_operand="e4m3", tiles_per_pass=1 if backend == "cute_lazy1" else 2)
     else:
-        out = foscar.decode(q, cache, backend=backend, num_splits=5)
+        out = foscar.decode(q, cache, backend="cute" if step > 1 else backend, num_splits=5)
     torch.cuda.synchronize()
     print(f"{backend}: error {rel_l2(out, foscar.decode_exact(q, cache)):.3e}")
 

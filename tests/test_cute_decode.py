@@ -212,14 +212,16 @@ def test_three_consumers_compile_for_sm90a(wide):
 @pytest.mark.parametrize("k_operand", ("bf16", "e4m3"))
 def test_steps_of_32_columns_take_three_consumers_as_shipped(k_operand):
     """As shipped, a step (``q_len > 1``) of 32 columns runs three consumer warpgroups at one CTA an SM
-    (``foscar.cute.config.WIDE_STEP_COLUMNS``); one token at 32 columns and a step of 16 columns keep two, and so
-    does two CTAs an SM."""
+    (``foscar.cute.config.WIDE_STEP_COLUMNS``), INT2 on a copy of their code each, INT4 on one
+    (``WIDE_ONE_COPY_BITS``); one token at 32 columns and a step of 16 columns keep two, and so does two CTAs an SM."""
     from foscar.cute import config
-    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS
-    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
-    for gqa, step in ((4, 8), (16, 2), (8, 4)):
-        cfg = config_for(fmt, gqa, 64, k_operand, 1, step)
-        assert cfg.cols == 32 and cfg.wide and consumers_for(cfg, 1) == 3 and consumers_for(cfg, 2) == 2
+    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS and config.WIDE_ONE_COPY_BITS == (4,)
+    for bits, copies in ((2, 3), (4, 1)):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+        for gqa, step in ((4, 8), (16, 2), (8, 4)):
+            cfg = config_for(fmt, gqa, 64, k_operand, 1, step)
+            assert cfg.cols == 32 and cfg.wide and consumers_for(cfg, 1) == 3 and consumers_for(cfg, 2) == 2
+            assert consumer_code_paths(cfg, 1) == copies and consumer_code_paths(cfg, 2) == 2
     assert not config_for(fmt, 32, 64, k_operand).wide and not config_for(fmt, 4, 64, k_operand, 1, 4).wide
     channel = foscar.KVFormat(bits=2, head_dim=128, group_size=64, k_axis="channel", v_axis="channel")
     assert config_for(channel, 4, 64, "bf16", 1, 8).wide  # a token group within a tile: one pass a group

@@ -30,7 +30,7 @@ gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 
 @pytest.fixture
 def overlap(monkeypatch):
-    with cute_switches(monkeypatch, OVERLAP_COLS=(8, 16, 32)):
+    with cute_switches(monkeypatch, OVERLAP_COLS=(8, 16, 32), WIDE_STEP_COLUMNS=()):  # three consumers: no overlap
         yield
 
 

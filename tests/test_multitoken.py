@@ -147,8 +147,8 @@ def test_the_custom_op_takes_a_step(backend):
 @pytest.mark.parametrize("G,T,num_splits,fmt_kw", [
     (4, 2, None, {}), (4, 4, None, {}), (4, 8, None, {}), (1, 8, 3, {}), (2, 3, 64, {}), (8, 2, None, {}),
     (16, 2, None, {}), (8, 8, None, {}), (4, 4, 5, {"rotation": "hadamard"}), (4, 3, None, {"group_size": 64}),
-    (4, 2, None, {"head_dim": 256}), (4, 4, None, {"head_dim": 256}), (4, 8, 3, {"v_axis": "channel"}),
-    (4, 8, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64})])
+    (4, 2, None, {"head_dim": 256}), (4, 4, None, {"head_dim": 256}), (4, 8, 3, {"v_axis": "channel", "rollback": 8}),
+    (4, 8, None, {"k_axis": "channel", "v_axis": "channel", "group_size": 64, "rollback": 8})])
 def test_the_cute_kernel_takes_a_step_as_its_columns_gpu(bits, G, T, num_splits, fmt_kw):
     """A step's tokens as N columns of the CuTe kernel (:func:`_cases.cute_step_against_the_oracle`)."""
     cute_step_against_the_oracle(bits, G, T, num_splits, fmt_kw)

@@ -57,9 +57,8 @@ QK_PROMOTE_BITS = (4,)
 #: :attr:`Sm90Config.v_factors`), not by injection (``q + 2^(10 - shl)``), whose offset times the sum of P' the PV
 #: chain's truncating FP32 sum loses bits of: its error grew with a split's tiles; the same time (results doc)
 V_PLACEMENT = True
-#: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`; injection's offset bounds it to bit
-#: 4): INT2 3 rotations a word for 4, INT4 2 for 3; ``V_ROW_SHIFTS`` by channel-row class too (``v_class_shls``): one.
-#: Off: correct on an H100 and 1-4% faster, but the stress study's error rose with the row classes (results doc).
+#: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`), ``V_ROW_SHIFTS`` by channel-row class
+#: too (fewer rotations a word): off, correct and 1-4% faster on an H100, the stress study's error rose (results doc)
 V_LOW_PLACEMENT = False
 V_ROW_SHIFTS = False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
@@ -75,14 +74,12 @@ P_COLUMN_MAJOR_COLS = (16, 32)
 #: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
 #: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
-#: The CuTe backend takes steps over BF16 windows as its columns (each column's tokens and windows of its own length)
-#: and a step of more rows than the columns in parts (:func:`foscar.cute.launch.step_parts`, :attr:`Sm90Config.tail`);
-#: off: both as the causal view's rows, ``auto`` giving the first to Triton. On: its GPU tests pass, speed not measured
+#: Steps over BF16 windows as the CuTe kernel's columns (each column's tokens and windows at its own length), a step of
+#: more rows than the columns in parts (:func:`foscar.cute.launch.step_parts`); off: the causal view's rows (or Triton)
 WINDOWED_STEPS = True
-#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), with one
-#: power of two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``),
-#: and the scores' masks in a branch only tiles that reach a limit take (:attr:`Sm90Config.mask_branch`; 16-32
-#: columns, steps): faster at GQA 16 and 32 and in steps (``docs/results-h200.md``)
+#: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), one power of
+#: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
+#: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc)
 STACKED_TERMS = True
 SHARED_Q_SCALE = True
 MASK_BRANCH = True
@@ -105,9 +102,9 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:fun
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
+WIDE_ONE_COPY_BITS = (4,)  #: three consumers at 32 columns on one copy of their code: INT4 (H100: 1-3.5% faster)
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
-#: The split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower at every short shape
-CLUSTER_MERGE = False
+CLUSTER_MERGE = False  #: the split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower
 FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, slower
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
@@ -121,8 +118,8 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
-            "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V", "MASK_BRANCH",
-            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
+            "WIDE_ONE_COPY_BITS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V",
+            "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
@@ -150,8 +147,9 @@ def consumers_for(cfg, ctas_per_sm: int) -> int:
 
 def consumer_code_paths(cfg, ctas_per_sm: int) -> int:
     """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers' addresses
-    constants), else one for all (a run-time index: half the footprint; faster up to 16 columns, not at 32)."""
-    return consumers_for(cfg, ctas_per_sm) if cfg.cols == MAX_COLS else 1
+    constants) but with three there and :attr:`~Sm90Config.one_copy`, else one for all (a run-time index)."""
+    n = consumers_for(cfg, ctas_per_sm)
+    return n if cfg.cols == MAX_COLS and not (n == 3 and cfg.one_copy) else 1
 
 #: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type ``"bf16"``, ``"i32"`` or
 #: ``"f32"``, rank). Each has dynamic shape and strides, unit stride in its last dim and a 16-byte aligned base (TMA
@@ -267,6 +265,7 @@ class Sm90Config:
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
     #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
+    one_copy: bool = False  #: ``wide`` at 32 columns: the consumers on one copy of their code (WIDE_ONE_COPY_BITS)
     #: v1: a (sequence, KV head)'s splits one cluster of this many CTAs, merged from their shared memory into the
     #: output (``cluster_out``, :mod:`foscar.cute.cluster`); 0: the partials to memory, then the combine
     cluster: int = 0
@@ -593,6 +592,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
+                      one_copy=fmt.bits in WIDE_ONE_COPY_BITS and columns_for(rows) == MAX_COLS,
                       wide=not producer_fold and (WIDE_EIGHT_COLUMNS if columns_for(rows) <= HEADS else WIDE_CONSUMERS
                                                   or (step > 1 and columns_for(rows) in WIDE_STEP_COLUMNS))
                       and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
