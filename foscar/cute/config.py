@@ -263,7 +263,7 @@ class Sm90Config:
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
-    #: tile a pass (:data:`WIDE_CONSUMERS`); 8, one or two tiles a pass (:data:`WIDE_EIGHT_COLUMNS`)
+    #: tile a pass (:data:`WIDE_CONSUMERS`, steps :data:`WIDE_STEP_COLUMNS`); 8 (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
     one_copy: bool = False  #: ``wide`` at 32 columns: the consumers on one copy of their code (WIDE_ONE_COPY_BITS)
     #: v1: a (sequence, KV head)'s splits one cluster of this many CTAs, merged from their shared memory into the
