@@ -204,14 +204,15 @@ def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
 
 @pytest.mark.parametrize("bits", (2, 4))
 def test_a_steps_cluster_kernel_compiles_pipelined_without_spills(bits):
-    """A step of 8 tokens at GQA 4 (32 columns: a copy of the consumers' code each, and of the merge): one cluster
-    barrier's arrival in the prologue, its wait and the remote arrivals in each consumer's branch."""
+    """A step of 8 tokens at GQA 4 (32 columns: three consumers, INT2 on a copy of their code each and of the merge,
+    INT4 on one, ``WIDE_ONE_COPY_BITS``): one cluster barrier's arrival in the prologue, its wait and the remote
+    arrivals in each copy of the consumers' code."""
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     cfg = dataclasses.replace(config_for(fmt, 4, 64, "e4m3", 1, 8), cluster=4)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__
     assert_pipelined_without_spills(cfg, 1)
-    paths = consumers_for(cfg, 1)
-    assert consumer_code_paths(cfg, 1) == paths
+    paths = consumer_code_paths(cfg, 1)
+    assert consumers_for(cfg, 1) == 3 and paths == (3 if bits == 2 else 1)
     assert len(re.findall(r"barrier\.cluster\.arrive", ptx)) == 1
     assert len(re.findall(r"barrier\.cluster\.wait", ptx)) == paths
     assert len(re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster", ptx)) == 2 * 4 * paths
