@@ -66,7 +66,8 @@ def main(backend: str) -> None:
     B, Hkv, G, D = len(lens), 2, int(backend[len("cute_rows"):]) if backend.startswith("cute_rows") else 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
-    q = torch.randn(B, *(step,) * (step > 1), Hkv * G, D, generator=gen).bfloat16().cuda()
+    shape = (B, step, Hkv * G, D) if step > 1 else (B, Hkv * G, D)  # a step's query, else one token's
+    q = torch.randn(*shape, generator=gen).bfloat16().cuda()
     if fp4:
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2,

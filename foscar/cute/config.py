@@ -569,6 +569,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
+    cols = columns_for(rows)
+    wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
+    wide = not producer_fold and wide_cols and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
+                                                else fmt.k_axis == "token" or g < 2 * TILE)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, q_digits=digits,
@@ -592,9 +596,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
-                      one_copy=fmt.bits in WIDE_ONE_COPY_BITS and columns_for(rows) == MAX_COLS,
-                      wide=not producer_fold and (WIDE_EIGHT_COLUMNS if columns_for(rows) <= HEADS else WIDE_CONSUMERS
-                                                  or (step > 1 and columns_for(rows) in WIDE_STEP_COLUMNS))
-                      and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
-                           else fmt.k_axis == "token" or g < 2 * TILE))
+                      wide=wide, one_copy=wide and cols == MAX_COLS and fmt.bits in WIDE_ONE_COPY_BITS)
 
