@@ -401,6 +401,7 @@ stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 S
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8 WIDE_CONSUMERS=1"
 cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants shipped "CLUSTER_MERGE=1" "PROLOGUE_ONE_CTA=4:consumer_q" "CLUSTER_MERGE=1 PROLOGUE_ONE_CTA=4:consumer_q"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
+producer-fold --shapes 1:128K,8:32K,8:128K --axes token:token channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1 "PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
@@ -436,6 +437,21 @@ SWEEPS
         --bits 2 4 --q-len 1 4 8 --k-axis channel --recent 32 --backends ${v#*|} > "$OUT/steps-windows-${v#*|}.md" 2>&1
       echo "steps-windows $v rc=$?"; tail -14 "$OUT/steps-windows-${v#*|}.md"
     done ;;
+  producer-fold)  # after install-cute: channel-wise K with Q' built by the producer (PRODUCER_Q_FOLD), B 8, L 32K
+                  # INT2 (benchmarks/producer_fold_probe.py): eager calls, graph replays, replays with the L2 flush,
+                  # one process each; then memcheck on the first mode that failed (PF_ARGS: the probe's shape words)
+    failed=""
+    for mode in eager graph graph_flush; do
+      timeout 150 python3 benchmarks/producer_fold_probe.py $mode ${PF_ARGS:-8 32768 2 30} > "$OUT/pf-$mode.log" 2>&1
+      rc=$?; echo "producer-fold $mode rc=$rc $(tail -2 "$OUT/pf-$mode.log" | tr '\n' ' ')"
+      [ $rc != 0 ] && [ -z "$failed" ] && failed=$mode
+    done
+    if [ -n "$failed" ]; then
+      CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      timeout 300 "$CS" --tool memcheck --report-api-errors no --error-exitcode 1 --print-limit 20 python3 \
+        benchmarks/producer_fold_probe.py $failed ${PF_ARGS:-8 32768 2 30} > "$OUT/pf-memcheck.log" 2>&1
+      echo "memcheck $failed rc=$?"; grep -E "^=+ +(Invalid|Error|at |by thread|Address|.*ERROR SUMMARY)" "$OUT/pf-memcheck.log" | head -30
+    fi ;;
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
              # tiles a pass; three consumers at 8 columns). The cluster merge has its own step (cluster-merge)

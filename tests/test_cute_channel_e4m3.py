@@ -130,3 +130,36 @@ def test_two_tiles_a_pass_against_the_oracle_gpu(pass_switch, bits, lens, G, num
     cute_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms, two tiles a pass: error",
                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                ctas_per_sm=ctas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+def test_the_producer_fold_over_long_splits_replays_in_a_graph_gpu(monkeypatch, bits):
+    """``Q'`` folded by the producer over splits of 96 tiles, as the benchmarks run it: a CUDA graph replayed 12 times
+    with 512 MiB written between replays (each TMA copy of a stage lands on a barrier some thread waits for, so no
+    copy outlives its stage's next use or the CTA): every replay bit for bit the eager decode, which is within the
+    kernels' bound of the float64 oracle."""
+    import torch
+    from _cases import make
+    from _helpers import bf16_attention, kernel_error_bound, rel
+    from foscar.bench import as_graph
+    from foscar.cute.launch import decode
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=True):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel")
+        q, cache = make(fmt, [6144, 6100, 3000, 6144, 5000, 6144, 4097, 6144], Hkv=8, G=4, page=64, seed=bits)
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+        launch = dict(out=out, num_splits=1, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2, ctas_per_sm=2)
+        decode(q, cache, **launch)
+        eager = out.clone()
+        exact = foscar.decode_exact(q, cache)
+        assert torch.isfinite(eager).all()
+        assert rel(eager, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+        replay = as_graph(lambda: decode(q, cache, **launch))
+        flush = torch.empty(512 * 2 ** 20, dtype=torch.uint8, device=q.device)
+        for i in range(12):
+            flush.fill_(i)
+            out.fill_(float("nan"))
+            replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), f"replay {i}"

@@ -168,6 +168,9 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 n = t_lo = t_hi = None
 
+        if cutlass.const_expr(cfg.prologue == "consumer_q"):  # the consumers' Q, at the registers a launch gives:
+            if role > 0:  # its barriers of every consumer at one code path (an aligned barrier is one instruction
+                self._stage_q_early(role - 1, mQ, smem0, b, kvh, n_kvh, mRot)  # every thread it counts executes)
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(ws_registers(cfg, self.ctas_per_sm)[0])
             if cutlass.const_expr(split_tiles is None):
@@ -178,14 +181,14 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
-                    self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
-                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-                    self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
+                    self._consumer(c, qk_mma, pv_mma, ring, smem_for(c), *dest, b, kvh, split, t_lo, t_hi, n,
+                                   qk_scale, n_kvh, mTS, mSEQ, split_tiles)
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
-                self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
-                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
-                self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
+                self._consumer(role - 1, qk_mma, pv_mma, ring, smem_for(role - 1), *dest, b, kvh, split, t_lo,
+                               t_hi, n, qk_scale, n_kvh, mTS, mSEQ, split_tiles)
+        if role > 0:  # the split merge's barriers of every consumer: one code path, as Q's
+            self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
 
     @cute.jit
     def _merge_splits(self, merged, mOP: cute.Tensor, mLP: cute.Tensor, merge_to: tuple):
@@ -212,17 +215,15 @@ class FoldDecodeSm90WS(TileKernel):
                 self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
 
     @cute.jit
-    def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
-                  smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
-                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, mSEQ: cute.Tensor,
-                  split_tiles=None):
+    def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem: WarpgroupSmem,
+                  mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n, qk_scale: Float32, n_kvh,
+                  mTS: cute.Tensor, mSEQ: cute.Tensor, split_tiles=None):
         """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
-        consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it, its tiles
-        (:meth:`_consume`); ``split_tiles``: where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
+        consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers and its tiles (:meth:`_consume`),
+        past Q (:meth:`_stage_q_early`, where the consumers stage it); ``split_tiles``: where given,
+        ``(n, t_lo, t_hi)`` read from it."""
         cfg = self.cfg
         cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
-        if cutlass.const_expr(cfg.prologue == "consumer_q"):
-            self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
         if cutlass.const_expr(split_tiles is not None):
             n, t_lo, t_hi = split_tiles()
         self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS,
@@ -352,21 +353,22 @@ class FoldDecodeSm90WS(TileKernel):
         t0 = tile * TILE
         page = mBT[b, t0 // cfg.page]  # read before the wait: its latency hides behind a full ring's
         cute.arch.mbarrier_wait(empty + slot, ring_phase(k, cfg.stages) ^ 1)  # a fresh stage passes
-        kbar = full + slot  # the K (s', z') copy's barrier: the stage's, or (producer_fold) the folders'
-        if cutlass.const_expr(cfg.producer_fold):
-            kbar = ring.kpar + slot
-            cute.arch.mbarrier_arrive_and_expect_tx(kbar, cfg.k_param_words * 4)
-            cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.v_param_words) * 4)
-        else:
-            cute.arch.mbarrier_arrive_and_expect_tx(full + slot,
-                                                    (2 * chunk + cfg.k_param_words + cfg.v_param_words) * 4)
+        k_bytes = 0 if cfg.producer_fold else cfg.k_param_words * 4  # the K (s', z'): the stage's, or the folders'
+        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, (2 * chunk + cfg.v_param_words) * 4 + k_bytes)
         tip = (t0 % cfg.page) // TILE
         grow = (t0 % cfg.page) // cfg.group_size if cfg.page >= cfg.group_size else 0
         krow = grow if cfg.k_channel else tip  # the tile's (s', z') row: channel-wise, its group's
         vrow = grow if cfg.v_channel else tip
         cute.copy(atom_kc, tKg[(None, tip, kvh, page)], tKs[(None, slot)], tma_bar_ptr=full + slot)
         cute.copy(atom_vc, tVg[(None, tip, kvh, page)], tVs[(None, slot)], tma_bar_ptr=full + slot)
-        cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=kbar)
+        if cutlass.const_expr(cfg.producer_fold):
+            # only a folded stage's: the consumers never read channel-wise K's (s', z'), and a copy that no thread
+            # waits for could land after the stage's next arrive_and_expect_tx, or after the CTA has exited
+            if cfg.tiles_per_pass == 1 or (k & 1) == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(ring.kpar + slot, cfg.k_param_words * 4)
+                cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=ring.kpar + slot)
+        else:
+            cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
         cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
 
     def _folded_slot(self, i: int) -> bool:
