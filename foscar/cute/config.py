@@ -91,8 +91,8 @@ QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm9
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
-#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (with E4M3
-#: K its graph replays fault on the H200; with BF16 K little faster: ``docs/results-h200.md``)
+#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (E4M3 K,
+#: on an H100: INT4 1.5-4.5% faster, INT2 up to 9% slower, the producer's folds behind: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
 #: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it)
