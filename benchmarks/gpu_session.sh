@@ -450,7 +450,8 @@ SWEEPS
       CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       timeout 300 "$CS" --tool memcheck --report-api-errors no --error-exitcode 1 --print-limit 20 python3 \
         benchmarks/producer_fold_probe.py $failed ${PF_ARGS:-8 32768 2 30} > "$OUT/pf-memcheck.log" 2>&1
-      echo "memcheck $failed rc=$?"; grep -E "^=+ +(Invalid|Error|at |by thread|Address|.*ERROR SUMMARY)" "$OUT/pf-memcheck.log" | head -30
+      echo "memcheck $failed rc=$?"
+      grep -E "^=+ +(Invalid|Error|at |by thread|Address|.*ERROR SUMMARY)" "$OUT/pf-memcheck.log" | head -30
     fi ;;
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
