@@ -137,13 +137,14 @@ case "$step" in
             # kernel too): throughput, stall reasons per issued instruction, issue slots, instruction mix and the
             # top stall sites, the SMs' least, mean and most active cycles (a wave's imbalance), per B:L (default
             # 64:131072) and bits; PROFILE_ARGS: more name=value arguments of profile_one_call.py (kv_heads=1,
-            # q_len=8), PROFILE_TAG a suffix of the records' names
-    for shape in ${2:-64:131072}; do for bits in 2 4; do
+            # q_len=8), PROFILE_TAG a suffix of the records' names, PROFILE_SWITCHES run_with.py's words, PROFILE_BITS
+    run=(python3); [ -n "${PROFILE_SWITCHES:-}" ] && run=(python3 benchmarks/run_with.py $PROFILE_SWITCHES --)
+    for shape in ${2:-64:131072}; do for bits in ${PROFILE_BITS:-2 4}; do
       ncu --clock-control none -k regex:ws_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section Occupancy --section SourceCounters \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg" \
-        python3 benchmarks/profile_one_call.py ${shape%%:*} ${shape##*:} $bits backend=cute ${PROFILE_ARGS:-} \
+        "${run[@]}" benchmarks/profile_one_call.py ${shape%%:*} ${shape##*:} $bits backend=cute ${PROFILE_ARGS:-} \
         > "$OUT/profile-${shape/:/-}-int$bits${PROFILE_TAG:-}.txt" 2>&1
       echo "profile $shape INT$bits rc=$? $(grep -E "^ +Duration" "$OUT/profile-${shape/:/-}-int$bits${PROFILE_TAG:-}.txt" | head -1)"
     done; done ;;
