@@ -339,7 +339,8 @@ class FoldDecodeSm90WS(TileKernel):
     def _issue_tile(self, tma: tuple, views: tuple, ring: StageRing, mBT: cute.Tensor, b, kvh, t_lo, tile):
         """The producer's work for one KV tile (its page read from the page table ``mBT``): once the stage of
         consumer ``(tile - t_lo) % consumers`` that it goes to is empty, its four TMA copies (K words, V words,
-        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier. One thread calls it
+        K and V ``(s', z')``) with the stage's exact transaction bytes on its full barrier (``producer_fold``: K's
+        ``(s', z')`` only into a stage whose ``Q'`` is folded, on the folders' barrier ``kpar``). One thread calls it
         (a TMA copy is issued by one lane elected with ``elect.sync`` over the whole warp: the warp's other lanes
         have left the producer's code by then; lanes still working elsewhere in the loop would never join it)."""
         cfg = self.cfg
