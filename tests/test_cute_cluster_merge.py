@@ -36,10 +36,12 @@ def _out(dtype=torch.bfloat16, offset=0, step=1):
     ({}, 4, 1, False, 16, {}, False), ({}, 4, 2, True, 16, {}, True), ({"recent": 16}, 4, 1, True, 16, {}, False),
     ({"rotation": "hadamard"}, 4, 1, True, 16, {}, False), ({}, 4, 1, True, 16, {"dtype": torch.float64}, False),
     ({}, 4, 1, True, 16, {"step": 2}, False), ({}, 4, 1, True, 16, {"offset": 1}, False),
-    ({"head_dim": 64, "group_size": 64}, 8, 1, True, 16, {}, True), ({"scheme": "nvfp4"}, 4, 1, True, 16, {}, False)])
+    ({"head_dim": 64, "group_size": 64}, 8, 1, True, 16, {}, True), ({"scheme": "nvfp4"}, 4, 1, True, 16, {}, False),
+    ({}, 4, 8, True, 4, {}, False)])
 def test_a_launch_merges_in_a_cluster_where_it_can(monkeypatch, fmt_kw, gqa, step, ws, splits, out, taken):
     """No windows, no rotation, 1-16 splits (a power of two: one, the consumers' partials alone), an output stage 1
-    can write; anything else runs the combine, as without the switch."""
+    can write, one code path for every consumer (not 32 columns: a copy a consumer); anything else runs the combine,
+    as without the switch."""
     if "scheme" in fmt_kw:
         fmt = foscar.KVFormat.fp4(fmt_kw["scheme"], 128)
     else:
@@ -206,7 +208,8 @@ def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
 def test_a_steps_cluster_kernel_compiles_pipelined_without_spills(bits):
     """A step of 8 tokens at GQA 4 (32 columns: three consumers, INT2 on a copy of their code each and of the merge,
     INT4 on one, ``WIDE_ONE_COPY_BITS``): one cluster barrier's arrival in the prologue, its wait and the remote
-    arrivals in each copy of the consumers' code."""
+    arrivals in each copy of the consumers' code. (A launch merges in a cluster only where the consumers run one
+    code path: ``foscar.cute.launch.merges_in_one_code_path``.)"""
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     cfg = dataclasses.replace(config_for(fmt, 4, 64, "e4m3", 1, 8), cluster=4)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=1).__ptx__

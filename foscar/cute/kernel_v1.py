@@ -168,9 +168,13 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 n = t_lo = t_hi = None
 
-        if cutlass.const_expr(cfg.prologue == "consumer_q"):  # the consumers' Q, at the registers a launch gives:
-            if role > 0:  # its barriers of every consumer at one code path (an aligned barrier is one instruction
-                self._stage_q_early(role - 1, mQ, smem0, b, kvh, n_kvh, mRot)  # every thread it counts executes)
+        # The consumers' Q where each consumer has a copy of the tile loop: here, at the registers a launch gives,
+        # so that its barriers of every consumer are one aligned instruction (bar.sync: every thread it counts
+        # executes the same one); after the producer's branch, ptxas would give the copies the producer's registers
+        copies = consumer_code_paths(cfg, self.ctas_per_sm)
+        if cutlass.const_expr(cfg.prologue == "consumer_q" and copies > 1):
+            if role > 0:
+                self._stage_q_early(role - 1, mQ, smem0, b, kvh, n_kvh, mRot)
         if role == 0:  # ---- producer ------------------------------------------------------------------------
             cute.arch.setmaxregister_decrease(ws_registers(cfg, self.ctas_per_sm)[0])
             if cutlass.const_expr(split_tiles is None):
@@ -178,17 +182,17 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 _, p_lo, p_hi = split_tiles()
                 self._produce(tma, ring, mBT, sQ, b, kvh, p_lo, p_hi)
-        if cutlass.const_expr(consumer_code_paths(cfg, self.ctas_per_sm) > 1):  # ---- consumers: a path each -----
+        if cutlass.const_expr(copies > 1):  # ---- consumers: a path each (the split merges in stage 1 refused) -----
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
-                    self._consumer(c, qk_mma, pv_mma, ring, smem_for(c), *dest, b, kvh, split, t_lo, t_hi, n,
-                                   qk_scale, n_kvh, mTS, mSEQ, split_tiles)
+                    self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
+                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles, stage_q=False)
+                    self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
-                self._consumer(role - 1, qk_mma, pv_mma, ring, smem_for(role - 1), *dest, b, kvh, split, t_lo,
-                               t_hi, n, qk_scale, n_kvh, mTS, mSEQ, split_tiles)
-        if role > 0:  # the split merge's barriers of every consumer: one code path, as Q's
-            self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
+                self._consumer(role - 1, qk_mma, pv_mma, ring, smem0, smem_for(role - 1), mQ, *dest, b, kvh, split,
+                               t_lo, t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
+                self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
 
     @cute.jit
     def _merge_splits(self, merged, mOP: cute.Tensor, mLP: cute.Tensor, merge_to: tuple):
@@ -215,15 +219,18 @@ class FoldDecodeSm90WS(TileKernel):
                 self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
 
     @cute.jit
-    def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem: WarpgroupSmem,
-                  mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n, qk_scale: Float32, n_kvh,
-                  mTS: cute.Tensor, mSEQ: cute.Tensor, split_tiles=None):
+    def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
+                  smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
+                  t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, mSEQ: cute.Tensor,
+                  split_tiles=None, stage_q: cutlass.Constexpr = True):
         """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
-        consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers and its tiles (:meth:`_consume`),
-        past Q (:meth:`_stage_q_early`, where the consumers stage it); ``split_tiles``: where given,
-        ``(n, t_lo, t_hi)`` read from it."""
+        consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it (unless
+        ``stage_q`` is off: staged before the copies of the code), its tiles (:meth:`_consume`); ``split_tiles``:
+        where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
         cfg = self.cfg
         cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
+        if cutlass.const_expr(cfg.prologue == "consumer_q" and stage_q):
+            self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
         if cutlass.const_expr(split_tiles is not None):
             n, t_lo, t_hi = split_tiles()
         self._consume(c, qk_mma, pv_mma, ring, smem, mOP, mLP, b, kvh, split, t_lo, t_hi, n, qk_scale, n_kvh, mTS,

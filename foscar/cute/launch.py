@@ -249,17 +249,26 @@ def cluster_for(cfg, warp_specialized: bool, ctas: int, num_splits: int, out: to
     (:data:`~foscar.cute.config.CLUSTER_MERGE`), 0 where it runs the combine: no BF16 windows, no rotation, affine
     codes, 1 to 16 splits (a power of two dividing the head dim), the partials' buffers within the SM's shared
     memory, an output ``[B, rows, D]`` and an LSE ``[B, rows]`` (``lse``: the LSE asked for, or where the launch
-    would put one not asked for; None, nowhere) stage 1 can write: unit last stride, 16-byte aligned."""
+    would put one not asked for; None, nowhere) stage 1 can write: unit last stride, 16-byte aligned; one code path
+    for every consumer (:func:`merges_in_one_code_path`)."""
     from .budget import fits_shared_memory
     from .config import CLUSTER_MERGE
     if not (CLUSTER_MERGE and warp_specialized and not cfg.windows and not cfg.rotation and not cfg.fp4_block
-            and out is not None and lse is not None):
+            and out is not None and lse is not None and merges_in_one_code_path(cfg, ctas)):
         return 0
     if num_splits not in (1, 2, 4, 8, 16) or cfg.head_dim % num_splits or out.dtype not in _OUT_TYPES:
         return 0
     if not fits_shared_memory(dataclasses.replace(cfg, cluster=num_splits), ctas):
         return 0
     return num_splits if _writable(out, lse) else 0
+
+
+def merges_in_one_code_path(cfg, ctas: int) -> bool:
+    """Whether stage 1 can merge the splits (in a cluster, by the last CTA): its consumers run one code path
+    (:func:`~foscar.cute.config.consumer_code_paths`), so that the merge's barriers of every consumer are one
+    aligned instruction; with a copy a consumer, each would meet them at its own."""
+    from .config import consumer_code_paths
+    return consumer_code_paths(cfg, ctas) == 1
 
 
 def fused_merge_to(fmt, warp_specialized: bool, out: torch.Tensor, lse: torch.Tensor | None, l_part: torch.Tensor,
@@ -460,7 +469,8 @@ def run(problem: DecodeProblem, *, num_splits: int | None = None, warp_specializ
     if size:  # stage 1 writes the output
         cfg = dataclasses.replace(cfg, cluster=size, cluster_out=_OUT_TYPES[out.dtype])
         dest = (out_to, lse_to)
-    fused = () if size else fused_merge_to(fmt, warp_specialized, out, lse, l_part, sem, B, Hr)
+    fused = () if size or not merges_in_one_code_path(cfg, ctas) else fused_merge_to(
+        fmt, warp_specialized, out, lse, l_part, sem, B, Hr)
     if fused:  # stage 1's last CTA of each KV head merges its splits
         cfg = dataclasses.replace(cfg, fused_merge=1 + (lse is not None), cluster_out=_OUT_TYPES[out.dtype])
     tensors = (q.to(torch.bfloat16).contiguous().view(B, Hr, -1), cache.k_codes, cache.v_codes,
