@@ -147,8 +147,8 @@ def test_the_cluster_merge_against_the_oracle_gpu(monkeypatch, bits, G, lens, sp
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,num_splits", [(4, 2, 16), (4, 4, 8), (4, 8, 4), (2, 3, 1)])
 def test_steps_merged_in_a_cluster_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
-    """A step's columns (8, 16 and 32: one consumer code path, and one a consumer) merged in the cluster into the
-    step's rows, the causal limits per column."""
+    """A step's columns (8 and 16: one consumer code path) merged in the cluster into the step's rows, the causal
+    limits per column; at 32 (a code path a consumer) the launch leaves the merge to the combine."""
     from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, CLUSTER_MERGE=True):
         cute_step_against_the_oracle(bits, G, T, num_splits, {})
