@@ -168,11 +168,8 @@ class FoldDecodeSm90WS(TileKernel):
             else:
                 n = t_lo = t_hi = None
 
-        # The consumers' Q where each consumer has a copy of the tile loop: here, at the registers a launch gives,
-        # so that its barriers of every consumer are one aligned instruction (bar.sync: every thread it counts
-        # executes the same one); after the producer's branch, ptxas would give the copies the producer's registers
         copies = consumer_code_paths(cfg, self.ctas_per_sm)
-        if cutlass.const_expr(cfg.prologue == "consumer_q" and copies > 1):
+        if cutlass.const_expr(self._q_ahead_of_copies()):
             if role > 0:
                 self._stage_q_early(role - 1, mQ, smem0, b, kvh, n_kvh, mRot)
         if role == 0:  # ---- producer ------------------------------------------------------------------------
@@ -186,7 +183,7 @@ class FoldDecodeSm90WS(TileKernel):
             for c in cutlass.range_constexpr(self.consumers):
                 if role == c + 1:
                     self._consumer(c, qk_mma, pv_mma, ring, smem0, smem_for(c), mQ, *dest, b, kvh, split, t_lo,
-                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles, stage_q=False)
+                                   t_hi, n, qk_scale, n_kvh, mRot, mTS, mSEQ, split_tiles)
                     self._merge_splits(merged, mOP, mLP, (mO, mLSE, mSEM))
         else:  # ---- consumers: one code path, the consumer's index a run-time (warp-uniform) value ---------------
             if role > 0:
@@ -222,14 +219,14 @@ class FoldDecodeSm90WS(TileKernel):
     def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
                   smem: WarpgroupSmem, mQ: cute.Tensor, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo,
                   t_hi, n, qk_scale: Float32, n_kvh, mRot: cute.Tensor, mTS: cute.Tensor, mSEQ: cute.Tensor,
-                  split_tiles=None, stage_q: cutlass.Constexpr = True):
+                  split_tiles=None):
         """Consumer warpgroup ``c`` (an int: a code path of its own; or the run-time index: one path for every
         consumer, :func:`~foscar.cute.config.consumer_code_paths`): its registers, Q where it stages it (unless
-        ``stage_q`` is off: staged before the copies of the code), its tiles (:meth:`_consume`); ``split_tiles``:
-        where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
+        staged ahead of the copies of the code, :meth:`_q_ahead_of_copies`), its tiles (:meth:`_consume`);
+        ``split_tiles``: where given, ``(n, t_lo, t_hi)`` read from it once Q is staged."""
         cfg = self.cfg
         cute.arch.setmaxregister_increase(ws_registers(cfg, self.ctas_per_sm)[1])
-        if cutlass.const_expr(cfg.prologue == "consumer_q" and stage_q):
+        if cutlass.const_expr(cfg.prologue == "consumer_q" and not self._q_ahead_of_copies()):
             self._stage_q_early(c, mQ, smem0, b, kvh, n_kvh, mRot)
         if cutlass.const_expr(split_tiles is not None):
             n, t_lo, t_hi = split_tiles()
@@ -372,17 +369,25 @@ class FoldDecodeSm90WS(TileKernel):
         if cutlass.const_expr(cfg.producer_fold):
             # only a folded stage's: the consumers never read channel-wise K's (s', z'), and a copy that no thread
             # waits for could land after the stage's next arrive_and_expect_tx, or after the CTA has exited
-            if cfg.tiles_per_pass == 1 or (k & 1) == 0:
+            if self._folded_slot(slot):
                 cute.arch.mbarrier_arrive_and_expect_tx(ring.kpar + slot, cfg.k_param_words * 4)
                 cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=ring.kpar + slot)
         else:
             cute.copy(atom_kp, tKPg[(None, krow, kvh, page)], tKPs[(None, slot)], tma_bar_ptr=full + slot)
         cute.copy(atom_vp, tVPg[(None, vrow, kvh, page)], tVPs[(None, slot)], tma_bar_ptr=full + slot)
 
-    def _folded_slot(self, i: int) -> bool:
-        """``producer_fold``: whether the producer folds ring slot ``i``'s ``Q'``: every slot's, or with two tiles a
-        pass tile A's (an even ``k``: an even slot, the stages a power of two), which tile B's pass shares."""
-        return self.cfg.producer_fold and (self.cfg.tiles_per_pass == 1 or i % 2 == 0)
+    def _q_ahead_of_copies(self) -> bool:
+        """Whether the consumers stage Q (``consumer_q``) ahead of their copies of the tile loop (one a consumer,
+        :func:`~foscar.cute.config.consumer_code_paths`), at the registers a launch gives and before the producer's
+        branch (after it, ptxas gives the copies the producer's registers): so that the prologue's barriers of every
+        consumer are one aligned instruction (``bar.sync``: every thread it counts executes the same one)."""
+        return self.cfg.prologue == "consumer_q" and consumer_code_paths(self.cfg, self.ctas_per_sm) > 1
+
+    def _folded_slot(self, i) -> bool:
+        """``producer_fold``: whether the producer folds ring slot ``i``'s ``Q'`` (an int, or a run-time slot): every
+        slot's, or with two tiles a pass tile A's (an even ``k``: an even slot, the stages a power of two), which
+        tile B's pass shares."""
+        return self.cfg.producer_fold and (self.cfg.tiles_per_pass == 1 or (i & 1) == 0)
 
     @cute.jit
     def _fold_stages(self, ring: StageRing, sQ: cute.Tensor, ftid, t_lo, t_hi):
