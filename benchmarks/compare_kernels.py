@@ -5,7 +5,11 @@
         --kernels foscar_folded foscar_cute foscar_cute_ws
 
 A ratio is base time / kernel time (above 1: the kernel is faster). Rows are keyed by batch, length,
-heads, bits and K/V axes; a kernel missing from a row (or failed there) shows ``-``.
+heads, bits and K/V axes; a kernel missing from a row (or failed there) shows ``-``. Two runs of one kernel (two
+checkouts, the same grid) side by side: ``--labels`` names each file's run, its kernels then ``KERNEL@LABEL``:
+
+    python benchmarks/compare_kernels.py base/bench_decode.json new/bench_decode.json --labels base new \
+        --kernels foscar_auto@base foscar_auto@new
 """
 import argparse
 import json
@@ -53,8 +57,14 @@ def main():
     p.add_argument("records", nargs="+", help="bench_decode.json files")
     p.add_argument("--kernels", nargs="+", default=["foscar_folded", "foscar_cute", "foscar_cute_ws"],
                    help="the base kernel first, then the kernels compared with it")
+    p.add_argument("--labels", nargs="+", help="one per record file: its kernels become KERNEL@LABEL")
     a = p.parse_args()
-    records = [r for path in a.records for r in json.loads(Path(path).read_text())["records"]]
+    if a.labels is not None and len(a.labels) != len(a.records):
+        p.error(f"--labels: expected one label per record file ({len(a.records)}), got {len(a.labels)}")
+    records = []
+    for i, path in enumerate(a.records):
+        for r in json.loads(Path(path).read_text())["records"]:
+            records.append({**r, "kernel": f"{r['kernel']}@{a.labels[i]}"} if a.labels else r)
     lines, ratios = table(records, a.kernels)
     print("\n".join(lines))
     print()

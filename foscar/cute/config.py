@@ -94,7 +94,7 @@ PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (E4M3 K,
 #: on an H100: INT4 1.5-4.5% faster, INT2 up to 9% slower, the producer's folds behind: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
-#: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms a token group (:func:`foscar.cute.folds.fold_q_terms`):
+#: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`):
 #: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it)
 CHANNEL_K_E4M3 = True
 FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's

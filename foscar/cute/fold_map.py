@@ -1,4 +1,4 @@
-"""Channel-wise K's operand-fold map (:func:`foscar.cute.folds.fold_q`, :func:`foscar.cute.folds.fold_q_terms`):
+"""Channel-wise K's operand-fold map (:func:`foscar.cute.folds.fold_q`, :func:`foscar.cute.fold_terms.fold_q_terms`):
 which thread builds which channels of ``Q'`` (BF16, or its E4M3 terms), where it reads their ``(s', z')``, and
 which of the two ``Q'`` buffers a tile takes. Plain Python (the host tests check the map without a GPU).
 """
@@ -52,10 +52,13 @@ def k_fold_buffer(cfg, t0, consumers: int):
     from a run-aligned split start: the token groups it visits alternate between the buffers, so that a fold
     writes the buffer its MMAs read two folds before (behind the barrier of the fold between), never the one the
     last fold filled."""
-    return (t0 // max(cfg.group_size, consumers * cfg.tile_run * TILE)) & 1
+    span = max(cfg.group_size, consumers * cfg.tile_run * TILE)
+    if span & (span - 1) == 0:  # a power of two: a shift (t0 >= 0), not a signed division
+        return (t0 >> (span.bit_length() - 1)) & 1
+    return (t0 // span) & 1
 
 
-#: E4M3 terms of ``Q'`` (:func:`foscar.cute.folds.fold_q_terms`): the contraction indices one thread builds per
+#: E4M3 terms of ``Q'`` (:func:`foscar.cute.fold_terms.fold_q_terms`): the contraction indices one thread builds per
 #: query row, one 32-bit word of each term's column
 TERM_CHANNELS = 4
 

@@ -4,8 +4,8 @@
   like :func:`foscar.decode_folded` (:func:`k_acc_fold`, with the offset term ``sum(Q)`` of
   :func:`q_sums`);
 - K, channel-wise: the **operand-fold** ``Q' = bf16(Q s')`` of the tile's token group (E4M3 K operands: two
-  E4M3 terms of ``Q'``, :func:`fold_q_terms`) and its offset correction per head (:func:`k_operand_fold`,
-  :func:`k_operand_fold_scores`);
+  E4M3 terms of ``Q'``, :func:`~foscar.cute.fold_terms.fold_q_terms`) and its offset correction per head
+  (:func:`k_operand_fold`, :func:`k_operand_fold_scores`);
 - V, token-wise: the **operand-fold** ``P' = P s'_V / sigma`` into the B operand, the offset correction
   gathered per element (:func:`v_operand_fold`) and added to the accumulator every
   :data:`~foscar.cute.config.CORRECTION_TILES` tiles (:func:`add_offset_corrections`);
@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Uint32
+from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
 from .config import THREADS
 from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_elements
-from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, TERM_CHANNELS, fold_chunk, fold_chunks, term_channels, term_chunk
+from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
+from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
-from .operands_e4m3 import power_of_two, scale_exponent, sum_q_terms, term_columns
+from .operands_e4m3 import sum_q_terms
 from .pivot import pivot_corrections
 from .softmax import column_sums
 
@@ -254,97 +255,13 @@ def fold_q(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Te
 
 def kf_layout(cfg):
     """Channel-wise K's offset corrections per ``Q'`` buffer: ``sKf[buf, h]``; E4M3 K operands, then each row's
-    ``2^-e`` at ``sKf[buf, cols + h]`` (:func:`fold_q_terms`)."""
+    ``2^-e`` at ``sKf[buf, cols + h]`` (:func:`~foscar.cute.fold_terms.fold_q_terms`)."""
     return cute.make_layout((2, cfg.cols * (2 if cfg.k_e4m3 else 1)))
 
 
-@cute.jit
-def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor):
-    """:func:`fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms with a power-of-two
-    scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
-    :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
-    e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_columns`) at the
-    channel's contraction index, the other columns zero; ``sKf[buf, h]`` the row's correction ``sum_d Q mid -
-    u sum_d Q'`` (``u``: the middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry
-    it) and ``sKf[buf, cols + h] = 2^-e``. Thread ``t`` builds contraction indices ``4 k .. 4 k + 3`` of row ``h``
-    (:func:`~foscar.cute.fold_map.term_chunk`; with fewer threads than rows, the rows in turns), one 32-bit word of
-    each term, from two BF16 words of Q and two 16-byte ``(s', z')`` pairs of ``params`` (the group's ``(s', z')``
-    row, channel ``d``'s at ``2 d``, ``2 d + 1``; :func:`~foscar.cute.fold_map.term_channels`); the columns of no
-    term get zero words and a correction 0 and ``2^-e`` 1. No synchronisation: the caller fences the writes for the
-    wgmma's proxy and publishes them."""
-    D = cfg.head_dim
-    lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
-    rows = threads // lanes  # rows built at once
-    gp = term_columns(cfg.gqa)
-    unit = cfg.k_factors[0] * cfg.k_pivots[0]
-    h0, k = term_chunk(D, t)
-    d0, off = term_channels(cfg.bits, k)
-    qv = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-    pv = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-    r = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32)  # Q' at indices 4 k + v, then times 2^e
-    hi = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
-    lo = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
-    for j in cutlass.range_constexpr((cfg.gqa + rows - 1) // rows):
-        h = h0 + j * rows
-        row = cutlass.min(h, cfg.gqa - 1)  # a row past the heads folds a head's and stores nothing
-        part = Float32(0.0)
-        top = Float32(0.0)
-        for w in cutlass.range_constexpr(2):  # channels d0 + w off and the next: indices 4 k + w and 4 k + w + 2
-            d = d0 + w * off
-            cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (d // 2,)), qv)
-            cute.autovec_copy(cute.local_tile(params, (4,), (d // 2,)), pv)
-            for i in cutlass.range_constexpr(2):
-                x = Float32(qv[i])
-                sc = pv[2 * i]
-                part = part + x * (pv[2 * i + 1] + cfg.k_mid * sc)
-                y = x * sc
-                top = cute.arch.fmax(top, cute.arch.fmax(y, -y))
-                r[w + 2 * i] = y
-        top = lanes_abs_max(top, lanes)  # the row's largest |Q'|
-        e = scale_exponent(top)
-        inv = power_of_two(-e)
-        r.store(r.load() * power_of_two(e))
-        hi.store(r.load().to(Float8E4M3FN))
-        hf = hi.load().to(Float32)
-        lo.store(((r.load() - hf) * 16.0).to(Float8E4M3FN))
-        lf = lo.load().to(Float32)
-        held = Float32(0.0)  # sum_d Q' as the two terms hold it, in units of 2^-e
-        for v in cutlass.range_constexpr(TERM_CHANNELS):
-            held = held + hf[v] + lf[v] * 0.0625
-        if h < cfg.gqa:
-            cute.autovec_copy(hi, cute.local_tile(sQk[(h, None, buf)], (TERM_CHANNELS,), (k,)))
-            cute.autovec_copy(lo, cute.local_tile(sQk[(gp + h, None, buf)], (TERM_CHANNELS,), (k,)))
-        part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
-        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
-            part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
-        if k == 0 and h < cfg.gqa:
-            sKf[buf, h] = part
-            sKf[buf, cfg.cols + h] = inv
-    zero = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
-    zero.store(cute.full_like(r.load(), 0.0).to(Float8E4M3FN))
-    for c in cutlass.range_constexpr(cfg.cols):  # the columns of no term: padded heads, past both terms
-        if cutlass.const_expr(not (c < cfg.gqa or gp <= c < gp + cfg.gqa)):
-            if h0 == c % rows:
-                cute.autovec_copy(zero, cute.local_tile(sQk[(c, None, buf)], (TERM_CHANNELS,), (k,)))
-    if t < cfg.cols - cfg.gqa:  # the other columns' scores: finite (no term, no correction)
-        sKf[buf, cfg.gqa + t] = Float32(0.0)
-        sKf[buf, cfg.cols + cfg.gqa + t] = Float32(1.0)
-
-
-def lanes_abs_max(x: Float32, lanes: int) -> Float32:
-    """The largest of ``x >= 0`` (or NaN) over groups of ``lanes`` consecutive lanes: a whole warp's as one
-    unsigned integer reduction of the bits (non-negative floats order as their bits; NaN above infinity), else a
-    butterfly of maxima."""
-    if lanes == 32:
-        bits = (x.bitcast(Int32) & 0x7FFFFFFF).to(Uint32)
-        return cute.arch.warp_redux_sync(bits, "max").to(Int32).bitcast(Float32)
-    for sh in range(lanes.bit_length() - 1):
-        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, lanes >> (sh + 1)))
-    return x
-
-
 def q_fold(cfg):
-    """Channel-wise K's operand-fold of ``cfg``'s K operands: :func:`fold_q` (BF16) or :func:`fold_q_terms` (E4M3),
+    """Channel-wise K's operand-fold of ``cfg``'s K operands: :func:`fold_q` (BF16) or
+    :func:`~foscar.cute.fold_terms.fold_q_terms` (E4M3),
     whoever folds (a consumer warpgroup, :func:`k_operand_fold`; the producer's warps,
     :meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._fold_stages`)."""
     return fold_q_terms if cfg.k_e4m3 else fold_q
@@ -560,7 +477,8 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
         acc_e = accO[e]
         if cutlass.const_expr(al is not None):
             acc_e = acc_e * al[k]
-        accO[e] = acc_e + (accT[e] - cfg.v_pivots[0] * psum[k]) * vs_e + psum[k] * (vpar[2 * e + 1] + cfg.v_mid * vs_e)
+        # s' part + (z' + (mid - c) s') sum P~: three FMAs an element
+        accO[e] = accT[e] * vs_e + (psum[k] * (vpar[2 * e + 1] + (cfg.v_mid - cfg.v_pivots[0]) * vs_e) + acc_e)
 
 
 @cute.jit

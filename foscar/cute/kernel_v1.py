@@ -30,6 +30,7 @@ from cutlass.memory import SmemAllocator
 from . import cluster, operands, tail_merge
 from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
+from .fold_terms import fold_terms_padding
 from .folds import k_operand_fold, kf_layout, q_fold, q_sums
 from .fragment import k_word, slot_column, v_word
 from .limits import causal_last, causal_limits, first_masked
@@ -394,10 +395,12 @@ class FoldDecodeSm90WS(TileKernel):
         """``producer_fold``: the producer's :data:`~foscar.cute.config.FOLD_WARPS` warps besides the TMA
         issuer's (``ftid``: this thread among them) fold each stage's ``Q'`` (two tiles a pass: each pass's tile
         A's) once its K ``(s', z')`` has landed (:func:`foscar.cute.folds.fold_q`, E4M3 terms
-        :func:`foscar.cute.folds.fold_q_terms`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on the
-        stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
+        :func:`foscar.cute.fold_terms.fold_q_terms`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on
+        the stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
         its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
         cfg = self.cfg
+        if cutlass.const_expr(cfg.k_e4m3):  # the ring slots' Q' buffers' fixed parts
+            fold_terms_padding(cfg, ftid, FOLD_WARPS * 32, ring.sQk, ring.sKf, cfg.stages * self.consumers)
         for tile in cutlass.range(t_lo, t_hi, cfg.tiles_per_pass, unroll=1):  # a pass's tile A: an even k
             c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
             slot = ring_slot(c, k, cfg.stages)
@@ -432,6 +435,8 @@ class FoldDecodeSm90WS(TileKernel):
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from,
                        qk_mma0=zeroing_qk_mma(cfg))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)
+        if cutlass.const_expr(cfg.k_channel and cfg.k_e4m3 and not cfg.producer_fold):  # Q' buffers' fixed parts
+            fold_terms_padding(cfg, thr.tidx, THREADS, smem.sQk, smem.sKf, 2)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT
             for t in cutlass.range_constexpr(2):
@@ -530,8 +535,8 @@ class FoldDecodeSm90WS(TileKernel):
 
     def _fold_source(self, ring: StageRing, slot, t):
         """Channel-wise K: where thread ``t`` of a fold (:func:`foscar.cute.folds.q_fold`) reads the token group's
-        ``(s', z')`` in stage ``slot``: the stage's row (E4M3 terms, :func:`foscar.cute.folds.fold_q_terms`), or its
-        ``i``-th float of them (:func:`foscar.cute.folds.fold_q`; a builder's place in its row, which
+        ``(s', z')`` in stage ``slot``: the stage's row (E4M3 terms, :func:`foscar.cute.fold_terms.fold_q_terms`), or
+        its ``i``-th float of them (:func:`foscar.cute.folds.fold_q`; a builder's place in its row, which
         :func:`~foscar.cute.fold_map.fold_chunk` gives alike for any count of threads)."""
         if cutlass.const_expr(self.cfg.k_e4m3):
             return ring.sKP[(None, slot)]

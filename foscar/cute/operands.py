@@ -64,7 +64,7 @@ def zeroing_qk_mma(cfg: Sm90Config):
 def sqk_layout(cfg: Sm90Config, buffers: int):
     """Channel-wise K: ``buffers`` buffers of ``Q'`` (the S^T product's B operand, :func:`foscar.cute.folds.fold_q`:
     a consumer's two, or one per stage), Q^T's swizzled layout with a buffer mode: BF16, or E4M3 terms
-    (:func:`foscar.cute.folds.fold_q_terms`; 64-byte swizzle at head dim 64)."""
+    (:func:`foscar.cute.fold_terms.fold_q_terms`; 64-byte swizzle at head dim 64)."""
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import sq_layout_e4m3
         return sq_layout_e4m3(cfg.head_dim, cfg.cols, buffers)

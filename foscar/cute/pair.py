@@ -75,7 +75,7 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     block-scale words of tiles A and B (:mod:`foscar.cute.operands_fp4`; MXFP4: a third, those of this thread's
     tile), and ``release`` called once V^T's registers of both are built. Channel-wise K (both tiles in one token
     group): ``qbuf``, the group's ``Q'`` buffer, its terms' ``2^-e`` and offset corrections
-    (:func:`~foscar.cute.folds.fold_q_terms`), and ``release`` (the producer's ``Q'``) called once the scores
+    (:func:`~foscar.cute.fold_terms.fold_q_terms`), and ``release`` (the producer's ``Q'``) called once the scores
     are formed."""
     cfg = kern.cfg
     thr = wg.thr
