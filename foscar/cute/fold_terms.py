@@ -14,17 +14,18 @@ from .operands_e4m3 import power_of_two, scale_exponent, term_columns
 
 @cute.jit
 def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor):
-    """:func:`fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms with a power-of-two
-    scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
+    """:func:`~foscar.cute.folds.fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms
+    with a power-of-two scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
     :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
     e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_columns`) at the
-    channel's contraction index, the other columns zero; ``sKf[buf, h]`` the row's correction ``sum_d Q mid -
-    u sum_d Q'`` (``u``: the middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry
-    it) and ``sKf[buf, cols + h] = 2^-e`` (the columns of no term: :func:`fold_terms_padding`). Thread ``t`` builds contraction indices ``4 k .. 4 k + 3`` of row ``h``
-    (:func:`~foscar.cute.fold_map.term_chunk`; with fewer threads than rows, the rows in turns), one 32-bit word of
-    each term, from two BF16 words of Q and two 16-byte ``(s', z')`` pairs of ``params`` (the group's ``(s', z')``
-    row, channel ``d``'s at ``2 d``, ``2 d + 1``; :func:`~foscar.cute.fold_map.term_channels`). No
-    synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
+    channel's contraction index; ``sKf[buf, h]`` the row's correction ``sum_d Q mid - u sum_d Q'`` (``u``: the
+    middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry it) and ``sKf[buf, cols + h]
+    = 2^-e``; the columns of no term are :func:`fold_terms_padding`'s, written once. Thread ``t`` builds
+    contraction indices ``4 k .. 4 k + 3`` of row ``h`` (:func:`~foscar.cute.fold_map.term_chunk`; with fewer
+    threads than rows, the rows in turns), one 32-bit word of each term, from two BF16 words of Q and two 16-byte
+    ``(s', z')`` pairs of ``params`` (the group's ``(s', z')`` row, channel ``d``'s at ``2 d``, ``2 d + 1``;
+    :func:`~foscar.cute.fold_map.term_channels`). No synchronisation: the caller fences the writes for the
+    wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
     rows = threads // lanes  # rows built at once
@@ -90,9 +91,9 @@ def lanes_abs_max(x: Float32, lanes: int) -> Float32:
 @cute.jit
 def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor, buffers: int):
     """What :func:`fold_q_terms` leaves alone in its buffers ``0 .. buffers - 1``: the columns of no term (padded
-    heads, past both terms) zero words in ``sQk`` and, past the heads, a correction 0 and ``2^-e`` 1 in ``sKf`` (their
-    scores finite). Written once, before the first fold, by the folding thread ``t`` that folds the same words
-    (whose fence and publication before each fold's reads order them)."""
+    heads, past both terms) zero words in ``sQk`` and, past the heads, a correction 0 and ``2^-e`` 1 in ``sKf``
+    (their scores finite). Written once, before the first fold, by the thread ``t`` of the folding threads
+    (``threads``) that folds those words, whose fence and publication before each fold's reads order them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS
     rows = threads // lanes
