@@ -55,8 +55,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh cluster-merge    # the split merge in a cluster: one decode a process
 #                                                                #   under a timeout, then its GPU tests if none hung
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh fi-parts DIR     # FlashInfer from its wheel cut in parts (DIR/fi-part-*)
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh ab-axes BASE [SHAPES] [BITS]  # the axes grid from another commit's
-#                                                                #   foscar (folder BASE) and this one, side by side
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh ab BASE [ARGS ...]  # foscar.decode from another commit's foscar
+#                                                                #   (folder BASE) and this one, side by side (ab-axes
+#                                                                #   BASE [SHAPES] [BITS]: the axes grid)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh grid [PART]      # paper and axes grids, GQA sweep, steps: foscar.decode
 #                                                                #   beside FlashInfer BF16 (after install-cute, fi-parts)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh tune-more [PART] # foscar tune (CuTe) into $TUNE_DIR (default /tmp/tun):
@@ -518,17 +519,20 @@ SWEEPS
     cat "$d"/fi-part-* > "$d/flashinfer_python-0.7.2.post1-py3-none-any.whl"
     python3 -m pip install -q --no-index --no-deps --no-compile "$d"/*.whl
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;;
-  ab-axes)  # after install-cute: foscar.decode (auto) over the axes grid from two checkouts, BASE (a folder holding
-            # another commit's foscar package, carried in untracked) then this one, then BASE again; ab-axes BASE
-            # [SHAPES] [BITS] (default 1:128K,8:32K,8:128K and 2 4); compare_kernels.py sets the runs side by side
-    base="$2"; shapes="${3:-1:128K,8:32K,8:128K}"; bits="${4:-2 4}"; root="$PWD"
+  ab|ab-axes)  # after install-cute: foscar.decode (auto) from two checkouts, BASE (a folder holding another commit's
+               # foscar package, carried in untracked) then this one, then BASE again, each `python3 -m
+               # foscar.bench.decode ARGS --kernels foscar_auto --cuda-graph`; compare_kernels.py sets the runs side by
+               # side. ab BASE [ARGS ...] (default: the axes grid at 1:128K,8:32K,8:128K); ab-axes BASE [SHAPES] [BITS]
+    base="$2"; root="$PWD"
+    if [ "$1" = ab-axes ]; then set -- --grid axes --shapes "${3:-1:128K,8:32K,8:128K}" --bits ${4:-2 4}
+    else shift 2; [ $# -eq 0 ] && set -- --grid axes --shapes 1:128K,8:32K,8:128K; fi
     for run in base new base2; do
       dir="$root"; [ "$run" != new ] && dir="$root/$base"
-      (cd "$dir" && timeout 280 python3 -m foscar.bench.decode --grid axes --shapes "$shapes" --bits $bits \
-        --kernels foscar_auto --cuda-graph --out "$OUT/ab-$run" > "$OUT/ab-$run.log" 2>&1); echo "$run rc=$?"
+      (cd "$dir" && timeout 280 python3 -m foscar.bench.decode "$@" --kernels foscar_auto --cuda-graph \
+        --out "$OUT/ab-$run" > "$OUT/ab-$run.log" 2>&1); echo "$run rc=$?"
     done
     python3 benchmarks/compare_kernels.py "$OUT"/ab-{base,new,base2}/bench_decode.json --labels base new base2 \
-      --kernels foscar_auto@base foscar_auto@new foscar_auto@base2 | tee "$OUT/ab-axes.md" ;;
+      --kernels foscar_auto@base foscar_auto@new foscar_auto@base2 | tee "$OUT/ab.md" ;;
   grid)  # after install-cute and fi-parts: foscar.decode (auto) beside FlashInfer BF16 in one process each: the
           # paper grid, the axes grid, the GQA sweep (B 8, L 128K, Hq 32) and steps of 1-8 tokens (grid [PART ...]:
           # paper axes heads steps, default all; HEADS names the ratios of the sweep, default all six); with TUNE_DIR
