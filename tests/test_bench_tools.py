@@ -26,6 +26,27 @@ def test_compare_kernels_table():
     assert dict(ratios) == {("foscar_cute_ws", 4): [1.5]}
 
 
+def test_compare_kernels_labels_two_runs_of_one_kernel(tmp_path):
+    """``compare_kernels.py --labels``: two record files of one kernel (two checkouts) side by side, each file's
+    kernel named ``KERNEL@LABEL``; a label count other than the files' is refused, naming the option."""
+    import json
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compare_kernels.py")
+    files = []
+    for name, us in (("base", 30.0), ("new", 24.0)):
+        rec = {"B": 8, "L": 131072, "Hq": 32, "Hkv": 8, "bits": 2, "k_axis": "channel", "v_axis": "token",
+               "kernel": "foscar_auto", "median_us": us, "ceiling_frac": 0.5, "status": "ok"}
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"records": [rec]}))
+        files.append(str(f))
+    run = [sys.executable, path, *files, "--kernels", "foscar_auto@base", "foscar_auto@new"]
+    res = subprocess.run(run + ["--labels", "base", "new"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "| 4 | cha/tok | INT2 | 8 | 128K | 30.0 (50%) | 24.0 (50%), 1.25x |" in res.stdout
+    assert "foscar_auto@new INT2: 1.25-1.25x, geomean 1.25x over 1 shapes" in res.stdout
+    res = subprocess.run(run + ["--labels", "base"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--labels: expected one label per record file (2), got 1" in res.stderr
+
+
 @pytest.mark.parametrize("script,words", [("first_call.py", ("--shapes", "cold")),
                                           ("cluster_smoke.py", ("--timeout", "TIMEOUT")),
                                           ("cluster_placement.py", ("--splits", "--ctas", "--compile-only"))])
