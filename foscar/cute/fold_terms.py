@@ -89,8 +89,8 @@ def lanes_abs_max(x: Float32, lanes: int) -> Float32:
 
 
 @cute.jit
-def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor, buffers: int):
-    """What :func:`fold_q_terms` leaves alone in its buffers ``0 .. buffers - 1``: the columns of no term (padded
+def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor):
+    """What :func:`fold_q_terms` leaves alone in each of its buffers (``sKf``'s rows): the columns of no term (padded
     heads, past both terms) zero words in ``sQk`` and, past the heads, a correction 0 and ``2^-e`` 1 in ``sKf``
     (their scores finite). Written once, before the first fold, by the thread ``t`` of the folding threads
     (``threads``) that folds those words, whose fence and publication before each fold's reads order them."""
@@ -102,7 +102,7 @@ def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor,
     zero = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
     zero.store(cute.full_like(cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32).load(), 0.0)
                .to(Float8E4M3FN))
-    for b in cutlass.range_constexpr(buffers):
+    for b in cutlass.range_constexpr(cute.size(sKf, mode=[0])):
         for c in cutlass.range_constexpr(cfg.cols):
             if cutlass.const_expr(not (c < cfg.gqa or gp <= c < gp + cfg.gqa)):
                 if h0 == c % rows:

@@ -400,7 +400,7 @@ class FoldDecodeSm90WS(TileKernel):
         its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.k_e4m3):  # the ring slots' Q' buffers' fixed parts
-            fold_terms_padding(cfg, ftid, FOLD_WARPS * 32, ring.sQk, ring.sKf, cfg.stages * self.consumers)
+            fold_terms_padding(cfg, ftid, FOLD_WARPS * 32, ring.sQk, ring.sKf)
         for tile in cutlass.range(t_lo, t_hi, cfg.tiles_per_pass, unroll=1):  # a pass's tile A: an even k
             c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
             slot = ring_slot(c, k, cfg.stages)
@@ -436,7 +436,7 @@ class FoldDecodeSm90WS(TileKernel):
                        qk_mma0=zeroing_qk_mma(cfg))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)
         if cutlass.const_expr(cfg.k_channel and cfg.k_e4m3 and not cfg.producer_fold):  # Q' buffers' fixed parts
-            fold_terms_padding(cfg, thr.tidx, THREADS, smem.sQk, smem.sKf, 2)
+            fold_terms_padding(cfg, thr.tidx, THREADS, smem.sQk, smem.sKf)
         if cutlass.const_expr(cfg.fp4_block > 0 and not cfg.fp4_mx):  # every row's s': T 2^14, no offset
             from .config_fp4 import FP4_UNIT_SHIFT
             for t in cutlass.range_constexpr(2):
