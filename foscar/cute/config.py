@@ -23,7 +23,7 @@ MAX_COLS = 32  #: the most query rows of one KV head a kernel takes (query heads
 V0_LIMITS = ("v0 (warp_specialized=False) takes one query token per sequence, at most 8 query heads per KV head "
              "(E4M3 K operands: 4, token-wise K), head dim 64/128 and affine codes")
 THREADS = 128  #: threads of one warpgroup
-CORRECTION_TILES = 8  #: tiles between two folds of the gathered offset corrections into the accumulator
+CORRECTION_TILES = 16  #: tiles between two folds of the gathered offset corrections into the accumulator
 #: Whether one-tile passes of token-wise and of channel-wise V take the lazy rescale (:attr:`Sm90Config.lazy_rescale`):
 #: faster at GQA 8-32, as fast or faster at every shape (``docs/bench/h200/lazy-one-tile-heads.md``, ``axes-lazy-*``)
 LAZY_ONE_TILE = True
