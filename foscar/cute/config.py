@@ -1,11 +1,10 @@
 """Static configuration of the CuTe DSL Hopper (sm_90a) decode kernels.
 
-:class:`Sm90Config` holds everything one compiled kernel depends on (it is the compile-cache key);
-:func:`config_for` makes it from a cache format, a GQA ratio and a page size, or says why the kernels
-cannot take them. The constants are the tile geometry both kernels share and what the host side
-(:mod:`foscar.cute.launch`) reads: :data:`TILE`, :data:`CONSUMERS`, :data:`WS_REGISTERS`,
-:data:`STAGE1_TENSORS` and :data:`ALIGN`. Plain Python: the host side imports it without cutlass-dsl
-(whose import takes about a second of a process's first decode).
+:class:`Sm90Config` holds everything one compiled kernel depends on (it is the compile-cache key); :func:`config_for`
+makes it from a cache format, a GQA ratio and a page size, or says why the kernels cannot take them. The constants are
+the tile geometry both kernels share and what the host side (:mod:`foscar.cute.launch`) reads: :data:`TILE`,
+:data:`CONSUMERS`, :data:`WS_REGISTERS`, :data:`STAGE1_TENSORS` and :data:`ALIGN`. Plain Python: the host side imports
+it without cutlass-dsl (whose import takes about a second of a process's first decode).
 """
 from __future__ import annotations
 
@@ -79,10 +78,9 @@ START_PREFETCH = True
 WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), one power of
 #: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
-#: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc)
-STACKED_TERMS = True
-SHARED_Q_SCALE = True
-MASK_BRANCH = True
+#: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc);
+#: two tiles a pass, only the pass reaching the length (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`)
+STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
@@ -119,8 +117,9 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
             "WIDE_ONE_COPY_BITS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V",
-            "MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
-            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
+            "MASK_BRANCH", "PAIR_MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS",
+            "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT",
+            "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -590,7 +589,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
-                      mask_branch=MASK_BRANCH and (columns_for(rows) > HEADS or step > 1) and tiles_per_pass == 1,
+                      mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2
+                      else MASK_BRANCH and (columns_for(rows) > HEADS or step > 1),
                       pivot_mma=pivot_mma,
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
                       and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,

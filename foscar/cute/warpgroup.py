@@ -237,34 +237,39 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
 
 
 @cute.jit
-def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
+def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n, zero_past: cutlass.Constexpr = True) -> TileScales:
     """The :class:`TileScales` of the tile starting at token ``t0`` from its registers ``par``: rows past
-    the length get zero V ``(s', z')``, so whatever the page holds there never reaches P'."""
+    the length get zero V ``(s', z')``, so whatever the page holds there never reaches P' (``zero_past`` False:
+    left to the caller, :func:`foscar.cute.pair.mask_pass`)."""
     ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
     vo = cfg.k_par_words  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
     vs0, vz0, vs1, vz1 = par[vo], par[vo + 1], par[vo + 2 * cfg.vc], par[vo + 2 * cfg.vc + 1]
     valid0 = t0 + row0 < n
     valid1 = t0 + row0 + 8 < n
-    if not valid0:
-        vs0 = Float32(0.0)
-        vz0 = Float32(0.0)
-    if not valid1:
-        vs1 = Float32(0.0)
-        vz1 = Float32(0.0)
+    if cutlass.const_expr(zero_past):
+        vs0, vz0, vs1, vz1 = zero_rows_past(vs0, vz0, vs1, vz1, valid0, valid1)
     v = [(vs0, vz0, vs1, vz1)]
     if cutlass.const_expr(cfg.vc == 2):  # token-wise V, the second channel group's (s', z') of both rows
         ws0 = par[vo + 2]
         wz0 = par[vo + 3]
         ws1 = par[vo + 6]
         wz1 = par[vo + 7]
-        if not valid0:
-            ws0 = Float32(0.0)
-            wz0 = Float32(0.0)
-        if not valid1:
-            ws1 = Float32(0.0)
-            wz1 = Float32(0.0)
+        if cutlass.const_expr(zero_past):
+            ws0, wz0, ws1, wz1 = zero_rows_past(ws0, wz0, ws1, wz1, valid0, valid1)
         v.append((ws0, wz0, ws1, wz1))
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
+
+
+@cute.jit
+def zero_rows_past(s0: Float32, z0: Float32, s1: Float32, z1: Float32, valid0, valid1) -> tuple:
+    """A V channel group's ``(s', z')`` of a thread's two token rows, zero on a row past the length."""
+    if not valid0:
+        s0 = Float32(0.0)
+        z0 = Float32(0.0)
+    if not valid1:
+        s1 = Float32(0.0)
+        z1 = Float32(0.0)
+    return s0, z0, s1, z1
 
 
 class TileKernel:
@@ -446,11 +451,12 @@ class TileKernel:
 
     @cute.jit
     def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None,
-                mu=None, summed: cutlass.Constexpr = False) -> list:
+                mu=None, summed: cutlass.Constexpr = False, mask: cutlass.Constexpr = True) -> list:
         """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
         ``row0 + 8 row_half(e)``) from K's fold, less ``mu`` (by column slot) where given; ``-inf`` on rows past
         the sequence and, in a step of several tokens, past each column's causal limit (the tile starting at
-        token ``t0``). Channel-wise K with E4M3 terms: ``summed``, the partials hold the terms' sum already."""
+        token ``t0``). Channel-wise K with E4M3 terms: ``summed``, the partials hold the terms' sum already;
+        ``mask`` False: no masks (the caller's, :func:`foscar.cute.pair.mask_pass`)."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
@@ -459,6 +465,8 @@ class TileKernel:
                 s = less_maxima(s, mu)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg, mu)
+        if cutlass.const_expr(not mask):
+            return s
         if cutlass.const_expr(not cfg.mask_branch):
             return self._masked(wg, sc, s, t0)
         kept = cute.make_rmem_tensor(cute.make_layout(len(s)), Float32)  # what leaves the branch
