@@ -79,8 +79,10 @@ WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), one power of
 #: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
 #: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc);
-#: two tiles a pass, only the pass reaching the length (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`)
-STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
+#: two tiles a pass, only the pass reaching the length (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`), and
+#: their wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K and V, D
+#: 128; not INT4: 228.4 -> 219.9 instructions a tile at two CTAs an SM, but four local-memory instructions a pass)
+STACKED_TERMS, SHARED_Q_SCALE, MASK_BRANCH, PAIR_MASK_BRANCH, OWN_WGMMA_BITS = True, True, True, True, (2,)
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
@@ -117,9 +119,9 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
             "WIDE_ONE_COPY_BITS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V",
-            "MASK_BRANCH", "PAIR_MASK_BRANCH", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS",
-            "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT",
-            "FUSED_MERGE")
+            "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE",
+            "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS",
+            "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -139,8 +141,7 @@ def as_run(cfg, ctas_per_sm: int):
 
 
 def consumers_for(cfg, ctas_per_sm: int) -> int:
-    """v1's consumer warpgroups a CTA: 3 for a :attr:`~Sm90Config.wide` configuration at one CTA an SM, else
-    :data:`CONSUMERS`."""
+    """v1's consumer warpgroups a CTA: 3 where :attr:`~Sm90Config.wide` at one CTA an SM, else :data:`CONSUMERS`."""
     return 3 if cfg.wide and ctas_per_sm == 1 else CONSUMERS
 
 
@@ -258,6 +259,7 @@ class Sm90Config:
     #: stacked terms: Q's power of two one per KV head, joining the token's scale in K's fold (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
+    own_wgmma: bool = False  #: v1, two tiles a pass: :data:`OWN_WGMMA_BITS`
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
@@ -329,8 +331,7 @@ class Sm90Config:
 
     @property
     def qk_cols(self) -> int:
-        """The N of the QK product: :attr:`q_terms` times the columns with :attr:`term_blocks` (unless
-        :attr:`stacked_terms`), else the columns."""
+        """The QK product's N: :attr:`q_terms` times the columns with unstacked :attr:`term_blocks`, else the columns."""
         return self.q_terms * self.cols if self.term_blocks and not self.stacked_terms else self.cols
 
     @property
@@ -340,8 +341,7 @@ class Sm90Config:
 
     @property
     def red_slots(self) -> int:
-        """Reduction slots per warp in shared memory: the column maxima, the ``|s'_V|`` maxima, the
-        channel-wise V sums of ``P~`` (from ``cols``)."""
+        """Reduction slots per warp in shared memory: column maxima, ``|s'_V|`` maxima, channel-wise V's ``P~`` sums."""
         return 2 * self.cols
 
     @property
@@ -383,8 +383,7 @@ class Sm90Config:
 
     @property
     def k_param_words(self) -> int:
-        """Floats of a tile's K ``(s', z')``: per token and channel group, or the token group's row; FP4: words of
-        the tile's block-scale bytes."""
+        """Floats of a tile's K ``(s', z')`` (per token and channel group, or the token group's row; FP4: words)."""
         if self.fp4_block:
             return TILE * self.fp4_blocks // 4
         return 2 * self.head_dim if self.k_channel else 2 * TILE * self.kc
@@ -568,9 +567,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
-    cols = columns_for(rows)
+    cols, token_axes = columns_for(rows), fmt.k_axis == fmt.v_axis == "token"
     wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
-    wide = not producer_fold and wide_cols and (fmt.k_axis == fmt.v_axis == "token" if tiles_per_pass == 2
+    wide = not producer_fold and wide_cols and (token_axes if tiles_per_pass == 2
                                                 else fmt.k_axis == "token" or g < 2 * TILE)
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
@@ -591,9 +590,10 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2
                       else MASK_BRANCH and (columns_for(rows) > HEADS or step > 1),
-                      pivot_mma=pivot_mma,
-                      overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE
-                      and fmt.k_axis == fmt.v_axis == "token" and g >= fmt.head_dim,
+                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and tiles_per_pass == 2 and e4m3
+                      and token_axes and fmt.head_dim == 128,
+                      overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
+                      and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
                       wide=wide, one_copy=wide and cols == MAX_COLS and fmt.bits in WIDE_ONE_COPY_BITS)

@@ -49,6 +49,7 @@ from .warpgroup import (
     WarpgroupThread,
     allocate_registers,
 )
+from .wgmma import pass_descriptors
 
 
 #: the named barrier of every consumer warpgroup (0: the CTA's; 1-3: each consumer's; 5: Q's staging warpgroup)
@@ -433,7 +434,7 @@ class FoldDecodeSm90WS(TileKernel):
             limits = causal_limits(cfg, thr.col0, last)
         mask_from = first_masked(cfg, n, last) if cfg.mask_branch else None
         wg = Warpgroup(thr, smem, frags, qk_mma, pv_mma, qsum, n, qk_scale, qinv, limits, mask_from,
-                       qk_mma0=zeroing_qk_mma(cfg))
+                       qk_mma0=zeroing_qk_mma(cfg), descs=pass_descriptors(cfg, smem))
         state, regs, regs_b = allocate_registers(cfg, frags, prefetch=pair or cfg.overlap)
         if cutlass.const_expr(cfg.k_channel and cfg.k_e4m3 and not cfg.producer_fold):  # Q' buffers' fixed parts
             fold_terms_padding(cfg, thr.tidx, THREADS, smem.sQk, smem.sKf)

@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_START
 from .config import CORRECTION_TILES, TILE, Sm90Config
+from .wgmma import pv_mma, qk_mma
 from .fragment import o_slot, row_half, s_slot, slot_column
 from .ring import split_tiles_each
 from .fold_map import k_fold_buffer
@@ -148,7 +149,8 @@ class Warpgroup:
 
     def __init__(self, thr: WarpgroupThread, smem: WarpgroupSmem, frags: Fragments, qk_mma, pv_mma, qsum: list,
                  n, qk_scale: Float32, qinv: tuple | None = None, limits: list | None = None, mask_from=None,
-                 qk_mma0=None):
+                 qk_mma0=None, descs=None):
+        self.descs = descs  #: two-tile passes' own wgmma: the B descriptors of Q and P' (:mod:`foscar.cute.wgmma`)
         self.limits = limits
         self.mask_from = n if mask_from is None else mask_from
         self.qinv = qinv  # E4M3 K operands: the 2^-e of this thread's two head columns
@@ -414,10 +416,12 @@ class TileKernel:
                 acc = accS
             q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
             mma = wg.qk_mma
+            first = False
             if cutlass.const_expr(zeroing and all(a is not acc for a in started)):
                 started.append(acc)
                 mma = wg.qk_mma0
-            cute.gemm(mma, acc, tSrK[None, None, ka], q_frag, acc)
+                first = True
+            qk_mma(wg, mma, acc, tSrK, tSrK_u32, ka, q_frag, kb, first)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
@@ -520,7 +524,7 @@ class TileKernel:
         else:
             tOrP = frags.tOrP[0]
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
+                pv_mma(wg, accO, tOrV, tOrP, kb, kb0)
             if cutlass.const_expr(cfg.pivot_mma):  # the pivot sums: V^T's extra m64 block, c_h in its row 0
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                     cute.gemm(wg.pv_mma, out.pivot, frags.pivot_a, tOrP[None, None, kb0 + kb], out.pivot)

@@ -1,0 +1,92 @@
+"""Two-tile passes' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`): which
+configurations take it (INT2 as shipped, INT4 with the switch); CPU: the PTX issues the same MMAs on the same A
+registers (the same instructions forming them) as the tiled MMAs, with the B descriptors formed once, before the
+tile loop; GPU (sm_90): token-wise K and V at GQA 1-4, INT2 and INT4, one and two channel groups, one and two CTAs
+an SM, odd lengths and splits, against the float64 oracle."""
+import os
+import re
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+
+import foscar  # noqa: E402
+from _cases import HOPPER  # noqa: E402
+from _helpers import cute_switches  # noqa: E402
+from foscar.cute.compile import compile_stage1  # noqa: E402
+from foscar.cute.config import config_for  # noqa: E402
+
+FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]*)\}, (%rd\d+)")
+
+
+@pytest.mark.parametrize("kw,k_operand,tiles,taken", [
+    ({}, "e4m3", 2, True), ({"bits": 4}, "e4m3", 2, True), ({"group_size": 64}, "e4m3", 2, True),
+    ({}, "e4m3", 1, False), ({}, "bf16", 2, False), ({"head_dim": 64, "group_size": 64}, "e4m3", 2, False),
+    ({"v_axis": "channel"}, "e4m3", 2, False), ({"k_axis": "channel"}, "e4m3", 2, False)])
+def test_token_wise_two_tile_passes_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles, taken):
+    fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **kw})
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+        assert config_for(fmt, 4, 64, k_operand, tiles).own_wgmma is taken
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=()):
+        assert not config_for(fmt, 4, 64, k_operand, tiles).own_wgmma
+
+
+def _mmas(ptx: str) -> tuple[list, dict]:
+    """Each wgmma's shape and the instructions that form its A registers (three levels deep, the registers past
+    them unnamed, those of addresses renamed in order of first use), and the defining line of every register."""
+    defs = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*([a-z0-9_.]+)\s+(%r[d]?\d+),\s*(.*);", line)
+        if m:
+            defs[m.group(2)] = (m.group(1), m.group(3))
+
+    def source(r, depth=3):
+        if not r.startswith("%r"):
+            return r
+        if depth == 0 or r not in defs:
+            return "%r"
+        op, args = defs[r]
+        return f"{op}({', '.join(source(x.strip(), depth - 1) for x in args.split(','))})"
+
+    mmas = [(m.group(1), [source(a.strip()) for a in m.group(3).split(",")], m.group(4)) for m in WGMMA.finditer(ptx)]
+    names: dict = {}  # the registers left named (addresses), renamed in order of first use
+
+    def rename(text):
+        return re.sub(r"%r\d+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
+
+    return [(shape, [rename(a) for a in a_regs], desc) for shape, a_regs, desc in mmas], defs
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkeypatch, bits):
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    ptx = {}
+    for on in (False, True):
+        with cute_switches(monkeypatch, OWN_WGMMA_BITS=(bits,) if on else ()):
+            cfg = config_for(fmt, 4, 64, "e4m3", 2)
+            ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    off, _ = _mmas(ptx[False])
+    on, _ = _mmas(ptx[True])
+    assert [(s, a) for s, a, _ in on] == [(s, a) for s, a, _ in off] and len(on) == 24
+    # Q's first descriptor and P''s, each through one opaque move, made once
+    moves = re.findall(r"mov\.b64 (%rd\d+), %rd\d+;", ptx[True])
+    assert len(moves) == 2 and len(set(moves)) == 2
+    assert not re.findall(r"mov\.b64 %rd\d+, %rd\d+;", ptx[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("gqa,lens,num_splits,g,ctas", [
+    (4, [8192, 700, 1], 16, 128, 2), (4, [4097, 63, 130], 5, 128, 1), (2, [3000, 190, 5], None, 128, 2),
+    (1, [1000, 64, 129], 3, 128, 2), (3, [2000, 333], 4, 64, 2), (4, [1500, 65], None, 64, 1)])
+def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, gqa, lens, num_splits, g,
+                                                                     ctas):
+    from _cases import cute_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=g)
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+        cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, g {g}, own wgmma, {ctas} CTA(s) an SM: error",
+                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
+                                ctas_per_sm=ctas)
