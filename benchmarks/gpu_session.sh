@@ -463,7 +463,8 @@ SWEEPS
     for name in mask-branch pivot-mma channel-k channel-v wide-eight; do bash "$0" pending "$name"; done ;;
   defaults)  # the CuTe kernels' GPU suites with the switches as they ship ($JOBS pytest processes)
     parallel_pytest defaults "python3 -m pytest" "tests/test_cute_decode.py tests/test_cute_variants.py tests/test_multitoken.py \
-      tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py tests/test_steps_windows.py tests/test_cute_mask_branch.py" ;;
+      tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py tests/test_steps_windows.py tests/test_cute_mask_branch.py \
+      tests/test_cute_wgmma.py" ;;
   wide-eight-speed)  # after install-cute and the wide-eight tests: one CTA an SM of three consumers at 8 columns
                      # (WIDE_EIGHT_COLUMNS) against foscar.decode's launch and v1 at one and two CTAs (kernel alone):
                      # GQA 4 (two tiles a pass) on the short and read-share shapes, GQA 8 (one); then steps of 2 tokens
