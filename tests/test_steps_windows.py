@@ -56,7 +56,8 @@ def test_the_folded_step_is_the_oracles(case):
     """``decode_folded(q [B, T, Hq, D])`` (each KV head's rows its heads times the step's tokens, each row's
     quantized tokens up to its length's quantized count, each token over its length's windows) is the oracle's
     step within 1e-10 in float64, and the one-token decodes of the causal view's rows (the cache cut at each
-    token, on the same ring) as the folded spec runs them; the step's last token is a one-token decode of the cache."""
+    token, on the same ring) as the folded spec runs them; the step's last token is a one-token decode of the cache
+    (within 1e-13)."""
     from foscar.multitoken import causal_view
     _, cache = build(case)
     q = step_query(case, cache)
@@ -68,8 +69,8 @@ def test_the_folded_step_is_the_oracles(case):
     assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
     rows = foscar.decode_folded(q.reshape(-1, *q.shape[2:]), causal_view(cache, case["T"]), tile_tokens=case["tile"])
     assert rel(rows.view(q.shape), exact) <= 1e-10
-    last = foscar.decode_exact(q[:, -1], cache)
-    assert torch.equal(exact[:, -1], last)
+    last = foscar.decode_exact(q[:, -1], cache)  # float64 sums in another order (the rotation's BLAS): not bitwise
+    assert rel(exact[:, -1], last) <= 1e-13, rel(exact[:, -1], last)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
