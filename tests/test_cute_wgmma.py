@@ -1,8 +1,8 @@
-"""Two-tile passes' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`): which
+"""Two-tile passes' and 32-column steps' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`): which
 configurations take it (INT2 as shipped, INT4 with the switch); CPU: the PTX issues the same MMAs on the same A
 registers (the same instructions forming them) as the tiled MMAs, with the B descriptors formed once, before the
 tile loop; GPU (sm_90): token-wise K and V at GQA 1-4, INT2 and INT4, one and two channel groups, one and two CTAs
-an SM, odd lengths and splits, against the float64 oracle."""
+an SM, odd lengths and splits, and steps of 8 tokens at GQA 4 (32 columns), against the float64 oracle."""
 import os
 import re
 
@@ -21,16 +21,18 @@ FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]*)\}, (%rd\d+)")
 
 
-@pytest.mark.parametrize("kw,k_operand,tiles,taken", [
-    ({}, "e4m3", 2, True), ({"bits": 4}, "e4m3", 2, True), ({"group_size": 64}, "e4m3", 2, True),
-    ({}, "e4m3", 1, False), ({}, "bf16", 2, False), ({"head_dim": 64, "group_size": 64}, "e4m3", 2, False),
-    ({"v_axis": "channel"}, "e4m3", 2, False), ({"k_axis": "channel"}, "e4m3", 2, False)])
-def test_token_wise_two_tile_passes_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles, taken):
+@pytest.mark.parametrize("kw,k_operand,tiles,step,taken", [
+    ({}, "e4m3", 2, 1, True), ({"bits": 4}, "e4m3", 2, 1, True), ({"group_size": 64}, "e4m3", 2, 1, True),
+    ({}, "e4m3", 1, 8, True), ({"bits": 4}, "e4m3", 1, 8, True), ({}, "e4m3", 1, 1, False), ({}, "e4m3", 1, 4, False),
+    ({}, "bf16", 2, 1, False), ({"head_dim": 64, "group_size": 64}, "e4m3", 2, 1, False),
+    ({"v_axis": "channel"}, "e4m3", 2, 1, False), ({"k_axis": "channel"}, "e4m3", 2, 1, False)])
+def test_token_wise_two_tile_passes_and_32_column_steps_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles,
+                                                                               step, taken):
     fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **kw})
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
-        assert config_for(fmt, 4, 64, k_operand, tiles).own_wgmma is taken
+        assert config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma is taken
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=()):
-        assert not config_for(fmt, 4, 64, k_operand, tiles).own_wgmma
+        assert not config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma
 
 
 def _mmas(ptx: str) -> tuple[list, dict]:
@@ -59,20 +61,25 @@ def _mmas(ptx: str) -> tuple[list, dict]:
     return [(shape, [rename(a) for a in a_regs], desc) for shape, a_regs, desc in mmas], defs
 
 
-@pytest.mark.parametrize("bits", (2, 4))
-def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkeypatch, bits):
+@pytest.mark.parametrize("bits,tiles,step,ctas,mmas", [(2, 2, 1, 2, 24), (4, 2, 1, 2, 24), (2, 1, 8, 1, 48),
+                                                    (4, 1, 8, 1, 16)])
+def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkeypatch, bits, tiles, step, ctas,
+                                                                          mmas):
+    """Two tiles a pass at two CTAs an SM; a step of 8 tokens on three consumers (INT2: a copy of their code each,
+    INT4 one copy)."""
+    from foscar.cute.config import consumer_code_paths
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     ptx = {}
     for on in (False, True):
         with cute_switches(monkeypatch, OWN_WGMMA_BITS=(bits,) if on else ()):
-            cfg = config_for(fmt, 4, 64, "e4m3", 2)
-            ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+            cfg = config_for(fmt, 4, 64, "e4m3", tiles, step)
+            ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     off, _ = _mmas(ptx[False])
     on, _ = _mmas(ptx[True])
-    assert [(s, a) for s, a, _ in on] == [(s, a) for s, a, _ in off] and len(on) == 24
-    # Q's first descriptor and P''s, each through one opaque move, made once
+    assert [(s, a) for s, a, _ in on] == [(s, a) for s, a, _ in off] and len(on) == mmas
+    # Q's first descriptor and P''s, each through one opaque move, made once a copy of the consumers' code
     moves = re.findall(r"mov\.b64 (%rd\d+), %rd\d+;", ptx[True])
-    assert len(moves) == 2 and len(set(moves)) == 2
+    assert len(moves) == len(set(moves)) == 2 * consumer_code_paths(cfg, ctas)
     assert not re.findall(r"mov\.b64 %rd\d+, %rd\d+;", ptx[False])
 
 
@@ -90,3 +97,13 @@ def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch
         cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, g {g}, own wgmma, {ctas} CTA(s) an SM: error",
                                 num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                 ctas_per_sm=ctas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("num_splits", (None, 64))
+def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, num_splits):
+    from _cases import cute_step_against_the_oracle
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+        cute_step_against_the_oracle(bits, 4, 8, num_splits, {})

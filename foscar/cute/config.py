@@ -590,8 +590,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2
                       else MASK_BRANCH and (columns_for(rows) > HEADS or step > 1),
-                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and tiles_per_pass == 2 and e4m3
-                      and token_axes and fmt.head_dim == 128,
+                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and token_axes and fmt.head_dim == 128
+                      and (tiles_per_pass == 2 or wide and cols == MAX_COLS and STACKED_TERMS and q_terms == 2),
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,

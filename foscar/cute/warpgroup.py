@@ -524,7 +524,7 @@ class TileKernel:
         else:
             tOrP = frags.tOrP[0]
             for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                pv_mma(wg, accO, tOrV, tOrP, kb, kb0)
+                pv_mma(cfg, wg, accO, tOrV, tOrP, kb, kb0)
             if cutlass.const_expr(cfg.pivot_mma):  # the pivot sums: V^T's extra m64 block, c_h in its row 0
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                     cute.gemm(wg.pv_mma, out.pivot, frags.pivot_a, tOrP[None, None, kb0 + kb], out.pivot)
