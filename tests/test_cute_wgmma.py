@@ -1,5 +1,5 @@
 """Two-tile passes' and 32-column steps' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`): which
-configurations take it (INT2 as shipped, INT4 with the switch); CPU: the PTX issues the same MMAs on the same A
+configurations take it (two-tile passes at INT2 as shipped; INT4 and the steps with the switches); CPU: the PTX issues the same MMAs on the same A
 registers (the same instructions forming them) as the tiled MMAs, with the B descriptors formed once, before the
 tile loop; GPU (sm_90): token-wise K and V at GQA 1-4, INT2 and INT4, one and two channel groups, one and two CTAs
 an SM, odd lengths and splits, and steps of 8 tokens at GQA 4 (32 columns), against the float64 oracle."""
@@ -29,7 +29,7 @@ WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]
 def test_token_wise_two_tile_passes_and_32_column_steps_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles,
                                                                                step, taken):
     fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **kw})
-    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True):
         assert config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma is taken
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=()):
         assert not config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma
@@ -71,7 +71,7 @@ def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkey
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     ptx = {}
     for on in (False, True):
-        with cute_switches(monkeypatch, OWN_WGMMA_BITS=(bits,) if on else ()):
+        with cute_switches(monkeypatch, OWN_WGMMA_BITS=(bits,) if on else (), OWN_WGMMA_STEPS=on):
             cfg = config_for(fmt, 4, 64, "e4m3", tiles, step)
             ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     off, _ = _mmas(ptx[False])
@@ -105,5 +105,5 @@ def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch
 @pytest.mark.parametrize("num_splits", (None, 64))
 def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, num_splits):
     from _cases import cute_step_against_the_oracle
-    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True):
         cute_step_against_the_oracle(bits, 4, 8, num_splits, {})

@@ -80,9 +80,10 @@ WINDOWED_STEPS = True
 #: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
 #: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc);
 #: two tiles a pass, only the pass reaching the length (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`), and
-#: their wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K and V, D
-#: 128; not INT4: 228.4 -> 219.9 instructions a tile at two CTAs an SM, but four local-memory instructions a pass)
-STACKED_TERMS, SHARED_Q_SCALE, MASK_BRANCH, PAIR_MASK_BRANCH, OWN_WGMMA_BITS = True, True, True, True, (2,)
+#: their wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K and V, D 128;
+#: not INT4, which spills so; ``OWN_WGMMA_STEPS``: 32-column steps on three consumers, off until run on a GPU)
+STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
+OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), False
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
@@ -119,9 +120,9 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
             "WIDE_ONE_COPY_BITS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V",
-            "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE",
-            "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS",
-            "V_PRODUCT_BIT", "FUSED_MERGE")
+            "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
+            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
+            "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -567,7 +568,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
-    cols, token_axes = columns_for(rows), fmt.k_axis == fmt.v_axis == "token"
+    cols, token_axes, D = columns_for(rows), fmt.k_axis == fmt.v_axis == "token", fmt.head_dim
     wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
     wide = not producer_fold and wide_cols and (token_axes if tiles_per_pass == 2
                                                 else fmt.k_axis == "token" or g < 2 * TILE)
@@ -588,10 +589,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
-                      mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2
-                      else MASK_BRANCH and (columns_for(rows) > HEADS or step > 1),
-                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and token_axes and fmt.head_dim == 128
-                      and (tiles_per_pass == 2 or wide and cols == MAX_COLS and STACKED_TERMS and q_terms == 2),
+                      mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
+                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and token_axes and D == 128
+                      and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS),
                       overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
