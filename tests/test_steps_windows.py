@@ -69,7 +69,8 @@ def test_the_folded_step_is_the_oracles(case):
     assert float((lse_f - lse_e).abs().max()) <= 1e-10 * max(1.0, float(lse_e.abs().max()))
     rows = foscar.decode_folded(q.reshape(-1, *q.shape[2:]), causal_view(cache, case["T"]), tile_tokens=case["tile"])
     assert rel(rows.view(q.shape), exact) <= 1e-10
-    last = foscar.decode_exact(q[:, -1], cache)  # float64 sums in another order (the rotation's BLAS): not bitwise
+    last = foscar.decode_exact(q[:, -1], cache)  # a rotated cache's inverse rotation (BLAS) over another batch
+    # shape (the causal view's rows) sums in another order: equal to about 1e-15, not bit for bit
     assert rel(exact[:, -1], last) <= 1e-13, rel(exact[:, -1], last)
 
 

@@ -260,7 +260,7 @@ class Sm90Config:
     #: stacked terms: Q's power of two one per KV head, joining the token's scale in K's fold (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
-    own_wgmma: bool = False  #: v1, two tiles a pass: :data:`OWN_WGMMA_BITS`
+    own_wgmma: bool = False  #: v1, two-tile passes and 32-column steps: :data:`OWN_WGMMA_BITS`, ``OWN_WGMMA_STEPS``
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
@@ -579,22 +579,22 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       **v_fields, sink=fmt.sink, recent=fmt.recent,
                       k_channel=fmt.k_axis == "channel", group_size=fmt.group_size,
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
-                      rotation=fmt.rotation is not None, step=step, tail=tail, cols=columns_for(gqa * step),
+                      rotation=fmt.rotation is not None, step=step, tail=tail, cols=cols,
                       stages=stages,
                       lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
                       and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
-                      p_column_major=columns_for(rows) in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
+                      p_column_major=cols in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
                       pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and token_axes and D == 128
                       and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS),
-                      overlap=columns_for(rows) in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
+                      overlap=cols in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
-                      flat_words=FLAT_WORDS or columns_for(rows) in FLAT_WORDS_COLS,
+                      flat_words=FLAT_WORDS or cols in FLAT_WORDS_COLS,
                       wide=wide, one_copy=wide and cols == MAX_COLS and fmt.bits in WIDE_ONE_COPY_BITS)
 

@@ -416,12 +416,10 @@ class TileKernel:
                 acc = accS
             q_frag = frags.tSrQk[None, None, kb, qbuf] if cutlass.const_expr(cfg.k_channel) else frags.tSrQ[None, None, kb]
             mma = wg.qk_mma
-            first = False
             if cutlass.const_expr(zeroing and all(a is not acc for a in started)):
                 started.append(acc)
                 mma = wg.qk_mma0
-                first = True
-            qk_mma(wg, mma, acc, tSrK, tSrK_u32, ka, q_frag, kb, first)
+            qk_mma(wg, mma, acc, tSrK, tSrK_u32, ka, q_frag, kb)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):

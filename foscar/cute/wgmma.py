@@ -81,15 +81,16 @@ def pass_descriptors(cfg, smem):
 
 
 @cute.jit
-def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, ka, q_frag, kb, first):
-    """One k-step of ``S^T = K Q^T`` into ``acc`` (K's k-block ``ka``, Q's ``kb``; ``first``: overwrite ``acc``):
-    by :func:`mma_rs` where the warpgroup holds the descriptors (``wg.descs``), else by the tiled MMA ``mma``."""
+def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, ka, q_frag, kb):
+    """One k-step of ``S^T = K Q^T`` into ``acc`` (K's k-block ``ka``, Q's ``kb``): by :func:`mma_rs` where the
+    warpgroup holds the descriptors (``wg.descs``), else by the tiled MMA ``mma``; ``mma`` the warpgroup's zeroing
+    one (``wg.qk_mma0``), the accumulator's first MMA, which overwrites it."""
     if cutlass.const_expr(wg.descs is not None):
         a = tSrK_u32[None, None, ka]
         n = cute.size(acc)
         desc = wg.descs[0] + (K_STEP * (kb % 4) + Q_ATOM * (kb // 4))
         d = mma_rs(f"m64n{2 * n}k32.f32.e4m3.e4m3", [acc[i] for i in range(n)], [a[i] for i in range(4)], desc,
-                   not first)
+                   mma is not wg.qk_mma0)
         for i in cutlass.range_constexpr(n):
             acc[i] = d[i]
     else:
