@@ -1,12 +1,12 @@
 """The scores' masks in a branch (``foscar.cute.config.MASK_BRANCH``, ``Sm90Config.mask_branch``): at 16 and 32
-columns and in every step of several tokens, one tile a pass, the rows past the length and a step's causal limits are selected only in the tiles that
-reach the first of them (the thread's least limit, or the length), where every tile selected each element; with two
-tiles a pass (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`) the pass that reaches the length masks its
-rows past it and zeroes their V ``(s', z')``. CPU:
-which configurations take it, and that one token at 8 columns compiles to the same PTX with the switch on. GPU
-(sm_90): GQA 16 and 32 and steps of 2, 4 and 8 tokens (8, 16 and 32 columns) (lengths that end mid-tile, splits whose last tile reaches a limit,
-BF16 windows), and two tiles a pass at GQA 1-4 on every axis pair (lengths that end mid-tile and mid-pass, a pass
-without its second tile) against the float64 oracle."""
+columns and in every step of several tokens, one tile a pass, only the tiles that reach the first limit (the
+thread's least limit, or the length) select the masked scores and zero the V ``(s', z')`` of their rows past the
+length, where every tile did both; with two tiles a pass (``PAIR_MASK_BRANCH``) the pass that reaches the length
+does (:meth:`foscar.cute.warpgroup.TileKernel._mask_branch`, one mechanism for both). CPU: which configurations
+take it, and that one token at 8 columns compiles to the same PTX with the switch on. GPU (sm_90): GQA 16 and 32
+and steps of 2, 4 and 8 tokens (8, 16 and 32 columns) (lengths that end mid-tile, splits whose last tile reaches a
+limit, BF16 windows), and two tiles a pass at GQA 1-4 on every axis pair (lengths that end mid-tile and mid-pass, a
+pass without its second tile) against the float64 oracle."""
 import os
 
 import pytest

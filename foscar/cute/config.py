@@ -78,10 +78,10 @@ START_PREFETCH = True
 WINDOWED_STEPS = True
 #: Q's E4M3 terms stacked along the contraction at 16 and 32 columns (:attr:`Sm90Config.stacked_terms`), one power of
 #: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
-#: masks in a branch only tiles reaching a limit take (``mask_branch``; 16-32 columns, steps): faster (results doc);
-#: two tiles a pass, only the pass reaching the length (``PAIR_MASK_BRANCH``, :func:`foscar.cute.pair.mask_pass`), and
-#: their wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K and V, D 128;
-#: not INT4, which spills so; ``OWN_WGMMA_STEPS``: 32-column steps on three consumers, off until run on a GPU)
+#: masks and the V ``(s', z')`` zeroed past the length in a branch only tiles reaching a limit take (``mask_branch``;
+#: 16-32 columns, steps; ``PAIR_MASK_BRANCH``: two-tile passes): :meth:`foscar.cute.warpgroup.TileKernel._mask_branch`;
+#: two-tile passes' wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K
+#: and V, D 128; not INT4, which spills so; ``OWN_WGMMA_STEPS``: 32-column steps on three consumers, off until run)
 STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
 OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), False
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):

@@ -13,6 +13,7 @@ and V of one channel group, the lazy rescale (:mod:`foscar.cute.lazy`; its rare 
 """
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
@@ -58,6 +59,8 @@ def overlap_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters
     warpgroup.wait_group(1)
     parts_a = kern._qk_finish(wg, parts_a, steps_a)
     s_a = kern._scores(wg, regs, sc_a, parts_a, t0, mu=state.softmax.m)
+    if cutlass.const_expr(cfg.mask_branch):
+        s_a, sc_a = kern._mask_branch(wg, sc_a, s_a, t0, t0)
     softmax, out = lazy_softmax(cfg, wg, state, sc_a, s_a, step)
     build_vt_registers(cfg, frags.tOrV_u32, regs.vw)
     kern._pv(wg, out, 0, wait=False)
@@ -65,6 +68,8 @@ def overlap_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters
     warpgroup.wait_group(1)
     parts_b = kern._qk_finish(wg, parts_b, steps_b)
     s_b = kern._scores(wg, regs_b, sc_b, parts_b, t0_b, mu=softmax.m)
+    if cutlass.const_expr(cfg.mask_branch):
+        s_b, sc_b = kern._mask_branch(wg, sc_b, s_b, t0_b, t0_b)
     softmax, out = lazy_softmax(cfg, wg, RunningState(softmax, out, state.kgroup), sc_b, s_b, step + 1, first=TILE,
                                 pv_in_flight=True)
     warpgroup.wait_group(0)  # A's PV product read V^T's registers: B's are built into them

@@ -23,7 +23,7 @@ from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, term_columns
 from .ring import StageRing, ring_phase, ring_slot
-from .warpgroup import RunningState, TileRegisters, TileScales, Warpgroup, tile_scales, zero_rows_past
+from .warpgroup import RunningState, TileRegisters, Warpgroup, tile_scales
 
 
 @cute.jit
@@ -88,7 +88,7 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
         from .operands_fp4 import mx_row_params, mx_views, publish_v_scale_bits
         mx_row_params(cfg, regs.par, scales[2][0], scales[2][1], thr.row0)
         publish_v_scale_bits(cfg, mx_views(wg.smem.sMx)[0], scales[0][1], scales[1][1], step & 1, thr.tidx)
-    sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n, zero_past=not cfg.mask_branch)
+    sc = tile_scales(cfg, regs.par, t_own, thr.row0, wg.n)
     if cutlass.const_expr(cfg.qk_promote):  # each tile's k-steps in FP32 registers: one tile in flight at a time
         parts_a = kern._qk(wg, regs, sc, t0, None, False, scales=scales[0] if fp4 else None)
         parts_b = kern._qk(wg, regs_b, sc, t0_b, frags.accS_b, False, scales=scales[1] if fp4 else None)
@@ -103,10 +103,9 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     if cutlass.const_expr(cfg.k_channel):  # the group's 2^-e of this thread's two columns
         qinv = [wg.smem.sKf[qbuf, cfg.cols + thr.col0 + j] for j in range(2)]
     parts = [join_tiles(cfg, parts_a[i], parts_b[i], wg, qinv) for i in range(len(parts_a))]
-    s = kern._scores(wg, regs, sc, parts, qbuf=qbuf, mu=state.softmax.m, summed=True,  # less the maxima (lazy)
-                     mask=not cfg.mask_branch)
-    if cutlass.const_expr(cfg.mask_branch):
-        s, sc = mask_pass(kern, wg, sc, s, t_own, t0_b)
+    s = kern._scores(wg, regs, sc, parts, qbuf=qbuf, mu=state.softmax.m, summed=True)  # less the maxima (lazy)
+    if cutlass.const_expr(cfg.mask_branch):  # the pass that reaches the end (tile B at the length where none)
+        s, sc = kern._mask_branch(wg, sc, s, t_own, t0_b)
     if cutlass.const_expr(release is not None and not fp4):  # the stage's Q' read: the producer may refill it
         release()
     if cutlass.const_expr(cfg.v_channel):  # P~ of both tiles, one acc-fold of both tiles' products
@@ -136,40 +135,6 @@ def pair_step(kern, wg: Warpgroup, regs: TileRegisters, regs_b: TileRegisters, s
     if step & (passes - 1) == passes - 1:  # step % passes (passes a power of two, step >= 0)
         fold_corrections(cfg, out, wg.smem.sSum, thr)
     return RunningState(softmax, out, state.kgroup)
-
-
-@cute.jit
-def mask_pass(kern, wg: Warpgroup, sc: TileScales, s: list, t_own, t0_b):
-    """``(s, sc)`` of a pass whose masks are in a branch (``Sm90Config.mask_branch``): only a pass that reaches
-    the sequence's end (tile B's last token at or past it; tile B at the length where there is none) masks the
-    scores of its rows past the end and zeroes their V ``(s', z')``; the others keep what they have. ``t_own``: the
-    first token of this thread's tile."""
-    n_el = len(s)
-    groups = len(sc.v)
-    kept = cute.make_rmem_tensor(cute.make_layout(n_el + 4 * groups), Float32)  # what leaves the branch
-    for e in cutlass.range_constexpr(n_el):
-        kept[e] = s[e]
-    for g in cutlass.range_constexpr(groups):
-        for i in cutlass.range_constexpr(4):
-            kept[n_el + 4 * g + i] = sc.v[g][i]
-    if t0_b + TILE > wg.mask_from:
-        _mask_rows(kern, wg, sc, kept, t_own, n_el)
-    v = [tuple(kept[n_el + 4 * g + i] for i in range(4)) for g in range(groups)]
-    return [kept[e] for e in range(n_el)], TileScales(sc.k, v, sc.valid)
-
-
-@cute.jit
-def _mask_rows(kern, wg: Warpgroup, sc: TileScales, kept: cute.Tensor, t_own, n_el: cutlass.Constexpr):
-    """:func:`mask_pass`'s branch: the scores in ``kept[:n_el]`` masked, the V ``(s', z')`` after them zeroed on
-    rows past the end."""
-    masked = kern._masked(wg, sc, [kept[e] for e in range(n_el)], t_own)
-    for e in cutlass.range_constexpr(n_el):
-        kept[e] = masked[e]
-    for g in cutlass.range_constexpr(len(sc.v)):
-        o = n_el + 4 * g
-        v = zero_rows_past(kept[o], kept[o + 1], kept[o + 2], kept[o + 3], sc.valid[0], sc.valid[1])
-        for i in cutlass.range_constexpr(4):
-            kept[o + i] = v[i]
 
 
 @cute.jit

@@ -239,16 +239,16 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
 
 
 @cute.jit
-def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n, zero_past: cutlass.Constexpr = True) -> TileScales:
+def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
     """The :class:`TileScales` of the tile starting at token ``t0`` from its registers ``par``: rows past
-    the length get zero V ``(s', z')``, so whatever the page holds there never reaches P' (``zero_past`` False:
-    left to the caller, :func:`foscar.cute.pair.mask_pass`)."""
+    the length get zero V ``(s', z')``, so whatever the page holds there never reaches P' (``cfg.mask_branch``:
+    only in the tiles that reach a limit, :meth:`TileKernel._mask_branch`)."""
     ks0, kz0, ks1, kz1 = par[0], par[1], par[2], par[3]
     vo = cfg.k_par_words  # V's (s', z') after K's: row r, group c at vo + (r * vc + c) * 2
     vs0, vz0, vs1, vz1 = par[vo], par[vo + 1], par[vo + 2 * cfg.vc], par[vo + 2 * cfg.vc + 1]
     valid0 = t0 + row0 < n
     valid1 = t0 + row0 + 8 < n
-    if cutlass.const_expr(zero_past):
+    if cutlass.const_expr(not cfg.mask_branch):
         vs0, vz0, vs1, vz1 = zero_rows_past(vs0, vz0, vs1, vz1, valid0, valid1)
     v = [(vs0, vz0, vs1, vz1)]
     if cutlass.const_expr(cfg.vc == 2):  # token-wise V, the second channel group's (s', z') of both rows
@@ -256,7 +256,7 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n, zero_past: cutla
         wz0 = par[vo + 3]
         ws1 = par[vo + 6]
         wz1 = par[vo + 7]
-        if cutlass.const_expr(zero_past):
+        if cutlass.const_expr(not cfg.mask_branch):
             ws0, wz0, ws1, wz1 = zero_rows_past(ws0, wz0, ws1, wz1, valid0, valid1)
         v.append((ws0, wz0, ws1, wz1))
     return TileScales((ks0, kz0, ks1, kz1), v, (valid0, valid1))
@@ -314,6 +314,8 @@ class TileKernel:
         sc = tile_scales(cfg, regs.par, t0, wg.thr.row0, wg.n)
         accS = self._qk(wg, regs, sc, t0, qbuf=qbuf, scales=scales)
         s = self._scores(wg, regs, sc, accS, t0, qbuf, state.softmax.m if cfg.lazy_rescale else None)
+        if cutlass.const_expr(cfg.mask_branch):
+            s, sc = self._mask_branch(wg, sc, s, t0, t0)
         if cutlass.const_expr(release is not None and not fp4):
             release()
         softmax = state.softmax
@@ -453,12 +455,12 @@ class TileKernel:
 
     @cute.jit
     def _scores(self, wg: Warpgroup, regs: TileRegisters, sc: TileScales, partials: list, t0=0, qbuf=None,
-                mu=None, summed: cutlass.Constexpr = False, mask: cutlass.Constexpr = True) -> list:
+                mu=None, summed: cutlass.Constexpr = False) -> list:
         """The tile's scaled scores of this thread (element e: column slot ``s_slot(e)``, row
         ``row0 + 8 row_half(e)``) from K's fold, less ``mu`` (by column slot) where given; ``-inf`` on rows past
         the sequence and, in a step of several tokens, past each column's causal limit (the tile starting at
-        token ``t0``). Channel-wise K with E4M3 terms: ``summed``, the partials hold the terms' sum already;
-        ``mask`` False: no masks (the caller's, :func:`foscar.cute.pair.mask_pass`)."""
+        token ``t0``; ``cfg.mask_branch``: not masked here, :meth:`_mask_branch` masks them). Channel-wise K with
+        E4M3 terms: ``summed``, the partials hold the terms' sum already."""
         cfg = self.cfg
         s = []
         if cutlass.const_expr(cfg.k_channel):  # Q' y + the group's correction, then the softmax scale
@@ -467,18 +469,35 @@ class TileKernel:
                 s = less_maxima(s, mu)
         else:
             s = k_acc_fold(cfg, partials, regs.par, sc, wg, mu)
-        if cutlass.const_expr(not mask):
-            return s
         if cutlass.const_expr(not cfg.mask_branch):
-            return self._masked(wg, sc, s, t0)
-        kept = cute.make_rmem_tensor(cute.make_layout(len(s)), Float32)  # what leaves the branch
-        for e in cutlass.range_constexpr(len(s)):
+            s = self._masked(wg, sc, s, t0)
+        return s
+
+    @cute.jit
+    def _mask_branch(self, wg: Warpgroup, sc: TileScales, s: list, t_own, t_last) -> tuple:
+        """``(s, sc)`` where the masks are in a branch (``cfg.mask_branch``): only a tile, or a pass of two, that
+        reaches a limit (``t_last``, its last tile's first token, within a tile of :attr:`Warpgroup.mask_from`)
+        masks the scores ``s`` of ``t_own``'s tile (:meth:`_masked`) and zeroes the V ``(s', z')`` of its rows past
+        the length; the others keep what they have."""
+        n_el = len(s)
+        groups = len(sc.v)
+        kept = cute.make_rmem_tensor(cute.make_layout(n_el + 4 * groups), Float32)  # what leaves the branch
+        for e in cutlass.range_constexpr(n_el):
             kept[e] = s[e]
-        if t0 + TILE > wg.mask_from:  # only the tiles that reach a limit
-            masked = self._masked(wg, sc, [kept[e] for e in range(len(s))], t0)
-            for e in cutlass.range_constexpr(len(s)):
+        for g in cutlass.range_constexpr(groups):
+            for i in cutlass.range_constexpr(4):
+                kept[n_el + 4 * g + i] = sc.v[g][i]
+        if t_last + TILE > wg.mask_from:
+            masked = self._masked(wg, sc, [kept[e] for e in range(n_el)], t_own)
+            for e in cutlass.range_constexpr(n_el):
                 kept[e] = masked[e]
-        return [kept[e] for e in range(len(s))]
+            for g in cutlass.range_constexpr(groups):
+                o = n_el + 4 * g
+                v = zero_rows_past(kept[o], kept[o + 1], kept[o + 2], kept[o + 3], sc.valid[0], sc.valid[1])
+                for i in cutlass.range_constexpr(4):
+                    kept[o + i] = v[i]
+        v = [tuple(kept[n_el + 4 * g + i] for i in range(4)) for g in range(groups)]
+        return [kept[e] for e in range(n_el)], TileScales(sc.k, v, sc.valid)
 
     @cute.jit
     def _masked(self, wg: Warpgroup, sc: TileScales, s: list, t0) -> list:
