@@ -25,11 +25,15 @@ WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]
     ({}, "e4m3", 2, 1, True), ({"bits": 4}, "e4m3", 2, 1, True), ({"group_size": 64}, "e4m3", 2, 1, True),
     ({}, "e4m3", 1, 8, True), ({"bits": 4}, "e4m3", 1, 8, True), ({}, "e4m3", 1, 1, False), ({}, "e4m3", 1, 4, False),
     ({}, "bf16", 2, 1, False), ({"head_dim": 64, "group_size": 64}, "e4m3", 2, 1, False),
-    ({"v_axis": "channel"}, "e4m3", 2, 1, False), ({"k_axis": "channel"}, "e4m3", 2, 1, False)])
-def test_token_wise_two_tile_passes_and_32_column_steps_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles,
-                                                                               step, taken):
+    ({"v_axis": "channel"}, "e4m3", 2, 1, True), ({"k_axis": "channel"}, "e4m3", 2, 1, True),
+    ({"k_axis": "channel", "v_axis": "channel"}, "e4m3", 2, 1, True), ({"v_axis": "channel"}, "e4m3", 1, 8, False),
+    ({"k_axis": "channel", "producer_fold": True}, "e4m3", 2, 1, False)])
+def test_two_tile_passes_and_token_wise_32_column_steps_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles,
+                                                                                step, taken):
+    kw = dict(kw)
+    fold = kw.pop("producer_fold", False)
     fmt = foscar.KVFormat(**{"bits": 2, "head_dim": 128, "group_size": 128, **kw})
-    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True):
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True, PRODUCER_Q_FOLD=fold):
         assert config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma is taken
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=()):
         assert not config_for(fmt, 4, 64, k_operand, tiles, step).own_wgmma
@@ -61,14 +65,17 @@ def _mmas(ptx: str) -> tuple[list, dict]:
     return [(shape, [rename(a) for a in a_regs], desc) for shape, a_regs, desc in mmas], defs
 
 
-@pytest.mark.parametrize("bits,tiles,step,ctas,mmas", [(2, 2, 1, 2, 24), (4, 2, 1, 2, 24), (2, 1, 8, 1, 48),
-                                                    (4, 1, 8, 1, 16)])
+@pytest.mark.parametrize("bits,tiles,step,ctas,mmas,axes", [
+    (2, 2, 1, 2, 24, "token"), (4, 2, 1, 2, 24, "token"), (2, 1, 8, 1, 48, "token"), (4, 1, 8, 1, 16, "token"),
+    (2, 2, 1, 2, 24, "channel-k"), (2, 2, 1, 2, 24, "channel-v"), (2, 2, 1, 2, 24, "channel")])
 def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkeypatch, bits, tiles, step, ctas,
-                                                                          mmas):
-    """Two tiles a pass at two CTAs an SM; a step of 8 tokens on three consumers (INT2: a copy of their code each,
-    INT4 one copy)."""
+                                                                          mmas, axes):
+    """Two tiles a pass at two CTAs an SM, on every axis pair; a step of 8 tokens on three consumers (INT2: a copy
+    of their code each, INT4 one copy)."""
     from foscar.cute.config import consumer_code_paths
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    k_axis = "channel" if axes in ("channel", "channel-k") else "token"
+    v_axis = "channel" if axes in ("channel", "channel-v") else "token"
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis=k_axis, v_axis=v_axis)
     ptx = {}
     for on in (False, True):
         with cute_switches(monkeypatch, OWN_WGMMA_BITS=(bits,) if on else (), OWN_WGMMA_STEPS=on):
@@ -95,6 +102,26 @@ def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=g)
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
         cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, g {g}, own wgmma, {ctas} CTA(s) an SM: error",
+                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
+                                ctas_per_sm=ctas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("axes,gqa,lens,num_splits,ctas", [
+    ({"k_axis": "channel"}, 4, [5000, 700, 130], None, 2), ({"k_axis": "channel"}, 3, [700, 129, 1], 7, 1),
+    ({"v_axis": "channel"}, 4, [3000, 900, 65], 3, 2), ({"v_axis": "channel"}, 2, [1000, 1], None, 1),
+    ({"k_axis": "channel", "v_axis": "channel"}, 4, [4100, 300], 5, 2),
+    ({"k_axis": "channel", "v_axis": "channel", "sink": 2, "recent": 7}, 1, [2000, 3], 3, 2)])
+def test_channel_wise_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, axes, gqa, lens,
+                                                                                  num_splits, ctas):
+    """Channel-wise K (``Q'``'s buffer by an offset of its descriptor), channel-wise V (the pass's partial by a
+    first step that overwrites it), both, windows."""
+    from _cases import cute_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, **axes)
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
+        cute_against_the_oracle(fmt, lens, gqa, f"{axes}, GQA {gqa}, own wgmma, {ctas} CTA(s) an SM: error",
                                 num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                 ctas_per_sm=ctas)
 

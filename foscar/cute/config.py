@@ -80,8 +80,8 @@ WINDOWED_STEPS = True
 #: two for them per KV head (:attr:`Sm90Config.shared_q_scale`, ``decode_folded(q_terms="stacked_kv_head")``), the
 #: masks and the V ``(s', z')`` zeroed past the length in a branch only tiles reaching a limit take (``mask_branch``;
 #: 16-32 columns, steps; ``PAIR_MASK_BRANCH``: two-tile passes): :meth:`foscar.cute.warpgroup.TileKernel._mask_branch`;
-#: two-tile passes' wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; token-wise K
-#: and V, D 128; not INT4, which spills so; ``OWN_WGMMA_STEPS``: 32-column steps on three consumers, off until run)
+#: two-tile passes' wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; D 128; not
+#: INT4, which spills so; ``OWN_WGMMA_STEPS``: token-wise 32-column steps on three consumers, off until run)
 STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
 OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), False
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
@@ -112,8 +112,7 @@ FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 WS_REGISTERS_WIDE = (24, 160)
-#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs the producer gives
-#: back 48 (128 x 48 = 256 x 24), keeping 32 for the fold
+#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
@@ -590,8 +589,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
-                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and token_axes and D == 128
-                      and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS),
+                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and not producer_fold
+                      and D == 128 and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide
+                                        and cols == MAX_COLS and token_axes),
                       overlap=cols in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,

@@ -30,6 +30,7 @@ from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms
 from .pivot import pivot_corrections
 from .softmax import column_sums
+from .wgmma import pv_mma
 
 
 def power_of_two_reciprocal(x: Float32) -> Float32:
@@ -461,13 +462,14 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     tOrP = wg.frags.tOrP[0]
     n_kb = cute.size(tOrV, mode=[2])
     accT = cute.make_rmem_tensor(accO.layout, Float32)
-    accT.fill(0.0)
+    if cutlass.const_expr(wg.descs is None):  # the own wgmma's first step overwrites it instead
+        accT.fill(0.0)
     tiles = [regs] if regs_b is None else [regs, regs_b]
     for i in cutlass.range_constexpr(len(tiles)):
         build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
-            cute.gemm(wg.pv_mma, accT, tOrV[None, None, kb], tOrP[None, None, i * n_kb + kb], accT)
+            pv_mma(cfg, wg, accT, tOrV, tOrP, kb, i * n_kb, overwrite=i == 0 and kb == 0)
         warpgroup.commit_group()
         warpgroup.wait_group(0)  # V^T's registers are built again for the next tile
     vpar = regs.vpar

@@ -408,6 +408,9 @@ class TileKernel:
             for acc in partials + steps[1:]:
                 acc.fill(0.0)
         started = []  # the accumulators written so far
+        q_units = None  # channel-wise K's own wgmma: Q''s buffer past the first (E4M3: cols x head_dim bytes each)
+        if cutlass.const_expr(cfg.k_channel and wg.descs is not None):
+            q_units = qbuf * (cfg.cols * cfg.head_dim // 16)
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
@@ -421,7 +424,7 @@ class TileKernel:
             if cutlass.const_expr(zeroing and all(a is not acc for a in started)):
                 started.append(acc)
                 mma = wg.qk_mma0
-            qk_mma(wg, mma, acc, tSrK, tSrK_u32, ka, q_frag, kb)
+            qk_mma(wg, mma, acc, tSrK, tSrK_u32, ka, q_frag, kb, q_units)
         warpgroup.commit_group()
         result = (partials, steps)
         if cutlass.const_expr(wait):
@@ -480,23 +483,18 @@ class TileKernel:
         masks the scores ``s`` of ``t_own``'s tile (:meth:`_masked`) and zeroes the V ``(s', z')`` of its rows past
         the length; the others keep what they have."""
         n_el = len(s)
-        groups = len(sc.v)
-        kept = cute.make_rmem_tensor(cute.make_layout(n_el + 4 * groups), Float32)  # what leaves the branch
-        for e in cutlass.range_constexpr(n_el):
-            kept[e] = s[e]
-        for g in cutlass.range_constexpr(groups):
-            for i in cutlass.range_constexpr(4):
-                kept[n_el + 4 * g + i] = sc.v[g][i]
+        both = list(s) + [x for v in sc.v for x in v]  # the scores, then each V group's (s', z')
+        kept = cute.make_rmem_tensor(cute.make_layout(len(both)), Float32)  # what leaves the branch
+        for e in cutlass.range_constexpr(len(both)):
+            kept[e] = both[e]
         if t_last + TILE > wg.mask_from:
             masked = self._masked(wg, sc, [kept[e] for e in range(n_el)], t_own)
-            for e in cutlass.range_constexpr(n_el):
-                kept[e] = masked[e]
-            for g in cutlass.range_constexpr(groups):
+            for g in cutlass.range_constexpr(len(sc.v)):
                 o = n_el + 4 * g
-                v = zero_rows_past(kept[o], kept[o + 1], kept[o + 2], kept[o + 3], sc.valid[0], sc.valid[1])
-                for i in cutlass.range_constexpr(4):
-                    kept[o + i] = v[i]
-        v = [tuple(kept[n_el + 4 * g + i] for i in range(4)) for g in range(groups)]
+                masked += zero_rows_past(kept[o], kept[o + 1], kept[o + 2], kept[o + 3], sc.valid[0], sc.valid[1])
+            for e in cutlass.range_constexpr(len(both)):
+                kept[e] = masked[e]
+        v = [tuple(kept[n_el + 4 * g + i] for i in range(4)) for g in range(len(sc.v))]
         return [kept[e] for e in range(n_el)], TileScales(sc.k, v, sc.valid)
 
     @cute.jit

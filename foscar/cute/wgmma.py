@@ -76,19 +76,23 @@ def pass_descriptors(cfg, smem):
     180.1 instructions a tile, no spill; Q's four kept, 174.9 and two reloads a pass)."""
     if cutlass.const_expr(not cfg.own_wgmma):
         return None
-    return (descriptor(smem.sQ.iterator, Q_BITS[cfg.cols > 8]),
+    q = smem.sQk if cutlass.const_expr(cfg.k_channel) else smem.sQ  # channel-wise K: Q''s first buffer
+    return (descriptor(q.iterator, Q_BITS[cfg.cols > 8]),
             descriptor(smem.sP[0].iterator, P_BITS[cfg.p_column_major]))
 
 
 @cute.jit
-def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, ka, q_frag, kb):
-    """One k-step of ``S^T = K Q^T`` into ``acc`` (K's k-block ``ka``, Q's ``kb``): by :func:`mma_rs` where the
-    warpgroup holds the descriptors (``wg.descs``), else by the tiled MMA ``mma``; ``mma`` the warpgroup's zeroing
-    one (``wg.qk_mma0``), the accumulator's first MMA, which overwrites it."""
+def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, ka, q_frag, kb, q_units=None):
+    """One k-step of ``S^T = K Q^T`` into ``acc`` (K's k-block ``ka``, Q's ``kb``; channel-wise K: ``Q'``'s buffer
+    ``q_units`` 16-byte units past the first): by :func:`mma_rs` where the warpgroup holds the descriptors
+    (``wg.descs``), else by the tiled MMA ``mma``; ``mma`` the warpgroup's zeroing one (``wg.qk_mma0``), the
+    accumulator's first MMA, which overwrites it."""
     if cutlass.const_expr(wg.descs is not None):
         a = tSrK_u32[None, None, ka]
         n = cute.size(acc)
         desc = wg.descs[0] + (K_STEP * (kb % 4) + Q_ATOM * (kb // 4))
+        if cutlass.const_expr(q_units is not None):
+            desc = desc + Int64(q_units)
         d = mma_rs(f"m64n{2 * n}k32.f32.e4m3.e4m3", [acc[i] for i in range(n)], [a[i] for i in range(4)], desc,
                    mma is not wg.qk_mma0)
         for i in cutlass.range_constexpr(n):
@@ -98,10 +102,11 @@ def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, 
 
 
 @cute.jit
-def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb, kb0):
+def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb, kb0,
+           overwrite: cutlass.Constexpr = False):
     """One k16 step of ``O^T += V^T P'^T`` (V^T's k-block ``kb``, P''s ``kb0 + kb``; ``kb0`` 0 or 4, tile A's or
     B's tokens): each m64 block by :func:`mma_rs` where the warpgroup holds the descriptors (``cfg.p_column_major``:
-    P' MN-major), else by its tiled MMA."""
+    P' MN-major; ``overwrite``: ``O^T = V^T P'^T``, the accumulator's first step), else by its tiled MMA."""
     if cutlass.const_expr(wg.descs is not None):
         tOrV_u32 = wg.frags.tOrV_u32
         mn = cfg.p_column_major
@@ -110,8 +115,8 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
             a = tOrV_u32[None, mh, kb]
             c = accO[None, mh, None]
             n = cute.size(c)
-            d = mma_rs(f"m64n{2 * n}k16.f32.f16.f16", [c[i] for i in range(n)], [a[i] for i in range(4)], desc, True,
-                       mn)
+            d = mma_rs(f"m64n{2 * n}k16.f32.f16.f16", [c[i] for i in range(n)], [a[i] for i in range(4)], desc,
+                       not overwrite, mn)
             for i in cutlass.range_constexpr(n):
                 c[i] = d[i]
     else:
