@@ -13,7 +13,8 @@ tile a pass, with
 rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a consumer); ``cute_nvfp4``,
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
 ``cute_fused`` (v1 as ``cute_pair``, no windows, its last CTA of each KV head merging the splits:
-``foscar.cute.config.FUSED_MERGE``); ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32 query rows a KV head (GQA 16
+``foscar.cute.config.FUSED_MERGE``); ``cute_own``, ``cute_own_kcha``, ``cute_own_vcha``, ``cute_own_kvcha``: v1 at
+INT2, E4M3 K, two tiles a pass (their own wgmma) on each axis pair; ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32 query rows a KV head (GQA 16
 and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row); ``cute_step8``, ``cute_step8_int2``:
 a step of 8 tokens at GQA 4 through ``foscar.decode`` (32 columns: three consumers, INT4 on one copy of their code,
 INT2 on one each); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
@@ -53,11 +54,11 @@ def main(backend: str) -> None:
         return step_over_a_ring()
     windows = {} if backend == "cute_fused" else {"sink": 4, "recent": 32}  # the CuTe combine attends them
     axes = {"v_axis": "channel"} if backend.endswith("vcha") else {}
-    if backend == "cute_kvcha":
+    if backend.endswith(("_kvcha", "_kcha")):
         axes["k_axis"] = "channel"
     step = 8 if backend.startswith("cute_step8") else 1  # a step's ring keeps its tokens' windows (rollback)
-    fmt = foscar.KVFormat(bits=2 if backend.endswith("int2") else 4, head_dim=128, group_size=128, **axes, **windows,
-                          rollback=step - 1)
+    bits = 2 if backend.endswith("int2") or backend.startswith("cute_own") else 4
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, **axes, **windows, rollback=step - 1)
     fp4 = backend.split("_")[1] if "fp4" in backend else None
     if fp4:
         fmt = foscar.KVFormat.fp4(fp4, 128, **windows)
@@ -72,6 +73,9 @@ def main(backend: str) -> None:
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2,
                      tiles_per_pass=2 if backend.endswith("pair") else 1)
+    elif backend.startswith("cute_own"):  # INT2, E4M3 K, two tiles a pass: the own wgmma on every axis pair
+        from foscar.cute.launch import decode
+        out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3", tiles_per_pass=2)
     elif backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)

@@ -1,8 +1,10 @@
-"""Two-tile passes' and 32-column steps' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`): which
-configurations take it (two-tile passes at INT2 as shipped; INT4 and the steps with the switches); CPU: the PTX issues the same MMAs on the same A
-registers (the same instructions forming them) as the tiled MMAs, with the B descriptors formed once, before the
-tile loop; GPU (sm_90): token-wise K and V at GQA 1-4, INT2 and INT4, one and two channel groups, one and two CTAs
-an SM, odd lengths and splits, and steps of 8 tokens at GQA 4 (32 columns), against the float64 oracle."""
+"""Two-tile passes' and 32-column steps' own wgmma (``foscar.cute.config.OWN_WGMMA_BITS``, ``OWN_WGMMA_STEPS``,
+:mod:`foscar.cute.wgmma`): which configurations take it (two-tile passes on every axis pair and token-wise steps of
+32 columns at INT2 as shipped, INT4 with the switch); CPU: the PTX issues the same MMAs on the same A registers (the
+same instructions forming them) as the tiled MMAs, with the B descriptors formed once, before the tile loop; GPU
+(sm_90): token-wise K and V at GQA 1-4, INT2 and INT4, one and two channel groups, one and two CTAs an SM, odd
+lengths and splits; channel-wise K, V and both; steps of 8 tokens at GQA 4 (32 columns), against the float64
+oracle."""
 import os
 import re
 

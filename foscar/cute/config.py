@@ -81,9 +81,9 @@ WINDOWED_STEPS = True
 #: masks and the V ``(s', z')`` zeroed past the length in a branch only tiles reaching a limit take (``mask_branch``;
 #: 16-32 columns, steps; ``PAIR_MASK_BRANCH``: two-tile passes): :meth:`foscar.cute.warpgroup.TileKernel._mask_branch`;
 #: two-tile passes' wgmma with B descriptors formed once (``OWN_WGMMA_BITS``, :mod:`foscar.cute.wgmma`; D 128; not
-#: INT4, which spills so; ``OWN_WGMMA_STEPS``: token-wise 32-column steps on three consumers, off until run)
+#: INT4, which spills so; ``OWN_WGMMA_STEPS``: token-wise 32-column steps on three consumers; an H100: as fast)
 STACKED_TERMS = SHARED_Q_SCALE = MASK_BRANCH = PAIR_MASK_BRANCH = True
-OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), False
+OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), True
 #: The column counts v1 runs at two CTAs an SM where a launch names none (:func:`foscar.cute.launch.default_ctas_per_sm`):
 #: 8 and 16, GQA 16 measured faster at two though its 16 columns spill there (``docs/bench/h200/sweep-rows.md``)
 TWO_CTA_COLUMNS = (8, 16)
