@@ -408,9 +408,8 @@ class TileKernel:
             for acc in partials + steps[1:]:
                 acc.fill(0.0)
         started = []  # the accumulators written so far
-        q_units = None  # channel-wise K's own wgmma: Q''s buffer past the first (E4M3: cols x head_dim bytes each)
-        if cutlass.const_expr(cfg.k_channel and wg.descs is not None):
-            q_units = qbuf * (cfg.cols * cfg.head_dim // 16)
+        # channel-wise K's own wgmma: Q''s buffer past the first, in 16-byte units (E4M3: cols x head_dim bytes each)
+        q_units = qbuf * (cfg.cols * cfg.head_dim // 16) if cfg.k_channel and wg.descs is not None else None
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
@@ -478,10 +477,9 @@ class TileKernel:
 
     @cute.jit
     def _mask_branch(self, wg: Warpgroup, sc: TileScales, s: list, t_own, t_last) -> tuple:
-        """``(s, sc)`` where the masks are in a branch (``cfg.mask_branch``): only a tile, or a pass of two, that
-        reaches a limit (``t_last``, its last tile's first token, within a tile of :attr:`Warpgroup.mask_from`)
-        masks the scores ``s`` of ``t_own``'s tile (:meth:`_masked`) and zeroes the V ``(s', z')`` of its rows past
-        the length; the others keep what they have."""
+        """``(s, sc)`` with the masks in a branch (``cfg.mask_branch``): only a tile, or a pass of two, reaching a
+        limit (``t_last``, its last tile's first token, within a tile of :attr:`Warpgroup.mask_from`) masks ``t_own``'s
+        scores ``s`` (:meth:`_masked`) and zeroes the V ``(s', z')`` of its rows past the end."""
         n_el = len(s)
         both = list(s) + [x for v in sc.v for x in v]  # the scores, then each V group's (s', z')
         kept = cute.make_rmem_tensor(cute.make_layout(len(both)), Float32)  # what leaves the branch
