@@ -95,35 +95,22 @@ def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("gqa,lens,num_splits,g,ctas", [
-    (4, [8192, 700, 1], 16, 128, 2), (4, [4097, 63, 130], 5, 128, 1), (2, [3000, 190, 5], None, 128, 2),
-    (1, [1000, 64, 129], 3, 128, 2), (3, [2000, 333], 4, 64, 2), (4, [1500, 65], None, 64, 1)])
-def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, gqa, lens, num_splits, g,
-                                                                     ctas):
-    from _cases import cute_against_the_oracle
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=g)
-    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
-        cute_against_the_oracle(fmt, lens, gqa, f"GQA {gqa}, g {g}, own wgmma, {ctas} CTA(s) an SM: error",
-                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
-                                ctas_per_sm=ctas)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("axes,gqa,lens,num_splits,ctas", [
+@pytest.mark.parametrize("fmt_kw,gqa,lens,num_splits,ctas", [
+    ({}, 4, [8192, 700, 1], 16, 2), ({}, 4, [4097, 63, 130], 5, 1), ({}, 2, [3000, 190, 5], None, 2),
+    ({}, 1, [1000, 64, 129], 3, 2), ({"group_size": 64}, 3, [2000, 333], 4, 2),
+    ({"group_size": 64}, 4, [1500, 65], None, 1),
     ({"k_axis": "channel"}, 4, [5000, 700, 130], None, 2), ({"k_axis": "channel"}, 3, [700, 129, 1], 7, 1),
     ({"v_axis": "channel"}, 4, [3000, 900, 65], 3, 2), ({"v_axis": "channel"}, 2, [1000, 1], None, 1),
     ({"k_axis": "channel", "v_axis": "channel"}, 4, [4100, 300], 5, 2),
     ({"k_axis": "channel", "v_axis": "channel", "sink": 2, "recent": 7}, 1, [2000, 3], 3, 2)])
-def test_channel_wise_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, axes, gqa, lens,
-                                                                                  num_splits, ctas):
-    """Channel-wise K (``Q'``'s buffer by an offset of its descriptor), channel-wise V (the pass's partial by a
-    first step that overwrites it), both, windows."""
+def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, gqa, lens, num_splits,
+                                                                     ctas):
+    """Token-wise K and V (one and two channel groups), channel-wise K (``Q'``'s buffer by an offset of its
+    descriptor), channel-wise V (the pass's partial by a first step that overwrites it), both, windows."""
     from _cases import cute_against_the_oracle
-    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, **axes)
+    fmt = foscar.KVFormat(**{"bits": bits, "head_dim": 128, "group_size": 128, **fmt_kw})
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4)):
-        cute_against_the_oracle(fmt, lens, gqa, f"{axes}, GQA {gqa}, own wgmma, {ctas} CTA(s) an SM: error",
+        cute_against_the_oracle(fmt, lens, gqa, f"{fmt_kw}, GQA {gqa}, own wgmma, {ctas} CTA(s) an SM: error",
                                 num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                 ctas_per_sm=ctas)
 

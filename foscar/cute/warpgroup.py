@@ -252,10 +252,7 @@ def tile_scales(cfg: Sm90Config, par: cute.Tensor, t0, row0, n) -> TileScales:
         vs0, vz0, vs1, vz1 = zero_rows_past(vs0, vz0, vs1, vz1, valid0, valid1)
     v = [(vs0, vz0, vs1, vz1)]
     if cutlass.const_expr(cfg.vc == 2):  # token-wise V, the second channel group's (s', z') of both rows
-        ws0 = par[vo + 2]
-        wz0 = par[vo + 3]
-        ws1 = par[vo + 6]
-        wz1 = par[vo + 7]
+        ws0, wz0, ws1, wz1 = par[vo + 2], par[vo + 3], par[vo + 6], par[vo + 7]
         if cutlass.const_expr(not cfg.mask_branch):
             ws0, wz0, ws1, wz1 = zero_rows_past(ws0, wz0, ws1, wz1, valid0, valid1)
         v.append((ws0, wz0, ws1, wz1))
