@@ -72,6 +72,12 @@ def sqk_layout(cfg: Sm90Config, buffers: int):
     return cute.tile_to_shape(atom, (cfg.cols, cfg.head_dim, buffers), (0, 1, 2))
 
 
+def sqk_buffer_units(cfg: Sm90Config) -> int:
+    """The stride of :func:`sqk_layout`'s buffers in 16-byte units: the own wgmma's descriptor offset from ``Q'``'s
+    first buffer to the next."""
+    return cute.cosize(sqk_layout(cfg, 1)) * qk_element_type(cfg).width // 128
+
+
 def qk_element_type(cfg: Sm90Config):
     """The element type of channel-wise K's ``Q'`` buffers: BF16, or E4M3 (its two terms)."""
     from cutlass import Float8E4M3FN

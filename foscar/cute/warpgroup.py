@@ -40,7 +40,7 @@ from .folds import (
     v_acc_fold_product,
     v_operand_fold,
 )
-from .operands import build_k_registers, build_vt_registers
+from .operands import build_k_registers, build_vt_registers, sqk_buffer_units
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import lazy_softmax, lazy_softmax_acc_fold
 from .limits import quantized_length
@@ -405,8 +405,7 @@ class TileKernel:
             for acc in partials + steps[1:]:
                 acc.fill(0.0)
         started = []  # the accumulators written so far
-        # channel-wise K's own wgmma: Q''s buffer past the first, in 16-byte units (E4M3: cols x head_dim bytes each)
-        q_units = qbuf * (cfg.cols * cfg.head_dim // 16) if cfg.k_channel and wg.descs is not None else None
+        q_units = qbuf * sqk_buffer_units(cfg) if cfg.k_channel and wg.descs is not None else None  # Q''s buffer
         for kb in cutlass.range_constexpr(n_q):
             ka = kb % n_kb
             if cutlass.const_expr(cfg.qk_promote):
