@@ -42,7 +42,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh overlap-speed    # overlapped passes against the shipped kernels
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh priority         # the GPU tests of the likeliest gains' switches
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh priority-steps   # steps of 4 and 8 tokens with those switches
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-switches V  # steps of 8 tokens: shipped, each variant, shipped
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh steps-windows    # after install-cute: steps over a channel-wise-K ring
 #                                                                #   (KIVI-style): the CuTe columns (auto), the causal
 #                                                                #   view's rows (WINDOWED_STEPS=0), then Triton
@@ -480,20 +480,13 @@ SWEEPS
         --q-len 1 2 --backends auto > "$OUT/steps-two-$tag.md" 2>&1
       echo "steps of 2 $v rc=$?"; tail -6 "$OUT/steps-two-$tag.md"
     done ;;
-  priority-steps)  # the next call: steps of 4 and 8 tokens at GQA 4 as shipped, with the stacked terms, with the
-                   # masks' branch too, with P^T column-major and the pivot sums (32 columns) as well, and with the
-                   # pivot sums at 16 columns too, run at one CTA an SM (priority-steps [N ...]: those variants only,
-                   # counted from 0; cold compiles take minutes, so a call may take two or three)
-    i=-1
-    for v in "" "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" \
-        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=32" \
-        "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"; do
-      i=$((i + 1))
-      case " ${*:2} " in "  ") ;; *" $i "*) ;; *) continue ;; esac
-      tag=$(echo "$v" | awk '{print NF}')  # 0, 2, 3, 5 or 6 switches
-      timeout 240 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K --bits 2 4 \
-        --q-len 1 4 8 > "$OUT/steps-switches-$tag.md" 2>&1
-      echo "steps $v rc=$?"; tail -6 "$OUT/steps-switches-$tag.md"
+  steps-switches)  # steps-switches [VARIANT ...]: bench_steps.py (B 8 and 64, L 32K, STEPS_BITS default 2 4, one token
+                   # and a step of 8) as shipped, with each variant (run_with.py's words), then shipped again
+    shift; i=0
+    for v in "" "$@" ""; do
+      timeout 240 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K \
+        --bits ${STEPS_BITS:-2 4} --q-len 1 8 --backends auto > "$OUT/steps-switches-$i.md" 2>&1
+      echo "steps [${v:-shipped}] rc=$?"; grep "^| " "$OUT/steps-switches-$i.md" | tail -8; i=$((i + 1))
     done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
     python3 -m pip install -q --no-index --no-deps --no-compile "${2:?switches needs the FlashInfer wheels folder}"/*.whl

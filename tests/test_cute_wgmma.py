@@ -119,7 +119,10 @@ def test_two_tile_passes_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("num_splits", (None, 64))
-def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, num_splits):
+@pytest.mark.parametrize("copies", (1, 3))
+def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeypatch, bits, num_splits, copies):
+    """A step of 8 tokens at GQA 4 on three consumers, on one copy of their code or one each."""
     from _cases import cute_step_against_the_oracle
-    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True):
+    with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True,
+                       WIDE_ONE_COPY_BITS=(2, 4) if copies == 1 else ()):
         cute_step_against_the_oracle(bits, 4, 8, num_splits, {})
