@@ -481,11 +481,12 @@ SWEEPS
       echo "steps of 2 $v rc=$?"; tail -6 "$OUT/steps-two-$tag.md"
     done ;;
   steps-switches)  # steps-switches [VARIANT ...]: bench_steps.py (B 8 and 64, L 32K, STEPS_BITS default 2 4, one token
-                   # and a step of 8) as shipped, with each variant (run_with.py's words), then shipped again
+                   # and a step of 8; STEPS_ARGS more of its arguments) as shipped, with each variant (run_with.py's
+                   # words), then shipped again
     shift; i=0
     for v in "" "$@" ""; do
       timeout 240 python3 benchmarks/run_with.py $v -- benchmarks/bench_steps.py --shapes 8:32K,64:32K \
-        --bits ${STEPS_BITS:-2 4} --q-len 1 8 --backends auto > "$OUT/steps-switches-$i.md" 2>&1
+        --bits ${STEPS_BITS:-2 4} --q-len 1 8 --backends auto ${STEPS_ARGS:-} > "$OUT/steps-switches-$i.md" 2>&1
       echo "steps [${v:-shipped}] rc=$?"; grep "^| " "$OUT/steps-switches-$i.md" | tail -8; i=$((i + 1))
     done ;;
   switches)  # switches WHEELS [VARIANT ...]: each variant one argument of run_with.py words
