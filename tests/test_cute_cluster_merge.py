@@ -207,7 +207,7 @@ def test_the_cluster_merge_replays_in_a_graph_gpu(monkeypatch):
 @pytest.mark.parametrize("bits", (2, 4))
 def test_a_steps_cluster_kernel_compiles_pipelined_without_spills(bits):
     """A step of 8 tokens at GQA 4 (32 columns: three consumers, INT2 on a copy of their code each and of the merge,
-    INT4 on one, ``WIDE_ONE_COPY_BITS``): one cluster barrier's arrival in the prologue, its wait and the remote
+    INT4 on one, ``ONE_COPY_BITS``): one cluster barrier's arrival in the prologue, its wait and the remote
     arrivals in each copy of the consumers' code. (A launch merges in a cluster only where the consumers run one
     code path: ``foscar.cute.launch.merges_in_one_code_path``.)"""
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)

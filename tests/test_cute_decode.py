@@ -13,7 +13,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e 
 
 import foscar  # noqa: E402
 from _cases import HOPPER, WGMMA_RS, cute_against_the_oracle  # noqa: E402
-from _helpers import V_MAGNITUDES  # noqa: E402
+from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths, consumers_for  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
@@ -213,9 +213,9 @@ def test_three_consumers_compile_for_sm90a(wide):
 def test_steps_of_32_columns_take_three_consumers_as_shipped(k_operand):
     """As shipped, a step (``q_len > 1``) of 32 columns runs three consumer warpgroups at one CTA an SM
     (``foscar.cute.config.WIDE_STEP_COLUMNS``), INT2 on a copy of their code each, INT4 on one
-    (``WIDE_ONE_COPY_BITS``); one token at 32 columns and a step of 16 columns keep two, and so does two CTAs an SM."""
+    (``ONE_COPY_BITS``); one token at 32 columns and a step of 16 columns keep two, and so does two CTAs an SM."""
     from foscar.cute import config
-    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS and config.WIDE_ONE_COPY_BITS == (4,)
+    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS and config.ONE_COPY_BITS == (4,) and config.ONE_COPY_CONSUMERS == (3,)
     for bits, copies in ((2, 3), (4, 1)):
         fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
         for gqa, step in ((4, 8), (16, 2), (8, 4)):
@@ -239,6 +239,28 @@ def test_three_consumers_against_the_oracle_gpu(wide, bits, lens, G, num_splits,
     fmt = foscar.KVFormat(bits=bits, head_dim=128, **{"group_size": 128, **fmt_kw})
     cute_against_the_oracle(fmt, lens, G, f"GQA {G}, three consumers, error", num_splits=num_splits,
                                warp_specialized=True, ctas_per_sm=1, k_operand=k_operand)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("G,T,lens,num_splits,k_operand", [
+    (32, 1, [3000, 64], 3, "e4m3"), (32, 1, [4100, 77, 1], None, "bf16"), (16, 2, None, 2, None),
+    (4, 8, None, None, None)])
+def test_consumers_on_one_copy_of_their_code_against_the_oracle_gpu(monkeypatch, bits, G, T, lens, num_splits,
+                                                                    k_operand):
+    """32 columns at one CTA an SM with the consumers on one copy of their code (``ONE_COPY_BITS``): two
+    consumers (one token at GQA 32, ``lens`` at ``k_operand``) and three (steps of ``T`` tokens, as ``auto``
+    launches them)."""
+    from _cases import cute_step_against_the_oracle
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
+    with cute_switches(monkeypatch, ONE_COPY_BITS=(2, 4), ONE_COPY_CONSUMERS=(2, 3)):
+        assert consumer_code_paths(config_for(fmt, G, 64, k_operand or "e4m3", 1, T), 1) == 1
+        if T == 1:
+            cute_against_the_oracle(fmt, lens, G, f"GQA {G}, one copy, error", num_splits=num_splits,
+                                    warp_specialized=True, ctas_per_sm=1, k_operand=k_operand)
+        else:
+            cute_step_against_the_oracle(bits, G, T, num_splits, {})
 
 
 @pytest.mark.gpu

@@ -124,5 +124,5 @@ def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeyp
     """A step of 8 tokens at GQA 4 on three consumers, on one copy of their code or one each."""
     from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True,
-                       WIDE_ONE_COPY_BITS=(2, 4) if copies == 1 else ()):
+                       ONE_COPY_BITS=(2, 4) if copies == 1 else ()):
         cute_step_against_the_oracle(bits, 4, 8, num_splits, {})

@@ -103,7 +103,9 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:fun
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
-WIDE_ONE_COPY_BITS = (4,)  #: three consumers at 32 columns on one copy of their code: INT4 (H100: 1-3.5% faster)
+#: At 32 columns, the consumers on one copy of their code (their buffers at a run-time index) for these bits where a
+#: CTA holds this many of them: three at INT4 (H100: 1-3.5% faster); a copy each elsewhere
+ONE_COPY_BITS, ONE_COPY_CONSUMERS = (4,), (3,)
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 CLUSTER_MERGE = False  #: the split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower
 FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, slower
@@ -118,10 +120,10 @@ WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
-            "WIDE_ONE_COPY_BITS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE", "PAIR_CHANNEL_V",
-            "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS", "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS",
-            "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS",
-            "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
+            "ONE_COPY_BITS", "ONE_COPY_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE",
+            "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
+            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
+            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -147,9 +149,9 @@ def consumers_for(cfg, ctas_per_sm: int) -> int:
 
 def consumer_code_paths(cfg, ctas_per_sm: int) -> int:
     """The copies of the consumers' code in v1: one a consumer at :data:`MAX_COLS` columns (its buffers' addresses
-    constants) but with three there and :attr:`~Sm90Config.one_copy`, else one for all (a run-time index)."""
+    constants) but where :attr:`~Sm90Config.one_copy` holds their number, else one for all (a run-time index)."""
     n = consumers_for(cfg, ctas_per_sm)
-    return n if cfg.cols == MAX_COLS and not (n == 3 and cfg.one_copy) else 1
+    return n if cfg.cols == MAX_COLS and n not in cfg.one_copy else 1
 
 #: The stage-1 arguments, in order (the kernels' ``__call__`` tensors): (name, element type ``"bf16"``, ``"i32"`` or
 #: ``"f32"``, rank). Each has dynamic shape and strides, unit stride in its last dim and a 16-byte aligned base (TMA
@@ -266,7 +268,7 @@ class Sm90Config:
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
     #: tile a pass (:data:`WIDE_CONSUMERS`, steps :data:`WIDE_STEP_COLUMNS`); 8 (:data:`WIDE_EIGHT_COLUMNS`)
     wide: bool = False
-    one_copy: bool = False  #: ``wide`` at 32 columns: the consumers on one copy of their code (WIDE_ONE_COPY_BITS)
+    one_copy: tuple = ()  #: at 32 columns, the consumer counts on one copy of their code (ONE_COPY_CONSUMERS)
     #: v1: a (sequence, KV head)'s splits one cluster of this many CTAs, merged from their shared memory into the
     #: output (``cluster_out``, :mod:`foscar.cute.cluster`); 0: the partials to memory, then the combine
     cluster: int = 0
@@ -596,5 +598,5 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
                       flat_words=FLAT_WORDS or cols in FLAT_WORDS_COLS,
-                      wide=wide, one_copy=wide and cols == MAX_COLS and fmt.bits in WIDE_ONE_COPY_BITS)
+                      wide=wide, one_copy=ONE_COPY_CONSUMERS if cols == MAX_COLS and fmt.bits in ONE_COPY_BITS else ())
 
