@@ -215,7 +215,8 @@ def test_steps_of_32_columns_take_three_consumers_as_shipped(k_operand):
     (``foscar.cute.config.WIDE_STEP_COLUMNS``), INT2 on a copy of their code each, INT4 on one
     (``ONE_COPY_BITS``); one token at 32 columns and a step of 16 columns keep two, and so does two CTAs an SM."""
     from foscar.cute import config
-    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS and config.ONE_COPY_BITS == (4,) and config.ONE_COPY_CONSUMERS == (3,)
+    assert config.WIDE_STEP_COLUMNS == (32,) and not config.WIDE_CONSUMERS
+    assert config.ONE_COPY_BITS == (4,) and config.ONE_COPY_CONSUMERS == (3,)
     for bits, copies in ((2, 3), (4, 1)):
         fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
         for gqa, step in ((4, 8), (16, 2), (8, 4)):
@@ -245,13 +246,12 @@ def test_three_consumers_against_the_oracle_gpu(wide, bits, lens, G, num_splits,
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,lens,num_splits,k_operand", [
-    (32, 1, [3000, 64], 3, "e4m3"), (32, 1, [4100, 77, 1], None, "bf16"), (16, 2, None, 2, None),
-    (4, 8, None, None, None)])
+    (32, 1, [3000, 64], 3, "e4m3"), (32, 1, [4100, 77, 1], None, "bf16"), (16, 2, None, 2, None)])
 def test_consumers_on_one_copy_of_their_code_against_the_oracle_gpu(monkeypatch, bits, G, T, lens, num_splits,
                                                                     k_operand):
     """32 columns at one CTA an SM with the consumers on one copy of their code (``ONE_COPY_BITS``): two
-    consumers (one token at GQA 32, ``lens`` at ``k_operand``) and three (steps of ``T`` tokens, as ``auto``
-    launches them)."""
+    consumers (one token at GQA 32, ``lens`` at ``k_operand``) and three (a step of 2 at GQA 16, as ``auto``
+    launches it; a step of 8 at GQA 4: ``test_cute_wgmma.py``)."""
     from _cases import cute_step_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, ONE_COPY_BITS=(2, 4), ONE_COPY_CONSUMERS=(2, 3)):
