@@ -103,8 +103,7 @@ CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:fun
 #: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
 WIDE_CONSUMERS = False
 WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
-#: At 32 columns, the consumers on one copy of their code (their buffers at a run-time index) for these bits where a
-#: CTA holds this many of them: three at INT4 (H100: 1-3.5% faster); a copy each elsewhere
+#: 32 columns: the consumers on one copy of their code at these bits and counts: INT4's three (H100: 1-3.5% faster)
 ONE_COPY_BITS, ONE_COPY_CONSUMERS = (4,), (3,)
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 CLUSTER_MERGE = False  #: the split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower
