@@ -17,7 +17,7 @@ import foscar  # noqa: E402
 from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
-from foscar.cute.config import config_for  # noqa: E402
+from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
 
 FMT = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]*)\}, (%rd\d+)")
@@ -74,7 +74,6 @@ def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkey
                                                                           mmas, axes):
     """Two tiles a pass at two CTAs an SM, on every axis pair; a step of 8 tokens on three consumers (INT2: a copy
     of their code each, INT4 one copy)."""
-    from foscar.cute.config import consumer_code_paths
     k_axis = "channel" if axes in ("channel", "channel-k") else "token"
     v_axis = "channel" if axes in ("channel", "channel-v") else "token"
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis=k_axis, v_axis=v_axis)
@@ -125,4 +124,6 @@ def test_steps_of_32_columns_with_their_own_wgmma_against_the_oracle_gpu(monkeyp
     from _cases import cute_step_against_the_oracle
     with cute_switches(monkeypatch, OWN_WGMMA_BITS=(2, 4), OWN_WGMMA_STEPS=True,
                        ONE_COPY_BITS=(2, 4) if copies == 1 else ()):
+        cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128), 4, 64, "e4m3", 1, 8)
+        assert cfg.own_wgmma and consumer_code_paths(cfg, 1) == copies
         cute_step_against_the_oracle(bits, 4, 8, num_splits, {})

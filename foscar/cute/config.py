@@ -100,8 +100,7 @@ PRODUCER_Q_FOLD = False
 CHANNEL_K_E4M3 = True
 FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
-#: Three consumer warpgroups at one CTA an SM, 16 or 32 columns (:attr:`Sm90Config.wide`): off (``docs/results-h200.md``)
-WIDE_CONSUMERS = False
+WIDE_CONSUMERS = False  #: three consumers at one CTA an SM, 16/32 columns (Sm90Config.wide): off (docs/results-h200.md)
 WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
 #: 32 columns: the consumers on one copy of their code at these bits and counts: INT4's three (H100: 1-3.5% faster)
 ONE_COPY_BITS, ONE_COPY_CONSUMERS = (4,), (3,)
