@@ -17,6 +17,7 @@ OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
 OFF["PIVOT_MMA_COLS"] = (16, 32)  # the column counts it may take
 OFF["P_COLUMN_MAJOR_COLS"] = (8, 16, 32)  # 8 columns too
 OFF["OVERLAP_COLS"] = (16, 32)
+OFF["PAIR_P_SCALE_COLS"] = (8, 16, 32)  # P' scaled in FP16 pairs at 8 columns too
 
 
 @pytest.mark.parametrize("fmt_kw,gqa,k_operand,tiles,step,ctas", [
@@ -34,7 +35,7 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
            else foscar.KVFormat(head_dim=128, group_size=128, **fmt_kw))
     with cute_switches(monkeypatch, **OFF):
         cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
-        assert cfg.start_prefetch and cfg.p_column_major
+        assert cfg.start_prefetch and cfg.p_column_major and cfg.pair_p_scale
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)

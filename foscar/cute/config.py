@@ -25,13 +25,10 @@ THREADS = 128  #: threads of one warpgroup
 CORRECTION_TILES = 16  #: tiles between two folds of the gathered offset corrections into the accumulator
 #: Whether one-tile passes of token-wise and of channel-wise V take the lazy rescale (:attr:`Sm90Config.lazy_rescale`):
 #: faster at GQA 8-32, as fast or faster at every shape (``docs/bench/h200/lazy-one-tile-heads.md``, ``axes-lazy-*``)
-LAZY_ONE_TILE = True
-LAZY_CHANNEL_V = True
-#: Channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): faster (``docs/results-h200.md``)
-PAIR_CHANNEL_V = True
+LAZY_ONE_TILE = LAZY_CHANNEL_V = True
+PAIR_CHANNEL_V = True  #: channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): faster
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
-DEEP_STAGES = 8  #: v1's stages where a tile's K and V codes take at most :data:`DEEP_STAGE_BYTES`
-DEEP_STAGE_BYTES = 4096
+DEEP_STAGES, DEEP_STAGE_BYTES = 8, 4096  #: v1's stages where a tile's K and V codes take at most this many bytes
 #: v1's stages a launch may ask for (a tuned entry's ``stages``), where they fit (``budget.fits_shared_memory``)
 STAGE_CHOICES = (4, 8, 16)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
@@ -58,8 +55,7 @@ QK_PROMOTE_BITS = (4,)
 V_PLACEMENT = True
 #: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`), ``V_ROW_SHIFTS`` by channel-row class
 #: too (fewer rotations a word): off, correct and 1-4% faster on an H100, the stress study's error rose (results doc)
-V_LOW_PLACEMENT = False
-V_ROW_SHIFTS = False
+V_LOW_PLACEMENT = V_ROW_SHIFTS = False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
@@ -68,8 +64,9 @@ V_PRODUCT_BIT = 4
 FLAT_WORDS = False
 FLAT_WORDS_COLS = (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
-#: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
-P_COLUMN_MAJOR_COLS = (16, 32)
+#: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``);
+#: and whose token-wise V scales P' in FP16 pairs (:attr:`Sm90Config.pair_p_scale`): an H100, 1.6-2.9% faster at 32
+P_COLUMN_MAJOR_COLS = PAIR_P_SCALE_COLS = (16, 32)
 #: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
 #: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
@@ -121,7 +118,8 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "ONE_COPY_BITS", "ONE_COPY_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE",
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
-            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE")
+            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
+            "PAIR_P_SCALE_COLS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -252,6 +250,7 @@ class Sm90Config:
     #: head dim, no offsets; the parameters a tile's block-scale bytes
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, ``operands.mmas_and_layouts``)
+    pair_p_scale: bool = False  #: token-wise V's P' scaled in FP16 pairs (PAIR_P_SCALE_COLS, ``folds.p_operands``)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)
@@ -586,6 +585,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
                       and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=cols in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
+                      pair_p_scale=cols in PAIR_P_SCALE_COLS,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),

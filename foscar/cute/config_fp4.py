@@ -52,4 +52,4 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
                         lazy_rescale=c.LAZY_ONE_TILE or tiles_per_pass == 2, prologue=prologue,
                         tiles_per_pass=tiles_per_pass, trigger_dependents=trigger,
                         fp4_block=fmt.group_size, p_column_major=c.columns_for(gqa * step) in c.P_COLUMN_MAJOR_COLS,
-                        start_prefetch=c.START_PREFETCH)
+                        pair_p_scale=c.columns_for(gqa * step) in c.PAIR_P_SCALE_COLS, start_prefetch=c.START_PREFETCH)

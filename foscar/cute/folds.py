@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import BFloat16, Float16, Float32, Int32, Uint16, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
@@ -360,7 +362,10 @@ def store_p(cfg, sP: cute.Tensor, thr, q: list, first: int = 0):
 
 def p_operands(cfg, v: list, p: list, sigma: list) -> list:
     """Token-wise V: ``P'_g = fp16(P s'_V[g] / sigma_g)`` of this thread's elements ``p``, per channel group
-    ``g`` (``v[g]``: the group's ``(s', z')`` of this thread's two rows)."""
+    ``g`` (``v[g]``: the group's ``(s', z')`` of this thread's two rows). With ``cfg.pair_p_scale`` a token's two
+    adjacent columns (elements ``e``, ``e + 1``) are converted to FP16 together and multiplied by the row's factor
+    in FP16 (:func:`scaled_pair`): ``fp16(fp16(P) fp16(s'_V / sigma))``, two roundings where one was, half the
+    instructions (the corrections take the ``P'`` consumed, so the product stays centred)."""
     groups = len(sigma)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
@@ -368,7 +373,36 @@ def p_operands(cfg, v: list, p: list, sigma: list) -> list:
     # s' / sigma <= 1 (never to 1 / sigma alone, which a factor could take below FP32's normal range)
     if cutlass.const_expr(f0 != 1.0 or f1 != 1.0):
         r = [(r[g][0] * f0, r[g][1] * f1) for g in range(groups)]
+    if cutlass.const_expr(cfg.pair_p_scale):
+        return [scaled_pairs(p, [f16_pair(x, x) for x in r[g]]) for g in range(groups)]
     return [[Float16(p[e] * r[g][row_half(e)]) for e in range(len(p))] for g in range(groups)]
+
+
+def scaled_pairs(p: list, rp: list) -> list:
+    """``fp16(fp16(p[e]) rp[h])`` of elements ``e`` and ``e + 1`` (a token's two adjacent columns, token row ``h
+    = row_half(e)``; ``rp[h]`` that row's factor as an FP16 pair) in one conversion and one ``mul.rn.f16x2``:
+    the elements as FP16 values."""
+    q = []
+    for e in range(0, len(p), 2):
+        w = mul_f16_pairs(f16_pair(p[e], p[e + 1]), rp[row_half(e)])
+        q += [(w & Uint32(0xFFFF)).to(Uint16).bitcast(Float16), (w >> 16).to(Uint16).bitcast(Float16)]
+    return q
+
+
+@dsl_user_op
+def f16_pair(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """``lo`` and ``hi`` rounded to FP16 (to nearest), the low and high halves of one word (``cvt.rn.f16x2.f32``)."""
+    return Uint32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                                  "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
+                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mul_f16_pairs(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The halves of ``a`` times those of ``b``, FP16 pairs, rounded to nearest (``mul.rn.f16x2``)."""
+    return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+                                  "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: list, sigma: list, al=None):
