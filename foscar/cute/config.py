@@ -29,8 +29,7 @@ LAZY_ONE_TILE = LAZY_CHANNEL_V = True
 PAIR_CHANNEL_V = True  #: channel-wise V on two tiles of one token group a pass (:mod:`foscar.cute.pair`): faster
 STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Config.stages`), 8 for tiles of 4 KB or less
 DEEP_STAGES, DEEP_STAGE_BYTES = 8, 4096  #: v1's stages where a tile's K and V codes take at most this many bytes
-#: v1's stages a launch may ask for (a tuned entry's ``stages``), where they fit (``budget.fits_shared_memory``)
-STAGE_CHOICES = (4, 8, 16)
+STAGE_CHOICES = (4, 8, 16)  #: v1's stages a launch may ask for (a tuned entry's), where they fit (budget.py)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
 #: ``consumer_q``, the first consumer stages Q while the producer copies (``docs/hopper-e4m3-plan.md``)
 PROLOGUES = ("q_first", "consumer_q")
@@ -64,9 +63,10 @@ V_PRODUCT_BIT = 4
 FLAT_WORDS = False
 FLAT_WORDS_COLS = (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
-#: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``);
-#: and whose token-wise V scales P' in FP16 pairs (:attr:`Sm90Config.pair_p_scale`): an H100, 1.6-2.9% faster at 32
-P_COLUMN_MAJOR_COLS = PAIR_P_SCALE_COLS = (16, 32)
+#: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
+P_COLUMN_MAJOR_COLS = (16, 32)
+#: ... whose token-wise V scales P' in FP16 pairs (``Sm90Config.pair_p_scale``): none until its GPU tests run (16, 32)
+PAIR_P_SCALE_COLS = ()
 #: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
 #: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
