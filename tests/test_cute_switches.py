@@ -35,7 +35,7 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
            else foscar.KVFormat(head_dim=128, group_size=128, **fmt_kw))
     with cute_switches(monkeypatch, **OFF):
         cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
-        assert cfg.start_prefetch and cfg.p_column_major and cfg.pair_p_scale
+        assert cfg.start_prefetch and cfg.p_column_major and cfg.pair_p_scale == (fmt.v_axis == "token")
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)

@@ -364,8 +364,8 @@ def p_operands(cfg, v: list, p: list, sigma: list) -> list:
     """Token-wise V: ``P'_g = fp16(P s'_V[g] / sigma_g)`` of this thread's elements ``p``, per channel group
     ``g`` (``v[g]``: the group's ``(s', z')`` of this thread's two rows). With ``cfg.pair_p_scale`` a token's two
     adjacent columns (elements ``e``, ``e + 1``) are converted to FP16 together and multiplied by the row's factor
-    in FP16 (:func:`scaled_pairs`): ``fp16(fp16(P) fp16(s'_V / sigma))``, two roundings where one was, half the
-    instructions (the corrections take the ``P'`` consumed, so the product stays centred)."""
+    in FP16 (:func:`scaled_pairs`): ``fp16(fp16(P) fp16(s'_V / sigma))``, two roundings where one was, two
+    instructions a pair where there were three (the corrections take the ``P'`` consumed: the product stays centred)."""
     groups = len(sigma)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
