@@ -360,7 +360,8 @@ PY
             # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
             # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the TMA
             # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
-            # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p). Each set's tests split
+            # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the
+            # lazy rescale's vote on them (pair-vote). Each set's tests split
             # over $JOBS (default 6) pytest processes at once: their kernels compile in parallel
     while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
@@ -379,6 +380,7 @@ channel-pcm|python3 benchmarks/run_with.py P_COLUMN_MAJOR_COLS=8,16,32 -- pytest
 start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 pair-p|python3 benchmarks/run_with.py PAIR_P_SCALE_COLS=16,32 -- pytest|tests/test_cute_decode.py tests/test_multitoken.py tests/test_cute_wgmma.py tests/test_cute_fp4.py tests/test_cute_variants.py tests/test_cute_mask_branch.py tests/test_steps_windows.py -k 'sixteen_and_thirtytwo or three_consumers or one_copy or takes_a_step_as_its_columns or steps_of_32 or fp4 or stacked_terms or term_blocks or heads_with or steps_with or cute_kernel'
+pair-vote|python3 benchmarks/run_with.py PAIR_P_SCALE_COLS=16,32 PAIR_VOTE=1 -- pytest|tests/test_cute_decode.py tests/test_multitoken.py tests/test_cute_wgmma.py tests/test_cute_fp4.py tests/test_cute_variants.py tests/test_cute_mask_branch.py tests/test_steps_windows.py -k 'sixteen_and_thirtytwo or three_consumers or one_copy or takes_a_step_as_its_columns or steps_of_32 or fp4 or stacked_terms or term_blocks or heads_with or steps_with or cute_kernel'
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py

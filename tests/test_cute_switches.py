@@ -36,6 +36,23 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
     with cute_switches(monkeypatch, **OFF):
         cfg = config.config_for(fmt, gqa, 64, k_operand, tiles, step)
         assert cfg.start_prefetch and cfg.p_column_major and cfg.pair_p_scale == (fmt.v_axis == "token")
+        assert cfg.pair_vote == (cfg.pair_p_scale and cfg.lazy_rescale)
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)
+
+
+def test_the_pair_votes_thresholds_are_fp16_pairs_in_ps_domain():
+    """The lazy rescale's vote on P's FP16 pairs (``PAIR_VOTE``) compares P with thresholds held as FP16 pairs: two
+    empty columns' word is -1 in both halves (any P >= 0 votes, a masked score's 0 too), and ``2^headroom`` is exact
+    in FP16, so a P that votes in FP32 by more than FP16's rounding votes in FP16 too."""
+    import numpy as np
+
+    from foscar.cute.lazy import EMPTY_PAIR
+    from foscar.format import RESCALE_HEADROOM
+
+    assert np.array([-1.0, -1.0], np.float16).view(np.uint32)[0] == EMPTY_PAIR
+    t = np.float16(2.0 ** RESCALE_HEADROOM)
+    assert float(t) == 2.0 ** RESCALE_HEADROOM
+    p = np.nextafter(np.float32(t), np.float32(np.inf)) * np.float32(1 + 2 ** -11)  # past half an FP16 unit above
+    assert np.float16(p) > t and not np.float16(np.float32(t) * np.float32(1 + 2 ** -12)) > t

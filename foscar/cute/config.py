@@ -60,13 +60,13 @@ V_LOW_PLACEMENT = V_ROW_SHIFTS = False
 V_PRODUCT_BIT = 4
 #: v1 reads a stage's K and V words off one base (the stage flat), not via its 2-D layout: everywhere (``FLAT_WORDS``),
 #: else at ``FLAT_WORDS_COLS``' columns (H100: INT2 2.6-3.0% faster at 16, 32; at 8 +5% to -2.4% by shape: results doc)
-FLAT_WORDS = False
-FLAT_WORDS_COLS = (16, 32)
+FLAT_WORDS, FLAT_WORDS_COLS = False, (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
-#: ... whose token-wise V scales P' in FP16 pairs (``Sm90Config.pair_p_scale``): none until its GPU tests run (16, 32)
-PAIR_P_SCALE_COLS = ()
+#: ... whose token-wise V scales P' in FP16 pairs (``Sm90Config.pair_p_scale``): none until its GPU tests run (16, 32);
+#: ``PAIR_VOTE``: there the lazy rescale votes on those pairs too (``Sm90Config.pair_vote``)
+PAIR_P_SCALE_COLS, PAIR_VOTE = (), False
 #: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
 #: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
@@ -119,7 +119,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
-            "PAIR_P_SCALE_COLS")
+            "PAIR_P_SCALE_COLS", "PAIR_VOTE")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -182,7 +182,7 @@ class Sm90Config:
     of the middle code, and a group's middle value is ``z' + *_mid * s'``.
     """
 
-    bits: int
+    bits: int  #: the codes' width (4 for the FP4 block formats)
     head_dim: int
     page: int  #: tokens per page (a multiple of TILE)
     gqa: int  #: query heads per KV head
@@ -251,6 +251,7 @@ class Sm90Config:
     fp4_block: int = 0
     p_column_major: bool = False  #: P^T's layout (:data:`P_COLUMN_MAJOR_COLS`, ``operands.mmas_and_layouts``)
     pair_p_scale: bool = False  #: token-wise V's P' scaled in FP16 pairs (PAIR_P_SCALE_COLS, ``folds.p_operands``)
+    pair_vote: bool = False  #: with pair_p_scale and the lazy rescale, its vote on P's FP16 pairs (PAIR_VOTE)
     start_prefetch: bool = False  #: v1: :data:`START_PREFETCH`
     #: Q's terms stacked along the contraction (:data:`STACKED_TERMS`, :attr:`term_blocks` only): term ``k`` of row
     #: ``c`` at channels ``(q_terms - 1 - k) D ...`` of a contraction ``q_terms D`` deep (each rounded where it sits)
@@ -441,11 +442,8 @@ class Sm90Config:
 
 
 def columns_for(rows: int) -> int:
-    """The wgmma N of ``rows`` query rows: 8, 16 or 32."""
-    cols = HEADS
-    while cols < rows:
-        cols *= 2
-    return cols
+    """The wgmma N of ``rows`` query rows: 8, 16 or 32 (the least power of two from :data:`HEADS` that holds them)."""
+    return max(HEADS, 1 << (rows - 1).bit_length())
 
 
 #: The K operands: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, three (``e4m3x3``: to about
@@ -570,6 +568,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
     wide = not producer_fold and wide_cols and (token_axes if tiles_per_pass == 2
                                                 else fmt.k_axis == "token" or g < 2 * TILE)
+    lazy = tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V)
+    pair_p = cols in PAIR_P_SCALE_COLS and fmt.v_axis == "token"
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],
                       k_shl=k["K_SHL"], k_pivots=(pivot, pivot * placed), k_mid=float(k["K_MID"]),
                       k_e4m3=e4m3, q_terms=q_terms, q_digits=digits,
@@ -579,13 +579,13 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       v_channel=fmt.v_axis == "channel", tiles_per_pass=tiles_per_pass,
                       rotation=fmt.rotation is not None, step=step, tail=tail, cols=cols,
                       stages=stages,
-                      lazy_rescale=tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V),
+                      lazy_rescale=lazy, pair_vote=PAIR_VOTE and lazy and pair_p,
                       prologue=prologue,
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
                       and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       p_column_major=cols in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
-                      pair_p_scale=cols in PAIR_P_SCALE_COLS and fmt.v_axis == "token",
+                      pair_p_scale=pair_p,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),

@@ -44,12 +44,13 @@ def fp4_config(fmt, gqa: int, page: int, k_operand: str, tiles_per_pass: int, st
         from ..errors import InvalidArgumentError
         raise InvalidArgumentError("stages", f"one of {c.STAGE_CHOICES}", stages)
     prologue = "q_first" if fmt.rotation is not None else c.PROLOGUE_BY_BITS.get(4, "q_first")
+    lazy, pair_p = c.LAZY_ONE_TILE or tiles_per_pass == 2, c.columns_for(gqa * step) in c.PAIR_P_SCALE_COLS
     trigger = c.COMBINE_PDL or (c.COMBINE_PDL_WINDOWS and c.combine_attends_windows(fmt))
     return c.Sm90Config(bits=4, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=0, k_shl=0, k_pivots=(0.0, 0.0),
                         k_mid=0.0, v_patterns=(0, 0), v_shls=(0, 0), v_pivots=(0.0, 0.0), v_mid=0.0, sink=fmt.sink,
                         recent=fmt.recent, group_size=fmt.head_dim, rotation=fmt.rotation is not None, step=step,
                         tail=tail, cols=c.columns_for(gqa * step), stages=stages,
-                        lazy_rescale=c.LAZY_ONE_TILE or tiles_per_pass == 2, prologue=prologue,
+                        lazy_rescale=lazy, prologue=prologue,
                         tiles_per_pass=tiles_per_pass, trigger_dependents=trigger,
                         fp4_block=fmt.group_size, p_column_major=c.columns_for(gqa * step) in c.P_COLUMN_MAJOR_COLS,
-                        pair_p_scale=c.columns_for(gqa * step) in c.PAIR_P_SCALE_COLS, start_prefetch=c.START_PREFETCH)
+                        pair_p_scale=pair_p, pair_vote=c.PAIR_VOTE and lazy and pair_p, start_prefetch=c.START_PREFETCH)

@@ -7,20 +7,30 @@ then it needs neither the warps' exchange of maxima nor a rescale, and one barri
 the P' stores (:func:`lazy_softmax`). The maxima are a shift that ``m + log2(sum)`` undoes, so any ``m``
 within the headroom gives the same attention; ``P <= 2^8`` stays within FP16 P' and the FP32 sums. The scores
 arrive less the maxima, from K's fold (:func:`~foscar.cute.folds.k_acc_fold` with ``mu``): ``P = exp2(d)``, and
-the vote compares each with its column's threshold.
+the vote compares each with its column's threshold. With ``Sm90Config.pair_vote`` it compares ``P``'s FP16 pairs,
+which the P' scaling forms (:func:`~foscar.cute.folds.scaled_pairs`), with thresholds held in ``P``'s domain as FP16
+pairs (:func:`pair_vote_barrier`).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32
+from cutlass import Float16, Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..format import RESCALE_HEADROOM
 from .config import THREADS
 from .fragment import s_slot, slot_elements
-from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
+from .folds import (f16_pair, gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p,
+                    store_p_operands)
 from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
+
+#: Two columns' thresholds in ``P``'s domain (``Sm90Config.pair_vote``), an FP16 pair, while neither has seen a token:
+#: -1 each, so that any ``P`` votes (a masked score's 0 too; ``P`` underflows FP16 below ``2^-24``, so 0 would miss a
+#: first score far below the column's start)
+EMPTY_PAIR = 0xBC00BC00
 
 
 @cute.jit
@@ -54,27 +64,24 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
     slots = len(mu_old)
     groups = len(sigma_old)
     vb = sc.v_scales()
-    need = past_headroom(d, softmax.thr)
-    for g in cutlass.range_constexpr(groups):
-        if cute.arch.fmax(vb[g][0], vb[g][1]) > sigma_old[g]:
-            need = Int32(1)
+    p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
+    units = [(cute.arch.fmax(vb[g][0], vb[g][1]), sigma_old[g]) for g in range(groups)]  # a row asks for more
     pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
     qt = [cute.make_rmem_tensor(cute.make_layout(n_el), Float16) for _ in range(groups)]
     mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)  # the maxima subtracted, and the thresholds
-    ht = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    ht = _threshold_tensor(cfg, slots)
     st = cute.make_rmem_tensor(cute.make_layout(groups), Float32)
-    p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
     q = p_operands(cfg, sc.v, p, sigma_old)
     store_p_operands(cfg, wg, q, first)
     kept = (pt, qt, mt, ht, st)
     _keep(kept, p, q, mu_old, softmax.thr, sigma_old)
-    if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
+    if _vote(cfg, thr, d, p, softmax.thr, units) != 0:  # the same in every thread of the warpgroup
         if cutlass.const_expr(pv_in_flight):  # the accumulator is rescaled below
             warpgroup.wait_group(0)
         s = [d[e] + mu_old[s_slot(e)] for e in range(n_el)]
         tm, tv = tile_maxima(cfg, thr, wg.smem.sRed, step, s, vb)
         sigma = p_scales(cfg, wg, out, step, tv)
-        mn_use, al, th = _raised(mu_old, softmax.thr, tm)
+        mn_use, al, th = _raised(cfg, mu_old, softmax.thr, tm)
         out.scale_to(al, sigma)
         for k in cutlass.range_constexpr(slots):
             softmax.sums[k] = softmax.sums[k] * al[k]
@@ -91,7 +98,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
     gather_offset_corrections(cfg, out, sc.v, p_new, [[qt[g][e] for e in range(n_el)] for g in range(groups)],
                               sigma_new)
     softmax.m = [mt[k] for k in range(slots)]
-    softmax.thr = [ht[k] for k in range(slots)]
+    softmax.thr = [ht[k] for k in range(cute.size(ht))]
     out.sigma = sigma_new
     return softmax, out
 
@@ -117,17 +124,16 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
     slots = len(mu_old)
     buf = step & 1
     sRed = wg.smem.sRed
-    need = past_headroom(d, softmax.thr)
     pt = cute.make_rmem_tensor(cute.make_layout(n_el), Float32)
     mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
-    ht = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+    ht = _threshold_tensor(cfg, slots)
     p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
     publish_p(cfg, wg, [Float16(x) for x in p], buf)
     _keep((pt, [], mt, ht, []), p, [], mu_old, softmax.thr, [])
-    if barrier_any(need, thr.bar_id, THREADS) != 0:  # the same in every thread of the warpgroup
+    if _vote(cfg, thr, d, p, softmax.thr, []) != 0:  # the same in every thread of the warpgroup
         s = [d[e] + mu_old[s_slot(e)] for e in range(n_el)]
         tm, _ = tile_maxima(cfg, thr, sRed, step, s, None)  # channel-wise V: no P' units
-        mn_use, al, th = _raised(mu_old, softmax.thr, tm)
+        mn_use, al, th = _raised(cfg, mu_old, softmax.thr, tm)
         out.scale_to(al, out.sigma)
         for k in cutlass.range_constexpr(slots):
             softmax.sums[k] = softmax.sums[k] * al[k]
@@ -137,7 +143,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
         _keep((pt, [], mt, ht, []), p2, [], mn_use, th, [])
     add_slot_sums(softmax.sums, [pt[e] for e in range(n_el)])
     softmax.m = [mt[k] for k in range(slots)]
-    softmax.thr = [ht[k] for k in range(slots)]
+    softmax.thr = [ht[k] for k in range(cute.size(ht))]
     return softmax, out, p_column_sums(cfg, wg, buf, n_el // 2)
 
 
@@ -149,21 +155,27 @@ def add_slot_sums(sums: cute.Tensor, p: list):
         sums[k] = (sums[k] + p[e]) + p[e2]
 
 
-def _raised(mu: list, thr: list, tm: list):
+def _raised(cfg, mu: list, thr: list, tm: list):
     """``(mn_use, al, th)`` once a pass's column maxima ``tm`` are known: the new maxima to subtract (0 while a
     column has seen no token), the factors that rescale what was accumulated relative to ``mu`` and the new
-    thresholds (``-inf`` for a column still empty)."""
-    m = [_running_maximum(mu[k], thr[k]) for k in range(len(mu))]
+    thresholds (``-inf`` for a column still empty; ``cfg.pair_vote``: :func:`pair_thresholds`)."""
+    if cutlass.const_expr(cfg.pair_vote):  # a half's sign: -1, the column empty
+        empty = [(thr[k // 2] >> (16 * (k % 2) + 15)) & Uint32(1) != Uint32(0) for k in range(len(mu))]
+    else:
+        empty = [thr[k] == -Float32.inf for k in range(len(mu))]
+    m = [_running_maximum(mu[k], empty[k]) for k in range(len(mu))]
     mn, mn_use, al = raised_maxima(m, tm, True)
+    if cutlass.const_expr(cfg.pair_vote):
+        return mn_use, al, pair_thresholds(mn)
     return mn_use, al, [_threshold(x) for x in mn]
 
 
 @cute.jit
-def _running_maximum(mu: Float32, thr: Float32) -> Float32:
-    """A column's running maximum from the maximum its scores are taken relative to and its threshold:
-    ``-inf`` while it has seen no token."""
+def _running_maximum(mu: Float32, empty) -> Float32:
+    """A column's running maximum from the maximum its scores are taken relative to: ``-inf`` while it has seen
+    no token (``empty``)."""
     m = mu
-    if thr == -Float32.inf:
+    if empty:
         m = -Float32.inf
     return m
 
@@ -178,6 +190,79 @@ def _threshold(m: Float32) -> Float32:
     return t
 
 
+@cute.jit
+def _p_threshold(m: Float32) -> Float32:
+    """A column's threshold in ``P``'s domain under the running maximum ``m``: ``2^headroom``, or -1 (any ``P``)
+    while it has seen no token."""
+    t = Float32(2.0 ** RESCALE_HEADROOM)
+    if m == -Float32.inf:
+        t = Float32(-1.0)
+    return t
+
+
+def pair_thresholds(m: list) -> list:
+    """The thresholds in ``P``'s domain of the columns whose running maxima are ``m`` (by column slot), as FP16
+    pairs (word ``j``: slots ``2 j`` and ``2 j + 1``, :func:`pair_vote_barrier`)."""
+    return [f16_pair(_p_threshold(m[k]), _p_threshold(m[k + 1])) for k in range(0, len(m), 2)]
+
+
+@cute.jit
+def _vote(cfg, thr, d: list, p: list, thresholds: list, units: list) -> Int32:
+    """The pass's one barrier (the warpgroup's, publishing the ``P'`` stores) and its vote, 1 or 0 in every thread:
+    whether any score ``d`` passed its column's threshold, or (``units``, pairs ``(a, b)``) any ``a > b``.
+    ``cfg.pair_vote``: on ``P``'s FP16 pairs (``p``: ``P``, :func:`pair_vote_barrier`)."""
+    if cutlass.const_expr(cfg.pair_vote):
+        pairs = [f16_pair(p[e], p[e + 1]) for e in range(0, len(p), 2)]
+        return pair_vote_barrier(pairs, thresholds, units, thr.bar_id, THREADS)
+    need = past_headroom(d, thresholds)
+    for a, b in units:
+        if a > b:
+            need = Int32(1)
+    return barrier_any(need, thr.bar_id, THREADS)
+
+
+@dsl_user_op
+def pair_vote_barrier(pairs: list, thr: list, units: list, barrier_id, number_of_threads: int, *, loc=None,
+                      ip=None) -> Int32:
+    """The lazy rescale's vote on ``P``'s FP16 pairs (``Sm90Config.pair_vote``) in the named barrier ``barrier_id``
+    of ``number_of_threads`` (:func:`~foscar.cute.softmax.barrier_any`): 1 in every thread where in any thread a
+    ``P`` passes its column's threshold in ``P``'s domain or, of a pair ``(a, b)`` of FP32 ``units``, ``a > b``;
+    else 0. ``pairs[i]``: elements ``2 i`` and ``2 i + 1`` (a token row's two adjacent columns: slots ``2 j``,
+    ``2 j + 1`` for ``i = 2 j`` and ``2 j + 1``, the two token rows); ``thr[j]``: those slots' thresholds
+    (:func:`pair_thresholds`). A column block's two rows are joined (``max.f16x2``, which drops a NaN as the
+    comparison of a NaN score fails) and compared in pairs (``setp.gt.f16x2``), each comparison taking one earlier
+    predicate: two instructions a block of four scores, and the predicates joined once. ``P`` rounded to FP16 may
+    pass ``2^headroom`` by up to ``2^-11`` of it without a vote: within FP16 ``P'`` and the FP32 sums all the same."""
+    n, nu, u = len(pairs), len(units), 1 + len(pairs) + len(thr)  # operands: $1 pairs, thr, units, barrier_id
+    body = ["setp.ne.u32 c, 0, 0;"]  # false
+    for i in range(nu):
+        body.append(f"setp.gt.or.f32 c, ${u + 2 * i}, ${u + 1 + 2 * i}, c;")
+    for j in range(len(thr)):
+        x, y, t = 1 + 2 * j, 2 + 2 * j, 1 + n + j
+        body.append(f"max.f16x2 m, ${x}, ${y};")
+        body.append(f"setp.gt.or.f16x2 p{j}|q{j}, m, ${t}, {'c' if j == 0 else f'p{j - 1}'};")
+    last = [f"p{len(thr) - 1}"] + [f"q{j}" for j in range(len(thr))]
+    body.append(f"or.pred r, {last[0]}, {last[1]};")
+    body += [f"or.pred r, r, {x};" for x in last[2:]]
+    body += [f"bar.red.or.pred r, ${u + 2 * nu}, {int(number_of_threads)}, r;", "selp.u32 $0, 1, 0, r;"]
+    preds = ", ".join(["c", "r"] + [f"p{j}, q{j}" for j in range(len(thr))])
+    args = ([Uint32(w).ir_value(loc=loc, ip=ip) for w in list(pairs) + list(thr)]
+            + [Float32(x).ir_value(loc=loc, ip=ip) for ab in units for x in ab]
+            + [Int32(barrier_id).ir_value(loc=loc, ip=ip)])
+    return Int32(llvm.inline_asm(
+        T.i32(), args, "{\n\t.reg .pred " + preds + ";\n\t.reg .b32 m;\n\t" + "\n\t".join(body) + "\n\t}",
+        "=r" + ",r" * (n + len(thr)) + ",f" * (2 * nu) + ",r,~{memory}", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+def _threshold_tensor(cfg, slots: int) -> cute.Tensor:
+    """The register tensor that carries a pass's thresholds out of the rare branch: by column slot, or
+    (``cfg.pair_vote``) one FP16 pair for two slots."""
+    if cutlass.const_expr(cfg.pair_vote):
+        return cute.make_rmem_tensor(cute.make_layout(slots // 2), Uint32)
+    return cute.make_rmem_tensor(cute.make_layout(slots), Float32)
+
+
 def _keep(kept: tuple, p: list, q: list, m: list, th: list, sigma: list):
     """The pass's ``P``, ``P'`` (per group), maxima subtracted, thresholds and units into the register tensors
     ``kept`` that carry them out of the run-time branch of :func:`lazy_softmax` (:func:`lazy_softmax_acc_fold`: no
@@ -189,6 +274,7 @@ def _keep(kept: tuple, p: list, q: list, m: list, th: list, sigma: list):
             qt[g][e] = q[g][e]
     for k in range(len(m)):
         mt[k] = m[k]
+    for k in range(len(th)):
         ht[k] = th[k]
     for g in range(len(sigma)):
         st[g] = sigma[g]

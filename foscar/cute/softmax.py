@@ -32,7 +32,8 @@ class OnlineSoftmax:
     The lazy rescale (:mod:`foscar.cute.lazy`) carries ``thr`` too: ``m`` then holds the maxima the scores are
     taken relative to (a column's running maximum, 0 while it has seen no token) and ``thr`` each column's
     threshold on those relative scores (:data:`~foscar.format.RESCALE_HEADROOM`, ``-inf`` while it has seen
-    no token), so that a tile's scores come from K's fold already less the maxima."""
+    no token; ``Sm90Config.pair_vote``: in ``P``'s domain, FP16 pairs, :func:`foscar.cute.lazy.pair_thresholds`),
+    so that a tile's scores come from K's fold already less the maxima."""
 
     def __init__(self, m: list, sums: cute.Tensor, guard: bool = False, thr: list | None = None):
         self.m = m
@@ -46,7 +47,7 @@ class OnlineSoftmax:
 
     def __new_from_mlir_values__(self, values) -> OnlineSoftmax:
         n = len(self.m)
-        thr = None if self.thr is None else [Float32(v) for v in values[n:]]
+        thr = None if self.thr is None else [type(t)(v) for t, v in zip(self.thr, values[n:])]
         return OnlineSoftmax([Float32(v) for v in values[:n]], self.sums, self.guard, thr)
 
     def advance(self, tm: list) -> list:

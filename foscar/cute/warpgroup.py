@@ -42,7 +42,7 @@ from .folds import (
 )
 from .operands import build_k_registers, build_vt_registers, sqk_buffer_units
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
-from .lazy import lazy_softmax, lazy_softmax_acc_fold
+from .lazy import EMPTY_PAIR, lazy_softmax, lazy_softmax_acc_fold
 from .limits import quantized_length
 from .pivot import pivot_a_operand
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
@@ -225,6 +225,8 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     # every column empty: its maximum -inf, or with the lazy rescale's relative scores 0 and a threshold of -inf
     m0 = 0.0 if cfg.lazy_rescale else -Float32.inf
     thr = [Float32(-Float32.inf) for _ in range(2 * cfg.nb)] if cfg.lazy_rescale else None
+    if cfg.pair_vote:  # the thresholds in P's domain, FP16 pairs
+        thr = [Uint32(EMPTY_PAIR) for _ in range(cfg.nb)]
     softmax = OnlineSoftmax([Float32(m0) for _ in range(2 * cfg.nb)], sums, guard=cfg.causal, thr=thr)
     sigma0 = 1.0 if cfg.v_channel else P_UNITS_START  # token-wise V: the tiles' p_units_bound raise it
     pivot = None
