@@ -19,8 +19,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Uint16, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
@@ -31,6 +30,7 @@ from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms
 from .pivot import pivot_corrections
+from .ptx import asm
 from .softmax import column_sums
 from .wgmma import pv_mma
 
@@ -392,17 +392,13 @@ def scaled_pairs(p: list, rp: list) -> list:
 @dsl_user_op
 def f16_pair(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """``lo`` and ``hi`` rounded to FP16 (to nearest), the low and high halves of one word (``cvt.rn.f16x2.f32``)."""
-    return Uint32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-                                  "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
-                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return asm(Uint32, [Float32(lo), Float32(hi)], "cvt.rn.f16x2.f32 $0, $2, $1;", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def mul_f16_pairs(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """The halves of ``a`` times those of ``b``, FP16 pairs, rounded to nearest (``mul.rn.f16x2``)."""
-    return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-                                  "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False,
-                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return asm(Uint32, [Uint32(a), Uint32(b)], "mul.rn.f16x2 $0, $1, $2;", loc=loc, ip=ip)
 
 
 def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: list, sigma: list, al=None):

@@ -16,15 +16,15 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..format import RESCALE_HEADROOM
 from .config import THREADS
 from .fragment import s_slot, slot_elements
 from .folds import (f16_pair, gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p,
                     store_p_operands)
+from .ptx import asm
 from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
 
 #: Two columns' thresholds in ``P``'s domain (``Sm90Config.pair_vote``), an FP16 pair, while neither has seen a token:
@@ -246,13 +246,9 @@ def pair_vote_barrier(pairs: list, thr: list, units: list, barrier_id, number_of
     body += [f"or.pred r, r, {x};" for x in last[2:]]
     body += [f"bar.red.or.pred r, ${u + 2 * nu}, {int(number_of_threads)}, r;", "selp.u32 $0, 1, 0, r;"]
     preds = ", ".join(["c", "r"] + [f"p{j}, q{j}" for j in range(len(thr))])
-    args = ([Uint32(w).ir_value(loc=loc, ip=ip) for w in list(pairs) + list(thr)]
-            + [Float32(x).ir_value(loc=loc, ip=ip) for ab in units for x in ab]
-            + [Int32(barrier_id).ir_value(loc=loc, ip=ip)])
-    return Int32(llvm.inline_asm(
-        T.i32(), args, "{\n\t.reg .pred " + preds + ";\n\t.reg .b32 m;\n\t" + "\n\t".join(body) + "\n\t}",
-        "=r" + ",r" * (n + len(thr)) + ",f" * (2 * nu) + ",r,~{memory}", has_side_effects=True,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    args = [Uint32(w) for w in list(pairs) + list(thr)] + [Float32(x) for ab in units for x in ab] + [Int32(barrier_id)]
+    return asm(Int32, args, ".reg .pred " + preds + ";\n\t.reg .b32 m;\n\t" + "\n\t".join(body), memory=True,
+               loc=loc, ip=ip)
 
 
 def _threshold_tensor(cfg, slots: int) -> cute.Tensor:

@@ -40,12 +40,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .config import THREADS, TILE
 from .fragment import k_register_source, v_register_source
 from .operands_e4m3 import row_scales
+from .ptx import asm
 
 #: the E2M1 codes of a register placed under FP16 (both halves): the magnitude at bits 9-11, the sign at bit 15
 _PLACED = 0x8E008E00
@@ -57,12 +57,9 @@ _SELECT = 0xE4
 def scale_pair(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Uint32:
     """The FP16 pair ``(s_lo, s_hi)`` of the E4M3 bytes that ``prmt(a, b, selector)`` puts in bytes 0 and 1
     (``s_lo`` from byte 0; the NaN byte a NaN)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)],
-        "{\n\t.reg .b32 t;\n\t.reg .b16 h;\n\tprmt.b32 t, $1, $2, $3;\n\tcvt.u16.u32 h, t;\n\t"
-        "cvt.rn.f16x2.e4m3x2 $0, h;\n\t}",
-        "=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
+    return asm(Uint32, [Int32(x) for x in (a, b, selector)],
+               ".reg .b32 t;\n\t.reg .b16 h;\n\tprmt.b32 t, $1, $2, $3;\n\tcvt.u16.u32 h, t;\n\t"
+               "cvt.rn.f16x2.e4m3x2 $0, h;", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -71,15 +68,11 @@ def gathered_codes(w: Uint32, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
     (``y08``), 4 and 12 (``y412``) of both 16-bit halves with each code's magnitude at bits ``1-3`` (fields 0, 4)
     or ``9-11`` (8, 12) of its half and its sign 6 bits above (:func:`place_scaled` takes them from there):
     ``lop3(w << 1, w << 4, 0x0E0E0E0E)`` and ``lop3(w >> 3, w, 0x0E0E0E0E)``, other bits don't-cares."""
-    wv = Uint32(w).ir_value(loc=loc, ip=ip)
-    out = []
-    for asm in ("{\n\t.reg .b32 a, b;\n\tshl.b32 a, $1, 1;\n\tshl.b32 b, $1, 4;\n\t"
-                f"lop3.b32 $0, a, b, 0x0E0E0E0E, {_SELECT};\n\t}}",
-                "{\n\t.reg .b32 a;\n\tshr.b32 a, $1, 3;\n\t"
-                f"lop3.b32 $0, a, $1, 0x0E0E0E0E, {_SELECT};\n\t}}"):
-        out.append(Uint32(llvm.inline_asm(T.i32(), [wv], asm, "=r,r", has_side_effects=False, is_align_stack=False,
-                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)))
-    return out[0], out[1]
+    w = Uint32(w)
+    return (asm(Uint32, [w], ".reg .b32 a, b;\n\tshl.b32 a, $1, 1;\n\tshl.b32 b, $1, 4;\n\t"
+                f"lop3.b32 $0, a, b, 0x0E0E0E0E, {_SELECT};", loc=loc, ip=ip),
+            asm(Uint32, [w], f".reg .b32 a;\n\tshr.b32 a, $1, 3;\n\tlop3.b32 $0, a, $1, 0x0E0E0E0E, {_SELECT};",
+                loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -88,11 +81,8 @@ def place_scaled(y: Uint32, low: bool, pair: Uint32, *, loc=None, ip=None) -> Ui
     at bits 1-3, fields 0 and 4) times the scale pair ``pair`` (:func:`scale_pair`): exact, as FP16
     subnormals where small (the product's lowest bit is at least ``2^-10 x 2^-14``, FP16's subnormal spacing)."""
     shift = "shl.b32 t, $1, 8;\n\t" if low else "mov.b32 t, $1;\n\t"
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Uint32(y).ir_value(loc=loc, ip=ip), Uint32(pair).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 t;\n\t" + shift + f"and.b32 t, t, {_PLACED};\n\tmul.rn.f16x2 $0, t, $2;\n\t}}",
-        "=r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
+    return asm(Uint32, [Uint32(y), Uint32(pair)],
+               ".reg .b32 t;\n\t" + shift + f"and.b32 t, t, {_PLACED};\n\tmul.rn.f16x2 $0, t, $2;", loc=loc, ip=ip)
 
 
 def placed(gathered: dict, key, w, field: int, pair: Uint32) -> Uint32:
@@ -177,9 +167,7 @@ MX_PAIRS = (0x4240, 0x4341)
 
 def _asm(args, body: str, loc=None, ip=None) -> Uint32:
     """One 32-bit result of the PTX ``body`` over 32-bit ``args`` (``$0`` the result, ``$1``... the args)."""
-    return Uint32(llvm.inline_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip) for a in args],
-                                  "{\n\t" + body + "\n\t}", "=r" + ",r" * len(args), has_side_effects=False,
-                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return asm(Uint32, [Uint32(a) for a in args], body, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -13,11 +13,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .config import HEADS, THREADS
 from .fragment import s_slot, slot_elements
+from .ptx import asm
 
 
 class OnlineSoftmax:
@@ -72,13 +72,10 @@ def barrier_any(pred: Int32, barrier_id, number_of_threads: int, *, loc=None, ip
     (``bar.red.or.pred``) that also returns, to every thread, whether ``pred`` is nonzero in any of them: 1 or 0,
     the same in all. Orders shared memory as ``bar.sync`` does. (NVVM's barrier op takes a reduction on barrier 0
     only: inline PTX.)"""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(pred).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
-        f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n\t"
-        "selp.u32 $0, 1, 0, q;\n\t}",
-        "=r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
+    return asm(Int32, [Int32(pred), Int32(barrier_id)],
+               ".reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
+               f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n\tselp.u32 $0, 1, 0, q;",
+               memory=True, loc=loc, ip=ip)
 
 
 def maxima_to_subtract(m: list, guard: bool) -> list:

@@ -18,6 +18,8 @@ from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .ptx import asm
+
 #: Descriptor bits (layout type at 62-63, stride byte offset at 32-45, leading byte offset at 16-29, in 16-byte
 #: units) as CuTe DSL forms them: Q^T (K-major, 128-byte swizzle; beyond 8 columns its 8-row groups 1024 bytes
 #: apart), P' K-major (one 8-row group) and P' MN-major (64-byte swizzle, 512 bytes between groups)
@@ -41,9 +43,7 @@ def descriptor(ptr: cute.Pointer, bits: cutlass.Constexpr) -> Int64:
 @dsl_user_op
 def opaque(x: Int64, *, loc=None, ip=None) -> Int64:
     """``x`` through a PTX move the compilers neither sink into a loop nor rematerialize there."""
-    return Int64(llvm.inline_asm(T.i64(), [Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
-                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
+    return asm(Int64, [Int64(x)], "mov.b64 $0, $1;", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
