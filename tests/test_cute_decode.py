@@ -179,6 +179,28 @@ def test_sixteen_and_thirtytwo_heads_against_the_oracle_gpu(bits, lens, G, num_s
                                ctas_per_sm=ctas)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("G,ctas", [(32, 1), (16, 2)])
+@pytest.mark.parametrize("where", ("k", "v"))
+def test_sixteen_and_thirtytwo_heads_keep_a_nan_where_it_was_planted_gpu(G, ctas, where):
+    """A NaN planted in one token's K or V scale (sequence 0, KV head 1, past the first tile, so that the lazy
+    rescale's vote has thresholds by then): that KV head's rows of sequence 0 are NaN, every other row as without it,
+    bit for bit. A NaN score passes no threshold and makes no rescale; its ``P`` and ``P'`` carry it to the output."""
+    from _cases import make
+
+    from foscar.cute.launch import decode
+    fmt = foscar.KVFormat(bits=2, head_dim=128, group_size=128)
+    q, cache = make(fmt, [3000, 900], Hkv=2, G=G, page=64, seed=7)
+    launch = {"num_splits": 4, "warp_specialized": True, "ctas_per_sm": ctas, "k_operand": "e4m3"}
+    clean = decode(q, cache, **launch)
+    page = int(cache.page_table.block_table[0, 20])
+    (cache.k_params if where == "k" else cache.v_params)[page, 1, 5, :, 0] = float("nan")  # token 20 * 64 + 5
+    got = decode(q, cache, **launch)
+    assert torch.isnan(got[0, G:]).all()
+    assert torch.equal(got[0, :G], clean[0, :G]) and torch.equal(got[1], clean[1])
+
+
 @pytest.fixture
 def wide(monkeypatch):
     """The three-consumer variant (``foscar.cute.config.WIDE_CONSUMERS``) switched on, ``config_for``'s cache
