@@ -42,7 +42,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
     (the reduction buffer it takes).
 
     Each thread forms ``P = exp2(d)`` and ``P'`` in the units ``sigma`` it has, and stores ``P'``; one barrier
-    (:func:`~foscar.cute.softmax.barrier_any`) publishes the stores and tells every thread whether any score
+    (:func:`_vote`) publishes the stores and tells every thread whether any score
     passed its column's threshold (its maximum by more than :data:`~foscar.format.RESCALE_HEADROOM`, or
     any score where the column has seen none) or any token row asks for larger units
     (:func:`~foscar.cute.folds.p_units_bound`). Almost always none did, and the pass needs no exchange of
@@ -50,7 +50,7 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
     maxima are only a shift that ``m + log2(sum)`` undoes). Else the warps exchange the pass's maxima
     (:func:`~foscar.cute.softmax.tile_maxima`), rescale the state and store ``P'`` again, as every pass did
     before. A NaN score passes no comparison and stays NaN in ``P``; a column that has seen no token keeps its
-    maximum at ``-inf`` (threshold ``-inf``) and its scores relative to 0. ``wg``: the
+    maximum at ``-inf`` (threshold ``-inf``, or -1 in ``P``'s domain) and its scores relative to 0. ``wg``: the
     :class:`~foscar.cute.warpgroup.Warpgroup`, ``state`` its :class:`~foscar.cute.warpgroup.RunningState`,
     ``sc`` the pass's :class:`~foscar.cute.warpgroup.TileScales` of this thread's rows. ``first``: the tile's
     first token in the pass's ``P'``; ``pv_in_flight``: a PV product may still be accumulating (an overlapped pass,
