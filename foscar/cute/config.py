@@ -64,9 +64,9 @@ FLAT_WORDS, FLAT_WORDS_COLS = False, (16, 32)
 #: The column counts whose P^T is column-major in shared memory (:attr:`Sm90Config.p_column_major`: a thread's two
 #: columns of a token in one 32-bit store): faster at 16 and 32; at 8 INT4 was slower (``docs/results-h200.md``)
 P_COLUMN_MAJOR_COLS = (16, 32)
-#: ... whose token-wise V scales P' in FP16 pairs (``Sm90Config.pair_p_scale``): none until its GPU tests run (16, 32);
-#: ``PAIR_VOTE``: there the lazy rescale votes on those pairs too (``Sm90Config.pair_vote``)
-PAIR_P_SCALE_COLS, PAIR_VOTE = (), False
+#: ... whose token-wise V scales P' in FP16 pairs (``Sm90Config.pair_p_scale``), and ``PAIR_VOTE``: there the lazy
+#: rescale votes on those pairs (``Sm90Config.pair_vote``). H100: steps of 8 2.3% faster, GQA 32 0.5-1%; 16 -1%
+PAIR_P_SCALE_COLS, PAIR_VOTE = (32,), True
 #: v1: a CTA prefetches the length's line, the TMA descriptors and its first page-table line as it starts, reading the
 #: length past the prologue's barriers (:attr:`Sm90Config.start_prefetch`): 0.8-1.2% faster (``docs/results-h200.md``)
 START_PREFETCH = True
