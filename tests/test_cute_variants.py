@@ -268,7 +268,7 @@ def test_lazy_one_tile_compiles_for_sm90a(lazy_one_tile, bits, gqa, k_operand, f
     cfg_mod.LAZY_ONE_TILE = False
     cfg_mod.clear_switch_caches()
     plain_cfg = config_for(fmt, gqa, 64, k_operand, 1, q_len)
-    assert not plain_cfg.lazy_rescale and dataclasses.replace(cfg, lazy_rescale=False) == plain_cfg
+    assert not plain_cfg.lazy_rescale and dataclasses.replace(cfg, lazy_rescale=False, pair_vote=False) == plain_cfg
     plain = compile_stage1(plain_cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
     loops = consumer_code_paths(cfg, ctas) if ws else 1  # one loop per copy of the consumers' code
     assert len(re.findall(r"bar\.red\.or\.pred", ptx)) == loops
