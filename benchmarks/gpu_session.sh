@@ -35,8 +35,6 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh install-cute BUNDLE_DIR  # install cutlass-dsl only (after tvm)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pipeline-tests   # v1's stages and prologues, the lazy
 #                                                                #   rescale in one-tile passes, three Q terms: GPU tests
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh placement        # V^T by placement and injection: GPU tests, the error
-#                                                                #   against the split count, stress study, time
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending [NAME]   # the GPU tests of switches not yet run on a GPU
 #                                                                #   ($JOBS pytest processes a set, default 6)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh pending-speed [NAME]  # those switches against the shipped kernels
@@ -343,25 +341,12 @@ PY
     timeout 540 python3 -m pytest -q -m gpu tests/test_cute_pipeline.py tests/test_cute_pdl.py tests/test_cute_decode.py tests/test_cute_variants.py \
       -k "${2:-pipeline or pdl or lazy_one_tile or three_q_terms}" > "$OUT/pipeline-tests.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pipeline-tests.log" | tail -12 ;;
-  placement)  # after install-cute: V^T by placement and by injection: their GPU tests, the error against the split
-              # count at L 16K (benchmarks/split_error.py), the stress study, then the time of injection
-    timeout 200 python3 -m pytest -q -s -m gpu tests/test_cute_pipeline.py -k "v_operands or placed_v" \
-      > "$OUT/placement-tests.log" 2>&1
-    echo "placement tests: $(tail -1 "$OUT/placement-tests.log")"
-    for p in 1 0; do
-      echo "V_PLACEMENT=$p"; timeout 100 python3 benchmarks/run_with.py V_PLACEMENT=$p -- benchmarks/split_error.py \
-        --splits 1 16 32 128 2>&1 | grep "^| INT"
-    done
-    timeout 120 python3 -m foscar.bench.cli accuracy --backend cute --lengths 1024 4096 16384 --out "$OUT/accuracy" \
-      > "$OUT/accuracy.log" 2>&1; grep "^| INT" "$OUT/accuracy.log" | cut -d'|' -f2,3,7,8
-    timeout 200 python3 benchmarks/sweep_switches.py --shapes 1:8K,8:32K,8:128K,64:128K --variants shipped V_PLACEMENT=0 \
-      > "$OUT/sweep-v-placement.md" 2>&1; tail -12 "$OUT/sweep-v-placement.md" ;;
   pending)  # after install-cute: the GPU tests of the switches built and not yet run on a GPU (pending [FILTER]:
             # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
             # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the TMA
             # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
             # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the
-            # lazy rescale's vote on them (pair-vote). Each set's tests split
+            # lazy rescale's vote on them (pair-vote), token-wise V^T from bit 0 (v-low). Each set's tests split
             # over $JOBS (default 6) pytest processes at once: their kernels compile in parallel
     while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
@@ -381,6 +366,7 @@ start-prefetch|python3 -m pytest|tests/test_cute_start_prefetch.py
 windowed-steps|python3 -m pytest|tests/test_steps_windows.py tests/test_multitoken.py
 pair-p|python3 benchmarks/run_with.py PAIR_P_SCALE_COLS=16,32 -- pytest|tests/test_cute_decode.py tests/test_multitoken.py tests/test_cute_wgmma.py tests/test_cute_fp4.py tests/test_cute_variants.py tests/test_cute_mask_branch.py tests/test_steps_windows.py -k 'sixteen_and_thirtytwo or three_consumers or one_copy or takes_a_step_as_its_columns or steps_of_32 or fp4 or stacked_terms or term_blocks or heads_with or steps_with or cute_kernel'
 pair-vote|python3 benchmarks/run_with.py PAIR_P_SCALE_COLS=16,32 PAIR_VOTE=1 -- pytest|tests/test_cute_decode.py tests/test_multitoken.py tests/test_cute_wgmma.py tests/test_cute_fp4.py tests/test_cute_variants.py tests/test_cute_mask_branch.py tests/test_steps_windows.py -k 'sixteen_and_thirtytwo or three_consumers or one_copy or takes_a_step_as_its_columns or steps_of_32 or fp4 or stacked_terms or term_blocks or heads_with or steps_with or cute_kernel'
+v-low|python3 benchmarks/run_with.py V_LOW_PLACEMENT=1 -- pytest|tests/test_cute_decode.py tests/test_multitoken.py tests/test_cute_wgmma.py tests/test_cute_variants.py tests/test_cute_mask_branch.py tests/test_steps_windows.py tests/test_cute_pipeline.py tests/test_cute_v_bits.py -k 'sixteen_and_thirtytwo or three_consumers or takes_a_step_as_its_columns or steps_of_32 or stacked_terms or term_blocks or heads_with or steps_with or cute_kernel or oracle or magnitude or placed_v or v_bits'
 wide-eight|python3 -m pytest|tests/test_cute_wide_eight.py
 cluster-merge|python3 -m pytest|tests/test_cute_cluster_merge.py
 one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q -- pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py
@@ -392,8 +378,9 @@ TESTS
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
                   # kernels, each sweep one process (sweep_switches.py): GQA 32 and 16 with the stacked terms, the
                   # channel-wise combinations, P^T column-major on the ratio and read-share shapes
+    filter="${2:-}"  # the loop's set -- takes the positional parameters
     while read -r name args; do
-      case "$name" in *${2:-}*) ;; *) continue ;; esac
+      case "$name" in *$filter*) ;; *) continue ;; esac
       eval "set -- $args"; pre=()  # the options before --variants; then each variant's kernels compiled at once
       while [ $# -gt 0 ] && [ "$1" != "--variants" ]; do pre+=("$1"); shift; done
       [ $# -gt 0 ] && shift
@@ -415,6 +402,8 @@ v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SH
 v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
 flat-words --shapes 8:128K --heads 32:1 --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
 flat-words-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
+v-low --shapes 1:8K,8:32K,8:128K,64:32K,64:128K --variants shipped V_LOW_PLACEMENT=1
+v-low-gqa32 --shapes 8:128K --heads 32:1 --variants shipped V_LOW_PLACEMENT=1
 fused-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --kernels --variants shipped FUSED_MERGE=1
 SWEEPS
     ;;

@@ -1,7 +1,7 @@
 """The CuTe kernel's arithmetic error on the stress input against the split count: the relative L2 error
 of one decode against exact (float64) attention over the dequantized cache, for each ``--splits`` value,
 next to BF16 attention's on the same cache: how the error depends on a split's length (the tiles each
-consumer chains between two folds of the offset corrections; ``foscar.cute.config.V_PLACEMENT``).
+consumer chains between two folds of the offset corrections).
 
     python3 benchmarks/split_error.py --length 16384 --splits 1 2 4 8 16 32 64 [--k-operand bf16]
 """

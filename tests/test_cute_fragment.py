@@ -119,21 +119,21 @@ def test_accumulator_ownership(m):
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("v_axis,placed,low,rows", [("token", False, False, False), ("channel", False, False, False),
-                                                    ("token", True, False, False), ("token", True, True, False),
-                                                    ("token", True, True, True)])
-def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axis, placed, low, rows, bits, head_dim):
+@pytest.mark.parametrize("v_axis,low,rows", [("channel", False, False), ("token", False, False), ("token", True, False),
+                                             ("token", True, True)])
+def test_vt_registers_hold_code_plus_their_token_halfs_offset(monkeypatch, v_axis, low, rows, bits, head_dim):
     """V^T's FP16 registers as ``operands.build_vt_registers`` builds them (a word rotated by the config's
     placement of the register's token half, one ``lop3``) hold ``q + beta_h`` for CuTe's element, ``h`` the
     token half of its k16 block, whose pivot ``v_operand_fold`` takes; fewer rotations than one placement.
-    By placement (``V_PLACEMENT``) they hold ``q 2^(shl_h - 24)``: ``q`` times the half's P' factor over the
+    Token-wise V's are placed: ``q 2^(shl_h - 24)``, ``q`` times the half's P' factor over the
     accumulator's unit, no offset (the pivot, in the accumulator's units, is the middle code's operand); from bit
     0 (``V_LOW_PLACEMENT``) with fewer rotations; by channel-row class too (``V_ROW_SHIFTS``: ``2^b_c`` more for
     the rows +8 of a 16, ``v_row_class``), one rotation a word."""
     import foscar
     from foscar.cute.config import config_for
     from foscar.cute.fragment import v_register_source, v_rotations, v_row_class, v_token_half
-    with cute_switches(monkeypatch, V_PLACEMENT=placed, V_LOW_PLACEMENT=low, V_ROW_SHIFTS=rows):
+    placed = v_axis == "token"
+    with cute_switches(monkeypatch, V_LOW_PLACEMENT=low, V_ROW_SHIFTS=rows):
         cfg = config_for(foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=64 if head_dim < 256 else 128,
                                          v_axis=v_axis), 4, 64)
     assert (cfg.v_row_shls != (0, 0)) == rows

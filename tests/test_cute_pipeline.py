@@ -207,23 +207,15 @@ def test_int4_promotes_its_qk_steps_and_int2_does_not():
         assert config_for(fmt, 4, 64, "e4m3", 2).qk_promote == (bits == 4)
 
 
-@pytest.fixture(params=[True, False], ids=["placed", "injected"])
-def v_placement(monkeypatch, request):
-    """``foscar.cute.config.V_PLACEMENT`` on (the default) and off (``config_for``'s cache cleared around the
-    test): token-wise V^T by placement, and by mantissa injection."""
-    with cute_switches(monkeypatch, V_PLACEMENT=request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("bits,group_size,k_operand,tiles,gqa", [(2, 128, "e4m3", 2, 4), (4, 64, "bf16", 1, 8),
                                                                  (4, 128, "e4m3", 2, 4)])
-def test_v_operands_compile_for_sm90a(v_placement, bits, group_size, k_operand, tiles, gqa):
-    """Token-wise V^T by placement (no offset) and by injection: no spills in the PTX (two tiles a pass, two
-    channel groups of V); channel-wise V keeps its injection."""
+def test_v_operands_compile_for_sm90a(bits, group_size, k_operand, tiles, gqa):
+    """Token-wise V^T by placement (no offset): no spills in the PTX (two tiles a pass, two channel groups of V);
+    channel-wise V keeps its injection."""
     from foscar.cute.compile import compile_stage1
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=group_size)
     cfg = config_for(fmt, gqa, 64, k_operand, tiles)
-    assert (cfg.v_patterns == (0, 0) and cfg.v_unit > 1) if v_placement else cfg.v_unit == 1
+    assert cfg.v_patterns == (0, 0) and cfg.v_unit > 1
     assert config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel"), 4, 64).v_unit == 1
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
@@ -239,11 +231,11 @@ def test_v_operands_compile_for_sm90a(v_placement, bits, group_size, k_operand, 
     ([3000, 5], 4, 3, {"sink": 4, "recent": 100}, {"tiles_per_pass": 1}),
     ([2000, 33], 4, 2, {"rotation": "hadamard"}, {}),
     ([3000, 70], 4, 2, {}, {"warp_specialized": False})])
-def test_v_operands_against_the_oracle_gpu(v_placement, bits, lens, G, num_splits, fmt_kw, launch):
+def test_v_operands_against_the_oracle_gpu(bits, lens, G, num_splits, fmt_kw, launch):
     from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, **fmt_kw})
-    cute_against_the_oracle(fmt, lens, G, f"V^T {'placed' if v_placement else 'injected'}: error",
-                               num_splits=num_splits, **{"warp_specialized": True, **launch})
+    cute_against_the_oracle(fmt, lens, G, "V^T placed: error", num_splits=num_splits,
+                            **{"warp_specialized": True, **launch})
 
 
 @pytest.mark.gpu

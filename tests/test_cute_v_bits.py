@@ -1,18 +1,17 @@
-"""Two cuts of v1's tile loop, each a switch (off by default): token-wise V^T's FP16 operands by placement
-from bit 0 (``foscar.cute.config.V_LOW_PLACEMENT``) and by channel-row class (``V_ROW_SHIFTS``,
-``Sm90Config.v_row_shls``), and a thread's K and V words of a stage read off one base (``FLAT_WORDS``).
+"""Three cuts of v1's tile loop, each a switch: token-wise V^T's FP16 operands placed from bit 0
+(``foscar.cute.config.V_LOW_PLACEMENT``, on) and by channel-row class too (``V_ROW_SHIFTS``,
+``Sm90Config.v_row_shls``, off), and a thread's K and V words of a stage read off one base (``FLAT_WORDS``, at
+``FLAT_WORDS_COLS``' columns).
 
-The first places each register's codes at bit ``a_h + b_c`` of its FP16s (token half ``h``, channel-row class
-``c``), one rotation a word where the shipped placement takes three or four. The halves' difference rides on P' as
-before; the classes' on the accumulator's rows, taken off as the offset corrections join them and in the epilogue.
-Every change of units is a power of two, and P' carries ``2^(V_PRODUCT_BIT - shl_h)`` so that every product stays in
-bit 4's units (``q 2^-20``, the shipped kernel's). Without that factor, on an H100, the output moved from the
-kernel's without the switches by 3.4e-6 relative at INT2 (equal bits were predicted) and 6.2e-7 at INT4 on random
-inputs, and the stress study's error rose; on the H200 it rose with the factor too, and only where the row classes
-are on (``docs/results-h200.md``). The second reads the same words: no change of arithmetic.
+The first two place each register's codes at bit ``a_h + b_c`` of its FP16s (token half ``h``, channel-row class
+``c``), one rotation a word by class where from bit 4 takes three or four. The halves' difference rides on P'; the
+classes' on the accumulator's rows, taken off as the offset corrections join them and in the epilogue. Every change
+of units is a power of two, and P' carries ``2^(V_PRODUCT_BIT - shl_h)`` so that every product stays in bit 4's
+units (``q 2^-20``). From bit 0 the stress study's error is that of bit 4 (within 1.5%); by row class it rose
+(``docs/results-h200.md``). The third reads the same words: no change of arithmetic.
 
 CPU: the tile loop issues fewer instructions and spills no more (``tests/test_cute_fragment.py`` checks the
-registers' values and rotations); a stage's 2-D layout is the flat run of words the second reads. GPU (sm_90):
+registers' values and rotations); a stage's 2-D layout is the flat run of words the third reads. GPU (sm_90):
 against the float64 oracle (E4M3 and BF16 K, one and two tiles a pass, windows, GQA 32, a step of 4 tokens, head
 dims 64 and 256, channel-wise K, v0, V's magnitude cases), and against the kernel with the switches off."""
 import os

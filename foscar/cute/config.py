@@ -48,13 +48,12 @@ COMBINE_PDL_WINDOWS = True
 #: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: INT4 only, where it lowers the error most for
 #: the least time (``docs/results-h200.md``: the FP8 accumulation rounds toward zero)
 QK_PROMOTE_BITS = (4,)
-#: Token-wise V^T's FP16 operands by placement (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
-#: :attr:`Sm90Config.v_factors`), not by injection (``q + 2^(10 - shl)``), whose offset times the sum of P' the PV
-#: chain's truncating FP32 sum loses bits of: its error grew with a split's tiles; the same time (results doc)
-V_PLACEMENT = True
-#: V^T by placement from bit 0 (:func:`foscar.cute.fragment.v_token_half_shls`), ``V_ROW_SHIFTS`` by channel-row class
-#: too (fewer rotations a word): off, correct and 1-4% faster on an H100, the stress study's error rose (results doc)
-V_LOW_PLACEMENT = V_ROW_SHIFTS = False
+#: Token-wise V^T's FP16 operands are placed (:func:`foscar.format.f16_placement`: ``q 2^(shl - 24)``, no offset;
+#: :attr:`Sm90Config.v_factors`): injection's offset (``q + 2^(10 - shl)``) times the sum of P' lost bits in the PV
+#: chain's truncating FP32 sum, its error growing with a split's tiles (results doc). From bit 0 (``V_LOW_PLACEMENT``,
+#: :func:`foscar.cute.fragment.v_token_half_shls`: fewer rotations a word, the stress study's error as from bit 4);
+#: by channel-row class too (``V_ROW_SHIFTS``): off, the stress study's error rose (results doc)
+V_LOW_PLACEMENT, V_ROW_SHIFTS = True, False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
@@ -112,7 +111,7 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
-SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS", "V_PLACEMENT",
+SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
             "ONE_COPY_BITS", "ONE_COPY_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE",
@@ -194,9 +193,9 @@ class Sm90Config:
     v_shls: tuple[int, int]
     v_pivots: tuple[float, float]
     v_mid: float
-    #: token-wise V^T by placement (:data:`V_PLACEMENT`): the factor of each token half's P' (its operand's
+    #: token-wise V^T (placed, :data:`V_LOW_PLACEMENT`): the factor of each token half's P' (its operand's
     #: scale relative to the lower half's, a power of two) and the accumulator's unit (the lower half's operand
-    #: factor ``2^(24 - shl)``: the accumulator holds the output in units of ``sigma v_unit``); 1 for injection
+    #: factor ``2^(24 - shl)``: the accumulator holds the output in units of ``sigma v_unit``); 1 for channel-wise V
     v_factors: tuple[float, float] = (1.0, 1.0)
     v_unit: float = 1.0
     #: by placement, the extra bits of channel-row class 1's codes (rows +8 of 16; :data:`V_ROW_SHIFTS`): its

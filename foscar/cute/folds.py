@@ -369,7 +369,7 @@ def p_operands(cfg, v: list, p: list, sigma: list) -> list:
     groups = len(sigma)
     inv = [power_of_two_reciprocal(sigma[g]) for g in range(groups)]
     r = [(v[g][0] * inv[g], v[g][2] * inv[g]) for g in range(groups)]
-    f0, f1 = cfg.v_factors  # V^T by placement: each token half's operand scale (1 for injection), applied to
+    f0, f1 = cfg.v_factors  # V^T by placement: each token half's operand scale (a power of two), applied to
     # s' / sigma <= 1 (never to 1 / sigma alone, which a factor could take below FP32's normal range)
     if cutlass.const_expr(f0 != 1.0 or f1 != 1.0):
         r = [(r[g][0] * f0, r[g][1] * f1) for g in range(groups)]

@@ -99,7 +99,7 @@ def v_token_half_shls(bits: int, head_dim: int, min_shl: int = 4) -> tuple[int, 
     ``min_shl`` to ``10 - bits`` (the mantissa). By mantissa injection the operand is ``q + 2^(10 - shl)``:
     the accumulator carries that offset times the sum of P' until the correction cancels it, and the tensor
     core's FP32 sum loses its low bits to it (offsets of 256 raised the kernels' error measurably,
-    ``docs/results-h200.md``; 64 is the largest taken); by placement (:data:`foscar.cute.config.V_PLACEMENT`) it is
+    ``docs/results-h200.md``; 64 is the largest taken); by placement (token-wise V) it is
     ``q 2^(shl - 24)``, no offset. INT2: (4, 8), 4 rotations a word where one bit for every register takes 7;
     INT4: (4, 6), 3 where one bit takes 4. From bit 0 (placement): INT2 (2, 6), 3; INT4 (0, 4), 2."""
     top = 10 - bits

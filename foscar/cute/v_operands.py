@@ -1,5 +1,5 @@
-"""V^T's FP16 operands, per token half of a k16 block: token-wise V by placement (``q 2^(shl - 24)``, no offset) or
-mantissa injection (``q + 2^(10 - shl)``), channel-wise V by one injection; by placement the bits may also differ by
+"""V^T's FP16 operands, per token half of a k16 block: token-wise V by placement (``q 2^(shl - 24)``, no offset),
+channel-wise V by one mantissa injection (``q + 2^(10 - shl)``); by placement the bits may also differ by
 channel-row class. The ``v_*`` fields of :class:`~foscar.cute.config.Sm90Config` that the operands
 (:func:`foscar.cute.operands.build_vt_registers`) and the folds (:mod:`foscar.cute.folds`) read."""
 from __future__ import annotations
@@ -13,17 +13,17 @@ from .fragment import v_class_shls, v_token_half_shls
 
 def v_operand_fields(fmt, pivot_mma: bool) -> dict:
     """The config's ``v_patterns``, ``v_shls``, ``v_row_shls``, ``v_pivots``, ``v_mid``, ``v_factors`` and ``v_unit``
-    for a cache of format ``fmt`` (:data:`~foscar.cute.config.V_PLACEMENT`, :data:`~foscar.cute.config.V_LOW_PLACEMENT`,
+    for a cache of format ``fmt`` (:data:`~foscar.cute.config.V_LOW_PLACEMENT`,
     :data:`~foscar.cute.config.V_ROW_SHIFTS`; ``pivot_mma``: the pivot sums' MMA, which takes one row class)."""
     row_shls = (0, 0)
-    placement = config.V_PLACEMENT and fmt.v_axis == "token"
+    placement = fmt.v_axis == "token"
     if fmt.v_axis == "channel":  # the acc-fold takes one pivot for every token of a tile
         v_ops = (operand_for(torch.float16, fmt.bits),) * 2
     else:
-        if placement and config.V_ROW_SHIFTS and not pivot_mma:
+        if config.V_ROW_SHIFTS and not pivot_mma:
             shls, row_shls = v_class_shls(fmt.bits, fmt.head_dim)
         else:  # by placement no offset bounds the codes' bits from below
-            shls = v_token_half_shls(fmt.bits, fmt.head_dim, 0 if placement and config.V_LOW_PLACEMENT else 4)
+            shls = v_token_half_shls(fmt.bits, fmt.head_dim, 0 if config.V_LOW_PLACEMENT else 4)
         v_ops = tuple(injection("f16", 1 << (10 - shl)) for shl in shls)
     v0, v1 = (injection_constants("V", op, fmt) for op in v_ops)
     assert v0["V_MID"] == v1["V_MID"]  # the middle code's value does not depend on the placement
