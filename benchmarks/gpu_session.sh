@@ -345,14 +345,16 @@ PY
             # a grep of the names below): Q's stacked terms and shared scale, P^T column-major, channel-wise K on
             # E4M3 terms (one and two tiles a pass, either fold), channel-wise V on two tiles a pass, the TMA
             # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
-            # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the
-            # lazy rescale's vote on them (pair-vote), token-wise V^T from bit 0 (v-low). Each set's tests split
-            # over $JOBS (default 6) pytest processes at once: their kernels compile in parallel
+            # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the lazy rescale's
+            # vote on them (pair-vote), token-wise V^T from bit 0 (v-low), channel-wise K's E4M3 terms past 4 rows
+            # (channel-k-rows). Each set's tests split over $JOBS (default 6) pytest processes at once: their
+            # kernels compile in parallel
     while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
       parallel_pytest "$name" "$runner" "$sel"
     done <<'TESTS'
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
+channel-k-rows|python3 -m pytest|tests/test_cute_channel_e4m3.py -k 'against_the_oracle'
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
@@ -402,6 +404,7 @@ v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SH
 v-bits-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
 flat-words --shapes 8:128K --heads 32:1 --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
 flat-words-paper --shapes 1:8K,1:128K,8:32K,8:128K,64:32K,64:128K --variants shipped FLAT_WORDS=1 "FLAT_WORDS=1 V_LOW_PLACEMENT=1"
+channel-k-rows --shapes 1:32K,8:32K,8:128K,64:32K --heads 32:4 --axes channel:token channel:channel --variants shipped CHANNEL_K_E4M3_ROWS=8
 v-low --shapes 1:8K,8:32K,8:128K,64:32K,64:128K --variants shipped V_LOW_PLACEMENT=1
 v-low-gqa32 --shapes 8:128K --heads 32:1 --variants shipped V_LOW_PLACEMENT=1
 fused-merge --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:128K --kernels --variants shipped FUSED_MERGE=1

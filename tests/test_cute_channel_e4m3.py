@@ -1,6 +1,6 @@
 """Channel-wise K with E4M3 K operands (``foscar.cute.config.CHANNEL_K_E4M3``): each token group's ``Q' = Q s'``
 folded into two E4M3 terms (``foscar.cute.folds.fold_q_terms``), one tile or two tiles of one token group a
-softmax pass. CPU: refused while the switch is off, and two tiles a pass where a pass would span two token
+softmax pass; beyond 4 query rows (``CHANNEL_K_E4M3_ROWS``, 8 here) the terms in two column blocks of 16 columns. CPU: refused while the switch is off, and two tiles a pass where a pass would span two token
 groups; with it, v1 compiles for sm_90a with the E4M3 QK products and no BF16 one, no local memory; v0 refuses it;
 each fold thread's channels are the fragment's contraction indices ``4 k .. 4 k + 3``. GPU (sm_90): decodes
 against the float64 oracle."""
@@ -19,12 +19,12 @@ from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
-E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3")
+E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(8|16)k32\.f32\.e4m3\.e4m3")
 
 
 @pytest.fixture
 def switch(monkeypatch):
-    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True):
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, CHANNEL_K_E4M3_ROWS=8):
         yield
 
 
@@ -40,6 +40,10 @@ def test_refused_while_the_switch_is_off(monkeypatch):
     with cute_switches(monkeypatch, CHANNEL_K_E4M3=False):
         with pytest.raises(UnsupportedError, match="CHANNEL_K_E4M3"):
             config_for(fmt, 4, 64, "e4m3")
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, CHANNEL_K_E4M3_ROWS=4):  # past the rows: refused by name
+        with pytest.raises(UnsupportedError, match="CHANNEL_K_E4M3_ROWS"):
+            config_for(fmt, 5, 64, "e4m3")
+        assert config_for(fmt, 5, 64).k_channel  # BF16 K operands take it
 
 
 def test_each_fold_thread_builds_four_consecutive_contraction_indices():
@@ -88,11 +92,13 @@ def test_the_producer_folds_a_pass_for_sm90a(monkeypatch, bits, gqa):
 
 @pytest.mark.parametrize("bits,head_dim,group_size,gqa,v_axis,tiles", [
     (2, 128, 128, 4, "token", 1), (4, 128, 128, 3, "channel", 1), (2, 64, 64, 1, "token", 1),
-    (2, 128, 128, 4, "token", 2), (4, 128, 128, 2, "token", 2), (2, 128, 128, 1, "token", 2)])
+    (2, 128, 128, 4, "token", 2), (4, 128, 128, 2, "token", 2), (2, 128, 128, 1, "token", 2),
+    (2, 128, 128, 8, "token", 1), (4, 128, 64, 6, "channel", 1)])
 def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis, tiles):
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=group_size, k_axis="channel", v_axis=v_axis)
     cfg = config_for(fmt, gqa, 64, "e4m3", tiles)
-    assert cfg.k_e4m3 and cfg.k_channel and not cfg.q_as_terms
+    assert cfg.k_e4m3 and cfg.k_channel and not cfg.q_as_terms and cfg.term_blocks == (gqa > 4)
+    assert cfg.qk_cols == (16 if gqa > 4 else 8)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
     copies = consumer_code_paths(cfg, 2)  # one chain per copy of the consumers' code, a QK product per tile of a pass
     assert len(E4M3_WGMMA.findall(ptx)) == copies * tiles * head_dim // 32
@@ -108,7 +114,9 @@ def test_compiles_for_sm90a(switch, bits, head_dim, group_size, gqa, v_axis, til
 @pytest.mark.parametrize("lens,G,num_splits,fmt_kw", [
     ([5000, 700, 130], 4, None, {}), ([3000, 900], 1, 2, {"v_axis": "channel"}),
     ([2500, 64], 2, None, {"v_axis": "channel", "group_size": 64}), ([2000, 3], 4, 3, {"sink": 2, "recent": 7}),
-    ([1500, 90], 3, 2, {"group_size": 64, "head_dim": 64}), ([4000, 260], 4, None, {"group_size": 256, "v_axis": "channel"})])
+    ([1500, 90], 3, 2, {"group_size": 64, "head_dim": 64}), ([4000, 260], 4, None, {"group_size": 256, "v_axis": "channel"}),
+    ([5000, 700, 130], 8, None, {}), ([3000, 77], 6, 3, {"group_size": 64}), ([2500, 64], 5, 2, {"v_axis": "channel"}),
+    ([2000, 3], 8, 3, {"sink": 2, "recent": 7})])
 def test_against_the_oracle_gpu(switch, bits, lens, G, num_splits, fmt_kw):
     from _cases import cute_against_the_oracle
     fmt = foscar.KVFormat(bits=bits, k_axis="channel", **{"head_dim": 128, "group_size": 128, **fmt_kw})

@@ -92,8 +92,9 @@ PIVOT_MMA_COLS = ()
 #: on an H100: INT4 1.5-4.5% faster, INT2 up to 9% slower, the producer's folds behind: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`):
-#: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it)
-CHANNEL_K_E4M3 = True
+#: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it), up to
+#: ``CHANNEL_K_E4M3_ROWS`` query rows (5 to 8: the terms in two column blocks, not yet timed on a GPU)
+CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
 FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 WIDE_CONSUMERS = False  #: three consumers at one CTA an SM, 16/32 columns (Sm90Config.wide): off (docs/results-h200.md)
@@ -118,7 +119,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
-            "PAIR_P_SCALE_COLS", "PAIR_VOTE")
+            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -322,10 +323,9 @@ class Sm90Config:
 
     @property
     def term_blocks(self) -> bool:
-        """E4M3 K operands with Q's terms in separate column blocks (more than 4 query rows, or three terms):
-        term ``k`` of row ``c`` in column ``k cols + c`` of a QK product :attr:`qk_cols` wide, so that a row's
-        terms sit in one thread (:func:`foscar.cute.operands_e4m3.sum_term_blocks`); up to 4 rows two terms
-        share the 8 columns (:func:`foscar.cute.operands_e4m3.term_columns`)."""
+        """E4M3 K operands with Q's (channel-wise K: ``Q'``'s) terms in separate column blocks (more than 4 rows,
+        or three terms): term ``k`` of row ``c`` in column ``k cols + c`` of a QK product :attr:`qk_cols` wide, a
+        row's terms in one thread (:func:`foscar.cute.operands_e4m3.sum_term_blocks`); else in the 8 columns."""
         return self.k_e4m3 and (self.rows > HEADS // 2 or self.q_terms > 2)
 
     @property
@@ -526,11 +526,12 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     e4m3 = k_operand != "bf16"
     q_terms, digits = {"e4m3x3": 3, "e4m3d4": 4}.get(k_operand, 2), k_operand == "e4m3d4"
     rows = gqa * step
-    if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= HEADS // 2
-                                                  and (tiles_per_pass == 2 or not PRODUCER_Q_FOLD)):
+    if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= (
+            CHANNEL_K_E4M3_ROWS) and (tiles_per_pass == 2 or not PRODUCER_Q_FOLD)):
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
                                "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
-                               "with two Q terms, one token, gqa <= 4 (and two tiles a pass where the producer folds)")
+                               f"with two Q terms, one token, gqa <= {CHANNEL_K_E4M3_ROWS} (CHANNEL_K_E4M3_ROWS; "
+                               "two tiles a pass where the producer folds)")
     most = {3: 2 * HEADS, 4: HEADS // 2}.get(q_terms, MAX_COLS)  # three terms: measured up to 16 rows
     if e4m3 and (rows > most or (step > 1 and rows <= HEADS // 2)):
         raise UnsupportedError(f"k_operand={k_operand!r} with gqa={gqa}, q_len={step}",

@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32
 
 from .fold_map import TERM_CHANNELS, term_channels, term_chunk
-from .operands_e4m3 import power_of_two, scale_exponent, term_columns
+from .operands_e4m3 import power_of_two, scale_exponent, term_stride
 
 
 @cute.jit
@@ -17,7 +17,7 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     """:func:`~foscar.cute.folds.fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms
     with a power-of-two scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
     :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
-    e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_columns`) at the
+    e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_stride`) at the
     channel's contraction index; ``sKf[buf, h]`` the row's correction ``sum_d Q mid - u sum_d Q'`` (``u``: the
     middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry it) and ``sKf[buf, cols + h]
     = 2^-e``; the columns of no term are :func:`fold_terms_padding`'s, written once. Thread ``t`` builds
@@ -29,7 +29,7 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
     rows = threads // lanes  # rows built at once
-    gp = term_columns(cfg.gqa)
+    gp = term_stride(cfg)
     unit = cfg.k_factors[0] * cfg.k_pivots[0]
     h0, k = term_chunk(D, t)
     d0, off = term_channels(cfg.bits, k)
@@ -97,13 +97,13 @@ def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor)
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS
     rows = threads // lanes
-    gp = term_columns(cfg.gqa)
+    gp = term_stride(cfg)
     h0, k = term_chunk(D, t)
     zero = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
     zero.store(cute.full_like(cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32).load(), 0.0)
                .to(Float8E4M3FN))
     for b in cutlass.range_constexpr(cute.size(sKf, mode=[0])):
-        for c in cutlass.range_constexpr(cfg.cols):
+        for c in cutlass.range_constexpr(cfg.qk_cols):
             if cutlass.const_expr(not (c < cfg.gqa or gp <= c < gp + cfg.gqa)):
                 if h0 == c % rows:
                     cute.autovec_copy(zero, cute.local_tile(sQk[(c, None, b)], (TERM_CHANNELS,), (k,)))

@@ -28,7 +28,7 @@ from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_eleme
 from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
 from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
-from .operands_e4m3 import sum_q_terms
+from .operands_e4m3 import sum_q_terms, sum_term_blocks
 from .pivot import pivot_corrections
 from .ptx import asm
 from .softmax import column_sums
@@ -102,8 +102,8 @@ def q_sums(cfg, sQ: cute.Tensor, sQsum: cute.Tensor, tidx, sQinv=None):
     ``2^-e``), 0 past the heads."""
     D = cfg.head_dim
     if cutlass.const_expr(cfg.q_as_terms):
-        from .operands_e4m3 import term_columns
-        gp = cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)  # row h's term k: column k gp + h
+        from .operands_e4m3 import term_stride
+        gp = term_stride(cfg)  # row h's term k: column k gp + h
         width = D // cfg.kc
         if tidx < cfg.cols * cfg.kc:
             h = tidx % cfg.cols
@@ -284,16 +284,19 @@ def k_operand_fold(cfg, wg, param, buf):
 
 def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf, summed: bool = False) -> list:
     """Channel-wise K: the scaled scores ``(Q' y + correction) * scale`` of a tile's S^T elements (``buf``: the
-    tile's ``Q'`` buffer). E4M3 K operands: ``Q' y`` from the two terms (``(hi + lo / 16) 2^-e``,
-    :func:`~foscar.cute.operands_e4m3.sum_q_terms`, unless ``summed``: two tiles a pass, summed where they are
-    joined) times the operand's factor of the row's token half, summed or not."""
+    tile's ``Q'`` buffer). E4M3 K operands: ``Q' y`` from the two terms (``(hi + lo / 16) 2^-e``: in the 8
+    columns, :func:`~foscar.cute.operands_e4m3.sum_q_terms`, unless ``summed``: two tiles a pass, summed where
+    they are joined; in column blocks beyond 4 rows, :func:`~foscar.cute.operands_e4m3.sum_term_blocks`) times the
+    operand's factor of the row's token half, summed or not."""
     col0 = wg.thr.col0
-    n_el = cute.size(accS)
+    n_el = 4 * cfg.nb
     sKf = wg.smem.sKf
     kc = [sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
     if cutlass.const_expr(cfg.k_e4m3):  # summed or not, the terms' sum is in the E4M3 operand's units
-        if cutlass.const_expr(not summed):
+        if cutlass.const_expr(cfg.term_blocks):
+            sum_term_blocks(accS, cfg.nb, [sKf[buf, cfg.cols + slot_column(k, col0)] for k in range(n_el // 2)])
+        elif cutlass.const_expr(not summed):
             sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
         a = [qk_scale * cfg.k_factors[0], qk_scale * cfg.k_factors[1]]
         return [accS[e] * a[row_half(e)] + kc[s_slot(e)] * qk_scale for e in range(n_el)]

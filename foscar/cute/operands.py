@@ -67,7 +67,7 @@ def sqk_layout(cfg: Sm90Config, buffers: int):
     (:func:`foscar.cute.fold_terms.fold_q_terms`; 64-byte swizzle at head dim 64)."""
     if cutlass.const_expr(cfg.k_e4m3):
         from .operands_e4m3 import sq_layout_e4m3
-        return sq_layout_e4m3(cfg.head_dim, cfg.cols, buffers)
+        return sq_layout_e4m3(cfg.head_dim, cfg.qk_cols, buffers)
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     return cute.tile_to_shape(atom, (cfg.cols, cfg.head_dim, buffers), (0, 1, 2))
 
@@ -116,7 +116,7 @@ def stage_q(cfg: Sm90Config, mQ: cute.Tensor, smem, b, kvh, tidx, mRot: cute.Ten
     if cutlass.const_expr(cfg.fp4_block > 0):
         from .operands_fp4 import load_q_f16
         load_q_f16(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
-    elif cutlass.const_expr(cfg.term_blocks):
+    elif cutlass.const_expr(cfg.q_as_terms and cfg.term_blocks):
         from .operands_e4m3 import load_q_term_blocks
         load_q_term_blocks(cfg, src, b_src, row_src, smem.sQ, smem.sQinv, smem.sQred, tidx, Q_LOAD_BARRIER)
     elif cutlass.const_expr(cfg.q_as_terms):  # up to 4 rows of one token (config_for): rows kvh * gqa + h

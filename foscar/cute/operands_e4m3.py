@@ -276,6 +276,13 @@ def term_columns(gqa: int) -> int:
     return 1 if gqa == 1 else 2 if gqa == 2 else 4
 
 
+def term_stride(cfg) -> int:
+    """The column offset between a query row's Q terms in a QK product of ``cfg``
+    (:class:`~foscar.cute.config.Sm90Config`): the rows' columns with :attr:`~foscar.cute.config.Sm90Config.term_blocks`
+    (term ``k`` of row ``h`` in column ``k cols + h``), else :func:`term_columns`."""
+    return cfg.cols if cfg.term_blocks else term_columns(cfg.gqa)
+
+
 def contraction_position(bits: int, p):
     """The channel held at contraction index ``p`` of the E4M3 fragment (:func:`foscar.e4m3.contraction_order`,
     as arithmetic on a run-time ``p``)."""

@@ -445,7 +445,7 @@ class TileKernel:
             if cutlass.const_expr(not cfg.shared_q_scale):  # all of them: K's fold takes it, folds.k_acc_fold)
                 for part in partials:
                     scale_stacked_terms(part, cfg.nb, wg.qinv)
-        elif cutlass.const_expr(cfg.term_blocks):  # the terms of a row in one thread: summed into its first blocks
+        elif cutlass.const_expr(cfg.q_as_terms and cfg.term_blocks):  # a row's terms in one thread: its first block
             for part in partials:
                 sum_term_blocks(part, cfg.nb, wg.qinv, cfg.q_terms)
         elif cutlass.const_expr(cfg.q_as_terms and sum_terms):  # Q's terms summed: the BF16 kernel's columns
