@@ -25,7 +25,7 @@ from .fragment import s_slot, slot_elements
 from .folds import (f16_pair, gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p,
                     store_p_operands)
 from .ptx import asm
-from .softmax import barrier_any, past_headroom, raised_maxima, tile_maxima
+from .softmax import barrier_any, barrier_or, past_headroom, raised_maxima, tile_maxima
 
 #: Two columns' thresholds in ``P``'s domain (``Sm90Config.pair_vote``), an FP16 pair, while neither has seen a token:
 #: -1 each, so that any ``P`` votes (a masked score's 0 too; ``P`` underflows FP16 below ``2^-24``, so 0 would miss a
@@ -181,29 +181,19 @@ def _running_maximum(mu: Float32, empty) -> Float32:
 
 
 @cute.jit
-def _threshold(m: Float32) -> Float32:
-    """A column's threshold on its relative scores under the running maximum ``m``: the headroom, or ``-inf``
-    (any score) while it has seen no token."""
-    t = Float32(RESCALE_HEADROOM)
+def _threshold(m: Float32, in_p: cutlass.Constexpr = False) -> Float32:
+    """A column's threshold under the running maximum ``m``: on its relative scores the headroom, or ``-inf`` (any
+    score) while it has seen no token; ``in_p``: in ``P``'s domain, ``2^headroom``, or -1 (any ``P``)."""
+    t = Float32(2.0 ** RESCALE_HEADROOM if in_p else RESCALE_HEADROOM)
     if m == -Float32.inf:
-        t = -Float32.inf
-    return t
-
-
-@cute.jit
-def _p_threshold(m: Float32) -> Float32:
-    """A column's threshold in ``P``'s domain under the running maximum ``m``: ``2^headroom``, or -1 (any ``P``)
-    while it has seen no token."""
-    t = Float32(2.0 ** RESCALE_HEADROOM)
-    if m == -Float32.inf:
-        t = Float32(-1.0)
+        t = Float32(-1.0) if in_p else -Float32.inf
     return t
 
 
 def pair_thresholds(m: list) -> list:
     """The thresholds in ``P``'s domain of the columns whose running maxima are ``m`` (by column slot), as FP16
     pairs (word ``j``: slots ``2 j`` and ``2 j + 1``, :func:`pair_vote_barrier`)."""
-    return [f16_pair(_p_threshold(m[k]), _p_threshold(m[k + 1])) for k in range(0, len(m), 2)]
+    return [f16_pair(_threshold(m[k], True), _threshold(m[k + 1], True)) for k in range(0, len(m), 2)]
 
 
 @cute.jit
@@ -244,7 +234,7 @@ def pair_vote_barrier(pairs: list, thr: list, units: list, barrier_id, number_of
     last = [f"p{len(thr) - 1}"] + [f"q{j}" for j in range(len(thr))]
     body.append(f"or.pred r, {last[0]}, {last[1]};")
     body += [f"or.pred r, r, {x};" for x in last[2:]]
-    body += [f"bar.red.or.pred r, ${u + 2 * nu}, {int(number_of_threads)}, r;", "selp.u32 $0, 1, 0, r;"]
+    body += barrier_or("r", "r", f"${u + 2 * nu}", number_of_threads)
     preds = ", ".join(["c", "r"] + [f"p{j}, q{j}" for j in range(len(thr))])
     args = [Uint32(w) for w in list(pairs) + list(thr)] + [Float32(x) for ab in units for x in ab] + [Int32(barrier_id)]
     return asm(Int32, args, ".reg .pred " + preds + ";\n\t.reg .b32 m;\n\t" + "\n\t".join(body), memory=True,

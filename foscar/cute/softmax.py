@@ -72,10 +72,14 @@ def barrier_any(pred: Int32, barrier_id, number_of_threads: int, *, loc=None, ip
     (``bar.red.or.pred``) that also returns, to every thread, whether ``pred`` is nonzero in any of them: 1 or 0,
     the same in all. Orders shared memory as ``bar.sync`` does. (NVVM's barrier op takes a reduction on barrier 0
     only: inline PTX.)"""
-    return asm(Int32, [Int32(pred), Int32(barrier_id)],
-               ".reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
-               f"bar.red.or.pred q, $2, {int(number_of_threads)}, p;\n\tselp.u32 $0, 1, 0, q;",
-               memory=True, loc=loc, ip=ip)
+    body = [".reg .pred p, q;", "setp.ne.u32 p, $1, 0;", *barrier_or("q", "p", "$2", number_of_threads)]
+    return asm(Int32, [Int32(pred), Int32(barrier_id)], "\n\t".join(body), memory=True, loc=loc, ip=ip)
+
+
+def barrier_or(out: str, pred: str, barrier: str, number_of_threads: int) -> list:
+    """The PTX lines of :func:`barrier_any`'s barrier: predicate ``out`` the OR of ``pred`` over the
+    ``number_of_threads`` threads of named barrier ``barrier`` (an operand), and ``$0`` 1 or 0 from it."""
+    return [f"bar.red.or.pred {out}, {barrier}, {int(number_of_threads)}, {pred};", f"selp.u32 $0, 1, 0, {out};"]
 
 
 def maxima_to_subtract(m: list, guard: bool) -> list:
