@@ -347,8 +347,8 @@ PY
             # prefetches as a CTA starts, steps over BF16 windows and steps in parts (WINDOWED_STEPS; the Triton
             # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the lazy rescale's
             # vote on them (pair-vote), token-wise V^T from bit 0 (v-low), channel-wise K's E4M3 terms past 4 rows
-            # (channel-k-rows). Each set's tests split over $JOBS (default 6) pytest processes at once: their
-            # kernels compile in parallel
+            # (channel-k-rows); every GPU test of the tree (every-gpu-test). Each set's tests split over $JOBS
+            # (default 6) pytest processes at once: their kernels compile in parallel
     while IFS='|' read -r name runner sel; do
       case "$name" in *${2:-}*) ;; *) continue ;; esac
       parallel_pytest "$name" "$runner" "$sel"
@@ -375,6 +375,7 @@ one-cta-prologue|python3 benchmarks/run_with.py PROLOGUE_ONE_CTA=4:consumer_q --
 overlap|python3 -m pytest|tests/test_cute_overlap.py
 v-bits|python3 -m pytest|tests/test_cute_v_bits.py
 fused-merge|python3 -m pytest|tests/test_cute_fused_merge.py
+every-gpu-test|python3 -m pytest|tests
 TESTS
     ;;
   pending-speed)  # after install-cute and the pending tests (pending-speed [NAME]): the switches against the shipped
