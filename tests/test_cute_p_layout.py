@@ -14,7 +14,7 @@ import foscar  # noqa: E402
 from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
-from foscar.cute.config import config_for  # noqa: E402
+from foscar.cute.config import OWN_WGMMA_BITS, config_for  # noqa: E402
 
 STORES = re.compile(r"st\.shared\.(b16|b32)\b")
 WGMMA = re.compile(r"wgmma\.mma_async\S*")
@@ -40,6 +40,8 @@ def test_column_major_p_compiles_for_sm90a(monkeypatch, bits, gqa, k_operand, ti
         with cute_switches(monkeypatch, P_COLUMN_MAJOR_COLS=(8, 16, 32) if on else ()):
             cfg = config_for(fmt, gqa, 64, k_operand, tiles)
             assert cfg.p_column_major is on
+            if tiles == 2:  # tile B of an MN-major P' by the own wgmma crashed on an H100: the tiled MMA takes it
+                assert cfg.own_wgmma == (not on and bits in OWN_WGMMA_BITS)
             ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
     rows, cols = _stores(ptx[False]), _stores(ptx[True])
     assert rows["b16"] - cols["b16"] == 2 * (cols["b32"] - rows["b32"]) > 0  # each two of P's stores one

@@ -259,7 +259,7 @@ class Sm90Config:
     #: stacked terms: Q's power of two one per KV head, joining the token's scale in K's fold (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
-    own_wgmma: bool = False  #: v1, two-tile passes and 32-column steps: :data:`OWN_WGMMA_BITS`, ``OWN_WGMMA_STEPS``
+    own_wgmma: bool = False  #: v1, two-tile passes (K-major P') and 32-column steps: :data:`OWN_WGMMA_BITS`
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
@@ -590,8 +590,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
                       pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and not producer_fold
-                      and D == 128 and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide
-                                        and cols == MAX_COLS and token_axes),
+                      and D == 128 and (tiles_per_pass == 2 and cols not in P_COLUMN_MAJOR_COLS or OWN_WGMMA_STEPS
+                                        and STACKED_TERMS and wide and cols == MAX_COLS and token_axes),
                       overlap=cols in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,
