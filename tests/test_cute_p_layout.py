@@ -40,7 +40,7 @@ def test_column_major_p_compiles_for_sm90a(monkeypatch, bits, gqa, k_operand, ti
         with cute_switches(monkeypatch, P_COLUMN_MAJOR_COLS=(8, 16, 32) if on else ()):
             cfg = config_for(fmt, gqa, 64, k_operand, tiles)
             assert cfg.p_column_major is on
-            if tiles == 2:  # tile B of an MN-major P' by the own wgmma crashed on an H100: the tiled MMA takes it
+            if tiles == 2:  # 8 columns' MN-major atom is not the own wgmma's (it crashed on an H100): the tiled MMA
                 assert cfg.own_wgmma == (not on and bits in OWN_WGMMA_BITS)
             ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws, ctas_per_sm=ctas).__ptx__
     rows, cols = _stores(ptx[False]), _stores(ptx[True])

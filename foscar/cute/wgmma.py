@@ -22,13 +22,13 @@ from .ptx import asm
 
 #: Descriptor bits (layout type at 62-63, stride byte offset at 32-45, leading byte offset at 16-29, in 16-byte
 #: units) as CuTe DSL forms them: Q^T (K-major, 128-byte swizzle; beyond 8 columns its 8-row groups 1024 bytes
-#: apart), P' K-major (one 8-row group) and P' MN-major (64-byte swizzle, 512 bytes between groups)
+#: apart), P' K-major (one 8-row group) and P' MN-major as 32 columns lay it out (64-byte swizzle, 512 bytes between
+#: groups; 8 and 16 columns' MN-major atoms differ: their passes take the tiled MMA, ``config_for``)
 Q_BITS = {False: (1 << 62) | (1 << 16), True: (1 << 62) | (64 << 32) | (1 << 16)}
 P_BITS = {False: (1 << 62) | (1 << 16), True: (2 << 62) | (32 << 32)}
 K_STEP = 2  #: a K-major B's start address (16-byte units) advanced by a k-step: 32 bytes of a row
 Q_ATOM = 256  #: Q^T's next 128 contraction bytes (stacked terms): the next swizzle atom of 32 rows
-#: P''s k16 step: 32 bytes of K-major rows, 16 tokens of MN-major columns (1024 bytes); and tile B's 64 tokens on,
-#: K-major (two-tile passes with MN-major P' crashed on an H100: they take the tiled MMA, ``config_for``)
+#: P''s k16 step: 32 bytes of K-major rows, 16 tokens of MN-major columns (1024 bytes); and tile B's 64 tokens on
 P_STEP = {False: 2, True: 64}
 TILE_B = 64
 
