@@ -91,9 +91,8 @@ PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (E4M3 K,
 #: on an H100: INT4 1.5-4.5% faster, INT2 up to 9% slower, the producer's folds behind: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
-#: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`):
-#: faster at every shape swept (``docs/results-h200.md``; off: ``config_for`` refuses it), up to
-#: ``CHANNEL_K_E4M3_ROWS`` query rows (5 to 8: the terms in two column blocks; equal to BF16 K on an H100)
+#: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
+#: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
 FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
@@ -259,7 +258,7 @@ class Sm90Config:
     #: stacked terms: Q's power of two one per KV head, joining the token's scale in K's fold (:data:`SHARED_Q_SCALE`)
     shared_q_scale: bool = False
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
-    own_wgmma: bool = False  #: v1, two-tile passes (K-major P') and 32-column steps: :data:`OWN_WGMMA_BITS`
+    own_wgmma: bool = False  #: v1, two-tile passes and 32-column steps: :data:`OWN_WGMMA_BITS`, ``OWN_WGMMA_STEPS``
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
@@ -526,8 +525,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     e4m3 = k_operand != "bf16"
     q_terms, digits = {"e4m3x3": 3, "e4m3d4": 4}.get(k_operand, 2), k_operand == "e4m3d4"
     rows = gqa * step
-    if e4m3 and fmt.k_axis == "channel" and not (CHANNEL_K_E4M3 and q_terms == 2 and step == 1 and gqa <= (
-            CHANNEL_K_E4M3_ROWS) and (tiles_per_pass == 2 or not PRODUCER_Q_FOLD)):
+    if e4m3 and fmt.k_axis == "channel" and (not CHANNEL_K_E4M3 or q_terms != 2 or step != 1
+                                             or gqa > CHANNEL_K_E4M3_ROWS or tiles_per_pass != 2 and PRODUCER_Q_FOLD):
         raise UnsupportedError(f"k_operand={k_operand!r} with k_axis='channel', gqa={gqa}, q_len={step}",
                                "E4M3 K operands take channel-wise K where foscar.cute.config.CHANNEL_K_E4M3 is set, "
                                f"with two Q terms, one token, gqa <= {CHANNEL_K_E4M3_ROWS} (CHANNEL_K_E4M3_ROWS; "
@@ -590,8 +589,9 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
                       pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and not producer_fold
-                      and D == 128 and (tiles_per_pass == 2 and cols not in P_COLUMN_MAJOR_COLS or OWN_WGMMA_STEPS
-                                        and STACKED_TERMS and wide and cols == MAX_COLS and token_axes),
+                      and D == 128 and (cols == MAX_COLS or cols not in P_COLUMN_MAJOR_COLS)  # MN-major P': 32 only
+                      and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS
+                           and token_axes),
                       overlap=cols in OVERLAP_COLS and tiles_per_pass == 1 and LAZY_ONE_TILE and token_axes
                       and g >= fmt.head_dim,
                       qk_zeroing=tiles_per_pass == 2 and fmt.bits in QK_ZEROING_BITS,

@@ -294,10 +294,11 @@ def k_operand_fold_scores(cfg, accS: cute.Tensor, wg, buf, summed: bool = False)
     kc = [sKf[buf, slot_column(k, col0)] for k in range(n_el // 2)]
     qk_scale = wg.qk_scale
     if cutlass.const_expr(cfg.k_e4m3):  # summed or not, the terms' sum is in the E4M3 operand's units
+        inv = [sKf[buf, cfg.cols + slot_column(k, col0)] for k in range(n_el // 2)]  # each column slot's 2^-e
         if cutlass.const_expr(cfg.term_blocks):
-            sum_term_blocks(accS, cfg.nb, [sKf[buf, cfg.cols + slot_column(k, col0)] for k in range(n_el // 2)])
+            sum_term_blocks(accS, cfg.nb, inv)
         elif cutlass.const_expr(not summed):
-            sum_q_terms(accS, cfg.gqa, wg.thr.quad, sKf[buf, cfg.cols + col0], sKf[buf, cfg.cols + col0 + 1])
+            sum_q_terms(accS, cfg.gqa, wg.thr.quad, inv[0], inv[1])
         a = [qk_scale * cfg.k_factors[0], qk_scale * cfg.k_factors[1]]
         return [accS[e] * a[row_half(e)] + kc[s_slot(e)] * qk_scale for e in range(n_el)]
     return [(accS[e] + kc[s_slot(e)]) * qk_scale for e in range(n_el)]

@@ -16,8 +16,8 @@ def v_operand_fields(fmt, pivot_mma: bool) -> dict:
     for a cache of format ``fmt`` (:data:`~foscar.cute.config.V_LOW_PLACEMENT`,
     :data:`~foscar.cute.config.V_ROW_SHIFTS`; ``pivot_mma``: the pivot sums' MMA, which takes one row class)."""
     row_shls = (0, 0)
-    placement = fmt.v_axis == "token"
-    if fmt.v_axis == "channel":  # the acc-fold takes one pivot for every token of a tile
+    placement = fmt.v_axis == "token"  # token-wise V is placed; channel-wise V injected
+    if not placement:  # the acc-fold takes one pivot for every token of a tile
         v_ops = (operand_for(torch.float16, fmt.bits),) * 2
     else:
         if config.V_ROW_SHIFTS and not pivot_mma:
