@@ -139,6 +139,8 @@ def kernel_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--recent", type=int, default=0, help="the format's BF16 recent window (KVFormat.recent)")
     p.add_argument("--tail", type=int, default=0, help="a part of a longer step: its tokens end this many before "
                    "the sequence's (Sm90Config.tail)")
+    p.add_argument("--stages", type=int, default=None, help="v1's stages per consumer (Sm90Config.stages; unset: "
+                   "config_for's default)")
     return p
 
 
@@ -152,7 +154,7 @@ def kernel_config(a: argparse.Namespace):
     else:
         fmt = foscar.KVFormat.fp4(a.scheme, a.head_dim, sink=a.sink, recent=a.recent)
         a.bits, a.group_size, a.k_axis, a.v_axis = 4, fmt.group_size, fmt.k_axis, fmt.v_axis
-    return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len, tail=a.tail)
+    return config_for(fmt, a.gqa, 64, a.k_operand, a.tiles_per_pass, a.q_len, a.stages, a.tail)
 
 
 def kernel_sass(a: argparse.Namespace) -> tuple:

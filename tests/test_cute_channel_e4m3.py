@@ -16,7 +16,7 @@ import foscar  # noqa: E402
 from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
-from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
+from foscar.cute.config import config_for, consumer_code_paths, default_stages  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
 E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(8|16)k32\.f32\.e4m3\.e4m3")
@@ -83,10 +83,12 @@ def test_the_producer_folds_a_pass_for_sm90a(monkeypatch, bits, gqa):
         fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel")
         cfg = config_for(fmt, gqa, 64, "e4m3", 2)
         assert cfg.producer_fold and cfg.prologue == "q_first"
+        from foscar.cute.budget import default_ring  # a Q' a pass, one byte a term: the default ring at two CTAs
+        assert default_ring(fmt, gqa, 64, "e4m3", 2, ctas_per_sm=2).stages == cfg.stages == default_stages(bits, 128)
         ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
     assert len(E4M3_WGMMA.findall(ptx)) == 2 * 128 // 32  # one code path: both tiles' QK products
-    turns = (gqa + 2) // 3  # the fold's row maxima: three rows a turn (three warps of 32 builders)
-    assert len(re.findall(r"redux\.sync\.max\.u32", ptx)) == turns
+    # the fold's row maxima: a warp a consumer folds a row a turn, the turns a loop at run time (one row's registers)
+    assert len(re.findall(r"redux\.sync\.max\.u32", ptx)) == 1
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
@@ -138,6 +140,26 @@ def test_two_tiles_a_pass_against_the_oracle_gpu(pass_switch, bits, lens, G, num
     cute_against_the_oracle(fmt, lens, G, "channel-wise K, E4M3 terms, two tiles a pass: error",
                                num_splits=num_splits, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2,
                                ctas_per_sm=ctas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("stages,ctas", [(4, 2), (8, 2), (16, 1)])
+def test_the_producer_fold_over_deep_rings_gpu(monkeypatch, bits, stages, ctas):
+    """``Q'`` folded by the producer, a buffer a pass, over rings of 4-16 stages a consumer (each wrapped many times
+    by a split of one sequence; INT4 at 8 stages and two CTAs past an SM's shared memory: refused by name)."""
+    from _cases import cute_against_the_oracle
+    from foscar.cute.budget import fits_shared_memory
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=True):
+        fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel")
+        launch = dict(num_splits=1, warp_specialized=True, k_operand="e4m3", tiles_per_pass=2, ctas_per_sm=ctas,
+                      stages=stages)
+        if not fits_shared_memory(config_for(fmt, 4, 64, "e4m3", 2, stages=stages), ctas):
+            with pytest.raises(UnsupportedError, match="stages"):
+                cute_against_the_oracle(fmt, [700], 4, "", **launch)
+            return
+        cute_against_the_oracle(fmt, [5000, 700, 130], 4, f"Q' by the producer, {stages} stages: error", **launch)
 
 
 @pytest.mark.gpu

@@ -186,13 +186,13 @@ def test_column_slots_are_cutes_accumulator(m, n):
         assert torch.equal(own[:, e, 0], row), e
 
 
-@pytest.mark.parametrize("threads", (128, 96))
+@pytest.mark.parametrize("threads", (128, 32))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("cols", (8, 16, 32))
 def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
     """Channel-wise K's ``Q'``: the shares of :data:`FOLD_CHANNELS` channels that ``threads`` threads build
-    (``fold_chunk``, ``fold_channel``: a consumer warpgroup, or the producer's three warps besides the TMA
-    issuer) cover every (row, channel) of the kernel's columns once; a row's builders are consecutive lanes of
+    (``fold_chunk``, ``fold_channel``: a consumer warpgroup, or one warp of the producer's,
+    :mod:`foscar.cute.producer_fold`) cover every (row, channel) of the kernel's columns once; a row's builders are consecutive lanes of
     one warp (its correction is their butterfly sum); each of a row's pairs is one 32-bit word, and the builders'
     ``(s', z')`` of one pair step (``fold_param``) are consecutive 16-byte words of the group's row."""
     from types import SimpleNamespace
@@ -226,9 +226,10 @@ def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
     """Two tiles a pass (``pass_tiles``): consumer ``c``'s ``j``-th pass takes tiles A and B that the producer put
     in its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
     both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
-    ``FoldDecodeSm90WS._folded_slot``), and the producer's fold loop (every other tile) meets exactly the passes'
-    tiles A. Three consumers (``WIDE_EIGHT_COLUMNS``) take alternate tiles in runs of one."""
-    from foscar.cute.ring import pass_tiles, ring_slot, ring_tile
+    ``FoldDecodeSm90WS._folded_slot``), and consumer ``c``'s fold warp (:func:`foscar.cute.producer_fold.fold_stages`:
+    its ``k``-th tiles, ``k`` even, below ``run_bound``) meets exactly its passes' tiles A, in their order, each
+    pass in flight its own ``Q'`` buffer (:func:`~foscar.cute.ring.fold_buffer`). Three consumers (``WIDE_EIGHT_COLUMNS``) take alternate tiles in runs of one."""
+    from foscar.cute.ring import fold_buffer, pass_tiles, ring_slot, ring_tile, run_bound, run_tile
     for run, consumers in ((1, 2), (2, 2), (1, 3)):
         for n in range(1, 23):
             seen = []
@@ -243,8 +244,13 @@ def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
                         assert i % 2 == 0 and i_b == i + 1  # one group of two tiles (splits start at even tiles)
                         assert all(ring_slot(c, k, stages) % 2 == 0 for stages in (4, 8, 16))
             assert sorted(seen) == list(range(n))
-            if run == 2:
-                assert [i for i in range(0, n, 2)] == sorted(i for c in (0, 1) for i in range(2 * c, n, 4))
+            if consumers == 2:  # the fold warps' loops
+                for c in range(2):
+                    folded = [run_tile(c, k, run) for k in range(0, run_bound(n), 2) if run_tile(c, k, run) < n]
+                    assert folded == list(range(run * c, n, 4))
+                for stages in (4, 8, 16):  # a pass's buffer: its consumer's, none other in its ring at once
+                    bufs = [fold_buffer(ring_slot(c, k, stages), 2) for c in range(2) for k in range(0, stages, 2)]
+                    assert sorted(bufs) == list(range(stages))
 
 
 @pytest.mark.parametrize("group_size", (64, 128, 256))

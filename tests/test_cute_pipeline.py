@@ -261,8 +261,8 @@ def test_placed_v_keeps_a_long_split_accurate_gpu(bits, quantizer):
 
 @pytest.fixture(params=[False, True], ids=["consumer_fold", "producer_fold"])
 def producer_fold(monkeypatch, request):
-    """``foscar.cute.config.PRODUCER_Q_FOLD`` off (the default: each consumer folds ``Q'``) and on (the producer's
-    three other warps fold a ``Q'`` per stage), ``config_for``'s cache cleared around the test."""
+    """``foscar.cute.config.PRODUCER_Q_FOLD`` off (the default: each consumer folds ``Q'``) and on (a warp of the
+    producer's a consumer folds a ``Q'`` per stage), ``config_for``'s cache cleared around the test."""
     with cute_switches(monkeypatch, PRODUCER_Q_FOLD=request.param):
         yield request.param
 
@@ -271,16 +271,18 @@ def producer_fold(monkeypatch, request):
                                                            (4, 128, 16, "token", 1)])
 def test_q_folds_compile_for_sm90a(producer_fold, bits, head_dim, gqa, v_axis, ctas):
     """Channel-wise K's ``Q'`` folded by the consumers or by the producer: the same four TMA copies a tile, the
-    producer's register budget (32 at two CTAs an SM when it folds), a ring of four stages and Q staged first
-    where the producer folds; no spills."""
+    producer's register budget (32 at two CTAs an SM when it folds), the deepest ring the CTAs of an SM hold
+    (:func:`~foscar.cute.budget.default_ring`, as a launch takes it) and Q staged first where the producer folds;
+    no spills."""
+    from foscar.cute.budget import default_ring
     from foscar.cute.compile import compile_stage1
     from foscar.cute.config import ws_registers
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=head_dim, k_axis="channel", v_axis=v_axis)
-    cfg = config_for(fmt, gqa, 64)
+    cfg = default_ring(fmt, gqa, 64, ctas_per_sm=ctas)
     assert cfg.producer_fold == producer_fold
-    if producer_fold:  # a Q' per stage: the shallower ring, Q staged before the producer's loop
-        assert cfg.stages == STAGES and cfg.prologue == "q_first"
-    assert fits_shared_memory(cfg, ctas)
+    if producer_fold:  # Q staged before the producer's loop
+        assert cfg.prologue == "q_first"
+    assert fits_shared_memory(cfg, ctas) and cfg.stages >= STAGES
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     producer, _ = ws_registers(cfg, ctas)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer}\b", ptx)

@@ -14,8 +14,10 @@ def shared_bytes(cfg: Sm90Config, consumers: int = CONSUMERS) -> int:
     partials a cluster merges (:mod:`foscar.cute.cluster`), and 8 KB for the reductions, sums and alignment."""
     slot = 4 * (2 * cfg.tile_words + cfg.k_param_words + cfg.v_param_words) + 16
     q_bytes = cfg.cols * cfg.head_dim * 2 * (1 + 2 * consumers if cfg.k_channel and not cfg.producer_fold else 1)
-    if cfg.producer_fold:  # each stage's Q', its corrections (and terms' 2^-e) and its parameters' barrier
-        slot += cfg.cols * cfg.head_dim * 2 + 8 * cfg.cols + 8
+    if cfg.producer_fold:  # each slot's parameters' barrier; the Q' buffers with their corrections, 1 KB aligned
+        from .producer_fold import fold_buffer_bytes, fold_buffers
+        slot += 8
+        q_bytes += fold_buffers(cfg, consumers) * fold_buffer_bytes(cfg) + 1024
     p_bytes = consumers * cfg.vc * TILE * cfg.p_tiles * cfg.cols * 2
     if cfg.fp4_mx:  # each consumer's V scale bits, two buffers of 16 bits a (token, block) of a pass
         p_bytes += consumers * 4 * cfg.fp4_blocks * TILE * cfg.tiles_per_pass

@@ -94,7 +94,6 @@ PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
-FOLD_WARPS = 3  #: the warps of v1's producer warpgroup that build ``Q'`` (:data:`PRODUCER_Q_FOLD`): all but the TMA's
 CONSUMERS = 2  #: v1: consumer warpgroups per CTA, on alternating KV tiles (:func:`consumers_for`: 3 where wide)
 WIDE_CONSUMERS = False  #: three consumers at one CTA an SM, 16/32 columns (Sm90Config.wide): off (docs/results-h200.md)
 WIDE_STEP_COLUMNS = (32,)  #: the same for steps (q_len > 1) of these columns: on at 32 (H100: 1.03-1.16x faster)
@@ -555,8 +554,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
     pivot_mma = columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim
     v_fields = v_operand_fields(fmt, pivot_mma)
-    if stages is None:  # a Q' per stage takes a deep ring's room
-        stages = STAGES if producer_fold else default_stages(fmt.bits, fmt.head_dim)
+    if stages is None:
+        stages = default_stages(fmt.bits, fmt.head_dim)
     elif stages not in STAGE_CHOICES:
         raise InvalidArgumentError("stages", f"one of {STAGE_CHOICES}", stages)
     # a rotated cache stages Q through the ring's first stage; the producer's Q' reads Q staged before its loop
@@ -588,7 +587,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
-                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3 and not producer_fold
+                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3
                       and D == 128 and (cols == MAX_COLS or cols not in P_COLUMN_MAJOR_COLS)  # MN-major P': 32 only
                       and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS
                            and token_axes),

@@ -13,7 +13,8 @@ from .operands_e4m3 import power_of_two, scale_exponent, term_stride
 
 
 @cute.jit
-def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor):
+def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor,
+                 turn=None):
     """:func:`~foscar.cute.folds.fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms
     with a power-of-two scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
     :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
@@ -24,7 +25,8 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     contraction indices ``4 k .. 4 k + 3`` of row ``h`` (:func:`~foscar.cute.fold_map.term_chunk`; with fewer
     threads than rows, the rows in turns), one 32-bit word of each term, from two BF16 words of Q and two 16-byte
     ``(s', z')`` pairs of ``params`` (the group's ``(s', z')`` row, channel ``d``'s at ``2 d``, ``2 d + 1``;
-    :func:`~foscar.cute.fold_map.term_channels`). No synchronisation: the caller fences the writes for the
+    :func:`~foscar.cute.fold_map.term_channels`); ``turn``: that turn's rows only (of :func:`fold_turns`; a caller's
+    loop at run time keeps one turn's registers live). No synchronisation: the caller fences the writes for the
     wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
@@ -38,8 +40,8 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     r = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32)  # Q' at indices 4 k + v, then times 2^e
     hi = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
     lo = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
-    for j in cutlass.range_constexpr((cfg.gqa + rows - 1) // rows):
-        h = h0 + j * rows
+    for j in cutlass.range_constexpr(1 if turn is not None else fold_turns(cfg, threads)):  # the rows in turns
+        h = h0 + (j if turn is None else turn) * rows
         row = cutlass.min(h, cfg.gqa - 1)  # a row past the heads folds a head's and stores nothing
         part = Float32(0.0)
         top = Float32(0.0)
@@ -76,6 +78,12 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
             sKf[buf, cfg.cols + h] = inv
 
 
+def fold_turns(cfg, threads: int) -> int:
+    """The turns in which ``threads`` threads fold every query row's terms (:func:`fold_q_terms`)."""
+    rows = threads // (cfg.head_dim // TERM_CHANNELS)
+    return (cfg.gqa + rows - 1) // rows
+
+
 def lanes_abs_max(x: Float32, lanes: int) -> Float32:
     """The largest of ``x >= 0`` (or NaN) over groups of ``lanes`` consecutive lanes: a whole warp's as one
     unsigned integer reduction of the bits (non-negative floats order as their bits; NaN above infinity), else a
@@ -89,11 +97,12 @@ def lanes_abs_max(x: Float32, lanes: int) -> Float32:
 
 
 @cute.jit
-def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor):
-    """What :func:`fold_q_terms` leaves alone in each of its buffers (``sKf``'s rows): the columns of no term (padded
-    heads, past both terms) zero words in ``sQk`` and, past the heads, a correction 0 and ``2^-e`` 1 in ``sKf``
-    (their scores finite). Written once, before the first fold, by the thread ``t`` of the folding threads
-    (``threads``) that folds those words, whose fence and publication before each fold's reads order them."""
+def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor, first=0, count: int = 0):
+    """What :func:`fold_q_terms` leaves alone in each of its buffers (``sKf``'s rows; ``count`` of them from
+    ``first`` where given): the columns of no term (padded heads, past both terms) zero words in ``sQk`` and, past
+    the heads, a correction 0 and ``2^-e`` 1 in ``sKf`` (their scores finite). Written once, before the first fold,
+    by the thread ``t`` of the folding threads (``threads``) that folds those words, whose fence and publication
+    before each fold's reads order them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS
     rows = threads // lanes
@@ -102,7 +111,8 @@ def fold_terms_padding(cfg, t, threads: int, sQk: cute.Tensor, sKf: cute.Tensor)
     zero = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float8E4M3FN)
     zero.store(cute.full_like(cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32).load(), 0.0)
                .to(Float8E4M3FN))
-    for b in cutlass.range_constexpr(cute.size(sKf, mode=[0])):
+    for i in cutlass.range_constexpr(count or cute.size(sKf, mode=[0])):
+        b = first + i
         for c in cutlass.range_constexpr(cfg.qk_cols):
             if cutlass.const_expr(not (c < cfg.gqa or gp <= c < gp + cfg.gqa)):
                 if h0 == c % rows:

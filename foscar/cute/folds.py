@@ -266,7 +266,7 @@ def q_fold(cfg):
     """Channel-wise K's operand-fold of ``cfg``'s K operands: :func:`fold_q` (BF16) or
     :func:`~foscar.cute.fold_terms.fold_q_terms` (E4M3),
     whoever folds (a consumer warpgroup, :func:`k_operand_fold`; the producer's warps,
-    :meth:`foscar.cute.kernel_v1.FoldDecodeSm90WS._fold_stages`)."""
+    :func:`foscar.cute.producer_fold.fold_stages`)."""
     return fold_q_terms if cfg.k_e4m3 else fold_q
 
 

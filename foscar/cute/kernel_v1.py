@@ -15,8 +15,8 @@ memory (:mod:`foscar.cute.cluster`), or (``cfg.fused_merge``) the last of its CT
 ``setmaxnreg`` moves registers from the producer to the consumers (:data:`~foscar.cute.config.WS_REGISTERS`). Q is
 staged by the producer before any copy, or by the first consumer while the producer copies (``cfg.prologue``).
 Channel-wise K: each consumer folds ``Q'`` at each token group it reaches (two tiles of one group a pass: once a
-pass), or (``cfg.producer_fold``) the producer's other warps fold it into a ``Q'`` per stage (two tiles a pass: each
-pass's tile A's stage; :meth:`FoldDecodeSm90WS._fold_stages`).
+pass), or (``cfg.producer_fold``) a warp of the producer's a consumer folds it into a ``Q'`` per stage (two tiles a
+pass: per pass; :mod:`foscar.cute.producer_fold`).
 """
 from __future__ import annotations
 
@@ -28,16 +28,17 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import cluster, operands, tail_merge
-from .config import FOLD_WARPS, THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
+from .config import THREADS, TILE, Sm90Config, as_run, consumer_code_paths, consumers_for, ws_registers
 from .fold_map import fold_chunk, fold_param, k_fold_buffer
 from .fold_terms import fold_terms_padding
-from .folds import k_operand_fold, kf_layout, q_fold, q_sums
+from .folds import k_operand_fold, kf_layout, q_sums
 from .fragment import k_word, slot_column, v_word
 from .limits import causal_last, causal_limits, first_masked
 from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_layout, stage_q, zeroing_qk_mma
 from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start, wait_pass
-from .ring import StageRing, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
+from .producer_fold import fold_buffers, fold_stages
+from .ring import StageRing, fold_buffer, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
 from .softmax import reduction_layout
 from .tma_ring import tma_atoms, tma_views
 from .warpgroup import (
@@ -131,8 +132,8 @@ class FoldDecodeSm90WS(TileKernel):
             if cutlass.const_expr(cfg.start_prefetch):
                 self._start_prefetch((atom_kc, atom_vc, atom_kp, atom_vp), mSEQ, mBT, b, split, n_splits)
             for i in cutlass.range_constexpr(slots):
-                # the TMA issuer's arrival, and the Q' folders' (one a warp) where the producer folds the slot's Q'
-                cute.arch.mbarrier_init(full + i, 1 + (FOLD_WARPS if self._folded_slot(i) else 0))
+                # the TMA issuer's arrival, and its consumer's fold warp's where the producer folds the slot's Q'
+                cute.arch.mbarrier_init(full + i, 2 if self._folded_slot(i) else 1)
                 cute.arch.mbarrier_init(empty + i, THREADS)
                 if cutlass.const_expr(cfg.producer_fold):
                     cute.arch.mbarrier_init(ring.kpar + i, 1)
@@ -207,15 +208,16 @@ class FoldDecodeSm90WS(TileKernel):
     @cute.jit
     def _produce(self, tma: tuple, ring: StageRing, mBT: cute.Tensor, sQ: cute.Tensor, b, kvh, t_lo, t_hi):
         """The producer warpgroup over tiles ``[t_lo, t_hi)``: its first thread's TMA copies, and where it folds
-        channel-wise K's ``Q'`` (``producer_fold``), its other warps' folds."""
+        channel-wise K's ``Q'`` (``producer_fold``), a warp a consumer's folds (:mod:`foscar.cute.producer_fold`)."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
             views = tma_views(self.cfg, tma, ring)
             for tile in cutlass.range(t_lo, t_hi, unroll=1):
                 self._issue_tile(tma, views, ring, mBT, b, kvh, t_lo, tile)
         if cutlass.const_expr(self.cfg.producer_fold):
-            if tidx >= 32:
-                self._fold_stages(ring, sQ, tidx - 32, t_lo, t_hi)
+            if tidx >= 32 and tidx < 32 * (1 + self.consumers):
+                fold_stages(self.cfg, ring, sQ, tidx // 32 - 1, tidx % 32, t_lo, t_hi,
+                            lambda slot, t: self._fold_source(ring, slot, t))
 
     @cute.jit
     def _consumer(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing, smem0: WarpgroupSmem,
@@ -253,11 +255,12 @@ class FoldDecodeSm90WS(TileKernel):
         kpar = sQk_ring = sKf_ring = None  # producer_fold: each stage's Q', its corrections, its K (s', z') barrier
         if cutlass.const_expr(cfg.producer_fold):
             kpar = alloc.allocate_array(Int64, slots)
-            qk_layout = sqk_layout(cfg, slots)
+            bufs = fold_buffers(cfg, self.consumers)  # one a slot, or a pass
+            qk_layout = sqk_layout(cfg, bufs)
             sQk_ring = alloc.allocate_tensor(qk_element_type(cfg), qk_layout.outer, byte_alignment=1024,
                                              swizzle=qk_layout.inner)
-            kf = cute.size(kf_layout(cfg), mode=[1])  # a slot's corrections (and E4M3 terms' 2^-e)
-            sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((slots, kf), stride=(kf, 1)), byte_alignment=16)
+            kf = cute.size(kf_layout(cfg), mode=[1])  # a buffer's corrections (and E4M3 terms' 2^-e)
+            sKf_ring = alloc.allocate_tensor(Float32, cute.make_layout((bufs, kf), stride=(kf, 1)), byte_alignment=16)
         return StageRing(sK, sV, sKP, sVP, full, empty, kpar, sQk_ring, sKf_ring)
 
     def _shared_memory(self, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
@@ -392,27 +395,6 @@ class FoldDecodeSm90WS(TileKernel):
         return self.cfg.producer_fold and (self.cfg.tiles_per_pass == 1 or (i & 1) == 0)
 
     @cute.jit
-    def _fold_stages(self, ring: StageRing, sQ: cute.Tensor, ftid, t_lo, t_hi):
-        """``producer_fold``: the producer's :data:`~foscar.cute.config.FOLD_WARPS` warps besides the TMA
-        issuer's (``ftid``: this thread among them) fold each stage's ``Q'`` (two tiles a pass: each pass's tile
-        A's) once its K ``(s', z')`` has landed (:func:`foscar.cute.folds.fold_q`, E4M3 terms
-        :func:`foscar.cute.fold_terms.fold_q_terms`, into the stage's ``sQk`` and ``sKf``), and each warp arrives on
-        the stage's full barrier after fencing its writes for the wgmma's proxy. The consumer frees the stage after
-        its tile's scores (:meth:`_consume`), so a stage's ``Q'`` outlives its words in shared memory."""
-        cfg = self.cfg
-        if cutlass.const_expr(cfg.k_e4m3):  # the ring slots' Q' buffers' fixed parts
-            fold_terms_padding(cfg, ftid, FOLD_WARPS * 32, ring.sQk, ring.sKf)
-        for tile in cutlass.range(t_lo, t_hi, cfg.tiles_per_pass, unroll=1):  # a pass's tile A: an even k
-            c, k = ring_tile(tile - t_lo, cfg.tile_run, self.consumers)
-            slot = ring_slot(c, k, cfg.stages)
-            cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
-            q_fold(cfg)(cfg, ftid, FOLD_WARPS * 32, sQ, ring.sQk, ring.sKf, slot, self._fold_source(ring, slot, ftid))
-            cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
-            cute.arch.sync_warp()
-            if ftid % 32 == 0:
-                cute.arch.mbarrier_arrive(ring.full + slot)
-
-    @cute.jit
     def _consume(self, c, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ring: StageRing,
                  smem: WarpgroupSmem, mOP: cute.Tensor, mLP: cute.Tensor, b, kvh, split, t_lo, t_hi, n,
                  qk_scale: Float32, n_kvh, mTS: cute.Tensor, mSEQ: cute.Tensor):
@@ -455,8 +437,8 @@ class FoldDecodeSm90WS(TileKernel):
                 has_b = tile_b < t_hi
                 slot, slot_b = wait_pass(ring, c, k, has_b, cfg.stages)
                 qbuf = None
-                if cutlass.const_expr(cfg.producer_fold):  # tile A's stage holds the pass's Q'
-                    qbuf = slot
+                if cutlass.const_expr(cfg.producer_fold):  # the Q' of tile A's stage
+                    qbuf = fold_buffer(slot, 2)
                 elif cutlass.const_expr(cfg.k_channel):  # both tiles in one token group: Q' from tile A's stage
                     # (before the words are in registers: fewer live across the fold); groups of two tiles: every pass
                     qbuf = k_fold_buffer(cfg, tile * TILE, self.consumers)
@@ -524,7 +506,7 @@ class FoldDecodeSm90WS(TileKernel):
             state = self._tile_step(wg, regs, state, k, t0, 0, None,
                                     lambda: cute.arch.mbarrier_arrive(ring.empty + slot), self._fp4_scales(ring, slot))
         elif cutlass.const_expr(cfg.producer_fold):  # the stage's Q': freed after the tile's scores
-            state = self._tile_step(wg, regs, state, k, t0, 0, slot,
+            state = self._tile_step(wg, regs, state, k, t0, 0, fold_buffer(slot, 1),
                                     lambda: cute.arch.mbarrier_arrive(ring.empty + slot))
         else:
             if cutlass.const_expr(cfg.k_channel):  # Q' from the group's (s', z') in the stage

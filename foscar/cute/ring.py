@@ -65,6 +65,12 @@ def run_bound(n):
     return (n + 3) >> 1
 
 
+def fold_buffer(slot, tiles_per_pass: int):
+    """Where the producer folds ``Q'`` (:attr:`~foscar.cute.config.Sm90Config.producer_fold`): the ``Q'`` buffer of
+    the tile in ring slot ``slot``, one a slot, or with two tiles a pass one a pass (tile A's slot, even)."""
+    return slot >> (tiles_per_pass - 1)
+
+
 def ring_phase(k, stages: int):
     """The mbarrier phase of a consumer's ``k``-th tile (``k >= 0``): ``(k // stages) % 2``."""
     return (k >> (stages.bit_length() - 1)) & 1
