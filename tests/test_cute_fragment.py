@@ -192,9 +192,10 @@ def test_column_slots_are_cutes_accumulator(m, n):
 def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
     """Channel-wise K's ``Q'``: the shares of :data:`FOLD_CHANNELS` channels that ``threads`` threads build
     (``fold_chunk``, ``fold_channel``: a consumer warpgroup, or one warp of the producer's,
-    :mod:`foscar.cute.producer_fold`) cover every (row, channel) of the kernel's columns once; a row's builders are consecutive lanes of
-    one warp (its correction is their butterfly sum); each of a row's pairs is one 32-bit word, and the builders'
-    ``(s', z')`` of one pair step (``fold_param``) are consecutive 16-byte words of the group's row."""
+    :mod:`foscar.cute.producer_fold`) cover every (row, channel) of the kernel's columns once; a row's builders are
+    consecutive lanes of one warp (its correction is their butterfly sum); each of a row's pairs is one 32-bit word,
+    and the builders' ``(s', z')`` of one pair step (``fold_param``) are consecutive 16-byte words of the group's
+    row."""
     from types import SimpleNamespace
 
     from foscar.cute.fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_channel, fold_chunk, fold_chunks, fold_param
@@ -223,12 +224,14 @@ def test_the_fold_chunks_cover_q_once(head_dim, cols, threads):
 
 
 def test_a_pass_takes_its_consumers_next_two_tiles_from_the_ring():
-    """Two tiles a pass (``pass_tiles``): consumer ``c``'s ``j``-th pass takes tiles A and B that the producer put
-    in its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
+    """Two tiles a pass (``pass_tiles``): consumer ``c``'s ``j``-th pass takes tiles A and B that the producer put in
+    its ``k``-th and ``k + 1``-th slots (``ring_tile``), ``k`` even, every tile of a split once; with runs of two
     both tiles lie in one token group of two tiles and tile A's slot is even (the producer's ``Q'`` fold of a pass:
-    ``FoldDecodeSm90WS._folded_slot``), and consumer ``c``'s fold warp (:func:`foscar.cute.producer_fold.fold_stages`:
-    its ``k``-th tiles, ``k`` even, below ``run_bound``) meets exactly its passes' tiles A, in their order, each
-    pass in flight its own ``Q'`` buffer (:func:`~foscar.cute.ring.fold_buffer`). Three consumers (``WIDE_EIGHT_COLUMNS``) take alternate tiles in runs of one."""
+    ``FoldDecodeSm90WS._folded_slot``), and consumer ``c``'s fold warp
+    (:func:`foscar.cute.producer_fold.fold_stages`: its ``k``-th tiles, ``k`` even, below ``run_bound``) meets
+    exactly its passes' tiles A, in their order, each pass in flight its own ``Q'`` buffer
+    (:func:`~foscar.cute.ring.fold_buffer`). Three consumers (``WIDE_EIGHT_COLUMNS``) take alternate tiles in runs
+    of one."""
     from foscar.cute.ring import fold_buffer, pass_tiles, ring_slot, ring_tile, run_bound, run_tile
     for run, consumers in ((1, 2), (2, 2), (1, 3)):
         for n in range(1, 23):

@@ -38,7 +38,8 @@ from .operands import mmas_and_layouts, q_element_type, qk_element_type, sqk_lay
 from .overlap import consume_overlapped
 from .pair import pair_step, second_tile_start, wait_pass
 from .producer_fold import fold_buffers, fold_stages
-from .ring import StageRing, fold_buffer, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile, split_tiles_each
+from .ring import (StageRing, fold_buffer, pass_tiles, ring_phase, ring_slot, ring_tile, run_bound, run_tile,
+                   split_tiles_each)
 from .softmax import reduction_layout
 from .tma_ring import tma_atoms, tma_views
 from .warpgroup import (

@@ -17,7 +17,8 @@ from .ring import StageRing, fold_buffer, ring_phase, ring_slot, run_bound, run_
 
 
 def fold_buffers(cfg, consumers: int) -> int:
-    """The ring's ``Q'`` buffers: one a slot, or one a pass with two tiles a pass (:func:`~foscar.cute.ring.fold_buffer`)."""
+    """The ring's ``Q'`` buffers: one a slot, or one a pass with two tiles a pass
+    (:func:`~foscar.cute.ring.fold_buffer`)."""
     return cfg.stages * consumers // cfg.tiles_per_pass
 
 
