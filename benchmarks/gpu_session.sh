@@ -149,11 +149,13 @@ case "$step" in
         > "$OUT/profile-${shape/:/-}-int$bits${PROFILE_TAG:-}.txt" 2>&1
       echo "profile $shape INT$bits rc=$? $(grep -E "^ +Duration" "$OUT/profile-${shape/:/-}-int$bits${PROFILE_TAG:-}.txt" | head -1)"
     done; done ;;
-  sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step)
+  sanitize)  # compute-sanitizer on one small decode per kernel (cutlass-dsl installed by the cute step);
+             # SANITIZE_SWITCHES: kernel switches (run_with.py words) set for every kind, SANITIZE_TAG their logs' tag
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for kind in ${2:-triton cute cute_ws cute_pair}; do for tool in memcheck racecheck synccheck; do
-      timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/sanitize_one.py $kind \
-        > "$OUT/sanitize-$kind-$tool.log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$OUT/sanitize-$kind-$tool.log")"
+      log="$OUT/sanitize-$kind${SANITIZE_TAG:-}-$tool.log"
+      timeout 150 "$CS" --tool $tool --report-api-errors no --error-exitcode 1 python3 benchmarks/run_with.py \
+        ${SANITIZE_SWITCHES:-} -- benchmarks/sanitize_one.py $kind > "$log" 2>&1; echo "$kind $tool rc=$? $(tail -1 "$log")"
     done; done ;;
   racecheck-narrow)  # racecheck on the E4M3 K kernel (benchmarks/racecheck_probe.py): as it ships (three runs), with one
                      # barrier after sum(Q)'s stores (two runs), the sums by the producer's third warp; then cute_ws2
