@@ -402,7 +402,7 @@ stacked-gqa32 --shapes 8:128K --heads 32:1 --variants shipped "STACKED_TERMS=1 S
 stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 SHARED_Q_SCALE=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8" "STACKED_TERMS=1 SHARED_Q_SCALE=1 MASK_BRANCH=1 P_COLUMN_MAJOR_COLS=8,16,32 PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8 WIDE_CONSUMERS=1"
 cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants shipped "CLUSTER_MERGE=1" "PROLOGUE_ONE_CTA=4:consumer_q" "CLUSTER_MERGE=1 PROLOGUE_ONE_CTA=4:consumer_q"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
-producer-fold-gqa4 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:token channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
+producer-fold-gqa4 --shapes 1:32K,1:128K,8:32K,8:128K --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
