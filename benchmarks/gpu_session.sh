@@ -359,6 +359,7 @@ PY
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-k-rows|python3 -m pytest|tests/test_cute_channel_e4m3.py -k 'against_the_oracle'
 producer-fold|python3 -m pytest|tests/test_cute_channel_e4m3.py tests/test_cute_pipeline.py tests/test_cute_channel_v_pair.py -k 'producer_fold or producer'
+producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py -k 'producer_fold or producer'
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
@@ -403,6 +404,7 @@ stacked-gqa16 --shapes 8:128K --heads 32:2 --variants shipped "STACKED_TERMS=1 S
 cluster --shapes 1:8K,1:32K,1:128K,8:8K,8:32K,64:8K,64:32K --kernels --variants shipped "CLUSTER_MERGE=1" "PROLOGUE_ONE_CTA=4:consumer_q" "CLUSTER_MERGE=1 PROLOGUE_ONE_CTA=4:consumer_q"
 channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel channel:channel --variants shipped "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 PRODUCER_Q_FOLD=1 TWO_CTA_COLUMNS=16" "CHANNEL_K_E4M3=1 PAIR_CHANNEL_V=1 P_COLUMN_MAJOR_COLS=8,16,32"
 producer-fold-gqa4 --shapes 1:32K,1:128K,8:32K,8:128K --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
+producer-unrolled --shapes 1:32K,1:128K,8:32K,8:128K --bits 2 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1 "PRODUCER_Q_FOLD=1 FOLD_UNROLLED_BITS=2"
 producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"

@@ -107,8 +107,12 @@ FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 WS_REGISTERS_WIDE = (24, 160)
-#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept
+#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; where
+#: its rows are folded unrolled (:data:`FOLD_UNROLLED_BITS`) 32 back, 48 kept
 WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
+WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (48, 96)}
+#: The bit widths whose producer fold (E4M3 terms) builds a pass's rows unrolled, at the registers above: none
+FOLD_UNROLLED_BITS = ()
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
@@ -117,14 +121,16 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
-            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS")
+            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
     """v1's (producer, consumer) registers a thread after ``setmaxnreg`` (:data:`WS_REGISTERS`)."""
     if consumers_for(cfg, ctas_per_sm) == 3:
         return WS_REGISTERS_WIDE
-    return (WS_REGISTERS_FOLD if cfg.producer_fold else WS_REGISTERS)[ctas_per_sm]
+    if cfg.producer_fold:
+        return (WS_REGISTERS_FOLD_UNROLLED if cfg.fold_unrolled else WS_REGISTERS_FOLD)[ctas_per_sm]
+    return WS_REGISTERS[ctas_per_sm]
 
 
 def as_run(cfg, ctas_per_sm: int):
@@ -243,6 +249,8 @@ class Sm90Config:
     qk_promote: bool = False
     #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
     producer_fold: bool = False
+    #: ``producer_fold`` with E4M3 terms: a pass's rows folded unrolled (:data:`FOLD_UNROLLED_BITS`), else a row a turn
+    fold_unrolled: bool = False
     #: an FP4 block format's block (16: NVFP4, 32: MXFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
@@ -582,6 +590,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       trigger_dependents=COMBINE_PDL or (COMBINE_PDL_WINDOWS and combine_attends_windows(fmt)),
                       qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
                       and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
+                      fold_unrolled=producer_fold and e4m3 and fmt.bits in FOLD_UNROLLED_BITS,
                       p_column_major=cols in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       pair_p_scale=pair_p,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .fold_terms import fold_q_terms, fold_terms_padding, fold_turns
-from .folds import fold_q
+from .folds import q_fold
 from .ring import StageRing, fold_buffer, ring_phase, ring_slot, run_bound, run_tile
 
 
@@ -45,11 +45,11 @@ def fold_stages(cfg, ring: StageRing, sQ: cute.Tensor, c, lane, t_lo, t_hi, sour
             slot = ring_slot(c, k, cfg.stages)
             cute.arch.mbarrier_wait(ring.kpar + slot, ring_phase(k, cfg.stages))
             buf = fold_buffer(slot, cfg.tiles_per_pass)
-            if cutlass.const_expr(cfg.k_e4m3):  # a row a turn, the turns at run time: one row's registers live
-                for j in cutlass.range(fold_turns(cfg, 32), unroll=1):
+            if cutlass.const_expr(cfg.k_e4m3 and not cfg.fold_unrolled):  # a row a turn at run time: one row's
+                for j in cutlass.range(fold_turns(cfg, 32), unroll=1):  # registers live
                     fold_q_terms(cfg, lane, 32, sQ, ring.sQk, ring.sKf, buf, source(slot, lane), j)
-            else:
-                fold_q(cfg, lane, 32, sQ, ring.sQk, ring.sKf, buf, source(slot, lane))
+            else:  # every row unrolled
+                q_fold(cfg)(cfg, lane, 32, sQ, ring.sQk, ring.sKf, buf, source(slot, lane))
             cute.arch.fence_view_async_shared()  # the wgmma reads Q' through the async proxy
             cute.arch.sync_warp()
             if lane == 0:
