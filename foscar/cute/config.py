@@ -89,7 +89,8 @@ QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm9
 #: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
 #: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (E4M3 K,
-#: on an H100: INT4 1.5-4.5% faster, INT2 up to 9% slower, the producer's folds behind: ``docs/results-h200.md``)
+#: on an H100 at the tuned rings: INT4 as fast or up to 3.4% faster, INT2 4% slower in geomean:
+#: ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
