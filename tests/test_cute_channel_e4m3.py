@@ -92,6 +92,21 @@ def test_the_producer_folds_a_pass_for_sm90a(monkeypatch, bits, gqa):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 
+def test_the_unrolled_producer_fold_for_sm90a(monkeypatch):
+    """``FOLD_UNROLLED_BITS``: INT2's producer fold builds a pass's four rows unrolled (four row maxima in the PTX) at 48
+    producer and 96 consumer registers at two CTAs an SM; INT4 keeps a row a turn at 32 / 104."""
+    from foscar.cute.config import ws_registers
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=True, FOLD_UNROLLED_BITS=(2,)):
+        cfgs = {bits: config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel"), 4, 64,
+                                 "e4m3", 2) for bits in (2, 4)}
+        assert cfgs[2].fold_unrolled and not cfgs[4].fold_unrolled
+        assert ws_registers(cfgs[2], 2) == (48, 96) and ws_registers(cfgs[4], 2) == (32, 104)
+        ptx = compile_stage1(cfgs[2], keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    assert len(re.findall(r"redux\.sync\.max\.u32", ptx)) == 4
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+48\b", ptx)
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
+
+
 @pytest.mark.parametrize("bits,head_dim,group_size,gqa,v_axis,tiles", [
     (2, 128, 128, 4, "token", 1), (4, 128, 128, 3, "channel", 1), (2, 64, 64, 1, "token", 1),
     (2, 128, 128, 4, "token", 2), (4, 128, 128, 2, "token", 2), (2, 128, 128, 1, "token", 2),
