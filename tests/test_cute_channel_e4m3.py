@@ -93,8 +93,8 @@ def test_the_producer_folds_a_pass_for_sm90a(monkeypatch, bits, gqa):
 
 
 def test_the_unrolled_producer_fold_for_sm90a(monkeypatch):
-    """``FOLD_UNROLLED_BITS``: INT2's producer fold builds a pass's four rows unrolled (four row maxima in the PTX) at 48
-    producer and 96 consumer registers at two CTAs an SM; INT4 keeps a row a turn at 32 / 104."""
+    """``FOLD_UNROLLED_BITS``: INT2's producer fold builds a pass's four rows unrolled (four row maxima in the PTX)
+    at 48 producer and 96 consumer registers at two CTAs an SM; INT4 keeps a row a turn at 32 / 104."""
     from foscar.cute.config import ws_registers
     with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, PRODUCER_Q_FOLD=True, FOLD_UNROLLED_BITS=(2,)):
         cfgs = {bits: config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel"), 4, 64,
