@@ -88,9 +88,8 @@ QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm9
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
-#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (E4M3 K,
-#: on an H100 at the tuned rings: INT4 as fast or up to 3.4% faster, INT2 4% slower in geomean:
-#: ``docs/results-h200.md``)
+#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (on an
+#: H100 at the tuned rings: INT4 as fast or up to 3.4% faster, INT2 4% slower in geomean; ``docs/results-h200.md``)
 PRODUCER_Q_FOLD = False
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
@@ -108,11 +107,9 @@ FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
 WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
 WS_REGISTERS_WIDE = (24, 160)
-#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; where
-#: its rows are folded unrolled (:data:`FOLD_UNROLLED_BITS`) 32 back, 48 kept
-WS_REGISTERS_FOLD = {1: (40, 232), 2: (32, 104)}
-WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (48, 96)}
-#: The bit widths whose producer fold (E4M3 terms) builds a pass's rows unrolled, at the registers above: none
+#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
+#: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
+WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
 FOLD_UNROLLED_BITS = ()
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
@@ -129,9 +126,8 @@ def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
     """v1's (producer, consumer) registers a thread after ``setmaxnreg`` (:data:`WS_REGISTERS`)."""
     if consumers_for(cfg, ctas_per_sm) == 3:
         return WS_REGISTERS_WIDE
-    if cfg.producer_fold:
-        return (WS_REGISTERS_FOLD_UNROLLED if cfg.fold_unrolled else WS_REGISTERS_FOLD)[ctas_per_sm]
-    return WS_REGISTERS[ctas_per_sm]
+    fold = WS_REGISTERS_FOLD_UNROLLED if cfg.fold_unrolled else WS_REGISTERS_FOLD
+    return (fold if cfg.producer_fold else WS_REGISTERS)[ctas_per_sm]
 
 
 def as_run(cfg, ctas_per_sm: int):
@@ -250,8 +246,7 @@ class Sm90Config:
     qk_promote: bool = False
     #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
     producer_fold: bool = False
-    #: ``producer_fold`` with E4M3 terms: a pass's rows folded unrolled (:data:`FOLD_UNROLLED_BITS`), else a row a turn
-    fold_unrolled: bool = False
+    fold_unrolled: bool = False  #: ``producer_fold``'s E4M3 terms, a pass's rows unrolled (:data:`FOLD_UNROLLED_BITS`)
     #: an FP4 block format's block (16: NVFP4, 32: MXFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
@@ -452,17 +447,15 @@ def columns_for(rows: int) -> int:
     return max(HEADS, 1 << (rows - 1).bit_length())
 
 
-#: The K operands: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, three (``e4m3x3``: to about
-#: 2^-12 of the row's largest value, 3 column blocks) or four integer digits (``e4m3d4``: to 2^-15, every k32 step's
-#: sum exact in the FP8 accumulation and promoted to FP32, 4 column blocks; the accuracy option)
+#: The K operands: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, three (``e4m3x3``: to 2^-12
+#: of the row's largest value) or four integer digits (``e4m3d4``: to 2^-15, each k32 step exact in FP8; accuracy)
 K_OPERANDS = ("bf16", "e4m3", "e4m3x3", "e4m3d4")
 #: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
 TILES_PER_PASS = (1, 2)
 
 
 def max_rows(fmt) -> int:
-    """The most query rows of one KV head a kernel takes for ``fmt``: :data:`MAX_COLS`, 8 at head dim 256 (the
-    registers of its A fragments)."""
+    """The most query rows of one KV head a kernel takes for ``fmt``: :data:`MAX_COLS`, 8 at head dim 256."""
     return HEADS if fmt.head_dim == 256 else MAX_COLS
 
 
@@ -488,17 +481,16 @@ def clear_switch_caches() -> None:
 @functools.lru_cache(maxsize=256)  # host time per call
 def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass: int = 1,
                step: int = 1, stages: int | None = None, tail: int = 0) -> Sm90Config:
-    """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head),
-    page size, K operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query
-    tokens per sequence (``step``); the injection constants are the Triton kernels'
-    (:func:`foscar.format.injection_constants`, :func:`foscar.format.fold_constants`): one home. The
-    ``gqa * step`` query rows of a KV head are the wgmma N columns, at most :func:`max_rows`. E4M3 K
-    operands take token-wise K (up to 4 query rows the two Q terms share the 8 columns, beyond they take separate
-    column blocks, :attr:`Sm90Config.term_blocks`), and channel-wise K where :data:`CHANNEL_K_E4M3` is set; two
-    tiles per pass take one token and at most 4 query heads per KV head (the second tile's scores in the other four
-    columns), token-wise K and V or, switched on, a channel-wise axis whose token groups hold a pass (E4M3 K's
-    ``Q'``, :data:`PAIR_CHANNEL_V`); ``tail``: the step's tokens end that many before the sequence's (a part of a
-    longer step). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
+    """The static configuration for a cache format (``KVFormat``), GQA ratio (query heads per KV head), page size, K
+    operand (:data:`K_OPERANDS`), tiles per softmax pass (:data:`TILES_PER_PASS`) and query tokens per sequence
+    (``step``); the injection constants are the Triton kernels' (:func:`foscar.format.injection_constants`,
+    :func:`foscar.format.fold_constants`): one home. The ``gqa * step`` query rows of a KV head are the wgmma N columns,
+    at most :func:`max_rows`. E4M3 K operands take token-wise K (up to 4 query rows the two Q terms share the 8 columns,
+    beyond they take separate column blocks, :attr:`Sm90Config.term_blocks`), and channel-wise K where
+    :data:`CHANNEL_K_E4M3` is set; two tiles per pass take one token and at most 4 query heads per KV head (the second
+    tile's scores in the other four columns), token-wise K and V or, switched on, a channel-wise axis whose token groups
+    hold a pass (E4M3 K's ``Q'``, :data:`PAIR_CHANNEL_V`); ``tail``: the step's tokens end that many before the
+    sequence's (a part of a longer step). ``stages``: v1's stages per consumer (:data:`STAGE_CHOICES`; unset,
     :func:`default_stages`); whether they fit the CTAs of an SM is the launch's check
     (:func:`foscar.cute.budget.fits_shared_memory`)."""
     import torch
@@ -563,9 +555,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
     pivot_mma = columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim
     v_fields = v_operand_fields(fmt, pivot_mma)
-    if stages is None:
-        stages = default_stages(fmt.bits, fmt.head_dim)
-    elif stages not in STAGE_CHOICES:
+    stages = default_stages(fmt.bits, fmt.head_dim) if stages is None else stages
+    if stages not in STAGE_CHOICES:
         raise InvalidArgumentError("stages", f"one of {STAGE_CHOICES}", stages)
     # a rotated cache stages Q through the ring's first stage; the producer's Q' reads Q staged before its loop
     prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
