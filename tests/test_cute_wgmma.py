@@ -29,7 +29,7 @@ WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{([^}]*)\}, \{([^}]
     ({}, "bf16", 2, 1, False), ({"head_dim": 64, "group_size": 64}, "e4m3", 2, 1, False),
     ({"v_axis": "channel"}, "e4m3", 2, 1, True), ({"k_axis": "channel"}, "e4m3", 2, 1, True),
     ({"k_axis": "channel", "v_axis": "channel"}, "e4m3", 2, 1, True), ({"v_axis": "channel"}, "e4m3", 1, 8, False),
-    ({"k_axis": "channel", "producer_fold": True}, "e4m3", 2, 1, False)])
+    ({"k_axis": "channel", "producer_fold": True}, "e4m3", 2, 1, True)])
 def test_two_tile_passes_and_token_wise_32_column_steps_at_head_dim_128_take_it(monkeypatch, kw, k_operand, tiles,
                                                                                 step, taken):
     kw = dict(kw)
