@@ -358,8 +358,8 @@ PY
     done <<'TESTS'
 channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-k-rows|python3 -m pytest|tests/test_cute_channel_e4m3.py -k 'against_the_oracle'
-producer-fold|python3 -m pytest|tests/test_cute_channel_e4m3.py tests/test_cute_pipeline.py tests/test_cute_channel_v_pair.py -k 'producer_fold or producer'
-producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py -k '(producer_fold or producer) and gpu'
+producer-fold|python3 -m pytest|tests/test_cute_channel_e4m3.py tests/test_cute_pipeline.py tests/test_cute_channel_v_pair.py -k producer
+producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py -k 'producer and gpu'
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py

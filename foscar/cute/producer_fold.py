@@ -13,6 +13,7 @@ import cutlass.cute as cute
 
 from .fold_terms import fold_q_terms, fold_terms_padding, fold_turns
 from .folds import q_fold
+from .operands import qk_element_type
 from .ring import StageRing, fold_buffer, ring_phase, ring_slot, run_bound, run_tile
 
 
@@ -23,10 +24,9 @@ def fold_buffers(cfg, consumers: int) -> int:
 
 
 def fold_buffer_bytes(cfg) -> int:
-    """One ``Q'`` buffer's bytes with its row corrections (and E4M3 terms' ``2^-e``): the QK product's B operand at
-    one byte a term (E4M3) or two (BF16)."""
-    e4m3 = cfg.k_e4m3
-    return cfg.qk_cols * cfg.head_dim * (1 if e4m3 else 2) + 4 * cfg.cols * (2 if e4m3 else 1)
+    """One ``Q'`` buffer's bytes with its row corrections (and E4M3 terms' ``2^-e``): the QK product's B operand in
+    its element's bytes (:func:`~foscar.cute.operands.qk_element_type`)."""
+    return cfg.qk_cols * cfg.head_dim * qk_element_type(cfg).width // 8 + 4 * cfg.cols * (2 if cfg.k_e4m3 else 1)
 
 
 @cute.jit
@@ -36,7 +36,7 @@ def fold_stages(cfg, ring: StageRing, sQ: cute.Tensor, c, lane, t_lo, t_hi, sour
     A's; then a fence for the wgmma's proxy and the warp's arrival on the stage's full barrier. First the fixed
     parts of consumer ``c``'s buffers (E4M3 terms' padding), ordered before the consumer's reads by the same
     fences and arrivals. ``source(slot, t)``: where thread ``t`` of a fold reads the ``(s', z')`` of stage ``slot``."""
-    n = cfg.stages // cfg.tiles_per_pass  # a consumer's buffers
+    n = fold_buffers(cfg, 1)  # a consumer's buffers
     if cutlass.const_expr(cfg.k_e4m3):
         fold_terms_padding(cfg, lane, 32, ring.sQk, ring.sKf, c * n, n)
     for k in cutlass.range(0, run_bound(t_hi - t_lo), cfg.tiles_per_pass, unroll=1):  # the consumer's k-th tile
