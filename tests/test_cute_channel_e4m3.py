@@ -6,17 +6,23 @@ each fold thread's channels are the fragment's contraction indices ``4 k .. 4 k 
 against the float64 oracle."""
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
 import foscar  # noqa: E402
 from _cases import HOPPER  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths, default_stages  # noqa: E402
+from foscar.cute.fold_terms import term_word_offset  # noqa: E402
+from foscar.cute.operands_e4m3 import sq_layout_e4m3  # noqa: E402
 from foscar.errors import UnsupportedError  # noqa: E402
 
 E4M3_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(8|16)k32\.f32\.e4m3\.e4m3")
@@ -208,3 +214,49 @@ def test_the_producer_fold_over_long_splits_replays_in_a_graph_gpu(monkeypatch, 
             replay()
             torch.cuda.synchronize()
             assert torch.equal(out, eager), f"replay {i}"
+
+
+@cute.jit
+def _term_offsets_mismatched(head_dim: cutlass.Constexpr, out: cutlass.Constexpr):
+    """Every word :func:`foscar.cute.fold_terms.store_term_word` addresses in two buffers of ``Q'`` (each term's
+    column of each head at each padding ``gp``) against the swizzled layout's own offset (appended to ``out`` where
+    they differ)."""
+    layout = sq_layout_e4m3(head_dim, 8, 2)
+    buffers = SimpleNamespace(layout=layout.outer)
+    stride = cute.crd2idx((0, 0, 1), layout.outer)
+    for gp in cutlass.range_constexpr(3):
+        for h in cutlass.range_constexpr(1 << gp):
+            for blk in cutlass.range_constexpr(head_dim // 32):  # the words of a row, eight a block of 32 bytes
+                for j in cutlass.range_constexpr(8):
+                    for b in cutlass.range_constexpr(2):
+                        k = 8 * blk + j
+                        hi = term_word_offset(head_dim, buffers, h, k)
+                        lo = hi ^ term_word_offset(head_dim, buffers, 1 << gp, 0)
+                        for col, off in ((h, hi), ((1 << gp) + h, lo)):
+                            if cutlass.const_expr(off + b * stride != cute.crd2idx((col, 4 * k, b), layout)):
+                                out.append((gp, col, k, b))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_term_words_land_where_the_swizzled_layout_puts_them(head_dim):
+    """The fold's stores address a word from its thread's swizzled offset within a buffer (the lo term's a bit
+    flip of the hi term's) plus the buffer's offset, all but the last hoisted out of the pass loop: the same byte
+    as the layout's own swizzled offset, every column, word and buffer."""
+    out = []
+    _term_offsets_mismatched(head_dim, out)
+    assert out == []
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_fp16_split_for_sm90a(monkeypatch, bits):
+    """``FOLD_F16_SPLIT``: the fold's E4M3 terms from FP16 pairs (``cvt.rn.satfinite.e4m3x2.f16x2``, no FP32 pair
+    left in the fold), and no local memory."""
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, k_axis="channel")
+    with cute_switches(monkeypatch, CHANNEL_K_E4M3=True, FOLD_F16_SPLIT=True):
+        cfg = config_for(fmt, 4, 64, "e4m3", 2)
+        assert cfg.fold_f16_split
+        ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
+    copies = consumer_code_paths(cfg, 2)
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx)) == 4 * copies
+    assert not re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"

@@ -41,9 +41,7 @@ COMBINE_PDL = False  #: the split merge as a dependent launch (PDL) v1's CTAs si
 #: A format's BF16 windows attended inside the CuTe combine (:mod:`foscar.cute.windows`), not by a Triton launch each:
 #: faster at every shape measured (``docs/bench/h200/window-cost-kv-head.md``)
 COMBINE_WINDOWS = True
-#: :data:`COMBINE_PDL` for windowed formats only: the combine attends the windows while stage 1 runs, then waits
-#: (:func:`foscar.cute.combine_config.dependent_combine`; measured in the same record)
-COMBINE_PDL_WINDOWS = True
+COMBINE_PDL_WINDOWS = True  #: COMBINE_PDL for windowed formats: the combine attends the windows, then waits
 #: The bit widths whose E4M3 K operands take each FP8 ``m64n8k32`` step of ``S^T = K Q^T`` into its own FP32
 #: accumulator (:attr:`Sm90Config.qk_promote`), up to 4 query rows: INT4 only, where it lowers the error most for
 #: the least time (``docs/results-h200.md``: the FP8 accumulation rounds toward zero)
@@ -88,9 +86,7 @@ QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm9
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
-#: Channel-wise K's ``Q'`` built per stage by v1's producer warpgroup (:attr:`Sm90Config.producer_fold`): off (on an
-#: H100 at the tuned rings: INT4 as fast or up to 3.4% faster, INT2 4% slower in geomean; ``docs/results-h200.md``)
-PRODUCER_Q_FOLD = False
+PRODUCER_Q_FOLD = False  #: channel-wise K's Q' by v1's producer (Sm90Config.producer_fold): off, 4 warps' fold on 1
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
@@ -110,7 +106,8 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
 #: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
 WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
-FOLD_UNROLLED_BITS = ()
+#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`): off, not yet on a GPU
+FOLD_UNROLLED_BITS, FOLD_F16_SPLIT = (), False
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
@@ -119,7 +116,8 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
-            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS")
+            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS",
+            "FOLD_F16_SPLIT")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -247,6 +245,7 @@ class Sm90Config:
     #: v1, channel-wise K: ``Q'`` per stage, built by the producer warpgroup (:data:`PRODUCER_Q_FOLD`)
     producer_fold: bool = False
     fold_unrolled: bool = False  #: ``producer_fold``'s E4M3 terms, a pass's rows unrolled (:data:`FOLD_UNROLLED_BITS`)
+    fold_f16_split: bool = False  #: channel-wise K's E4M3 terms split in FP16 pairs (:data:`FOLD_F16_SPLIT`)
     #: an FP4 block format's block (16: NVFP4, 32: MXFP4, :mod:`foscar.cute.operands_fp4`), 0 for the affine codes: E2M1
     #: codes placed as FP16 operands and multiplied by their block scales, token-wise K and V of one "group" the
     #: head dim, no offsets; the parameters a tile's block-scale bytes
@@ -583,6 +582,7 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       qk_promote=(fmt.bits in QK_PROMOTE_BITS or digits) and e4m3 and fmt.k_axis == "token"
                       and rows <= HEADS // 2 and fmt.head_dim // fmt.group_size <= 1, producer_fold=producer_fold,
                       fold_unrolled=producer_fold and e4m3 and fmt.bits in FOLD_UNROLLED_BITS,
+                      fold_f16_split=FOLD_F16_SPLIT and e4m3 and fmt.k_axis == "channel",
                       p_column_major=cols in P_COLUMN_MAJOR_COLS, start_prefetch=START_PREFETCH,
                       pair_p_scale=pair_p,
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,

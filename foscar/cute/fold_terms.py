@@ -9,7 +9,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32
 
 from .fold_map import TERM_CHANNELS, term_channels, term_chunk
-from .operands_e4m3 import power_of_two, scale_exponent, term_stride
+from .operands_e4m3 import power_of_two, term_stride
+from .ptx import e4m3_half, e4m3_word, f16_half, f16_pair, fma_f16_pairs, residual16
 
 
 @cute.jit
@@ -57,25 +58,76 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
                 top = cute.arch.fmax(top, cute.arch.fmax(y, -y))
                 r[w + 2 * i] = y
         top = lanes_abs_max(top, lanes)  # the row's largest |Q'|
-        e = scale_exponent(top)
+        e = fold_exponent(top)
         inv = power_of_two(-e)
         r.store(r.load() * power_of_two(e))
-        hi.store(r.load().to(Float8E4M3FN))
-        hf = hi.load().to(Float32)
-        lo.store(((r.load() - hf) * 16.0).to(Float8E4M3FN))
-        lf = lo.load().to(Float32)
-        held = Float32(0.0)  # sum_d Q' as the two terms hold it, in units of 2^-e
-        for v in cutlass.range_constexpr(TERM_CHANNELS):
-            held = held + hf[v] + lf[v] * 0.0625
+        if cutlass.const_expr(cfg.fold_f16_split):
+            hw, lw, held = split_f16_pairs(r)
+        else:
+            hi.store(r.load().to(Float8E4M3FN))
+            hf = hi.load().to(Float32)
+            lo.store(((r.load() - hf) * 16.0).to(Float8E4M3FN))
+            lf = lo.load().to(Float32)
+            held = Float32(0.0)  # sum_d Q' as the two terms hold it, in units of 2^-e
+            for v in cutlass.range_constexpr(TERM_CHANNELS):
+                held = held + hf[v] + lf[v] * 0.0625
+            hw, lw = cute.recast_tensor(hi, Uint32)[0], cute.recast_tensor(lo, Uint32)[0]
         if h < cfg.gqa:
-            cute.autovec_copy(hi, cute.local_tile(sQk[(h, None, buf)], (TERM_CHANNELS,), (k,)))
-            cute.autovec_copy(lo, cute.local_tile(sQk[(gp + h, None, buf)], (TERM_CHANNELS,), (k,)))
+            off = term_word_offset(cfg.head_dim, sQk, h, k)  # lo's: a bit flip of hi's (h < gp, gp 1, 2 or 4)
+            store_term_word(sQk, off, buf, hw)
+            store_term_word(sQk, off ^ term_word_offset(cfg.head_dim, sQk, gp, 0), buf, lw)
         part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
         if k == 0 and h < cfg.gqa:
             sKf[buf, h] = part
             sKf[buf, cfg.cols + h] = inv
+
+
+def split_f16_pairs(r: cute.Tensor):
+    """``(hi, lo, held)`` of :func:`fold_q_terms`' four values ``r`` (``Q' 2^e``) with the split in FP16 pairs
+    (:attr:`~foscar.cute.config.Sm90Config.fold_f16_split`): ``r`` rounded to FP16 once (``2^-11`` of each value,
+    below the pair's ``2^-8``), then ``hi = e4m3(r)``, ``lo = e4m3((r - hi) 16)`` with the remainder and its
+    scaling exact in FP16 (``r - hi`` is ``r``'s low bits), each term's word of four bytes; ``held``, the sum of
+    ``hi + lo / 16`` (each exact in FP16 unless the two terms span more than 11 bits) in FP32."""
+    pairs = [f16_pair(r[0], r[1]), f16_pair(r[2], r[3])]
+    hw = e4m3_word(pairs[0], pairs[1])
+    hf = [e4m3_half(hw, 0), e4m3_half(hw, 1)]
+    lw = e4m3_word(*[residual16(pairs[i], hf[i]) for i in range(2)])
+    w = [fma_f16_pairs(e4m3_half(lw, i), Uint32(0x2C002C00), hf[i]) for i in range(2)]  # hi + lo / 16
+    return hw, lw, f16_half(w[0], 0) + f16_half(w[0], 1) + f16_half(w[1], 0) + f16_half(w[1], 1)
+
+
+def fold_exponent(top: Float32) -> Int32:
+    """:func:`~foscar.cute.operands_e4m3.scale_exponent` of a row's largest ``|Q'|`` in four integer instructions:
+    ``135 - biased`` less one where the significand exceeds 1.75 (``448 = 1.75 x 2^8``), as ``135 - ((bits +
+    0x1FFFFF) >> 23)``, at most 126 (a zero or subnormal ``top``: its row's terms are zeros either way, ``2^-126`` their
+    factor); an infinite or NaN ``top`` gives -120 (the row's correction is NaN: :func:`fold_q_terms`)."""
+    return cutlass.min(Int32(135) - ((top.bitcast(Int32) + 0x1FFFFF) >> 23), Int32(126))
+
+
+def term_word_offset(head_dim: int, sQk: cute.Tensor, col, k):
+    """The swizzled byte offset, within a buffer of ``sQk``, of contraction indices ``4 k .. 4 k + 3`` of column
+    ``col`` (one 32-bit word of a term): from the thread's indices alone, the same every fold (hoisted out of the
+    pass loop). The swizzle is linear over XOR, so where two offsets' bits are disjoint (a row ``h < gp`` and the
+    row ``gp``, a power of two) the swizzled offset of their sum is the XOR of theirs."""
+    return swizzled_term_offset(head_dim, cute.crd2idx((col, TERM_CHANNELS * k, 0), sQk.layout))
+
+
+@cute.jit
+def store_term_word(sQk: cute.Tensor, off, buf, word: Uint32):
+    """``word`` at the swizzled offset ``off`` (:func:`term_word_offset`) of ``Q'`` buffer ``buf``: the buffer's
+    offset added after the swizzle. A buffer is whole swizzle periods from a base aligned to one
+    (:func:`~foscar.cute.operands_e4m3.sq_layout_e4m3`, allocated at 1024 bytes), so the swizzle leaves it alone."""
+    addr = sQk.iterator.toint() + off + buf * cute.crd2idx((0, 0, 1), sQk.layout)
+    cute.make_tensor(cute.make_ptr(Uint32, addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = word
+
+
+def swizzled_term_offset(head_dim: int, off):
+    """The byte offset ``off`` of a ``Q'`` buffer (:func:`~foscar.cute.operands_e4m3.sq_layout_e4m3`'s outer layout)
+    swizzled as its layout swizzles it: ``Swizzle<3,4,3>`` (``<2,4,3>`` at head dim 64), bits 7-9 (7-8) XORed into
+    bits 4-6 (4-5)."""
+    return off ^ ((off >> 3) & (0x70 if head_dim % 128 == 0 else 0x30))
 
 
 def fold_turns(cfg, threads: int) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Uint16, Uint32
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
@@ -30,7 +29,7 @@ from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, sum_term_blocks
 from .pivot import pivot_corrections
-from .ptx import asm
+from .ptx import f16_pair, mul_f16_pairs
 from .softmax import column_sums
 from .wgmma import pv_mma
 
@@ -391,18 +390,6 @@ def scaled_pairs(p: list, rp: list) -> list:
         w = mul_f16_pairs(f16_pair(p[e], p[e + 1]), rp[row_half(e)])
         q += [(w & Uint32(0xFFFF)).to(Uint16).bitcast(Float16), (w >> 16).to(Uint16).bitcast(Float16)]
     return q
-
-
-@dsl_user_op
-def f16_pair(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """``lo`` and ``hi`` rounded to FP16 (to nearest), the low and high halves of one word (``cvt.rn.f16x2.f32``)."""
-    return asm(Uint32, [Float32(lo), Float32(hi)], "cvt.rn.f16x2.f32 $0, $2, $1;", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def mul_f16_pairs(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """The halves of ``a`` times those of ``b``, FP16 pairs, rounded to nearest (``mul.rn.f16x2``)."""
-    return asm(Uint32, [Uint32(a), Uint32(b)], "mul.rn.f16x2 $0, $1, $2;", loc=loc, ip=ip)
 
 
 def gather_offset_corrections(cfg, out: OutputAccumulator, v: list, p: list, q: list, sigma: list, al=None):

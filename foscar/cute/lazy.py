@@ -22,9 +22,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..format import RESCALE_HEADROOM
 from .config import THREADS
 from .fragment import s_slot, slot_elements
-from .folds import (f16_pair, gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p,
-                    store_p_operands)
-from .ptx import asm
+from .folds import gather_offset_corrections, p_column_sums, p_operands, p_scales, publish_p, store_p_operands
+from .ptx import asm, f16_pair
 from .softmax import barrier_any, barrier_or, past_headroom, raised_maxima, tile_maxima
 
 #: Two columns' thresholds in ``P``'s domain (``Sm90Config.pair_vote``), an FP16 pair, while neither has seen a token:
