@@ -79,9 +79,9 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
         part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
-        if k == 0 and h < cfg.gqa:
-            sKf[buf, h] = part
-            sKf[buf, cfg.cols + h] = inv
+        if k == 0 and h < cfg.gqa:  # the thread's entries hoisted, the buffer's offset added after them
+            store_f32(sKf, cute.crd2idx((0, h), sKf.layout), buf, part)
+            store_f32(sKf, cute.crd2idx((0, cfg.cols + h), sKf.layout), buf, inv)
 
 
 def split_f16_pairs(r: cute.Tensor):
@@ -121,6 +121,14 @@ def store_term_word(sQk: cute.Tensor, off, buf, word: Uint32):
     (:func:`~foscar.cute.operands_e4m3.sq_layout_e4m3`, allocated at 1024 bytes), so the swizzle leaves it alone."""
     addr = sQk.iterator.toint() + off + buf * cute.crd2idx((0, 0, 1), sQk.layout)
     cute.make_tensor(cute.make_ptr(Uint32, addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = word
+
+
+@cute.jit
+def store_f32(sKf: cute.Tensor, off, buf, x: Float32):
+    """``x`` at element ``off`` of ``sKf``'s buffer ``buf`` (``off`` the element of buffer 0, the same every fold:
+    hoisted out of the pass loop; the buffer's offset added after it)."""
+    addr = sKf.iterator.toint() + 4 * (off + buf * cute.crd2idx((1, 0), sKf.layout))
+    cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = x
 
 
 def swizzled_term_offset(head_dim: int, off):
