@@ -50,8 +50,9 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
             d = d0 + w * off
             cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (d // 2,)), qv)
             cute.autovec_copy(cute.local_tile(params, (4,), (d // 2,)), pv)
+            qw = cute.recast_tensor(qv, Uint32)[0]  # the channels' BF16 pair: each the top half of an FP32
             for i in cutlass.range_constexpr(2):
-                x = Float32(qv[i])
+                x = ((qw << 16) if i == 0 else (qw & Uint32(0xFFFF0000))).bitcast(Float32)
                 sc = pv[2 * i]
                 part = part + x * (pv[2 * i + 1] + cfg.k_mid * sc)
                 y = x * sc
