@@ -204,7 +204,8 @@ def scale_exponent(top: torch.Tensor) -> torch.Tensor:
     return torch.where((top > 0) & torch.isfinite(top), e, torch.zeros_like(e))
 
 
-def split_terms(x: torch.Tensor, terms: int, dims: tuple[int, ...], in_place: bool = False) -> list[torch.Tensor]:
+def split_terms(x: torch.Tensor, terms: int, dims: tuple[int, ...], in_place: bool = False,
+                fp16_first: bool = False) -> list[torch.Tensor]:
     """``x`` as ``terms`` E4M3 terms (float64, each scaled back): scale ``2^e`` per slice over ``dims``
     (:func:`scale_exponent` of the slice's largest ``|x|``), ``r_0 = x 2^e``; term ``k`` is
     ``t_k = e4m3(r_k 16^k) / 16^k`` and ``r_{k+1} = r_k - t_k`` (exact). Returns ``t_k 2^-e``: the
@@ -213,11 +214,15 @@ def split_terms(x: torch.Tensor, terms: int, dims: tuple[int, ...], in_place: bo
     ``in_place``: each term rounded where it sits, ``t_k = e4m3(r_k)``, for terms the tensor core sums itself
     (stacked along the contraction, :attr:`foscar.cute.config.Sm90Config.stacked_terms`): the same terms where
     each residual ``r_k`` is at least E4M3's smallest normal, ``2^-6``; below it a term keeps E4M3's subnormal
-    steps, ``2^-9`` (a slice's largest ``|r_0|`` is above 224: ``2^-10`` is ``2^-17.8`` of it)."""
+    steps, ``2^-9`` (a slice's largest ``|r_0|`` is above 224: ``2^-10`` is ``2^-17.8`` of it). ``fp16_first``:
+    ``r_0`` rounded to FP16 before the terms (channel-wise K's fold split in FP16 pairs,
+    :attr:`foscar.cute.config.Sm90Config.fold_f16_split`; each remainder is exact in FP16 there too)."""
     check_int("terms", terms, minimum=1)
     xd = x.double()
     e = scale_exponent(xd.abs().amax(dim=dims, keepdim=True))
     r = torch.ldexp(xd, e)
+    if fp16_first:
+        r = r.to(torch.float16).double()
     out = []
     for k in range(terms):
         t = round_e4m3(r) if in_place else round_e4m3(r * 16.0 ** k) * 16.0 ** -k

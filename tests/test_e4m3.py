@@ -182,6 +182,21 @@ def test_split_terms(terms):
     assert err <= 16 / 224 * 16.0 ** -(terms - 1), err
 
 
+def test_terms_split_from_fp16():
+    """``fp16_first`` (channel-wise K's fold split in FP16 pairs): the terms of ``x 2^e`` rounded to FP16, at the
+    exponent of ``x``'s own maximum; the two terms hold the FP16 value as closely as the FP32 split holds ``x``, and
+    ``x`` itself to that bound plus FP16's half step (``2^-11`` of the slice maximum)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g))).float()
+    e = scale_exponent(x.double().abs().amax(-1, keepdim=True))
+    r16 = torch.ldexp(torch.ldexp(x.double(), e).to(torch.float16).double(), -e)
+    parts = split_terms(x, 2, (-1,), fp16_first=True)
+    assert all(torch.equal(a, b) for a, b in zip(parts, split_terms(r16, 2, (-1,))))
+    top = x.double().abs().amax(-1)
+    err = float(((x.double() - sum(parts)).abs().amax(-1) / top).max())
+    assert err <= 16 / 224 / 16 + 2.0 ** -11, err
+
+
 @pytest.mark.parametrize("terms", (2, 3))
 def test_terms_rounded_in_place(terms):
     """Terms rounded where they sit (``in_place``: stacked along the contraction, summed by the tensor core):
