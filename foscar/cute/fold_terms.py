@@ -74,9 +74,9 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
                 held = held + hf[v] + lf[v] * 0.0625
             hw, lw = cute.recast_tensor(hi, Uint32)[0], cute.recast_tensor(lo, Uint32)[0]
         if h < cfg.gqa:
-            off = term_word_offset(cfg.head_dim, sQk, h, k)  # lo's: a bit flip of hi's (h < gp, gp 1, 2 or 4)
-            store_term_word(sQk, off, buf, hw)
-            store_term_word(sQk, off ^ term_word_offset(cfg.head_dim, sQk, gp, 0), buf, lw)
+            at = term_word_offset(cfg.head_dim, sQk, h, k)  # lo's: a bit flip of hi's (h < gp, a power of two)
+            store_term_word(sQk, at, buf, hw)
+            store_term_word(sQk, at ^ term_word_offset(cfg.head_dim, sQk, gp, 0), buf, lw)
         part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
