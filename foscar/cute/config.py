@@ -86,7 +86,7 @@ QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm9
 #: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
 #: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
 PIVOT_MMA_COLS = ()
-PRODUCER_Q_FOLD = False  #: channel-wise K's Q' by v1's producer (Sm90Config.producer_fold): off, 4 warps' fold on 1
+PRODUCER_Q_FOLD = False  #: channel-wise K's Q' by v1's producer (Sm90Config.producer_fold): off, a fold on 1 warp
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
@@ -106,7 +106,7 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
 #: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
 WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
-#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`): off, not yet on a GPU
+#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`): off (H100: equal)
 FOLD_UNROLLED_BITS, FOLD_F16_SPLIT = (), False
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
