@@ -17,8 +17,8 @@ from .ptx import e4m3_half, e4m3_word, f16_half, f16_pair, fma_f16_pairs, residu
 def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: cute.Tensor, buf, params: cute.Tensor,
                  turn=None):
     """:func:`~foscar.cute.folds.fold_q` with E4M3 K operands: ``Q' = Q s'`` of each query row as two E4M3 terms
-    with a power-of-two scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' butterfly maximum,
-    :func:`~foscar.cute.operands_e4m3.scale_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
+    with a power-of-two scale ``2^e`` per row (from the row's largest ``|Q'|``, its builders' maximum,
+    :func:`fold_exponent`), ``hi = e4m3(Q' 2^e)`` in column ``h`` and ``lo =
     e4m3((Q' 2^e - hi) 16)`` in column ``gp + h`` (:func:`~foscar.cute.operands_e4m3.term_stride`) at the
     channel's contraction index; ``sKf[buf, h]`` the row's correction ``sum_d Q mid - u sum_d Q'`` (``u``: the
     middle code, ``k_factor * pivot`` of either token half; ``Q'`` as the terms carry it) and ``sKf[buf, cols + h]
@@ -27,15 +27,16 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     threads than rows, the rows in turns), one 32-bit word of each term, from two BF16 words of Q and two 16-byte
     ``(s', z')`` pairs of ``params`` (the group's ``(s', z')`` row, channel ``d``'s at ``2 d``, ``2 d + 1``;
     :func:`~foscar.cute.fold_map.term_channels`); ``turn``: that turn's rows only (of :func:`fold_turns`; a caller's
-    loop at run time keeps one turn's registers live). No synchronisation: the caller fences the writes for the
-    wgmma's proxy and publishes them."""
+    loop at run time keeps one turn's registers live). The split in FP16 pairs with ``cfg.fold_f16_split``
+    (:func:`split_f16_pairs`); the stores at offsets hoisted out of the pass loop (:func:`store_term_word`,
+    :func:`store_f32`). No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
     rows = threads // lanes  # rows built at once
     gp = term_stride(cfg)
     unit = cfg.k_factors[0] * cfg.k_pivots[0]
     h0, k = term_chunk(D, t)
-    d0, off = term_channels(cfg.bits, k)
+    d0, step = term_channels(cfg.bits, k)
     qv = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
     pv = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     r = cute.make_rmem_tensor(cute.make_layout(TERM_CHANNELS), Float32)  # Q' at indices 4 k + v, then times 2^e
@@ -46,8 +47,8 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
         row = cutlass.min(h, cfg.gqa - 1)  # a row past the heads folds a head's and stores nothing
         part = Float32(0.0)
         top = Float32(0.0)
-        for w in cutlass.range_constexpr(2):  # channels d0 + w off and the next: indices 4 k + w and 4 k + w + 2
-            d = d0 + w * off
+        for w in cutlass.range_constexpr(2):  # channels d0 + w step and the next: indices 4 k + w and 4 k + w + 2
+            d = d0 + w * step
             cute.autovec_copy(cute.local_tile(sQ[(row, None)], (2,), (d // 2,)), qv)
             cute.autovec_copy(cute.local_tile(params, (4,), (d // 2,)), pv)
             qw = cute.recast_tensor(qv, Uint32)[0]  # the channels' BF16 pair: each the top half of an FP32
