@@ -218,7 +218,7 @@ def test_the_producer_fold_over_long_splits_replays_in_a_graph_gpu(monkeypatch, 
 
 @cute.jit
 def _term_offsets_mismatched(head_dim: cutlass.Constexpr, out: cutlass.Constexpr):
-    """Every word :func:`foscar.cute.fold_terms.store_term_word` addresses in two buffers of ``Q'`` (each term's
+    """Every word :func:`foscar.cute.fold_terms.store_hoisted` addresses in two buffers of ``Q'`` (each term's
     column of each head at each padding ``gp``) against the swizzled layout's own offset (appended to ``out`` where
     they differ)."""
     layout = sq_layout_e4m3(head_dim, 8, 2)

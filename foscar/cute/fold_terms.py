@@ -28,8 +28,7 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     ``(s', z')`` pairs of ``params`` (the group's ``(s', z')`` row, channel ``d``'s at ``2 d``, ``2 d + 1``;
     :func:`~foscar.cute.fold_map.term_channels`); ``turn``: that turn's rows only (of :func:`fold_turns`; a caller's
     loop at run time keeps one turn's registers live). The split in FP16 pairs with ``cfg.fold_f16_split``
-    (:func:`split_f16_pairs`); the stores at offsets hoisted out of the pass loop (:func:`store_term_word`,
-    :func:`store_f32`). No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
+    (:func:`split_f16_pairs`); the stores at offsets hoisted out of the pass loop (:func:`store_hoisted`). No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
     rows = threads // lanes  # rows built at once
@@ -76,14 +75,16 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
             hw, lw = cute.recast_tensor(hi, Uint32)[0], cute.recast_tensor(lo, Uint32)[0]
         if h < cfg.gqa:
             at = term_word_offset(cfg.head_dim, sQk, h, k)  # lo's: a bit flip of hi's (h < gp, a power of two)
-            store_term_word(sQk, at, buf, hw)
-            store_term_word(sQk, at ^ term_word_offset(cfg.head_dim, sQk, gp, 0), buf, lw)
+            stride = cute.crd2idx((0, 0, 1), sQk.layout)
+            store_hoisted(sQk, at, buf, stride, hw)
+            store_hoisted(sQk, at ^ term_word_offset(cfg.head_dim, sQk, gp, 0), buf, stride, lw)
         part = part - unit * held * inv + (top - top)  # an infinite Q' (a tampered s'): NaN, never saturated terms
         for sh in cutlass.range_constexpr(lanes.bit_length() - 1):  # the row's sum over its lanes
             part = part + cute.arch.shuffle_sync_bfly(part, lanes >> (sh + 1))
         if k == 0 and h < cfg.gqa:  # the thread's entries hoisted, the buffer's offset added after them
-            store_f32(sKf, cute.crd2idx((0, h), sKf.layout), buf, part)
-            store_f32(sKf, cute.crd2idx((0, cfg.cols + h), sKf.layout), buf, inv)
+            stride = cute.crd2idx((1, 0), sKf.layout)
+            store_hoisted(sKf, cute.crd2idx((0, h), sKf.layout), buf, stride, part)
+            store_hoisted(sKf, cute.crd2idx((0, cfg.cols + h), sKf.layout), buf, stride, inv)
 
 
 def split_f16_pairs(r: cute.Tensor):
@@ -110,27 +111,20 @@ def fold_exponent(top: Float32) -> Int32:
 
 def term_word_offset(head_dim: int, sQk: cute.Tensor, col, k):
     """The swizzled byte offset, within a buffer of ``sQk``, of contraction indices ``4 k .. 4 k + 3`` of column
-    ``col`` (one 32-bit word of a term): from the thread's indices alone, the same every fold (hoisted out of the
-    pass loop). The swizzle is linear over XOR, so where two offsets' bits are disjoint (a row ``h < gp`` and the
+    ``col`` (one 32-bit word of a term, :func:`store_hoisted`): from the thread's indices alone. The swizzle is linear over XOR, so where two offsets' bits are disjoint (a row ``h < gp`` and the
     row ``gp``, a power of two) the swizzled offset of their sum is the XOR of theirs."""
     return swizzled_term_offset(head_dim, cute.crd2idx((col, TERM_CHANNELS * k, 0), sQk.layout))
 
 
 @cute.jit
-def store_term_word(sQk: cute.Tensor, off, buf, word: Uint32):
-    """``word`` at the swizzled offset ``off`` (:func:`term_word_offset`) of ``Q'`` buffer ``buf``: the buffer's
-    offset added after the swizzle. A buffer is whole swizzle periods from a base aligned to one
+def store_hoisted(t: cute.Tensor, off, buf, stride, x):
+    """``x`` (32 bits: a term's word, a row's correction or ``2^-e``) at element ``off`` of ``t``'s buffer ``buf``
+    (``stride`` elements a buffer): ``off`` the element's offset in buffer 0, from the thread's indices alone (the
+    same every fold: hoisted out of the pass loop), the buffer's offset added after it. For ``Q'`` (``off`` from
+    :func:`term_word_offset`, swizzled) a buffer is whole swizzle periods from a base aligned to one
     (:func:`~foscar.cute.operands_e4m3.sq_layout_e4m3`, allocated at 1024 bytes), so the swizzle leaves it alone."""
-    addr = sQk.iterator.toint() + off + buf * cute.crd2idx((0, 0, 1), sQk.layout)
-    cute.make_tensor(cute.make_ptr(Uint32, addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = word
-
-
-@cute.jit
-def store_f32(sKf: cute.Tensor, off, buf, x: Float32):
-    """``x`` at element ``off`` of ``sKf``'s buffer ``buf`` (``off`` the element of buffer 0, the same every fold:
-    hoisted out of the pass loop; the buffer's offset added after it)."""
-    addr = sKf.iterator.toint() + 4 * (off + buf * cute.crd2idx((1, 0), sKf.layout))
-    cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = x
+    addr = t.iterator.toint() + t.element_type.width // 8 * (off + buf * stride)
+    cute.make_tensor(cute.make_ptr(type(x), addr, cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))[0] = x
 
 
 def swizzled_term_offset(head_dim: int, off):
