@@ -350,7 +350,8 @@ PY
             # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the lazy rescale's
             # vote on them (pair-vote), token-wise V^T from bit 0 (v-low), channel-wise K's E4M3 terms past 4 rows
             # (channel-k-rows); channel-wise K's Q' folded by the producer (producer-fold), its E4M3 terms split in
-            # FP16 pairs (fold-f16; the shipped fold: channel-k, channel-v); every GPU test of the
+            # FP16 pairs (fold-f16; the shipped fold: channel-k, channel-v); channel-wise V^T by placement
+            # (channel-v-placement; the shipped channel-wise V: channel-v-shipped); every GPU test of the
             # tree (every-gpu-test). Each set's tests split over $JOBS
             # (default 6) pytest processes at once: their kernels compile in parallel
     while IFS='|' read -r name runner sel; do
@@ -363,6 +364,8 @@ producer-fold|python3 -m pytest|tests/test_cute_channel_e4m3.py tests/test_cute_
 producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py -k 'producer and gpu'
 fold-f16|python3 benchmarks/run_with.py FOLD_F16_SPLIT=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
+channel-v-placement|python3 -m pytest|tests/test_cute_channel_v_placement.py
+channel-v-shipped|python3 -m pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py -k 'channel'
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
 mask-branch-stacked|python3 benchmarks/run_with.py STACKED_TERMS=1 SHARED_Q_SCALE=1 -- pytest|tests/test_cute_mask_branch.py
@@ -409,6 +412,8 @@ producer-fold-gqa4 --shapes 1:32K,1:128K,8:32K,8:128K --axes channel:token chann
 producer-unrolled --shapes 1:32K,1:128K,8:32K,8:128K --bits 2 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1 "PRODUCER_Q_FOLD=1 FOLD_UNROLLED_BITS=2"
 producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 fold-f16 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes channel:token channel:channel --variants shipped FOLD_F16_SPLIT=1
+v-channel-placement --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel channel:channel --variants shipped V_CHANNEL_PLACEMENT=1
+v-channel-placement-gqa --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped V_CHANNEL_PLACEMENT=1
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped

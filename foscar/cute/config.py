@@ -55,6 +55,9 @@ V_LOW_PLACEMENT, V_ROW_SHIFTS = True, False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
+#: Channel-wise V^T placed too, each token half at its own bits (:func:`foscar.cute.v_operands.v_operand_fields`:
+#: ``P~`` of half ``h`` times ``v_factors[h]``, each partial's ``s'`` times ``v_unit``), not injected at one bit
+V_CHANNEL_PLACEMENT = False
 #: v1 reads a stage's K and V words off one base (the stage flat), not via its 2-D layout: everywhere (``FLAT_WORDS``),
 #: else at ``FLAT_WORDS_COLS``' columns (H100: INT2 2.6-3.0% faster at 16, 32; at 8 +5% to -2.4% by shape: results doc)
 FLAT_WORDS, FLAT_WORDS_COLS = False, (16, 32)
@@ -117,7 +120,7 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
             "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
             "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS",
-            "FOLD_F16_SPLIT")
+            "FOLD_F16_SPLIT", "V_CHANNEL_PLACEMENT")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -193,9 +196,9 @@ class Sm90Config:
     v_shls: tuple[int, int]
     v_pivots: tuple[float, float]
     v_mid: float
-    #: token-wise V^T (placed, :data:`V_LOW_PLACEMENT`): the factor of each token half's P' (its operand's
-    #: scale relative to the lower half's, a power of two) and the accumulator's unit (the lower half's operand
-    #: factor ``2^(24 - shl)``: the accumulator holds the output in units of ``sigma v_unit``); 1 for channel-wise V
+    #: V^T by placement: the factor of each token half's P' (P~), a power of two, and the products' unit (an operand
+    #: factor ``2^(24 - shl)``): token-wise V's accumulator holds the output in units of ``sigma v_unit``
+    #: (:attr:`acc_unit`), channel-wise V's acc-fold scales each partial by ``s' v_unit``; 1 by injection
     v_factors: tuple[float, float] = (1.0, 1.0)
     v_unit: float = 1.0
     #: by placement, the extra bits of channel-row class 1's codes (rows +8 of 16; :data:`V_ROW_SHIFTS`): its
@@ -299,6 +302,11 @@ class Sm90Config:
     def nb(self) -> int:
         """8-column blocks of the N axis: a thread holds two columns of each (:func:`~foscar.cute.fragment.slot_column`)."""
         return self.cols // HEADS
+
+    @property
+    def acc_unit(self) -> float:
+        """The O^T accumulator's unit: :attr:`v_unit` for token-wise V, 1 for channel-wise V (its acc-fold's)."""
+        return 1.0 if self.v_channel else self.v_unit
 
     @property
     def fp4_mx(self) -> bool:

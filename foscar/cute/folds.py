@@ -16,13 +16,15 @@
 """
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Uint16, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import THREADS
+from .config import HEADS, THREADS
 from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_elements
 from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
 from .fold_terms import fold_q_terms
@@ -383,11 +385,13 @@ def p_operands(cfg, v: list, p: list, sigma: list) -> list:
 
 def scaled_pairs(p: list, rp: list) -> list:
     """``fp16(fp16(p[e]) rp[h])`` of elements ``e`` and ``e + 1`` (a token's two adjacent columns, token row ``h
-    = row_half(e)``; ``rp[h]`` that row's factor as an FP16 pair) in one conversion and one ``mul.rn.f16x2``:
-    the elements as FP16 values."""
+    = row_half(e)``; ``rp[h]`` that row's factor as an FP16 pair, None for 1) in one conversion and one
+    ``mul.rn.f16x2``: the elements as FP16 values."""
     q = []
     for e in range(0, len(p), 2):
-        w = mul_f16_pairs(f16_pair(p[e], p[e + 1]), rp[row_half(e)])
+        w = f16_pair(p[e], p[e + 1])
+        if rp[row_half(e)] is not None:
+            w = mul_f16_pairs(w, rp[row_half(e)])
         q += [(w & Uint32(0xFFFF)).to(Uint16).bitcast(Float16), (w >> 16).to(Uint16).bitcast(Float16)]
     return q
 
@@ -432,16 +436,37 @@ def v_operand_fold(cfg, wg, out: OutputAccumulator, v: list, p: list, al: tuple,
     cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
 
 
+def p_tilde(cfg, p: list) -> list:
+    """Channel-wise V's ``P~`` of this thread's elements ``p``: ``P v_factors[h]`` in FP16, ``h`` the element's token
+    half (V^T by placement: each half's products in the units of the higher half's codes; by injection ``fp16(P)``).
+    Column-major ``P`` (a token's two columns one FP16 pair, :func:`store_p`): ``fp16(P) v_factors[h]``, one
+    ``mul.rn.f16x2`` a pair, exact but where ``fp16(P)`` is subnormal; else ``fp16(P v_factors[h])``."""
+    f = cfg.v_factors
+    if cutlass.const_expr(cfg.p_column_major and f != (1.0, 1.0)):
+        return scaled_pairs(p, [Uint32(f16_bits(x) * 0x00010001) if x != 1.0 else None for x in f])
+    return [Float16(x * f[row_half(e)] if f[row_half(e)] != 1.0 else x) for e, x in enumerate(p)]
+
+
+def f16_bits(x: float) -> int:
+    """The FP16 bit pattern of ``x`` (a power of two in FP16's normal range)."""
+    m, e = math.frexp(x)
+    assert m == 0.5 and -13 <= e <= 16, x
+    return (e + 14) << 10
+
+
 @cute.jit
-def publish_p(cfg, wg, q: list, buf):
-    """Channel-wise V: a pass's ``P~ = fp16(P)`` elements of this thread (``q``) into the B operand, and each
-    warp's column sums of them (its 16 token rows of each tile of the pass) into slots ``cols..2 cols - 1`` of
-    ``sRed``'s buffer ``buf``, then the proxy fence the wgmma reads need; the caller's barrier publishes both
-    (:func:`p_column_sums`)."""
+def publish_p(cfg, wg, p: list, buf):
+    """Channel-wise V: a pass's ``P~`` (:func:`p_tilde` of this thread's elements ``p``) into the B operand, and
+    each warp's column sums of ``P``, as the MMA consumes it (``P~ / v_factors[h]``: its 16 token rows of each tile
+    of the pass), into slots ``cols..2 cols - 1`` of ``sRed``'s buffer ``buf``, then the proxy fence the wgmma reads
+    need; the caller's barrier publishes both (:func:`p_column_sums`)."""
     thr = wg.thr
+    q = p_tilde(cfg, p)
     store_p(cfg, wg.smem.sP[0], thr, q)
     slots = len(q) // 2
-    ps = [Float32(q[e]) + Float32(q[e2]) for e, e2 in map(slot_elements, range(slots))]
+    inv = [1.0 / f for f in cfg.v_factors]
+    ps = [unfactored(q[e], inv[row_half(e)]) + unfactored(q[e2], inv[row_half(e2)])
+          for e, e2 in map(slot_elements, range(slots))]
     for sh in cutlass.range_constexpr(3):
         for k in cutlass.range_constexpr(slots):
             ps[k] = ps[k] + cute.arch.shuffle_sync_bfly(ps[k], 4 << sh)
@@ -458,8 +483,13 @@ def publish_p(cfg, wg, q: list, buf):
     cute.arch.fence_view_async_shared()
 
 
+def unfactored(x: Float16, inv: float) -> Float32:
+    """A ``P~`` element in ``P``'s units (``inv``: its half's ``1 / v_factors[h]``, a power of two)."""
+    return Float32(x) * inv if inv != 1.0 else Float32(x)
+
+
 def p_column_sums(cfg, wg, buf, slots: int) -> list:
-    """The column sums of a pass's ``P~`` (the four warps' of :func:`publish_p`, after the barrier), by this
+    """The column sums of a pass's ``P`` as consumed (the four warps' of :func:`publish_p`, after the barrier), by this
     thread's column slot (two tiles a pass: quads 2 and 3 read the copies lanes 2 and 3 published of their
     heads)."""
     sRed = wg.smem.sRed
@@ -476,39 +506,56 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     """Channel-wise V: the pass's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`; two tiles a
     pass: both tiles' products, ``regs_b`` the second's words, in one partial), centred, scaled per channel
     (``regs.vpar``: the group's ``(s', z')`` of this thread's accumulator channels) and added to the accumulator,
-    rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P~) + mid sum P~`` (``psum``:
-    :func:`p_column_sums`)."""
+    rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P) + mid sum P`` (``psum``:
+    :func:`p_column_sums`; ``c`` the middle code's operand). V^T by placement: the partial in the products' units,
+    its scale ``s' v_unit``."""
     accO = out.acc
     tOrV = wg.frags.tOrV
     tOrP = wg.frags.tOrP[0]
     n_kb = cute.size(tOrV, mode=[2])
     accT = cute.make_rmem_tensor(accO.layout, Float32)
-    if cutlass.const_expr(wg.descs is None):  # the own wgmma's first step overwrites it instead
+    # the first MMA overwrites it (pv_mma's overwrite) but at 8 columns of the tiled MMA, where zeros moved in take
+    # fewer instructions (ptxas zeroes by the first MMA itself) than a second atom's descriptors
+    zeroing = wg.descs is not None or cfg.cols > HEADS
+    if cutlass.const_expr(not zeroing):
         accT.fill(0.0)
     tiles = [regs] if regs_b is None else [regs, regs_b]
     for i in cutlass.range_constexpr(len(tiles)):
         build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
-            pv_mma(cfg, wg, accT, tOrV, tOrP, kb, i * n_kb, overwrite=i == 0 and kb == 0)
+            pv_mma(cfg, wg, accT, tOrV, tOrP, kb, i * n_kb, overwrite=zeroing and i == 0 and kb == 0)
         warpgroup.commit_group()
         warpgroup.wait_group(0)  # V^T's registers are built again for the next tile
-    vpar = regs.vpar
+    by_channel = channel_terms(cfg, regs.vpar, cute.size(accO))
     for e in cutlass.range_constexpr(cute.size(accO)):
         k = o_slot(e, cfg.nb)
-        vs_e = vpar[2 * e]
         acc_e = accO[e]
         if cutlass.const_expr(al is not None):
             acc_e = acc_e * al[k]
-        # s' part + (z' + (mid - c) s') sum P~: three FMAs an element
-        accO[e] = accT[e] * vs_e + (psum[k] * (vpar[2 * e + 1] + (cfg.v_mid - cfg.v_pivots[0]) * vs_e) + acc_e)
+        part_scale, offset = by_channel[(o_block(e, cfg.nb), row_half(e))]
+        accO[e] = accT[e] * part_scale + (psum[k] * offset + acc_e)  # s' part + (z' + (mid - c) s') sum P
+
+
+def channel_terms(cfg, vpar: cute.Tensor, n: int) -> dict:
+    """Channel-wise V: each accumulator channel's ``(s' v_unit, z' + (mid - c) s')`` from ``vpar`` (the ``(s', z')``
+    of accumulator element ``e`` at ``2 e``, ``2 e + 1``; ``n`` elements), once per channel: by its m64 block and row
+    half (:func:`~foscar.cute.fragment.o_block`, :func:`~foscar.cute.fragment.row_half`), whatever the column."""
+    centre = cfg.v_mid - cfg.v_pivots[0] * cfg.v_factors[0]  # mid - c, in the values' units
+    terms = {}
+    for e in range(n):
+        key = (o_block(e, cfg.nb), row_half(e))
+        if key not in terms:
+            vs = vpar[2 * e]
+            terms[key] = (vs * cfg.v_unit if cfg.v_unit != 1.0 else vs, vpar[2 * e + 1] + centre * vs)
+    return terms
 
 
 @cute.jit
 def v_acc_fold(cfg, wg, out: OutputAccumulator, regs, p: list, al: tuple, buf):
-    """Channel-wise V with the eager rescale: ``P~ = fp16(P)`` is the B operand (:func:`publish_p`, one barrier),
-    then :func:`v_acc_fold_product` with the tile's rescale ``al``."""
-    publish_p(cfg, wg, [Float16(x) for x in p], buf)
+    """Channel-wise V with the eager rescale: ``P~`` is the B operand (:func:`publish_p`, one barrier), then
+    :func:`v_acc_fold_product` with the tile's rescale ``al``."""
+    publish_p(cfg, wg, p, buf)
     cute.arch.barrier(barrier_id=wg.thr.bar_id, number_of_threads=THREADS)
     v_acc_fold_product(cfg, wg, out, regs, p_column_sums(cfg, wg, buf, len(p) // 2), al)
 

@@ -108,7 +108,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
     rescale, channel-wise V: returns ``(softmax, out, psum)``, the column sums of the tile's ``P~`` for
     :func:`~foscar.cute.folds.v_acc_fold_product`. ``step``: the tile's index (the reduction buffer it takes).
 
-    Each thread forms ``P = exp2(d)`` and publishes ``P~ = fp16(P)`` with its warp's column sums
+    Each thread forms ``P = exp2(d)`` and publishes ``P~`` (:func:`~foscar.cute.folds.p_tilde`) with its warp's column sums
     (:func:`~foscar.cute.folds.publish_p`); one barrier publishes them and tells every thread whether any score
     passed its column's threshold. Almost always none did: no exchange of maxima, no rescale (``P <= 2^8``
     within FP16 ``P~`` and the FP32 sums). Else the warps exchange the tile's maxima
@@ -127,7 +127,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
     mt = cute.make_rmem_tensor(cute.make_layout(slots), Float32)
     ht = _threshold_tensor(cfg, slots)
     p = [cute.math.exp2(d[e], fastmath=True) for e in range(n_el)]
-    publish_p(cfg, wg, [Float16(x) for x in p], buf)
+    publish_p(cfg, wg, p, buf)
     _keep((pt, [], mt, ht, []), p, [], mu_old, softmax.thr, [])
     if _vote(cfg, thr, d, p, softmax.thr, []) != 0:  # the same in every thread of the warpgroup
         s = [d[e] + mu_old[s_slot(e)] for e in range(n_el)]
@@ -137,7 +137,7 @@ def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
         for k in cutlass.range_constexpr(slots):
             softmax.sums[k] = softmax.sums[k] * al[k]
         p2 = [cute.math.exp2(s[e] - mn_use[s_slot(e)], fastmath=True) for e in range(n_el)]
-        publish_p(cfg, wg, [Float16(x) for x in p2], buf)  # the column sums' slots: read by no one yet
+        publish_p(cfg, wg, p2, buf)  # the column sums' slots: read by no one yet
         cute.arch.barrier(barrier_id=thr.bar_id, number_of_threads=THREADS)
         _keep((pt, [], mt, ht, []), p2, [], mn_use, th, [])
     add_slot_sums(softmax.sums, [pt[e] for e in range(n_el)])

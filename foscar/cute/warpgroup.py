@@ -233,7 +233,7 @@ def allocate_registers(cfg: Sm90Config, frags: Fragments, prefetch: bool):
     if cfg.pivot_mma:  # the C fragment of V^T's extra m64 block (its row 0: the pivot sums)
         pivot = cute.make_rmem_tensor(frags.thr_pv.partition_shape_C((TILE, cfg.cols)), Float32)
         pivot.fill(0.0)
-    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.v_unit,
+    out = OutputAccumulator(acc, [Float32(sigma0) for _ in range(cfg.vc)], corr[:cfg.vc], cfg.nb, cfg.mh, cfg.acc_unit,
                             pivot, float(2 ** (cfg.v_row_shls[1] - cfg.v_row_shls[0])))
     regs = TileRegisters(kw, vw, par[0], vpar[0])
     regs_next = TileRegisters(words_next[0], words_next[1], par[1], vpar[1]) if prefetch else None
@@ -573,7 +573,7 @@ class TileKernel:
                 a = accO[e]
                 # V^T by placement: units of sigma * v_unit (channel-row class c's 2^v_row_shls[c] times those), the
                 # unit first (sigma * v_unit can pass FP32's range)
-                unit = cfg.v_unit * 2.0 ** -cfg.v_row_shls[row_half(e)]
+                unit = cfg.acc_unit * 2.0 ** -cfg.v_row_shls[row_half(e)]
                 if cutlass.const_expr(unit != 1.0):
                     a = a * unit
                 if cutlass.const_expr(cfg.vc == 2):

@@ -16,6 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import asm
@@ -107,7 +108,8 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
            overwrite: cutlass.Constexpr = False):
     """One k16 step of ``O^T += V^T P'^T`` (V^T's k-block ``kb``, P''s ``kb0 + kb``; ``kb0`` 0 or 4, tile A's or
     B's tokens): each m64 block by :func:`mma_rs` where the warpgroup holds the descriptors (``cfg.p_column_major``:
-    P' MN-major; ``overwrite``: ``O^T = V^T P'^T``, the accumulator's first step), else by its tiled MMA."""
+    P' MN-major), else by its tiled MMA (``overwrite``: ``O^T = V^T P'^T``, the accumulator's first step: either
+    way nothing is read from it)."""
     if cutlass.const_expr(wg.descs is not None):
         tOrV_u32 = wg.frags.tOrV_u32
         mn = cfg.p_column_major
@@ -121,4 +123,9 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
             for i in cutlass.range_constexpr(n):
                 c[i] = d[i]
     else:
-        cute.gemm(wg.pv_mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
+        mma = wg.pv_mma
+        if cutlass.const_expr(overwrite):  # the tiled MMA with ACCUMULATE off: no zeros moved in first
+            from .operands import mmas_and_layouts
+            mma = mmas_and_layouts(cfg)[1]
+            mma.set(warpgroup.Field.ACCUMULATE, False)
+        cute.gemm(mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
