@@ -413,7 +413,7 @@ producer-unrolled --shapes 1:32K,1:128K,8:32K,8:128K --bits 2 --axes channel:tok
 producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 fold-f16 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes channel:token channel:channel --variants shipped FOLD_F16_SPLIT=1
 v-channel-placement --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel channel:channel --variants shipped V_CHANNEL_PLACEMENT=1
-v-channel-placement-gqa --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped V_CHANNEL_PLACEMENT=1
+gqa32-v-channel-placement --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped V_CHANNEL_PLACEMENT=1
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped

@@ -50,14 +50,12 @@ QK_PROMOTE_BITS = (4,)
 #: :attr:`Sm90Config.v_factors`): injection's offset (``q + 2^(10 - shl)``) times the sum of P' lost bits in the PV
 #: chain's truncating FP32 sum, its error growing with a split's tiles (results doc). From bit 0 (``V_LOW_PLACEMENT``,
 #: :func:`foscar.cute.fragment.v_token_half_shls`: fewer rotations a word, the stress study's error as from bit 4);
-#: by channel-row class too (``V_ROW_SHIFTS``): off, the stress study's error rose (results doc)
-V_LOW_PLACEMENT, V_ROW_SHIFTS = True, False
+#: by channel-row class too (``V_ROW_SHIFTS``): off, the stress study's error rose (results doc). Channel-wise V^T
+#: placed too (``V_CHANNEL_PLACEMENT``: each half at its bits, ``P~`` times ``v_factors[h]``, partials by ``s' v_unit``)
+V_LOW_PLACEMENT, V_ROW_SHIFTS, V_CHANNEL_PLACEMENT = True, False, False
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
-#: Channel-wise V^T placed too, each token half at its own bits (:func:`foscar.cute.v_operands.v_operand_fields`:
-#: ``P~`` of half ``h`` times ``v_factors[h]``, each partial's ``s'`` times ``v_unit``), not injected at one bit
-V_CHANNEL_PLACEMENT = False
 #: v1 reads a stage's K and V words off one base (the stage flat), not via its 2-D layout: everywhere (``FLAT_WORDS``),
 #: else at ``FLAT_WORDS_COLS``' columns (H100: INT2 2.6-3.0% faster at 16, 32; at 8 +5% to -2.4% by shape: results doc)
 FLAT_WORDS, FLAT_WORDS_COLS = False, (16, 32)
@@ -116,11 +114,10 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",
             "P_COLUMN_MAJOR_COLS", "START_PREFETCH", "WINDOWED_STEPS", "WIDE_CONSUMERS", "WIDE_STEP_COLUMNS",
             "ONE_COPY_BITS", "ONE_COPY_CONSUMERS", "WIDE_EIGHT_COLUMNS", "STACKED_TERMS", "SHARED_Q_SCALE",
-            "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS",
-            "PIVOT_MMA_COLS", "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS",
-            "V_LOW_PLACEMENT", "V_ROW_SHIFTS", "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE",
-            "PAIR_P_SCALE_COLS", "PAIR_VOTE", "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS",
-            "FOLD_F16_SPLIT", "V_CHANNEL_PLACEMENT")
+            "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS", "PIVOT_MMA_COLS",
+            "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS",
+            "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE", "PAIR_P_SCALE_COLS", "PAIR_VOTE",
+            "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS", "FOLD_F16_SPLIT", "V_CHANNEL_PLACEMENT")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -175,14 +172,11 @@ def tile_words(bits: int, head_dim: int) -> int:
 class Sm90Config:
     """Static configuration of one compiled kernel (the compile-cache key).
 
-    The injection constants build each product's operands from the codes: BF16 bits
-    ``k_pattern | q << k_shl`` are ``q + beta_K``; V^T's FP16 bits ``v_patterns[h] | q << v_shls[h]`` are
-    ``q + beta_V[h]`` (injection), or ``q 2^(v_shls[h] - 24)`` with no pattern (placement, token-wise V:
-    :attr:`v_factors`, :attr:`v_unit`), for the codes of token half ``h`` of each k16 block
-    (:func:`foscar.cute.fragment.v_token_half`: two placements take fewer shifts than one,
-    :func:`foscar.cute.fragment.v_token_half_shls`; channel-wise V keeps one). ``*_pivot`` is the operand
-    of the middle code, and a group's middle value is ``z' + *_mid * s'``.
-    """
+    The injection constants build each product's operands from the codes: BF16 bits ``k_pattern | q << k_shl`` are
+    ``q + beta_K``; V^T's FP16 bits ``v_patterns[h] | q << v_shls[h]`` are ``q + beta_V`` (channel-wise V injected at
+    one bit) or ``q 2^(v_shls[h] - 24)`` with no pattern (placement: :attr:`v_factors`, :attr:`v_unit`) for the codes
+    of token half ``h`` of a k16 block (:func:`foscar.cute.fragment.v_token_half`, ``v_token_half_shls``: fewer shifts
+    than one bit). ``*_pivot`` is the operand of the middle code; a group's middle value is ``z' + *_mid * s'``."""
 
     bits: int  #: the codes' width (4 for the FP4 block formats)
     head_dim: int
@@ -280,10 +274,9 @@ class Sm90Config:
 
     @property
     def tile_run(self) -> int:
-        """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.ring.ring_tile`):
-        2 where channel-wise K's token group spans two tiles or more and each consumer folds its own ``Q'`` (one
-        fold for both tiles, where alternate tiles would fold every tile) or takes them as one pass (one ``Q'``,
-        whoever folds it), else 1."""
+        """v1: the consecutive tiles of a split each consumer takes in turn (:func:`foscar.cute.ring.ring_tile`): 2
+        where channel-wise K's token group spans two tiles or more and each consumer folds its own ``Q'`` (one fold for
+        both tiles, where alternate tiles would fold every tile) or takes them as one pass (one ``Q'``), else 1."""
         fold_pairs = self.k_channel and (not self.producer_fold or self.tiles_per_pass == 2)
         one_group = fold_pairs or (self.v_channel and self.tiles_per_pass == 2)  # channel-wise V: one acc-fold a pass
         return 2 if one_group and self.group_size >= 2 * TILE else 1
