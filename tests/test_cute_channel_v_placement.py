@@ -1,4 +1,4 @@
-"""Channel-wise V^T by placement (``foscar.cute.config.V_CHANNEL_PLACEMENT``): each token half's codes at their own
+"""Channel-wise V^T by placement (``foscar.cute.config.V_CHANNEL_PLACEMENT``, on): each token half's codes at their own
 bits of the FP16 operand (``q 2^(shl_h - 24)``, no offset), as token-wise V's are, where injection puts both halves
 at one bit (``q + beta``) and takes more rotations a word. The halves' difference rides on ``P~`` (half ``h``:
 ``fp16(P v_factors[h])``, a power of two), the column sums take ``P~ / v_factors[h]`` (``P`` as consumed) and each
@@ -20,7 +20,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER, cute_against_the_oracle, cute_step_against_the_oracle, make  # noqa: E402
+from _cases import HOPPER, cute_against_the_oracle, make  # noqa: E402
 from _helpers import V_MAGNITUDES, cute_switches, rel  # noqa: E402
 
 ON, OFF = {"V_CHANNEL_PLACEMENT": True}, {"V_CHANNEL_PLACEMENT": False}
@@ -125,10 +125,12 @@ def test_placed_channel_v_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("bits", (2, 4))
-def test_placed_channel_v_a_step_gpu(monkeypatch, bits):
+@pytest.mark.parametrize("bits,T", [(2, 8), (4, 4)])
+def test_placed_channel_v_a_step_gpu(monkeypatch, bits, T):
+    """A step over channel-wise V's recent ring (each token's window as it was at that token: ``rollback``)."""
+    from _cases import check_windowed_step
     with cute_switches(monkeypatch, **ON):
-        cute_step_against_the_oracle(bits, 4, 4, 64, {"v_axis": "channel"})
+        check_windowed_step(dict(bits=bits, group_size=128, v_axis="channel", rollback=8), 128, 4, T, "cute")
 
 
 @pytest.mark.gpu

@@ -51,8 +51,8 @@ QK_PROMOTE_BITS = (4,)
 #: chain's truncating FP32 sum, its error growing with a split's tiles (results doc). From bit 0 (``V_LOW_PLACEMENT``,
 #: :func:`foscar.cute.fragment.v_token_half_shls`: fewer rotations a word, the stress study's error as from bit 4);
 #: by channel-row class too (``V_ROW_SHIFTS``): off, the stress study's error rose (results doc). Channel-wise V^T
-#: placed too (``V_CHANNEL_PLACEMENT``: each half at its bits, ``P~`` times ``v_factors[h]``, partials by ``s' v_unit``)
-V_LOW_PLACEMENT, V_ROW_SHIFTS, V_CHANNEL_PLACEMENT = True, False, False
+#: placed too (``V_CHANNEL_PLACEMENT``, on: each half at its bits, ``P~`` by ``v_factors[h]``, partials ``s' v_unit``)
+V_LOW_PLACEMENT, V_ROW_SHIFTS, V_CHANNEL_PLACEMENT = True, False, True
 #: By placement every PV product in the units of this bit's codes, whatever bit the codes sit at: P' carries
 #: ``2^(V_PRODUCT_BIT - shl_h)`` (:func:`foscar.cute.v_operands.v_operand_fields`; a no-op from bit 4 up)
 V_PRODUCT_BIT = 4
