@@ -76,7 +76,7 @@ def main(backend: str) -> None:
     elif backend.startswith("cute_own"):  # INT2, E4M3 K, two tiles a pass: the own wgmma on every axis pair
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3", tiles_per_pass=2)
-    elif backend.startswith("cute_ws") or backend.endswith("vcha"):  # v1 (cute_ws2: two CTAs per SM)
+    elif backend.startswith("cute_ws") or (backend.endswith("vcha") and step == 1):  # v1 (cute_ws2: two CTAs an SM)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
     elif backend == "cute_digits":  # Q as four integer digits (E4M3 K, one tile a pass)
