@@ -350,7 +350,7 @@ PY
             # kernels' steps over windows too), token-wise V's P' in FP16 pairs (pair-p) and the lazy rescale's
             # vote on them (pair-vote), token-wise V^T from bit 0 (v-low), channel-wise K's E4M3 terms past 4 rows
             # (channel-k-rows); channel-wise K's Q' folded by the producer (producer-fold), its E4M3 terms split in
-            # FP16 pairs (fold-f16; the shipped fold: channel-k, channel-v); channel-wise V^T by placement
+            # FP32 (fold-f32; the shipped FP16 pairs: channel-k, channel-v); channel-wise V^T by placement
             # (channel-v-placement; the shipped channel-wise V: channel-v-shipped); every GPU test of the
             # tree (every-gpu-test). Each set's tests split over $JOBS
             # (default 6) pytest processes at once: their kernels compile in parallel
@@ -362,7 +362,7 @@ channel-k|python3 -m pytest|tests/test_cute_channel_e4m3.py
 channel-k-rows|python3 -m pytest|tests/test_cute_channel_e4m3.py -k 'against_the_oracle'
 producer-fold|python3 -m pytest|tests/test_cute_channel_e4m3.py tests/test_cute_pipeline.py tests/test_cute_channel_v_pair.py -k producer
 producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py -k 'producer and gpu'
-fold-f16|python3 benchmarks/run_with.py FOLD_F16_SPLIT=1 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
+fold-f32|python3 benchmarks/run_with.py FOLD_F16_SPLIT=0 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 channel-v-placement|python3 -m pytest|tests/test_cute_channel_v_placement.py
 channel-v-shipped|python3 -m pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py -k 'channel'
@@ -411,7 +411,7 @@ channel --shapes 8:32K,8:128K --axes token:token channel:token token:channel cha
 producer-fold-gqa4 --shapes 1:32K,1:128K,8:32K,8:128K --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
 producer-unrolled --shapes 1:32K,1:128K,8:32K,8:128K --bits 2 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1 "PRODUCER_Q_FOLD=1 FOLD_UNROLLED_BITS=2"
 producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token channel:channel --variants shipped PRODUCER_Q_FOLD=1
-fold-f16 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes channel:token channel:channel --variants shipped FOLD_F16_SPLIT=1
+fold-f16 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes channel:token channel:channel --variants FOLD_F16_SPLIT=0 shipped
 v-channel-placement --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel channel:channel --variants shipped V_CHANNEL_PLACEMENT=1
 gqa32-v-channel-placement --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped V_CHANNEL_PLACEMENT=1
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"

@@ -49,6 +49,10 @@ E4M3_MAX = 448.0
 PLACEMENT_MASK = {2: 0x03030303, 4: 0x0F0F0F0F}
 #: Tokens of the KV tile a Hopper kernel reads (the fragment maps are per tile).
 TILE_TOKENS = 64
+#: Channel-wise K's ``Q' 2^e`` rounded to FP16 before its split into terms (:func:`split_terms`' ``fp16_first``): how
+#: the CuTe kernels fold it (the split in FP16 pairs, :data:`foscar.cute.config.FOLD_F16_SPLIT`) and so how
+#: :func:`foscar.decode_folded` emulates it
+Q_PRIME_FP16_FIRST = True
 
 
 def _check(bits: int, tensor: str | None = None, head_dim: int | None = None) -> None:

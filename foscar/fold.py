@@ -44,7 +44,8 @@ the codes placed in a byte, ``y = q 2^-9`` (``beta = 0``), and the cache's store
 converted per group to that mapping, ``s_e = s' alpha/2^-9`` (``2^9 s'`` for ``bf16``) and the middle
 value ``z' + s' (beta + alpha (2^bits - 1)/2)`` (float64, one rounding to FP32). The other operand
 (``Q``, ``Q'``, ``P'``, ``P``) is split into ``operand_terms`` E4M3 terms with a power-of-two scale per
-slice: per query row for ``Q``; per query row and token group for ``Q'``; per query row (and channel
+slice: per query row for ``Q``; per query row and token group for ``Q'`` (rounded to FP16 first, as the CuTe
+kernels fold it: :data:`foscar.e4m3.Q_PRIME_FP16_FIRST`); per query row (and channel
 group) and KV tile for ``P'`` and ``P``. Each term's tile product is exact E4M3 products summed in FP32
 (:func:`foscar.e4m3.term_product`); the terms are added after the MMA. The offsets stay centred on
 the pivot ``c = 2^-9 (2^bits - 1)/2`` with the corrections from the consumed operand (the sum of its
@@ -166,15 +167,15 @@ class _FoldedSequence:
         hi = Qt.to(torch.bfloat16).to(self.dtype)
         return hi + (Qt - hi).to(torch.bfloat16).to(self.dtype)
 
-    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False, digits: bool = False
-                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``; ``in_place``: each term rounded
-        where it sits, :func:`foscar.e4m3.split_terms`; ``digits``: integer digits, :func:`foscar.e4m3.split_digits`)
+    def split_operand(self, x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False, digits: bool = False,
+                      fp16_first: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """E4M3 terms of the operand ``x`` (one scale per slice over ``dims``; ``in_place``, ``fp16_first``: as
+        :func:`foscar.e4m3.split_terms` takes them; ``digits``: integer digits, :func:`foscar.e4m3.split_digits`)
         and the consumed operand, their sum (exact in FP32)."""
         if digits:
             terms = e4m3.split_digits(x, self.terms, dims)
         else:
-            terms = e4m3.split_terms(x, self.terms, dims, in_place)
+            terms = e4m3.split_terms(x, self.terms, dims, in_place, fp16_first)
         return terms, sum(terms).to(self.dtype)
 
     def rnd_scaled(self, p: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ class _FoldedSequence:
         S = Qt.new_empty(H, G, tile.n)  # operand-fold into Q, per token group
         for gi, seg in self.group_segments(tile):
             if self.e4m3["k"]:  # Q' = Q s' split per query row of the group
-                terms, Qp = self.split_operand(Qt * sp[:, gi][:, None, :], (-1,))
+                terms, Qp = self.split_operand(Qt * sp[:, gi][:, None, :], (-1,), fp16_first=e4m3.Q_PRIME_FP16_FIRST)
                 prod = e4m3.term_product("hgd,hnd->hgn", terms, yk[:, seg], self.dtype)
             else:
                 Qp = self.rnd(Qt * sp[:, gi][:, None, :])  # Q' = Q s', the operand

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from ..e4m3 import Q_PRIME_FP16_FIRST
 from ..format import v_block_tokens
 from .combine_config import combine_attends_windows
 
@@ -107,8 +108,8 @@ WS_REGISTERS_WIDE = (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
 #: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
 WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
-#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`): off (H100: equal)
-FOLD_UNROLLED_BITS, FOLD_F16_SPLIT = (), False
+#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`), as the emulator does
+FOLD_UNROLLED_BITS, FOLD_F16_SPLIT = (), Q_PRIME_FP16_FIRST
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
             "PRODUCER_Q_FOLD", "LAZY_CHANNEL_V", "COMBINE_WINDOWS", "COMBINE_PDL_WINDOWS", "CHANNEL_K_E4M3",

@@ -172,7 +172,7 @@ def build_k_registers(cfg: Sm90Config, regs: cute.Tensor, kw: cute.Tensor):
 def build_vt_registers(cfg: Sm90Config, regs: cute.Tensor, vw: cute.Tensor):
     """V^T's A registers (``regs``: the Uint32 view of the O^T product's A fragment) from this thread's
     words of the tile (``vw[mh, vb]``, loaded at :func:`foscar.cute.fragment.v_word`): FP16 ``q + beta_V[h]``
-    (channel-wise V: injection) or ``q 2^(shl_h - 24)`` (token-wise V: placement, pattern 0) for the tokens of half
+    (injection) or ``q 2^(shl_h - 24)`` (placement, pattern 0: :mod:`foscar.cute.v_operands`) for the tokens of half
     ``h`` (:func:`foscar.cute.fragment.v_token_half`; by placement also by channel-row class, ``v_row_shls``); the
     registers of one word that take the same rotation share it."""
     values = vt_register_values(cfg, vw, cute.size(regs))
