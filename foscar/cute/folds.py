@@ -440,7 +440,8 @@ def p_tilde(cfg, p: list) -> list:
     """Channel-wise V's ``P~`` of this thread's elements ``p``: ``P v_factors[h]`` in FP16, ``h`` the element's token
     half (V^T by placement: each half's products in the units of the higher half's codes; by injection ``fp16(P)``).
     Column-major ``P`` (a token's two columns one FP16 pair, :func:`store_p`): ``fp16(P) v_factors[h]``, one
-    ``mul.rn.f16x2`` a pair, exact but where ``fp16(P)`` is subnormal; else ``fp16(P v_factors[h])``."""
+    ``mul.rn.f16x2`` a pair, exact but where ``fp16(P)`` is subnormal; else ``fp16(P v_factors[h])``. Either way
+    ``P~ / v_factors[h]`` is :func:`foscar.decode_folded`'s ``fp16(P)`` but below FP16's normal range."""
     f = cfg.v_factors
     if cutlass.const_expr(cfg.p_column_major and f != (1.0, 1.0)):
         return scaled_pairs(p, [Uint32(f16_bits(x) * 0x00010001) if x != 1.0 else None for x in f])

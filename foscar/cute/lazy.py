@@ -105,12 +105,12 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
 @cute.jit
 def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
     """The online softmax of a tile's scores ``d`` (less the maxima, as in :func:`lazy_softmax`) with a lazy
-    rescale, channel-wise V: returns ``(softmax, out, psum)``, the column sums of the tile's ``P~`` for
+    rescale, channel-wise V: returns ``(softmax, out, psum)``, the column sums of the tile's ``P`` as consumed for
     :func:`~foscar.cute.folds.v_acc_fold_product`. ``step``: the tile's index (the reduction buffer it takes).
 
-    Each thread forms ``P = exp2(d)`` and publishes ``P~`` (:func:`~foscar.cute.folds.p_tilde`) with its warp's column sums
-    (:func:`~foscar.cute.folds.publish_p`); one barrier publishes them and tells every thread whether any score
-    passed its column's threshold. Almost always none did: no exchange of maxima, no rescale (``P <= 2^8``
+    Each thread forms ``P = exp2(d)`` and publishes ``P~`` (:func:`~foscar.cute.folds.p_tilde`) with its warp's
+    column sums (:func:`~foscar.cute.folds.publish_p`); one barrier publishes them and tells every thread whether any
+    score passed its column's threshold. Almost always none did: no exchange of maxima, no rescale (``P <= 2^8``
     within FP16 ``P~`` and the FP32 sums). Else the warps exchange the tile's maxima
     (:func:`~foscar.cute.softmax.tile_maxima`, slots below ``cols``), the accumulator and the sums are rescaled,
     and ``P~`` and its sums are published again behind a second barrier. NaN scores and empty columns as in

@@ -1,7 +1,7 @@
-"""V^T's FP16 operands, per token half of a k16 block: token-wise V by placement (``q 2^(shl - 24)``, no offset),
-channel-wise V by one mantissa injection (``q + 2^(10 - shl)``) or, with :data:`~foscar.cute.config.V_CHANNEL_PLACEMENT`,
-by placement as token-wise V; by placement the bits may also differ by channel-row class (token-wise V). The ``v_*`` fields of :class:`~foscar.cute.config.Sm90Config` that the operands
-(:func:`foscar.cute.operands.build_vt_registers`) and the folds (:mod:`foscar.cute.folds`) read."""
+"""V^T's FP16 operands, per token half of a k16 block: by placement (``q 2^(shl - 24)``, no offset), channel-wise V
+too where :data:`~foscar.cute.config.V_CHANNEL_PLACEMENT` (else by one mantissa injection, ``q + 2^(10 - shl)``);
+token-wise V's bits may also differ by channel-row class. The ``v_*`` fields of :class:`~foscar.cute.config.Sm90Config`
+that the operands (:func:`foscar.cute.operands.build_vt_registers`) and the folds (:mod:`foscar.cute.folds`) read."""
 from __future__ import annotations
 
 import torch
