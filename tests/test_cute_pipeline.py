@@ -210,13 +210,14 @@ def test_int4_promotes_its_qk_steps_and_int2_does_not():
 @pytest.mark.parametrize("bits,group_size,k_operand,tiles,gqa", [(2, 128, "e4m3", 2, 4), (4, 64, "bf16", 1, 8),
                                                                  (4, 128, "e4m3", 2, 4)])
 def test_v_operands_compile_for_sm90a(bits, group_size, k_operand, tiles, gqa):
-    """Token-wise V^T by placement (no offset): no spills in the PTX (two tiles a pass, two channel groups of V);
-    channel-wise V keeps its injection."""
+    """V^T by placement (no offset): no spills in the PTX (two tiles a pass, two channel groups of V); channel-wise V
+    placed too (``V_CHANNEL_PLACEMENT``), its accumulator in the output's units."""
     from foscar.cute.compile import compile_stage1
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=group_size)
     cfg = config_for(fmt, gqa, 64, k_operand, tiles)
     assert cfg.v_patterns == (0, 0) and cfg.v_unit > 1
-    assert config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel"), 4, 64).v_unit == 1
+    channel = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel"), 4, 64)
+    assert channel.v_patterns == (0, 0) and channel.v_unit > 1 and channel.acc_unit == 1
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
