@@ -468,6 +468,13 @@ SWEEPS
       echo "memcheck $failed rc=$?"
       grep -E "^=+ +(Invalid|Error|at |by thread|Address|.*ERROR SUMMARY)" "$OUT/pf-memcheck.log" | head -30
     fi ;;
+  bars-own)  # after install-cute, no FlashInfer (one call, about two minutes): the bars foscar's own times decide, the
+             # paper grid's read shares at B 8 and 64, B 64 L 128K INT2 against INT4 and B 1 L 8K, and the axes
+             # grid's channel-wise combinations against token-wise
+    timeout 300 python3 -m foscar.bench.decode --grid paper --cuda-graph --kernels foscar_auto --out "$OUT/paper-own" \
+      > "$OUT/paper-own.log" 2>&1; echo "paper rc=$?"
+    timeout 200 python3 -m foscar.bench.decode --grid axes --cuda-graph --kernels foscar_auto --out "$OUT/axes-own" \
+      > "$OUT/axes-own.log" 2>&1; echo "axes rc=$?" ;;
   priority)  # after install-cute, one call: the GPU tests of the pending switches most likely to move the bars (the
              # masks in a branch, alone and with the stacked terms; the pivot sums by the MMA; channel-wise K's two
              # tiles a pass; three consumers at 8 columns). The cluster merge has its own step (cluster-merge)
