@@ -5,12 +5,11 @@
 
 The stress input (:func:`foscar.synthetic.stress_inputs`, B 1, Hq 32, Hkv 8, D 128, a BF16 query) quantized min-max,
 channel-wise K (g 128) with token- and channel-wise V, INT2 and INT4; ``decode_folded`` with E4M3 K operands in two
-terms and FP16 PV operands, once with :func:`foscar.e4m3.split_terms` as it is and once with its ``fp16_first`` (the
-emulator reads it through the module, so the run substitutes it there). Prints each output's relative L2 error
+terms and FP16 PV operands, once with ``Q'`` split from FP32 and once from FP16 (:data:`foscar.e4m3.Q_PRIME_FP16_FIRST`,
+which the emulator reads through the module at each call: the run sets it there). Prints each output's relative L2 error
 against exact attention over the dequantized cache, beside BF16 attention's on the same cache.
 """
 import argparse
-import functools
 from unittest import mock
 
 import torch
@@ -41,8 +40,7 @@ def main() -> None:
                     kd, vd = cache.dequantize(torch.float64)
                     errs = []
                     for fp16_first in (False, True):
-                        split = functools.partial(e4m3.split_terms, fp16_first=fp16_first)
-                        with mock.patch.object(e4m3, "split_terms", split):
+                        with mock.patch.object(e4m3, "Q_PRIME_FP16_FIRST", fp16_first):
                             out = decode_folded(q, cache, operand_dtype=torch.float8_e4m3fn, operand_terms=2,
                                                 pv_operand_dtype=torch.float16)
                         errs.append(rel_l2(out, oracle))
