@@ -50,15 +50,20 @@ def mmas_and_layouts(cfg: Sm90Config):
     return qk_mma, pv_mma, sQ_layout, sP_layout
 
 
-def zeroing_qk_mma(cfg: Sm90Config):
-    """Device side, in a consumer's traced region: the S^T product's tiled MMA with ``ACCUMULATE`` off, for an
-    accumulator's first MMA (:attr:`Sm90Config.qk_zeroing`, :attr:`Sm90Config.overlap`), which overwrites it where
-    zeros moved in would make ptxas wait for another product in flight; ``None`` where neither applies."""
-    if cutlass.const_expr(not (cfg.overlap or cfg.qk_zeroing)):
-        return None
-    mma = mmas_and_layouts(cfg)[0]
+def zeroing_mma(cfg: Sm90Config, product: int):
+    """Device side, in a consumer's traced region: tiled MMA ``product`` of :func:`mmas_and_layouts` (0: S^T, 1: O^T)
+    with ``ACCUMULATE`` off, for an accumulator's first MMA, which overwrites it (no zeros moved in first)."""
+    mma = mmas_and_layouts(cfg)[product]
     mma.set(warpgroup.Field.ACCUMULATE, False)
     return mma
+
+
+def zeroing_qk_mma(cfg: Sm90Config):
+    """:func:`zeroing_mma` of the S^T product where :attr:`Sm90Config.qk_zeroing` or :attr:`Sm90Config.overlap`
+    (zeros moved in would make ptxas wait for another product in flight); ``None`` where neither applies."""
+    if cutlass.const_expr(not (cfg.overlap or cfg.qk_zeroing)):
+        return None
+    return zeroing_mma(cfg, 0)
 
 
 def sqk_layout(cfg: Sm90Config, buffers: int):

@@ -16,7 +16,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import asm
@@ -124,8 +123,7 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
                 c[i] = d[i]
     else:
         mma = wg.pv_mma
-        if cutlass.const_expr(overwrite):  # the tiled MMA with ACCUMULATE off: no zeros moved in first
-            from .operands import mmas_and_layouts
-            mma = mmas_and_layouts(cfg)[1]
-            mma.set(warpgroup.Field.ACCUMULATE, False)
+        if cutlass.const_expr(overwrite):
+            from .operands import zeroing_mma
+            mma = zeroing_mma(cfg, 1)
         cute.gemm(mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
