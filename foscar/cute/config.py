@@ -103,8 +103,7 @@ FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`
 #: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
 #: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
 #: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
-WS_REGISTERS = {1: (40, 232), 2: (24, 104)}
-WS_REGISTERS_WIDE = (24, 160)
+WS_REGISTERS, WS_REGISTERS_WIDE = {1: (40, 232), 2: (24, 104)}, (24, 160)
 #: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
 #: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
 WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
@@ -451,8 +450,7 @@ def columns_for(rows: int) -> int:
 #: The K operands: BF16 by mantissa injection, E4M3 by placement with Q as two E4M3 terms, three (``e4m3x3``: to 2^-12
 #: of the row's largest value) or four integer digits (``e4m3d4``: to 2^-15, each k32 step exact in FP8; accuracy)
 K_OPERANDS = ("bf16", "e4m3", "e4m3x3", "e4m3d4")
-#: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`).
-TILES_PER_PASS = (1, 2)
+TILES_PER_PASS = (1, 2)  #: KV tiles per softmax pass a kernel takes (:attr:`Sm90Config.tiles_per_pass`)
 
 
 def max_rows(fmt) -> int:

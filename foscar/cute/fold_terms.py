@@ -28,7 +28,8 @@ def fold_q_terms(cfg, t, threads: int, sQ: cute.Tensor, sQk: cute.Tensor, sKf: c
     ``(s', z')`` pairs of ``params`` (the group's ``(s', z')`` row, channel ``d``'s at ``2 d``, ``2 d + 1``;
     :func:`~foscar.cute.fold_map.term_channels`); ``turn``: that turn's rows only (of :func:`fold_turns`; a caller's
     loop at run time keeps one turn's registers live). The split in FP16 pairs with ``cfg.fold_f16_split``
-    (:func:`split_f16_pairs`); the stores at offsets hoisted out of the pass loop (:func:`store_hoisted`). No synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
+    (:func:`split_f16_pairs`); the stores at offsets hoisted out of the pass loop (:func:`store_hoisted`). No
+    synchronisation: the caller fences the writes for the wgmma's proxy and publishes them."""
     D = cfg.head_dim
     lanes = D // TERM_CHANNELS  # builders of a row: consecutive lanes of one warp
     rows = threads // lanes  # rows built at once
@@ -111,8 +112,9 @@ def fold_exponent(top: Float32) -> Int32:
 
 def term_word_offset(head_dim: int, sQk: cute.Tensor, col, k):
     """The swizzled byte offset, within a buffer of ``sQk``, of contraction indices ``4 k .. 4 k + 3`` of column
-    ``col`` (one 32-bit word of a term, :func:`store_hoisted`): from the thread's indices alone. The swizzle is linear over XOR, so where two offsets' bits are disjoint (a row ``h < gp`` and the
-    row ``gp``, a power of two) the swizzled offset of their sum is the XOR of theirs."""
+    ``col`` (one 32-bit word of a term, :func:`store_hoisted`): from the thread's indices alone. The swizzle is
+    linear over XOR, so where two offsets' bits are disjoint (a row ``h < gp`` and the row ``gp``, a power of two)
+    the swizzled offset of their sum is the XOR of theirs."""
     return swizzled_term_offset(head_dim, cute.crd2idx((col, TERM_CHANNELS * k, 0), sQk.layout))
 
 
