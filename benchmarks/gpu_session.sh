@@ -351,7 +351,8 @@ PY
             # vote on them (pair-vote), token-wise V^T from bit 0 (v-low), channel-wise K's E4M3 terms past 4 rows
             # (channel-k-rows); channel-wise K's Q' folded by the producer (producer-fold), its E4M3 terms split in
             # FP32 (fold-f32; the shipped FP16 pairs: channel-k, channel-v); channel-wise V^T by placement
-            # (channel-v-placement; the shipped channel-wise V: channel-v-shipped); every GPU test of the
+            # (channel-v-placement; the shipped channel-wise V: channel-v-shipped), its column sums by the tensor
+            # core (column-sum-mma); every GPU test of the
             # tree (every-gpu-test). Each set's tests split over $JOBS
             # (default 6) pytest processes at once: their kernels compile in parallel
     while IFS='|' read -r name runner sel; do
@@ -365,6 +366,7 @@ producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|
 fold-f32|python3 benchmarks/run_with.py FOLD_F16_SPLIT=0 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 channel-v-placement|python3 -m pytest|tests/test_cute_channel_v_placement.py
+column-sum-mma|python3 -m pytest|tests/test_cute_column_sum_mma.py
 channel-v-shipped|python3 -m pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py -k 'channel'
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py
@@ -414,6 +416,9 @@ producer-fold-gqa8 --shapes 8:32K,8:128K --heads 32:4 --axes channel:token chann
 fold-f16 --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes channel:token channel:channel --variants FOLD_F16_SPLIT=0 shipped
 v-channel-placement --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel channel:channel --variants shipped V_CHANNEL_PLACEMENT=1
 gqa32-v-channel-placement --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped V_CHANNEL_PLACEMENT=1
+column-sum-mma --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel channel:channel --variants shipped COLUMN_SUM_MMA_COLS=8,16,32
+gqa32-column-sum-mma --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped COLUMN_SUM_MMA_COLS=8,16,32
+gqa16-column-sum-mma --shapes 8:32K,8:128K --heads 32:2 --axes token:channel --variants shipped COLUMN_SUM_MMA_COLS=8,16,32
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped

@@ -15,6 +15,7 @@ from foscar.cute.compile import compile_stage1  # noqa: E402
 
 OFF = {name: True for name in config.SWITCHES if getattr(config, name) is False}
 OFF["PIVOT_MMA_COLS"] = (16, 32)  # the column counts it may take
+OFF["COLUMN_SUM_MMA_COLS"] = (8, 16, 32)
 OFF["P_COLUMN_MAJOR_COLS"] = (8, 16, 32)  # 8 columns too
 OFF["OVERLAP_COLS"] = (16, 32)
 OFF["PAIR_P_SCALE_COLS"] = (8, 16, 32)  # P' scaled in FP16 pairs at 8 columns too
@@ -39,6 +40,7 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
         assert cfg.pair_vote == (cfg.pair_p_scale and cfg.lazy_rescale)
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
         assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
+        assert cfg.column_sum_mma == (fmt.v_axis == "channel")
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)
 
 

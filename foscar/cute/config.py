@@ -32,7 +32,7 @@ STAGES = 4  #: v1: shared-memory stages per consumer warpgroup (:attr:`Sm90Confi
 DEEP_STAGES, DEEP_STAGE_BYTES = 8, 4096  #: v1's stages where a tile's K and V codes take at most this many bytes
 STAGE_CHOICES = (4, 8, 16)  #: v1's stages a launch may ask for (a tuned entry's), where they fit (budget.py)
 #: How a v1 CTA begins (:attr:`Sm90Config.prologue`): ``q_first``, the producer stages Q, then issues its copies;
-#: ``consumer_q``, the first consumer stages Q while the producer copies (``docs/hopper-e4m3-plan.md``)
+#: ``consumer_q``, the first consumer stages Q while the producer copies
 PROLOGUES = ("q_first", "consumer_q")
 #: Each bit width's prologue, the faster (``consumer_q`` spills at INT4 at two CTAs an SM; a rotated cache, whose Q
 #: the ring's first stage stages, ``q_first``); at one CTA an SM and 8 columns (``prologue_at``): INT4 ``consumer_q``
@@ -85,10 +85,9 @@ OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), True
 TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
-#: The column counts whose token-wise V sums ``sum_t c_h P'`` by the tensor core (:attr:`Sm90Config.pivot_mma`,
-#: :mod:`foscar.cute.pivot`): none, no gain at 32 columns and slower at 16 (``docs/results-h200.md``)
-PIVOT_MMA_COLS = ()
-PRODUCER_Q_FOLD = False  #: channel-wise K's Q' by v1's producer (Sm90Config.producer_fold): off, a fold on 1 warp
+#: The column counts whose P' sums come from V^T's extra m64 block (:mod:`foscar.cute.pivot`): token-wise V's pivot sums
+#: (:attr:`Sm90Config.pivot_mma`: no gain at 32, slower at 16, results doc), channel-wise V's column sums of ``P``
+PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold, off
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
@@ -100,14 +99,12 @@ ONE_COPY_BITS, ONE_COPY_CONSUMERS = (4,), (3,)
 WIDE_EIGHT_COLUMNS = False  #: the same at 8 columns (token-wise K and V): off, slower than two CTAs an SM everywhere
 CLUSTER_MERGE = False  #: the split merge in stage 1 over one cluster (:attr:`Sm90Config.cluster`): correct, slower
 FUSED_MERGE = False  #: the split merge by stage 1's last CTA a KV head (:attr:`Sm90Config.fused_merge`): off, slower
-#: v1's register budgets by CTAs resident per SM: (producer, consumer) registers a thread after setmaxnreg. Two
-#: CTAs: launched at 80 a thread (65,536 / 768), the producer gives 56 back and each consumer takes 24 (128 x 56
-#: >= 256 x 24). Three consumers (one CTA, :data:`WS_REGISTERS_WIDE`): 128 x 24 + 384 x 160 <= 65,536.
+#: v1's (producer, consumer) registers a thread after setmaxnreg by CTAs an SM. Two: launched at 80 (65,536 / 768),
+#: 56 back, 24 more a consumer (128 x 56 >= 256 x 24); three consumers (:data:`WS_REGISTERS_WIDE`): 24 and 160.
 WS_REGISTERS, WS_REGISTERS_WIDE = {1: (40, 232), 2: (24, 104)}, (24, 160)
-#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`): at two CTAs 48 back, 32 kept; 32 back,
-#: 48 kept where it folds a pass's rows unrolled (E4M3 terms at :data:`FOLD_UNROLLED_BITS`: none)
+#: The same with ``Q'`` built by the producer (:attr:`Sm90Config.producer_fold`), its rows unrolled at
+#: :data:`FOLD_UNROLLED_BITS` (none); ``FOLD_F16_SPLIT``: channel-wise K's ``Q'`` split in FP16 pairs as the emulator
 WS_REGISTERS_FOLD, WS_REGISTERS_FOLD_UNROLLED = {1: (40, 232), 2: (32, 104)}, {1: (40, 232), 2: (48, 96)}
-#: Channel-wise K's E4M3 terms of ``Q'`` split in FP16 pairs (:attr:`Sm90Config.fold_f16_split`), as the emulator does
 FOLD_UNROLLED_BITS, FOLD_F16_SPLIT = (), Q_PRIME_FP16_FIRST
 #: The kernel switches above (a flag, a tuple of bit widths or a dict by bit width), set by ``benchmarks/run_with.py``
 SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PDL", "QK_PROMOTE_BITS",
@@ -117,7 +114,8 @@ SWITCHES = ("PROLOGUE_BY_BITS", "PROLOGUE_ONE_CTA", "LAZY_ONE_TILE", "COMBINE_PD
             "PAIR_CHANNEL_V", "MASK_BRANCH", "PAIR_MASK_BRANCH", "OWN_WGMMA_BITS", "OWN_WGMMA_STEPS", "PIVOT_MMA_COLS",
             "TWO_CTA_COLUMNS", "CLUSTER_MERGE", "OVERLAP_COLS", "QK_ZEROING_BITS", "V_LOW_PLACEMENT", "V_ROW_SHIFTS",
             "FLAT_WORDS", "FLAT_WORDS_COLS", "V_PRODUCT_BIT", "FUSED_MERGE", "PAIR_P_SCALE_COLS", "PAIR_VOTE",
-            "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS", "FOLD_F16_SPLIT", "V_CHANNEL_PLACEMENT")
+            "CHANNEL_K_E4M3_ROWS", "FOLD_UNROLLED_BITS", "FOLD_F16_SPLIT", "V_CHANNEL_PLACEMENT",
+            "COLUMN_SUM_MMA_COLS")
 
 
 def ws_registers(cfg, ctas_per_sm: int) -> tuple[int, int]:
@@ -259,6 +257,7 @@ class Sm90Config:
     mask_branch: bool = False  #: the scores' masks only in the tiles that reach a limit (:data:`MASK_BRANCH`)
     own_wgmma: bool = False  #: v1, two-tile passes and 32-column steps: :data:`OWN_WGMMA_BITS`, ``OWN_WGMMA_STEPS``
     pivot_mma: bool = False  #: token-wise V's pivot sums by the tensor core (:data:`PIVOT_MMA_COLS`)
+    column_sum_mma: bool = False  #: channel-wise V's column sums of P by the tensor core (:data:`COLUMN_SUM_MMA_COLS`)
     overlap: bool = False  #: v1: a consumer's tiles two a pass, B's QK over A's softmax (:data:`OVERLAP_COLS`)
     qk_zeroing: bool = False  #: v1, two tiles a pass: QK accumulators zeroed by their first MMA (QK_ZEROING_BITS)
     #: v1 at one CTA an SM: three consumer warpgroups (:func:`consumers_for`), tiles in turn: 16 or 32 columns one
@@ -588,7 +587,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
-                      pivot_mma=pivot_mma, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3
+                      pivot_mma=pivot_mma, column_sum_mma=cols in COLUMN_SUM_MMA_COLS and fmt.v_axis == "channel"
+                      and len(set(v_fields["v_factors"])) == 2, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3
                       and D == 128 and (cols == MAX_COLS or cols not in P_COLUMN_MAJOR_COLS)  # MN-major P': 32 only
                       and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS
                            and token_axes),

@@ -24,13 +24,13 @@ from cutlass import BFloat16, Float16, Float32, Int32, Uint16, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from ..format import P_UNITS_OFFSET_RATIO
-from .config import HEADS, THREADS
+from .config import HEADS, THREADS, TILE
 from .fragment import o_block, o_slot, row_half, s_slot, slot_column, slot_elements
 from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
 from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, sum_term_blocks
-from .pivot import pivot_corrections
+from .pivot import pivot_corrections, sum_mma
 from .ptx import f16_pair, mul_f16_pairs
 from .softmax import column_sums
 from .wgmma import pv_mma
@@ -457,13 +457,15 @@ def f16_bits(x: float) -> int:
 
 @cute.jit
 def publish_p(cfg, wg, p: list, buf):
-    """Channel-wise V: a pass's ``P~`` (:func:`p_tilde` of this thread's elements ``p``) into the B operand, and
-    each warp's column sums of ``P``, as the MMA consumes it (``P~ / v_factors[h]``: its 16 token rows of each tile
-    of the pass), into slots ``cols..2 cols - 1`` of ``sRed``'s buffer ``buf``, then the proxy fence the wgmma reads
-    need; the caller's barrier publishes both (:func:`p_column_sums`)."""
+    """Channel-wise V: a pass's ``P~`` (:func:`p_tilde` of this thread's elements ``p``) into the B operand, and (but
+    where V^T's extra m64 block sums them) each warp's column sums of ``P``, as the MMA consumes it (``P~ /
+    v_factors[h]``: its 16 token rows of each tile of the pass), into slots ``cols..2 cols - 1`` of ``sRed``'s buffer
+    ``buf``, then the proxy fence the wgmma reads need; the caller's barrier publishes both (:func:`p_column_sums`)."""
     thr = wg.thr
     q = p_tilde(cfg, p)
     store_p(cfg, wg.smem.sP[0], thr, q)
+    if cutlass.const_expr(cfg.column_sum_mma):  # the tensor core sums them (v_acc_fold_product)
+        return cute.arch.fence_view_async_shared()
     slots = len(q) // 2
     inv = [1.0 / f for f in cfg.v_factors]
     ps = [unfactored(q[e], inv[row_half(e)]) + unfactored(q[e2], inv[row_half(e2)])
@@ -492,7 +494,9 @@ def unfactored(x: Float16, inv: float) -> Float32:
 def p_column_sums(cfg, wg, buf, slots: int) -> list:
     """The column sums of a pass's ``P`` as consumed (the four warps' of :func:`publish_p`, after the barrier), by this
     thread's column slot (two tiles a pass: quads 2 and 3 read the copies lanes 2 and 3 published of their
-    heads)."""
+    heads); None where the tensor core sums them (:attr:`~foscar.cute.config.Sm90Config.column_sum_mma`)."""
+    if cutlass.const_expr(cfg.column_sum_mma):
+        return None
     sRed = wg.smem.sRed
     col0 = 2 * wg.thr.quad
     psum = [sRed[buf, 0, cfg.cols + slot_column(k, col0)] for k in range(slots)]
@@ -504,30 +508,37 @@ def p_column_sums(cfg, wg, buf, slots: int) -> list:
 
 @cute.jit
 def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=None, regs_b=None):
-    """Channel-wise V: the pass's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`; two tiles a
-    pass: both tiles' products, ``regs_b`` the second's words, in one partial), centred, scaled per channel
-    (``regs.vpar``: the group's ``(s', z')`` of this thread's accumulator channels) and added to the accumulator,
-    rescaled first by ``al`` (by column slot) where given: ``s' (part - c sum P) + mid sum P`` (``psum``:
-    :func:`p_column_sums`; ``c`` the middle code's operand). V^T by placement: the partial in the products' units,
-    its scale ``s' v_unit``."""
+    """Channel-wise V: the pass's partial ``V^T P~^T`` (``P~`` in shared memory, :func:`publish_p`; two tiles a pass:
+    both tiles' products, ``regs_b`` the second's words, in one partial), centred, scaled per channel (``regs.vpar``:
+    the group's ``(s', z')`` of this thread's accumulator channels) and added to the accumulator, rescaled first by
+    ``al`` (by column slot) where given: ``s' (part - c sum P) + mid sum P`` (``psum``: :func:`p_column_sums`, or None:
+    V^T's extra m64 block sums them beside the product, :mod:`foscar.cute.pivot`; ``c`` the middle code's operand). V^T
+    by placement: the partial in the products' units, its scale ``s' v_unit``."""
     accO = out.acc
     tOrV = wg.frags.tOrV
     tOrP = wg.frags.tOrP[0]
     n_kb = cute.size(tOrV, mode=[2])
     accT = cute.make_rmem_tensor(accO.layout, Float32)
-    # the first MMA overwrites it (pv_mma's overwrite) but at 8 columns of the tiled MMA, where zeros moved in take
+    # the first MMA overwrites them (pv_mma's overwrite) but at 8 columns of the tiled MMA, where zeros moved in take
     # fewer instructions (ptxas zeroes by the first MMA itself) than a second atom's descriptors
     zeroing = wg.descs is not None or cfg.cols > HEADS
+    sums = None if psum is not None else cute.make_rmem_tensor(wg.frags.thr_pv.partition_shape_C((TILE, cfg.cols)),
+                                                                Float32)
     if cutlass.const_expr(not zeroing):
-        accT.fill(0.0)
+        for t in [accT] if sums is None else [accT, sums]:
+            t.fill(0.0)
     tiles = [regs] if regs_b is None else [regs, regs_b]
     for i in cutlass.range_constexpr(len(tiles)):
         build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
             pv_mma(cfg, wg, accT, tOrV, tOrP, kb, i * n_kb, overwrite=zeroing and i == 0 and kb == 0)
+            if cutlass.const_expr(sums is not None):  # the column sums beside the product
+                sum_mma(cfg, wg, sums, kb, i * n_kb, overwrite=zeroing and i == 0 and kb == 0)
         warpgroup.commit_group()
         warpgroup.wait_group(0)  # V^T's registers are built again for the next tile
+    if cutlass.const_expr(sums is not None):  # each thread's row-0 elements: its columns' sums
+        psum = [sums[slot_elements(k)[0]] for k in range(2 * cfg.nb)]
     by_channel = channel_terms(cfg, regs.vpar, cute.size(accO))
     for e in cutlass.range_constexpr(cute.size(accO)):
         k = o_slot(e, cfg.nb)

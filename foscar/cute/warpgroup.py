@@ -44,7 +44,7 @@ from .operands import build_k_registers, build_vt_registers, sqk_buffer_units
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import EMPTY_PAIR, lazy_softmax, lazy_softmax_acc_fold
 from .limits import quantized_length
-from .pivot import pivot_a_operand
+from .pivot import sum_a_operand, sum_mma
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -123,7 +123,7 @@ class Fragments:
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
         self.tOrP = [self.thr_pv.make_fragment_B(self.thr_pv.partition_B(sP)) for sP in smem.sP]
-        self.pivot_a = pivot_a_operand(cfg, tidx) if cfg.pivot_mma else None  # V^T's extra m64 block
+        self.sum_a = sum_a_operand(cfg, tidx)  # V^T's extra m64 block's A (foscar.cute.pivot), or None
 
 
 class TileRegisters:
@@ -538,7 +538,7 @@ class TileKernel:
                 pv_mma(cfg, wg, accO, tOrV, tOrP, kb, kb0)
             if cutlass.const_expr(cfg.pivot_mma):  # the pivot sums: V^T's extra m64 block, c_h in its row 0
                 for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                    cute.gemm(wg.pv_mma, out.pivot, frags.pivot_a, tOrP[None, None, kb0 + kb], out.pivot)
+                    sum_mma(cfg, wg, out.pivot, kb, kb0)
         warpgroup.commit_group()
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)

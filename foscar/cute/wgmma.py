@@ -102,6 +102,12 @@ def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, 
         cute.gemm(mma, acc, tSrK[None, None, ka], q_frag, acc)
 
 
+def p_descriptor(cfg, wg, kb, kb0) -> Int64:
+    """The B descriptor of ``P'``'s k16 step ``kb0 + kb`` (``kb0`` 0 or 4: tile A's or B's tokens) from the
+    warpgroup's first (:func:`pass_descriptors`)."""
+    return wg.descs[1] + (P_STEP[cfg.p_column_major] * kb + (kb0 // 4) * TILE_B)
+
+
 @cute.jit
 def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb, kb0,
            overwrite: cutlass.Constexpr = False):
@@ -112,7 +118,7 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
     if cutlass.const_expr(wg.descs is not None):
         tOrV_u32 = wg.frags.tOrV_u32
         mn = cfg.p_column_major
-        desc = wg.descs[1] + (P_STEP[mn] * kb + (kb0 // 4) * TILE_B)
+        desc = p_descriptor(cfg, wg, kb, kb0)
         for mh in cutlass.range_constexpr(cute.size(tOrV, mode=[1])):
             a = tOrV_u32[None, mh, kb]
             c = accO[None, mh, None]
