@@ -366,7 +366,7 @@ producer-unrolled|python3 benchmarks/run_with.py FOLD_UNROLLED_BITS=2 -- pytest|
 fold-f32|python3 benchmarks/run_with.py FOLD_F16_SPLIT=0 -- pytest|tests/test_cute_channel_e4m3.py tests/test_cute_channel_v_pair.py
 channel-v|python3 -m pytest|tests/test_cute_channel_v_pair.py
 channel-v-placement|python3 -m pytest|tests/test_cute_channel_v_placement.py
-column-sum-mma|python3 -m pytest|tests/test_cute_column_sum_mma.py
+column-sum-mma|python3 -m pytest|tests/test_cute_column_sum_mma.py tests/test_cute_channel_v_placement.py -k 'column or warps'
 channel-v-shipped|python3 -m pytest|tests/test_cute_decode.py tests/test_cute_variants.py tests/test_cute_pipeline.py -k 'channel'
 stacked|python3 -m pytest|tests/test_cute_variants.py -k stacked_terms_against
 mask-branch|python3 -m pytest|tests/test_cute_mask_branch.py

@@ -88,17 +88,32 @@ def cute_against_the_oracle(fmt, lens, G: int, label: str, **launch) -> None:
     assert float((lse.double() - lse_exact).abs().max()) <= 1e-2
 
 
-def cute_magnitude_case(magnitude, **launch) -> None:
-    """A magnitude case (:func:`_helpers.magnitude_cache`, INT2, D 64) decoded by the CuTe kernel with ``launch``
-    into a NaN-poisoned output: finite, within the kernels' bound of the float64 oracle."""
+def cute_magnitude_case(magnitude, v_axis: str = "token", **launch) -> None:
+    """A magnitude case (:func:`_helpers.magnitude_cache`, INT2, D 64, V's groups along ``v_axis``) decoded by the
+    CuTe kernel with ``launch`` into a NaN-poisoned output: finite, within the kernels' bound of the float64 oracle."""
     from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64)
+    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis=v_axis)
     q, cache = magnitude_cache(fmt, magnitude, "cuda")
     out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
     decode(q, cache, out=out, **launch)
     exact = foscar.decode_exact(q, cache)
     assert torch.isfinite(out).all()
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+
+
+#: Channel-wise V's oracle cases for a switch of its kernels: (format keywords over D 128, g 128; GQA; lengths; launch)
+CHANNEL_V_GPU_CASES = [
+    ({}, 4, [8192, 700, 1], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2, "num_splits": 16}),
+    ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2}),
+    ({"k_axis": "channel"}, 4, [3000, 77], {"warp_specialized": True, "tiles_per_pass": 1}),
+    ({"group_size": 64}, 4, [3000, 5], {"warp_specialized": True, "tiles_per_pass": 1, "num_splits": 3}),
+    ({"sink": 4, "recent": 100}, 4, [3000, 5], {"warp_specialized": True, "num_splits": 3}),
+    ({}, 8, [2000, 33], {"warp_specialized": True}),
+    ({}, 16, [2000, 33], {"warp_specialized": True, "k_operand": "e4m3"}),
+    ({}, 32, [4100, 77], {"warp_specialized": True, "k_operand": "e4m3", "ctas_per_sm": 1}),
+    ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
+    ({"head_dim": 256}, 2, [3000, 9], {"warp_specialized": True, "ctas_per_sm": 1}),
+    ({}, 8, [2000, 33], {"warp_specialized": False})]
 
 
 def make_step(fmt, lens, T, Hkv=2, G=4, seed=0):

@@ -20,10 +20,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER, cute_against_the_oracle, make  # noqa: E402
+from _cases import (CHANNEL_V_GPU_CASES, HOPPER, cute_against_the_oracle, cute_magnitude_case,  # noqa: E402
+                    make)
 from _helpers import V_MAGNITUDES, cute_switches, rel  # noqa: E402
 
 ON, OFF = {"V_CHANNEL_PLACEMENT": True}, {"V_CHANNEL_PLACEMENT": False}
+#: the GPU cases with the column sums by the tensor core too (tests/test_cute_column_sum_mma.py)
+SHIPPED_AND_SUMS = pytest.mark.parametrize("switches", (ON, {**ON, "COLUMN_SUM_MMA_COLS": (8, 16, 32)}),
+                                           ids=("placed", "column-sums"))
 
 
 def _config(monkeypatch, switches: dict, fmt, gqa: int = 4):
@@ -100,36 +104,25 @@ def test_fewer_instructions_a_tile(monkeypatch):
     assert counts[1][0] <= counts[0][0] - 8 and counts[1][1] <= counts[0][1]
 
 
-GPU_CASES = [
-    ({}, 4, [8192, 700, 1], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2, "num_splits": 16}),
-    ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2}),
-    ({"k_axis": "channel"}, 4, [3000, 77], {"warp_specialized": True, "tiles_per_pass": 1}),
-    ({"group_size": 64}, 4, [3000, 5], {"warp_specialized": True, "tiles_per_pass": 1, "num_splits": 3}),
-    ({"sink": 4, "recent": 100}, 4, [3000, 5], {"warp_specialized": True, "num_splits": 3}),
-    ({}, 8, [2000, 33], {"warp_specialized": True}),
-    ({}, 32, [4100, 77], {"warp_specialized": True, "k_operand": "e4m3", "ctas_per_sm": 1}),
-    ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
-    ({"head_dim": 256}, 2, [3000, 9], {"warp_specialized": True, "ctas_per_sm": 1}),
-    ({}, 8, [2000, 33], {"warp_specialized": False})]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("fmt_kw,G,lens,launch", GPU_CASES)
-def test_placed_channel_v_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch):
+@pytest.mark.parametrize("fmt_kw,G,lens,launch", CHANNEL_V_GPU_CASES)
+@SHIPPED_AND_SUMS
+def test_placed_channel_v_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch, switches):
     fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, "v_axis": "channel", **fmt_kw})
-    with cute_switches(monkeypatch, **ON):
+    with cute_switches(monkeypatch, **switches):
         cute_against_the_oracle(fmt, lens, G, "channel-wise V^T by placement: error", **launch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits,T", [(2, 8), (4, 4)])
-def test_placed_channel_v_a_step_gpu(monkeypatch, bits, T):
+@SHIPPED_AND_SUMS
+def test_placed_channel_v_a_step_gpu(monkeypatch, bits, T, switches):
     """A step over channel-wise V's recent ring (each token's window as it was at that token: ``rollback``)."""
     from _cases import check_windowed_step
-    with cute_switches(monkeypatch, **ON):
+    with cute_switches(monkeypatch, **switches):
         check_windowed_step(dict(bits=bits, group_size=128, v_axis="channel", rollback=8), 128, 4, T, "cute")
 
 
@@ -137,19 +130,11 @@ def test_placed_channel_v_a_step_gpu(monkeypatch, bits, T):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
 @pytest.mark.parametrize("magnitude", V_MAGNITUDES)
-def test_placed_channel_v_magnitudes_gpu(monkeypatch, magnitude, ws):
+@SHIPPED_AND_SUMS
+def test_placed_channel_v_magnitudes_gpu(monkeypatch, magnitude, ws, switches):
     """V of any magnitude the library takes, constant groups before tiny ones: finite, within the kernels' bound."""
-    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache
-
-    from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis="channel")
-    q, cache = magnitude_cache(fmt, magnitude, "cuda")
-    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
-    with cute_switches(monkeypatch, **ON):
-        decode(q, cache, out=out, warp_specialized=ws)
-    exact = foscar.decode_exact(q, cache)
-    assert torch.isfinite(out).all()
-    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
+    with cute_switches(monkeypatch, **switches):
+        cute_magnitude_case(magnitude, "channel", warp_specialized=ws)
 
 
 @pytest.mark.gpu

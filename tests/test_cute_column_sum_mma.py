@@ -5,9 +5,9 @@ its columns' sums of ``P`` as consumed, where each warp's sums were gathered by 
 
 CPU: where the config takes it; the block's A values laid out as the wgmma's register fragment (PTX's ``m64nNk16``
 A layout, independently of the kernel's indexing) sum ``P~`` to ``sum P`` in every row, exactly; fewer instructions a
-tile; the kernels compile. GPU (sm_90): against the float64 oracle (one and two tiles a pass, both K axes and
-operands, channel groups of 64, windows, GQA 8, 16 and 32, a step, head dims 64 and 256, v0), V's magnitude cases, and
-within float32 rounding of the warps' sums on the same cache."""
+tile; the kernels compile. GPU (sm_90): within float32 rounding of the warps' sums on the same cache; the oracle
+cases, a step and V's magnitude cases are channel-wise V's (``tests/test_cute_channel_v_placement.py``, ``-k
+column-sums``)."""
 import os
 import sys
 from pathlib import Path
@@ -19,8 +19,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER, cute_against_the_oracle, make  # noqa: E402
-from _helpers import V_MAGNITUDES, cute_switches, rel  # noqa: E402
+from _cases import HOPPER, make  # noqa: E402
+from _helpers import cute_switches, rel  # noqa: E402
 
 ON = {"COLUMN_SUM_MMA_COLS": (8, 16, 32)}
 
@@ -109,59 +109,6 @@ def test_the_kernels_compile(monkeypatch, args):
         cfg = config_for(fmt, a["gqa"], 64, a["k_operand"], a["tiles_per_pass"], a["step"])
         assert cfg.column_sum_mma
         assert compile_stage1(cfg, warp_specialized=True, ctas_per_sm=1) is not None
-
-
-GPU_CASES = [
-    ({}, 4, [8192, 700, 1], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2, "num_splits": 16}),
-    ({"k_axis": "channel"}, 4, [4100, 260], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2}),
-    ({"k_axis": "channel"}, 4, [3000, 77], {"warp_specialized": True, "tiles_per_pass": 1}),
-    ({"group_size": 64}, 4, [3000, 5], {"warp_specialized": True, "tiles_per_pass": 1, "num_splits": 3}),
-    ({"sink": 4, "recent": 100}, 4, [3000, 5], {"warp_specialized": True, "num_splits": 3}),
-    ({}, 8, [2000, 33], {"warp_specialized": True}),
-    ({}, 16, [2000, 33], {"warp_specialized": True, "k_operand": "e4m3"}),
-    ({}, 32, [4100, 77], {"warp_specialized": True, "k_operand": "e4m3", "ctas_per_sm": 1}),
-    ({"head_dim": 64, "group_size": 64}, 2, [1000, 64], {"warp_specialized": True}),
-    ({"head_dim": 256}, 2, [3000, 9], {"warp_specialized": True, "ctas_per_sm": 1}),
-    ({}, 8, [2000, 33], {"warp_specialized": False})]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("bits", (2, 4))
-@pytest.mark.parametrize("fmt_kw,G,lens,launch", GPU_CASES)
-def test_column_sums_by_mma_against_the_oracle_gpu(monkeypatch, bits, fmt_kw, G, lens, launch):
-    fmt = foscar.KVFormat(bits=bits, **{"head_dim": 128, "group_size": 128, "v_axis": "channel", **fmt_kw})
-    with cute_switches(monkeypatch, **ON):
-        cute_against_the_oracle(fmt, lens, G, "channel-wise V's column sums by the tensor core: error", **launch)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("bits,T", [(2, 8), (4, 4)])
-def test_column_sums_by_mma_a_step_gpu(monkeypatch, bits, T):
-    """A step over channel-wise V's recent ring (each token's window as it was at that token: ``rollback``)."""
-    from _cases import check_windowed_step
-    with cute_switches(monkeypatch, **ON):
-        check_windowed_step(dict(bits=bits, group_size=128, v_axis="channel", rollback=8), 128, 4, T, "cute")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("ws", (False, True), ids=("v0", "v1"))
-@pytest.mark.parametrize("magnitude", V_MAGNITUDES)
-def test_column_sums_by_mma_magnitudes_gpu(monkeypatch, magnitude, ws):
-    """V of any magnitude the library takes, constant groups before tiny ones: finite, within the kernels' bound."""
-    from _helpers import bf16_attention, kernel_error_bound, magnitude_cache
-
-    from foscar.cute.launch import decode
-    fmt = foscar.KVFormat(bits=2, head_dim=64, group_size=64, v_axis="channel")
-    q, cache = magnitude_cache(fmt, magnitude, "cuda")
-    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
-    with cute_switches(monkeypatch, **ON):
-        decode(q, cache, out=out, warp_specialized=ws)
-    exact = foscar.decode_exact(q, cache)
-    assert torch.isfinite(out).all()
-    assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
 
 
 @pytest.mark.gpu

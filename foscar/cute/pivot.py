@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Uint32
 
 from .fragment import slot_elements
-from .wgmma import mma_rs, p_descriptor
+from .wgmma import mma_rs, p_descriptor, tiled_pv_mma
 
 
 def pivot_corrections(out):
@@ -105,8 +105,4 @@ def sum_mma(cfg, wg, acc: cute.Tensor, kb, kb0, overwrite: cutlass.Constexpr = F
         for i in cutlass.range_constexpr(n):
             acc[i] = d[i]
     else:
-        mma = wg.pv_mma
-        if cutlass.const_expr(overwrite):
-            from .operands import zeroing_mma
-            mma = zeroing_mma(cfg, 1)
-        cute.gemm(mma, acc, a, wg.frags.tOrP[0][None, None, kb0 + kb], acc)
+        tiled_pv_mma(cfg, wg, acc, a, wg.frags.tOrP[0][None, None, kb0 + kb], overwrite)

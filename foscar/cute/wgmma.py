@@ -128,8 +128,14 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
             for i in cutlass.range_constexpr(n):
                 c[i] = d[i]
     else:
-        mma = wg.pv_mma
-        if cutlass.const_expr(overwrite):
-            from .operands import zeroing_mma
-            mma = zeroing_mma(cfg, 1)
-        cute.gemm(mma, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], accO)
+        tiled_pv_mma(cfg, wg, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], overwrite)
+
+
+@cute.jit
+def tiled_pv_mma(cfg, wg, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, overwrite: cutlass.Constexpr = False):
+    """``acc (+)= a b`` by the O^T product's tiled MMA (``overwrite``: its zeroing one, the accumulator's first step)."""
+    mma = wg.pv_mma
+    if cutlass.const_expr(overwrite):
+        from .operands import zeroing_mma
+        mma = zeroing_mma(cfg, 1)
+    cute.gemm(mma, acc, a, b, acc)
