@@ -14,10 +14,11 @@ rescale with the acc-fold), token-wise or channel-wise K (runs of two tiles a co
 ``cute_mxfp4`` (v1 over an FP4 block format, one tile a pass) and ``cute_nvfp4_pair``, ``cute_mxfp4_pair`` (two);
 ``cute_fused`` (v1 as ``cute_pair``, no windows, its last CTA of each KV head merging the splits:
 ``foscar.cute.config.FUSED_MERGE``); ``cute_own``, ``cute_own_kcha``, ``cute_own_vcha``, ``cute_own_kvcha``: v1 at
-INT2, E4M3 K, two tiles a pass (their own wgmma) on each axis pair; ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32 query rows a KV head (GQA 16
-and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row); ``cute_step8``, ``cute_step8_int2``:
-a step of 8 tokens at GQA 4 through ``foscar.decode`` (32 columns: three consumers, INT4 on one copy of their code,
-INT2 on one each); ``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
+INT2, E4M3 K, two tiles a pass (their own wgmma) on each axis pair; ``cute_rows16``, ``cute_rows32``: v1 at 16 and 32
+query rows a KV head (GQA 16 and 32, one CTA an SM, E4M3 K: Q's stacked terms with one scale for every row;
+``cute_rows32_vcha``: channel-wise V); ``cute_step8``, ``cute_step8_int2``: a step of 8 tokens at GQA 4 through
+``foscar.decode`` (32 columns: three consumers, INT4 on one copy of their code, INT2 on one each);
+``triton_step_ring``: the Triton kernel's step of 4 tokens over a channel-wise K ring at head dim 128 (B 2, L 1K,
 Hq 32, Hkv 8, random codes: ``benchmarks/bench_steps.py``'s check, where the H200 stopped on an illegal address).
 
 (``--report-api-errors no`` hides the host API errors cuda-python's driver binding raises on import.)
@@ -64,7 +65,8 @@ def main(backend: str) -> None:
         fmt = foscar.KVFormat.fp4(fp4, 128, **windows)
     gen = torch.Generator().manual_seed(0)
     lens = [1000, 77, step]
-    B, Hkv, G, D = len(lens), 2, int(backend[len("cute_rows"):]) if backend.startswith("cute_rows") else 4, 128
+    rows = backend.startswith("cute_rows")  # cute_rows16, cute_rows32 (_vcha: channel-wise V)
+    B, Hkv, G, D = len(lens), 2, int(backend[len("cute_rows"):].split("_")[0]) if rows else 4, 128
     k, v = (torch.randn(B, Hkv, max(lens), D, generator=gen).cuda() for _ in range(2))
     cache = foscar.quantize_kv(k, v, fmt, seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(), page_size=64)
     shape = (B, step, Hkv * G, D) if step > 1 else (B, Hkv * G, D)  # a step's query, else one token's
@@ -76,14 +78,14 @@ def main(backend: str) -> None:
     elif backend.startswith("cute_own"):  # INT2, E4M3 K, two tiles a pass: the own wgmma on every axis pair
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3", tiles_per_pass=2)
-    elif backend.startswith("cute_ws") or (backend.endswith("vcha") and step == 1):  # v1 (cute_ws2: two CTAs an SM)
+    elif backend.startswith("cute_ws") or (backend.endswith("vcha") and step == 1 and not rows):  # v1 (ws2: 2 CTAs)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2 if backend == "cute_ws2" else 1)
     elif backend == "cute_digits":  # Q as four integer digits (E4M3 K, one tile a pass)
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=2, k_operand="e4m3d4",
                      tiles_per_pass=1)
-    elif backend.startswith("cute_rows"):  # 16 or 32 columns
+    elif rows:  # 16 or 32 columns
         from foscar.cute.launch import decode
         out = decode(q, cache, num_splits=5, warp_specialized=True, ctas_per_sm=1, k_operand="e4m3", tiles_per_pass=1)
     elif backend in ("cute_pair", "cute_pair1", "cute_lazy1", "cute_fused"):

@@ -1,5 +1,5 @@
-"""Channel-wise V's column sums of ``P`` by the tensor core (``foscar.cute.config.COLUMN_SUM_MMA_COLS``,
-``Sm90Config.column_sum_mma``, :mod:`foscar.cute.pivot`): V^T's extra m64 block, every row ``1 / v_factors[h]`` (rows
+"""Channel-wise V's column sums of ``P`` by the tensor core (``foscar.cute.config.COLUMN_SUM_MMA_COLS``: 8 and 32
+columns, ``Sm90Config.column_sum_mma``, :mod:`foscar.cute.pivot`): V^T's extra m64 block, every row ``1 / v_factors[h]`` (rows
 + 8 half of it), multiplies the pass's ``P~`` beside the PV product, so each thread's C elements of row ``row0`` are
 its columns' sums of ``P`` as consumed, where each warp's sums were gathered by shuffles and through shared memory.
 
@@ -22,7 +22,7 @@ import foscar  # noqa: E402
 from _cases import HOPPER, make  # noqa: E402
 from _helpers import cute_switches, rel  # noqa: E402
 
-ON = {"COLUMN_SUM_MMA_COLS": (8, 16, 32)}
+ON, WARPS = {"COLUMN_SUM_MMA_COLS": (8, 16, 32)}, {"COLUMN_SUM_MMA_COLS": ()}  # every column count; the warps' sums
 
 
 def _config(monkeypatch, switches: dict, fmt, gqa: int = 4, tiles: int = 2, k_operand: str = "e4m3"):
@@ -35,10 +35,10 @@ def _config(monkeypatch, switches: dict, fmt, gqa: int = 4, tiles: int = 2, k_op
 def test_the_config_takes_it_for_channel_wise_v_placed(monkeypatch, bits):
     channel = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel")
     token = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
-    assert not _config(monkeypatch, {}, channel).column_sum_mma  # off as shipped
-    assert _config(monkeypatch, ON, channel).column_sum_mma
-    assert _config(monkeypatch, ON, channel, 8, 1).column_sum_mma  # 16 columns
-    assert not _config(monkeypatch, {"COLUMN_SUM_MMA_COLS": (16,)}, channel).column_sum_mma  # 8 columns
+    assert _config(monkeypatch, {}, channel).column_sum_mma  # 8 columns, as shipped
+    assert not _config(monkeypatch, {}, channel, 16, 1).column_sum_mma  # 16 columns: not shipped (two CTAs spill)
+    assert _config(monkeypatch, ON, channel, 16, 1).column_sum_mma
+    assert not _config(monkeypatch, WARPS, channel).column_sum_mma
     assert not _config(monkeypatch, ON, token).column_sum_mma
     # injected V^T: both halves' factors 1, whose four A registers could not differ
     assert not _config(monkeypatch, {**ON, "V_CHANNEL_PLACEMENT": False}, channel).column_sum_mma
@@ -92,7 +92,7 @@ def test_fewer_instructions_a_tile(monkeypatch, args, fewer):
     """INT2, channel-wise V (``benchmarks/sass_stats_cute.py``'s count of a full tile): fewer instructions, no more
     local memory."""
     args = ["--bits", "2", "--v-axis", "channel", *args]
-    (n0, l0), (n1, l1) = (_full_tile(monkeypatch, s, args) for s in ({}, ON))
+    (n0, l0), (n1, l1) = (_full_tile(monkeypatch, s, args) for s in (WARPS, ON))
     print(f"\n{' '.join(args)}: warps' sums {n0:g} -> the tensor core's {n1:g} instructions a full tile")
     assert n1 <= n0 - fewer and l1 <= l0
 
@@ -127,7 +127,7 @@ def test_column_sums_by_mma_as_the_warps_sums_gpu(monkeypatch, bits, k_axis, gqa
     q, cache = make(fmt, [6000, 300, 1], Hkv=2, G=gqa, page=64, seed=13)
     exact = foscar.decode_exact(q, cache)
     outs = []
-    for switches in ({}, ON):
+    for switches in (WARPS, ON):
         out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)
         with cute_switches(monkeypatch, **switches):
             decode(q, cache, out=out, warp_specialized=True, k_operand="e4m3", tiles_per_pass=tiles)

@@ -85,9 +85,9 @@ OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), True
 TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
-#: The column counts whose P' sums come from V^T's extra m64 block (:mod:`foscar.cute.pivot`): token-wise V's pivot sums
-#: (:attr:`Sm90Config.pivot_mma`: no gain at 32, slower at 16, results doc), channel-wise V's column sums of ``P``
-PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold, off
+#: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (no gain
+#: at 32, slower at 16), channel-wise V's column sums (H100: GQA 32 13-17% faster, 8 equal, 16 slower: two CTAs spill)
+PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (8, 32), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
 CHANNEL_K_E4M3, CHANNEL_K_E4M3_ROWS = True, 4
