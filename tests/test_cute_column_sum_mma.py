@@ -1,7 +1,8 @@
-"""Channel-wise V's column sums of ``P`` by the tensor core (``foscar.cute.config.COLUMN_SUM_MMA_COLS``: 8 and 32
-columns, ``Sm90Config.column_sum_mma``, :mod:`foscar.cute.pivot`): V^T's extra m64 block, every row ``1 / v_factors[h]`` (rows
-+ 8 half of it), multiplies the pass's ``P~`` beside the PV product, so each thread's C elements of row ``row0`` are
-its columns' sums of ``P`` as consumed, where each warp's sums were gathered by shuffles and through shared memory.
+"""Channel-wise V's column sums of ``P`` by the tensor core (``foscar.cute.config.COLUMN_SUM_MMA_COLS``: 8, 32
+columns but on three consumers; ``Sm90Config.column_sum_mma``, :mod:`foscar.cute.pivot`): V^T's extra m64 block,
+every row ``1 / v_factors[h]`` (rows + 8 half of it), multiplies the pass's ``P~`` beside the PV product, so each
+thread's C elements of row ``row0`` are its columns' sums of ``P`` as consumed, where each warp's sums were gathered by
+shuffles and through shared memory.
 
 CPU: where the config takes it; the block's A values laid out as the wgmma's register fragment (PTX's ``m64nNk16``
 A layout, independently of the kernel's indexing) sum ``P~`` to ``sum P`` in every row, exactly; fewer instructions a
@@ -39,6 +40,10 @@ def test_the_config_takes_it_for_channel_wise_v_placed(monkeypatch, bits):
     assert not _config(monkeypatch, {}, channel, 16, 1).column_sum_mma  # 16 columns: not shipped (two CTAs spill)
     assert _config(monkeypatch, ON, channel, 16, 1).column_sum_mma
     assert not _config(monkeypatch, WARPS, channel).column_sum_mma
+    with cute_switches(monkeypatch, **ON):  # a step of 8 on three consumers: their 160 registers spill more with it
+        from foscar.cute.config import config_for
+        step = config_for(channel, 4, 64, "e4m3", 1, 8)
+        assert step.wide and not step.column_sum_mma
     assert not _config(monkeypatch, ON, token).column_sum_mma
     # injected V^T: both halves' factors 1, whose four A registers could not differ
     assert not _config(monkeypatch, {**ON, "V_CHANNEL_PLACEMENT": False}, channel).column_sum_mma

@@ -86,7 +86,7 @@ TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
 #: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (no gain
-#: at 32, slower at 16), channel-wise V's column sums (H100: GQA 32 13-17% faster, 8 equal, 16 slower: two CTAs spill)
+#: at 32, slower at 16), channel-wise V's column sums (H100: GQA 32 13-17% faster, 8 equal; spills at 16, 3 consumers)
 PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (8, 32), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
@@ -587,8 +587,8 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
                       stacked_terms=STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       shared_q_scale=SHARED_Q_SCALE and STACKED_TERMS and e4m3 and q_terms == 2 and rows > HEADS,
                       mask_branch=PAIR_MASK_BRANCH if tiles_per_pass == 2 else MASK_BRANCH and (cols > HEADS or step > 1),
-                      pivot_mma=pivot_mma, column_sum_mma=cols in COLUMN_SUM_MMA_COLS and fmt.v_axis == "channel"
-                      and len(set(v_fields["v_factors"])) == 2, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3
+                      pivot_mma=pivot_mma, column_sum_mma=cols in COLUMN_SUM_MMA_COLS and fmt.v_axis == "channel" and
+                      not wide and len(set(v_fields["v_factors"])) == 2, own_wgmma=fmt.bits in OWN_WGMMA_BITS and e4m3
                       and D == 128 and (cols == MAX_COLS or cols not in P_COLUMN_MAJOR_COLS)  # MN-major P': 32 only
                       and (tiles_per_pass == 2 or OWN_WGMMA_STEPS and STACKED_TERMS and wide and cols == MAX_COLS
                            and token_axes),
