@@ -101,6 +101,12 @@ def cute_magnitude_case(magnitude, v_axis: str = "token", **launch) -> None:
     assert rel(out, exact) <= kernel_error_bound(fmt, rel(bf16_attention(q, cache, sdpa=True), exact))
 
 
+def sum_block_mmas(cfg) -> int:
+    """The wgmma a pass of V^T's extra m64 block adds (channel-wise V's column sums, ``Sm90Config.column_sum_mma``):
+    one per k16 step of each of the pass's tiles."""
+    return 4 * cfg.p_tiles if cfg.column_sum_mma else 0
+
+
 #: Channel-wise V's oracle cases for a switch of its kernels: (format keywords over D 128, g 128; GQA; lengths; launch)
 CHANNEL_V_GPU_CASES = [
     ({}, 4, [8192, 700, 1], {"warp_specialized": True, "k_operand": "e4m3", "tiles_per_pass": 2, "num_splits": 16}),

@@ -13,7 +13,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER  # noqa: E402
+from _cases import HOPPER, sum_block_mmas  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for  # noqa: E402
@@ -60,7 +60,8 @@ def test_compiles_for_sm90a(k_axis, bits, gqa):
     cfg = config_for(fmt, gqa, 64, "e4m3", 2)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=2).__ptx__
     assert len(QK_E4M3.findall(ptx)) == 2 * 128 // 32  # one code path for both consumers: both tiles' QK products
-    assert len(PV_F16.findall(ptx)) == 2 * 2 * 64 // 16  # both tiles' PV chains (two m64 blocks of the head dim)
+    # both tiles' PV chains (two m64 blocks of the head dim), and the column sums' block
+    assert len(PV_F16.findall(ptx)) == 2 * 2 * 64 // 16 + sum_block_mmas(cfg)
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 

@@ -12,7 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER, WGMMA_RS, cute_against_the_oracle  # noqa: E402
+from _cases import HOPPER, WGMMA_RS, cute_against_the_oracle, sum_block_mmas  # noqa: E402
 from _helpers import V_MAGNITUDES, cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths, consumers_for  # noqa: E402
@@ -48,7 +48,7 @@ def test_channel_wise_axes_compile_for_sm90a(k_axis, v_axis, bits, head_dim, pag
         config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, page)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
     copies = consumer_code_paths(cfg, 1) if ws else 1  # copies of the consumers' code
-    assert len(WGMMA_RS.findall(ptx)) == copies * (head_dim // 16 + (head_dim // 64) * 4)
+    assert len(WGMMA_RS.findall(ptx)) == copies * (head_dim // 16 + (head_dim // 64) * 4 + sum_block_mmas(cfg))
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if ws else 0)
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
@@ -61,7 +61,8 @@ def test_two_channel_groups_compile_for_sm90a(k_axis, v_axis, bits, ws):
     (one per m64 half of V^T); the same number of wgmma, no spills."""
     cfg = config_for(foscar.KVFormat(bits=bits, head_dim=128, group_size=64, k_axis=k_axis, v_axis=v_axis), 4, 64)
     ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=ws).__ptx__
-    assert len(WGMMA_RS.findall(ptx)) == (consumer_code_paths(cfg, 1) if ws else 1) * (128 // 16 + 2 * 4)
+    assert len(WGMMA_RS.findall(ptx)) == (consumer_code_paths(cfg, 1) if ws else 1) * (128 // 16 + 2 * 4
+                                                                                        + sum_block_mmas(cfg))
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory (spills) in the kernel"
 
 

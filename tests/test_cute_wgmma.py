@@ -14,7 +14,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 
 import foscar  # noqa: E402
-from _cases import HOPPER  # noqa: E402
+from _cases import HOPPER, sum_block_mmas  # noqa: E402
 from _helpers import cute_switches  # noqa: E402
 from foscar.cute.compile import compile_stage1  # noqa: E402
 from foscar.cute.config import config_for, consumer_code_paths  # noqa: E402
@@ -84,7 +84,7 @@ def test_the_same_mmas_on_the_same_registers_with_descriptors_formed_once(monkey
             ptx[on] = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas).__ptx__
     off, _ = _mmas(ptx[False])
     on, _ = _mmas(ptx[True])
-    assert [(s, a) for s, a, _ in on] == [(s, a) for s, a, _ in off] and len(on) == mmas
+    assert [(s, a) for s, a, _ in on] == [(s, a) for s, a, _ in off] and len(on) == mmas + sum_block_mmas(cfg)
     # Q's first descriptor and P''s, each through one opaque move, made once a copy of the consumers' code
     moves = re.findall(r"mov\.b64 (%rd\d+), %rd\d+;", ptx[True])
     assert len(moves) == len(set(moves)) == 2 * consumer_code_paths(cfg, ctas)
