@@ -102,9 +102,9 @@ def cute_magnitude_case(magnitude, v_axis: str = "token", **launch) -> None:
 
 
 def sum_block_mmas(cfg) -> int:
-    """The wgmma a pass of V^T's extra m64 block adds (channel-wise V's column sums, ``Sm90Config.column_sum_mma``):
-    one per k16 step of each of the pass's tiles."""
-    return 4 * cfg.p_tiles if cfg.column_sum_mma else 0
+    """The wgmma a pass of V^T's extra m64 block adds (channel-wise V's column sums, ``Sm90Config.column_sum_mma``;
+    token-wise V's pivot sums, ``pivot_mma``): one per k16 step of each of the pass's tiles."""
+    return 4 * cfg.p_tiles if cfg.column_sum_mma or cfg.pivot_mma else 0
 
 
 #: Channel-wise V's oracle cases for a switch of its kernels: (format keywords over D 128, g 128; GQA; lengths; launch)

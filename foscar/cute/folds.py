@@ -522,8 +522,8 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     # the first MMA overwrites them (pv_mma's overwrite) but at 8 columns of the tiled MMA, where zeros moved in take
     # fewer instructions (ptxas zeroes by the first MMA itself) than a second atom's descriptors
     zeroing = wg.descs is not None or cfg.cols > HEADS
-    sums = None if psum is not None else cute.make_rmem_tensor(wg.frags.thr_pv.partition_shape_C((TILE, cfg.cols)),
-                                                                Float32)
+    sums = cute.make_rmem_tensor(wg.frags.thr_pv.partition_shape_C((TILE, cfg.cols)), Float32) if cfg.column_sum_mma \
+        else None
     if cutlass.const_expr(not zeroing):
         for t in [accT] if sums is None else [accT, sums]:
             t.fill(0.0)

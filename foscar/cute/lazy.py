@@ -106,7 +106,8 @@ def lazy_softmax(cfg, wg, state, sc, d: list, step, first: cutlass.Constexpr = 0
 def lazy_softmax_acc_fold(cfg, wg, state, d: list, step):
     """The online softmax of a tile's scores ``d`` (less the maxima, as in :func:`lazy_softmax`) with a lazy
     rescale, channel-wise V: returns ``(softmax, out, psum)``, the column sums of the tile's ``P`` as consumed for
-    :func:`~foscar.cute.folds.v_acc_fold_product`. ``step``: the tile's index (the reduction buffer it takes).
+    :func:`~foscar.cute.folds.v_acc_fold_product` (None where V^T's extra m64 block sums them there,
+    ``Sm90Config.column_sum_mma``). ``step``: the tile's index (the reduction buffer it takes).
 
     Each thread forms ``P = exp2(d)`` and publishes ``P~`` (:func:`~foscar.cute.folds.p_tilde`) with its warp's
     column sums (:func:`~foscar.cute.folds.publish_p`); one barrier publishes them and tells every thread whether any

@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Uint32
 
 from .fragment import slot_elements
-from .wgmma import mma_rs, p_descriptor, tiled_pv_mma
+from .wgmma import mma_rs_into, p_descriptor, tiled_pv_mma
 
 
 def pivot_corrections(out):
@@ -98,11 +98,7 @@ def sum_mma(cfg, wg, acc: cute.Tensor, kb, kb0, overwrite: cutlass.Constexpr = F
     tiled MMA."""
     a = wg.frags.sum_a
     if cutlass.const_expr(wg.descs is not None):
-        a32 = cute.recast_tensor(a, Uint32)
-        n = cute.size(acc)
-        d = mma_rs(f"m64n{2 * n}k16.f32.f16.f16", [acc[i] for i in range(n)], [a32[i] for i in range(4)],
-                   p_descriptor(cfg, wg, kb, kb0), not overwrite, cfg.p_column_major)
-        for i in cutlass.range_constexpr(n):
-            acc[i] = d[i]
+        desc = p_descriptor(cfg, wg, kb, kb0)
+        mma_rs_into("k16.f32.f16.f16", acc, cute.recast_tensor(a, Uint32), desc, not overwrite, cfg.p_column_major)
     else:
         tiled_pv_mma(cfg, wg, acc, a, wg.frags.tOrP[0][None, None, kb0 + kb], overwrite)

@@ -70,6 +70,16 @@ def mma_rs(shape: str, acc: list, a: list, desc: Int64, accumulate: bool, trans_
 
 
 @cute.jit
+def mma_rs_into(kind: str, acc: cute.Tensor, a: cute.Tensor, desc: Int64, accumulate, trans_b: bool = False):
+    """:func:`mma_rs` of shape ``m64nN<kind>`` (``N`` twice ``acc``'s elements) on the accumulators ``acc`` (a C
+    fragment or a view of one m64 block of it), A's four registers ``a`` (32-bit), written back into ``acc``."""
+    n = cute.size(acc)
+    d = mma_rs(f"m64n{2 * n}{kind}", [acc[i] for i in range(n)], [a[i] for i in range(4)], desc, accumulate, trans_b)
+    for i in cutlass.range_constexpr(n):
+        acc[i] = d[i]
+
+
+@cute.jit
 def pass_descriptors(cfg, smem):
     """``(q, p)``: the first B descriptors of Q^T and of the consumer's P', formed once (:func:`descriptor`; the
     others one 64-bit add each in the loop: :func:`qk_mma`, :func:`pv_mma`); None without ``cfg.own_wgmma``. Two
@@ -89,15 +99,10 @@ def qk_mma(wg, mma, acc: cute.Tensor, tSrK: cute.Tensor, tSrK_u32: cute.Tensor, 
     (``wg.descs``), else by the tiled MMA ``mma``; ``mma`` the warpgroup's zeroing one (``wg.qk_mma0``), the
     accumulator's first MMA, which overwrites it."""
     if cutlass.const_expr(wg.descs is not None):
-        a = tSrK_u32[None, None, ka]
-        n = cute.size(acc)
         desc = wg.descs[0] + (K_STEP * (kb % 4) + Q_ATOM * (kb // 4))
         if cutlass.const_expr(q_units is not None):
             desc = desc + Int64(q_units)
-        d = mma_rs(f"m64n{2 * n}k32.f32.e4m3.e4m3", [acc[i] for i in range(n)], [a[i] for i in range(4)], desc,
-                   mma is not wg.qk_mma0)
-        for i in cutlass.range_constexpr(n):
-            acc[i] = d[i]
+        mma_rs_into("k32.f32.e4m3.e4m3", acc, tSrK_u32[None, None, ka], desc, mma is not wg.qk_mma0)
     else:
         cute.gemm(mma, acc, tSrK[None, None, ka], q_frag, acc)
 
@@ -116,24 +121,17 @@ def pv_mma(cfg, wg, accO: cute.Tensor, tOrV: cute.Tensor, tOrP: cute.Tensor, kb,
     P' MN-major), else by its tiled MMA (``overwrite``: ``O^T = V^T P'^T``, the accumulator's first step: either
     way nothing is read from it)."""
     if cutlass.const_expr(wg.descs is not None):
-        tOrV_u32 = wg.frags.tOrV_u32
-        mn = cfg.p_column_major
         desc = p_descriptor(cfg, wg, kb, kb0)
         for mh in cutlass.range_constexpr(cute.size(tOrV, mode=[1])):
-            a = tOrV_u32[None, mh, kb]
-            c = accO[None, mh, None]
-            n = cute.size(c)
-            d = mma_rs(f"m64n{2 * n}k16.f32.f16.f16", [c[i] for i in range(n)], [a[i] for i in range(4)], desc,
-                       not overwrite, mn)
-            for i in cutlass.range_constexpr(n):
-                c[i] = d[i]
+            mma_rs_into("k16.f32.f16.f16", accO[None, mh, None], wg.frags.tOrV_u32[None, mh, kb], desc, not overwrite,
+                        cfg.p_column_major)
     else:
         tiled_pv_mma(cfg, wg, accO, tOrV[None, None, kb], tOrP[None, None, kb0 + kb], overwrite)
 
 
 @cute.jit
 def tiled_pv_mma(cfg, wg, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, overwrite: cutlass.Constexpr = False):
-    """``acc (+)= a b`` by the O^T product's tiled MMA (``overwrite``: its zeroing one, the accumulator's first step)."""
+    """``acc (+)= a b`` by the O^T product's tiled MMA (``overwrite``: its zeroing one, an accumulator's first step)."""
     mma = wg.pv_mma
     if cutlass.const_expr(overwrite):
         from .operands import zeroing_mma
