@@ -3,8 +3,9 @@
 the gathered offset corrections at the split's end, where each element converted its FP16 ``P'`` and took an FMA.
 CPU: which configurations take it; ptxas keeps the kernel's wgmma pipelined (two copies of one register in a wgmma's
 A, or an accumulator reset in a branch of the tile loop, serialize every wgmma) and spills nothing at 32 columns.
-GPU (sm_90): GQA 16 and 32 and steps of 4 and 8 tokens against the float64 oracle, with the other switches of 16
-and 32 columns (stacked terms, one Q scale, the masks' branch, P^T column-major)."""
+GPU (sm_90): GQA 16 and 32 and steps of 4 and 8 tokens (a step of 32 columns on three consumers and on two) against
+the float64 oracle, with the other switches of 16 and 32 columns (stacked terms, one Q scale, the masks' branch, P^T
+column-major)."""
 import os
 
 import pytest
@@ -58,7 +59,8 @@ def test_heads_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, gqa
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("G,T,num_splits", [(4, 8, None), (4, 8, 64), (8, 4, 5)])
-def test_steps_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits):
+@pytest.mark.parametrize("wide", ((32,), ()), ids=("three_consumers", "two_consumers"))
+def test_steps_with_the_pivot_sums_against_the_oracle_gpu(monkeypatch, bits, G, T, num_splits, wide):
     from _cases import cute_step_against_the_oracle
-    with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), **WITH):
+    with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), WIDE_STEP_COLUMNS=wide, **WITH):
         cute_step_against_the_oracle(bits, G, T, num_splits, {})
