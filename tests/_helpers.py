@@ -107,6 +107,31 @@ def assert_pipelined_without_spills(cfg, ctas_per_sm: int) -> None:
     assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+def constant_a_operands(cfg, ctas_per_sm: int) -> list:
+    """The A operands of the v1 kernel's FP16 wgmma whose four registers are constants in its PTX (V^T's extra
+    m64 block, :mod:`foscar.cute.pivot`), each as four values (a register's low FP16 half; None where its halves
+    differ), traced back through moves to their immediates."""
+    import re
+    import struct
+
+    from foscar.cute.compile import compile_stage1
+    ptx = compile_stage1(cfg, keep_ptx=True, warp_specialized=True, ctas_per_sm=ctas_per_sm).__ptx__
+    known, found = {}, []
+    for line in ptx.split("\n"):
+        m = re.search(r"mov\.b32\s+(%r\d+),\s+(%r\d+|\d+);", line)
+        if m:
+            src = m.group(2)
+            if src.isdigit() or src in known:
+                known[m.group(1)] = int(src) if src.isdigit() else known[src]
+        if "wgmma.mma_async" in line and ".f16.f16" in line:
+            regs = re.search(r"\},\s*\{(%r\d+), (%r\d+), (%r\d+), (%r\d+)\}", line).groups()
+            if all(r in known for r in regs):
+                words = [known[r] for r in regs]
+                found.append([struct.unpack("<e", struct.pack("<H", w & 0xFFFF))[0] if w >> 16 == w & 0xFFFF
+                              else None for w in words])
+    return found
+
+
 def bench_record(B, L, bits, kernel, us, status="ok", axes=("token", "token")) -> dict:
     """One record of the decode benchmark (``foscar.bench.decode``): a kernel timed ``us`` at every run."""
     ka, va = (None, None) if bits == 16 else axes

@@ -52,22 +52,22 @@ def test_the_config_takes_it_for_channel_wise_v_placed(monkeypatch, bits):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_the_blocks_rows_sum_p_as_consumed(monkeypatch, bits, head_dim):
-    """Each k16 block of a pass: A (64 rows x 16 tokens) from :func:`foscar.cute.pivot.column_sum_element` at each
+    """Each k16 block of a pass: A (64 rows x 16 tokens) from :func:`foscar.cute.pivot.block_element` at each
     thread's fragment positions (PTX: lane ``l`` holds rows ``l // 4 + 8 r`` of its warp's 16, tokens ``2 (l % 4) + c
     + 8 h`` for element ``c + 2 r + 4 h``), times ``P~ = fp16(P v_factors[h])`` (FP16, as the B operand): every row
     ``row0`` the sum of ``P~ / v_factors[h]`` (``P`` as consumed) exactly, rows ``+ 8`` half of it; four distinct
     register values."""
-    from foscar.cute.pivot import column_sum_element, column_sum_values
+    from foscar.cute.pivot import block_element, sum_values
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=min(head_dim, 128), v_axis="channel")
     cfg = _config(monkeypatch, ON, fmt, 2, 1, "bf16")
-    assert cfg.column_sum_mma and len(set(column_sum_values(cfg))) == 4
+    assert cfg.column_sum_mma and len(set(sum_values(cfg))) == 4
     A = torch.full((64, 16), float("nan"), dtype=torch.float64)
     for warp in range(4):
         for lane in range(32):
             for i in range(8):
                 row = 16 * warp + lane // 4 + 8 * ((i >> 1) & 1)
                 k = 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1)
-                A[row, k] = float(torch.tensor(column_sum_element(cfg, i), dtype=torch.float16))
+                A[row, k] = float(torch.tensor(block_element(sum_values(cfg), i), dtype=torch.float16))
     assert not A.isnan().any()
     gen = torch.Generator().manual_seed(bits * 7 + head_dim)
     f = torch.tensor(cfg.v_factors, dtype=torch.float64)[(torch.arange(16) >= 8).long()]  # token half of a k16 block
@@ -100,6 +100,21 @@ def test_fewer_instructions_a_tile(monkeypatch, args, fewer):
     (n0, l0), (n1, l1) = (_full_tile(monkeypatch, s, args) for s in (WARPS, ON))
     print(f"\n{' '.join(args)}: warps' sums {n0:g} -> the tensor core's {n1:g} instructions a full tile")
     assert n1 <= n0 - fewer and l1 <= l0
+
+
+@pytest.mark.parametrize("bits,gqa,tiles,ctas,copies", [(2, 4, 2, 2, 1), (4, 4, 2, 2, 1), (2, 32, 1, 1, 2)])
+def test_the_blocks_wgmma_take_the_factors(monkeypatch, bits, gqa, tiles, ctas, copies):
+    """In the compiled kernel as shipped (two tiles a pass at 8 columns; GQA 32, each consumer its own copy of the
+    code) every MMA of the extra block takes A registers holding ``(1 / f_0, 1 / (2 f_0), 1 / f_1, 1 / (2 f_1))``
+    (``f_h = v_factors[h]``), both halves of each register: four a tile, a pass's two tiles' included."""
+    from _helpers import constant_a_operands
+    from foscar.cute.pivot import sum_values
+    fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128, v_axis="channel")
+    cfg = _config(monkeypatch, {}, fmt, gqa, tiles)
+    assert cfg.column_sum_mma
+    found = constant_a_operands(cfg, ctas)
+    assert found and all(a == list(sum_values(cfg)) for a in found), found
+    assert len(found) == 4 * tiles * copies, len(found)
 
 
 @pytest.mark.parametrize("args", [

@@ -85,8 +85,8 @@ OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), True
 TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
-#: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (no gain
-#: at 32, slower at 16), channel-wise V's column sums (H100: GQA 32 13-17% faster, 8 equal; spills at 16, 3 consumers)
+#: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (three
+#: consumers on the own wgmma only), channel-wise V's column sums (H100: GQA 32 13-17% faster; spills at 16, 3 consumers)
 PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (8, 32), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
@@ -551,7 +551,11 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     pivot = float(k["K_PIVOT"])
     placed = 4.0 if e4m3 and fmt.bits == 2 else 1.0  # token half 1's operand is 4 q 2^-9 (k_placement_e4m3)
     producer_fold = PRODUCER_Q_FOLD and fmt.k_axis == "channel"
-    pivot_mma = columns_for(rows) in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= fmt.head_dim
+    cols, token_axes, D = columns_for(rows), fmt.k_axis == fmt.v_axis == "token", fmt.head_dim
+    wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
+    wide = not producer_fold and wide_cols and (token_axes if tiles_per_pass == 2
+                                                else fmt.k_axis == "token" or g < 2 * TILE)
+    pivot_mma = cols in PIVOT_MMA_COLS and fmt.v_axis == "token" and g >= D and (not wide or fmt.bits in OWN_WGMMA_BITS)
     v_fields = v_operand_fields(fmt, pivot_mma)
     stages = default_stages(fmt.bits, fmt.head_dim) if stages is None else stages
     if stages not in STAGE_CHOICES:
@@ -560,10 +564,6 @@ def config_for(fmt, gqa: int, page: int, k_operand: str = "bf16", tiles_per_pass
     prologue = "q_first" if fmt.rotation is not None or producer_fold else PROLOGUE_BY_BITS.get(fmt.bits, "q_first")
     if prologue not in PROLOGUES:  # the kernel branches on the names: a misspelt one must not run as q_first
         raise InvalidArgumentError("foscar.cute.config.PROLOGUE_BY_BITS", f"values of {PROLOGUES}", prologue)
-    cols, token_axes, D = columns_for(rows), fmt.k_axis == fmt.v_axis == "token", fmt.head_dim
-    wide_cols = WIDE_EIGHT_COLUMNS if cols <= HEADS else WIDE_CONSUMERS or (step > 1 and cols in WIDE_STEP_COLUMNS)
-    wide = not producer_fold and wide_cols and (token_axes if tiles_per_pass == 2
-                                                else fmt.k_axis == "token" or g < 2 * TILE)
     lazy = tiles_per_pass == 2 or (LAZY_ONE_TILE if fmt.v_axis == "token" else LAZY_CHANNEL_V)
     pair_p = cols in PAIR_P_SCALE_COLS and fmt.v_axis == "token"
     return Sm90Config(bits=fmt.bits, head_dim=fmt.head_dim, page=page, gqa=gqa, k_pattern=k["K_PATTERN"],

@@ -30,7 +30,7 @@ from .fold_map import FOLD_CHANNELS, FOLD_PAIRS, fold_chunk, fold_chunks
 from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, sum_term_blocks
-from .pivot import pivot_corrections, sum_mma
+from .pivot import pivot_corrections, set_sum_a, sum_mma
 from .ptx import f16_pair, mul_f16_pairs
 from .softmax import column_sums
 from .wgmma import pv_mma
@@ -530,6 +530,8 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     tiles = [regs] if regs_b is None else [regs, regs_b]
     for i in cutlass.range_constexpr(len(tiles)):
         build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
+        if cutlass.const_expr(sums is not None and i == 0):
+            set_sum_a(cfg, wg.frags.sum_a)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
             pv_mma(cfg, wg, accT, tOrV, tOrP, kb, i * n_kb, overwrite=zeroing and i == 0 and kb == 0)
@@ -578,7 +580,7 @@ def add_offset_corrections(out: OutputAccumulator, g: cutlass.Constexpr, sSum: c
     """The offset corrections of channel group ``g`` gathered per element join the accumulator elements of
     the group's channels (in units of its ``sigma``); ``last`` (the split's end), the pivot sums too."""
     if cutlass.const_expr(last and out.pivot is not None):
-        pivot_corrections(out)
+        pivot_corrections(out, thr)
     cs = column_sums(out.corr[g], sSum, thr)
     accO = out.acc
     nb = out.nb

@@ -44,7 +44,7 @@ from .operands import build_k_registers, build_vt_registers, sqk_buffer_units
 from .operands_e4m3 import build_k_registers_e4m3, scale_stacked_terms, sum_q_terms, sum_term_blocks
 from .lazy import EMPTY_PAIR, lazy_softmax, lazy_softmax_acc_fold
 from .limits import quantized_length
-from .pivot import sum_a_operand, sum_mma
+from .pivot import set_sum_a, sum_a_operand, sum_mma
 from .softmax import OnlineSoftmax, column_sums, tile_maxima
 
 
@@ -123,7 +123,7 @@ class Fragments:
         self.tOrV = self.thr_pv.make_fragment_A(self.thr_pv.partition_shape_A((D, TILE)))
         self.tOrV_u32 = cute.recast_tensor(self.tOrV, Uint32)
         self.tOrP = [self.thr_pv.make_fragment_B(self.thr_pv.partition_B(sP)) for sP in smem.sP]
-        self.sum_a = sum_a_operand(cfg, tidx)  # V^T's extra m64 block's A (foscar.cute.pivot), or None
+        self.sum_a = sum_a_operand(cfg)  # V^T's extra m64 block's A (foscar.cute.pivot), or None
 
 
 class TileRegisters:
@@ -519,6 +519,8 @@ class TileKernel:
         frags = wg.frags
         tOrV = frags.tOrV
         accO = out.acc
+        if cutlass.const_expr(cfg.pivot_mma):
+            set_sum_a(cfg, frags.sum_a)
         warpgroup.fence()
         if cutlass.const_expr(cfg.vc == 2):
             per = cfg.mh // 2  # m64 blocks per channel group: contiguous in both fragments

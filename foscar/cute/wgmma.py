@@ -42,9 +42,11 @@ def descriptor(ptr: cute.Pointer, bits: cutlass.Constexpr) -> Int64:
 
 
 @dsl_user_op
-def opaque(x: Int64, *, loc=None, ip=None) -> Int64:
-    """``x`` through a PTX move the compilers neither sink into a loop nor rematerialize there."""
-    return asm(Int64, [Int64(x)], "mov.b64 $0, $1;", side_effects=True, loc=loc, ip=ip)
+def opaque(x, *, loc=None, ip=None):
+    """``x`` (an ``Int64`` or a ``Uint32``) through a PTX move the compilers neither sink into a loop nor
+    rematerialize there."""
+    kind, width = (Int64, 64) if isinstance(x, Int64) else (Uint32, 32)
+    return asm(kind, [kind(x)], f"mov.b{width} $0, $1;", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
