@@ -420,6 +420,7 @@ column-sum-mma --shapes 1:32K,1:128K,8:32K,8:128K,64:32K --axes token:channel ch
 gqa32-column-sum-mma --shapes 8:32K,8:128K --heads 32:1 --axes token:channel --variants shipped COLUMN_SUM_MMA_COLS=8,16,32
 gqa16-column-sum-mma --shapes 8:32K,8:128K --heads 32:2 --axes token:channel --variants shipped COLUMN_SUM_MMA_COLS=8,16,32
 gqa32-pivot --shapes 8:32K,8:128K --heads 32:1 --variants shipped PIVOT_MMA_COLS=32 WIDE_CONSUMERS=1
+gqa16-pivot --shapes 8:32K,8:128K --heads 32:2 --variants shipped "PIVOT_MMA_COLS=16,32 TWO_CTA_COLUMNS=8"
 one-cta-prologue --bits 4 --variants shipped "PROLOGUE_ONE_CTA=4:consumer_q"
 p-layout --shapes 8:32K,64:128K --variants shipped "P_COLUMN_MAJOR_COLS=8,16,32"
 v-bits-gqa32 --shapes 8:128K --heads 32:1 --variants "V_LOW_PLACEMENT=0 V_ROW_SHIFTS=0 FLAT_WORDS=0" shipped
