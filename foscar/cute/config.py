@@ -85,8 +85,8 @@ OWN_WGMMA_BITS, OWN_WGMMA_STEPS = (2,), True
 TWO_CTA_COLUMNS = (8, 16)
 OVERLAP_COLS = ()  #: one-tile passes overlapping two tiles (Sm90Config.overlap): none, no faster (docs/steps-plan.md)
 QK_ZEROING_BITS = (2, 4)  #: two-tile passes zeroing QK accumulators by MMA (Sm90Config.qk_zeroing): no injected wait
-#: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (H100: no
-#: faster at 32, steps slower; 3 consumers on own wgmma only), channel-wise V's column sums (H100: GQA 32 13-17% faster)
+#: Column counts whose P' sums come from V^T's extra m64 block (foscar.cute.pivot): token-wise V's pivot sums (H100:
+#: no faster at 32, steps slower), channel-wise V's column sums (H100: GQA 32 13-17% faster; spill at 16, 3 consumers)
 PIVOT_MMA_COLS, COLUMN_SUM_MMA_COLS, PRODUCER_Q_FOLD = (), (8, 32), False  # PRODUCER_Q_FOLD: Sm90Config.producer_fold
 #: Channel-wise K with E4M3 K operands, ``Q'`` as two E4M3 terms (:func:`foscar.cute.fold_terms.fold_q_terms`): faster
 #: at every shape swept, up to ``CHANNEL_K_E4M3_ROWS`` query rows (5-8 in two column blocks: as BF16 K; results doc)
