@@ -107,6 +107,26 @@ def assert_pipelined_without_spills(cfg, ctas_per_sm: int) -> None:
     assert "serialized" not in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+def block_a_matrix(cfg):
+    """V^T's extra m64 block's A for one k16 step (64 rows x 16 tokens, float64) as PTX's ``m64nNk16`` A fragment
+    lays out each thread's values (:func:`foscar.cute.pivot.block_element` of ``sum_values(cfg)``), independently
+    of the kernel's indexing: lane ``l`` of warp ``w`` holds rows ``16 w + l // 4 + 8 r``, tokens ``2 (l % 4) + c +
+    8 h`` for element ``c + 2 r + 4 h``; every entry written once."""
+    import torch
+
+    from foscar.cute.pivot import block_element, sum_values
+    A = torch.full((64, 16), float("nan"), dtype=torch.float64)
+    for warp in range(4):
+        for lane in range(32):
+            for i in range(8):
+                row = 16 * warp + lane // 4 + 8 * ((i >> 1) & 1)
+                k = 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1)
+                assert A[row, k].isnan()
+                A[row, k] = float(torch.tensor(block_element(sum_values(cfg), i), dtype=torch.float16))
+    assert not A.isnan().any()
+    return A
+
+
 def constant_a_operands(cfg, ctas_per_sm: int) -> list:
     """The A operands of the v1 kernel's FP16 wgmma whose four registers are constants in its PTX (V^T's extra
     m64 block, :mod:`foscar.cute.pivot`), each as four values (a register's low FP16 half; None where its halves

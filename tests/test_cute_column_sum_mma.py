@@ -52,23 +52,16 @@ def test_the_config_takes_it_for_channel_wise_v_placed(monkeypatch, bits):
 @pytest.mark.parametrize("bits", (2, 4))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_the_blocks_rows_sum_p_as_consumed(monkeypatch, bits, head_dim):
-    """Each k16 block of a pass: A (64 rows x 16 tokens) from :func:`foscar.cute.pivot.block_element` at each
-    thread's fragment positions (PTX: lane ``l`` holds rows ``l // 4 + 8 r`` of its warp's 16, tokens ``2 (l % 4) + c
-    + 8 h`` for element ``c + 2 r + 4 h``), times ``P~ = fp16(P v_factors[h])`` (FP16, as the B operand): every row
+    """Each k16 block of a pass: A (64 rows x 16 tokens) at each thread's fragment positions
+    (``_helpers.block_a_matrix``), times ``P~ = fp16(P v_factors[h])`` (FP16, as the B operand): every row
     ``row0`` the sum of ``P~ / v_factors[h]`` (``P`` as consumed) exactly, rows ``+ 8`` half of it; four distinct
     register values."""
-    from foscar.cute.pivot import block_element, sum_values
+    from _helpers import block_a_matrix
+    from foscar.cute.pivot import sum_values
     fmt = foscar.KVFormat(bits=bits, head_dim=head_dim, group_size=min(head_dim, 128), v_axis="channel")
     cfg = _config(monkeypatch, ON, fmt, 2, 1, "bf16")
     assert cfg.column_sum_mma and len(set(sum_values(cfg))) == 4
-    A = torch.full((64, 16), float("nan"), dtype=torch.float64)
-    for warp in range(4):
-        for lane in range(32):
-            for i in range(8):
-                row = 16 * warp + lane // 4 + 8 * ((i >> 1) & 1)
-                k = 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1)
-                A[row, k] = float(torch.tensor(block_element(sum_values(cfg), i), dtype=torch.float16))
-    assert not A.isnan().any()
+    A = block_a_matrix(cfg)
     gen = torch.Generator().manual_seed(bits * 7 + head_dim)
     f = torch.tensor(cfg.v_factors, dtype=torch.float64)[(torch.arange(16) >= 8).long()]  # token half of a k16 block
     for p in (torch.rand(16, 8, generator=gen, dtype=torch.float64) * 256, torch.full((16, 8), 2.0 ** -20)):

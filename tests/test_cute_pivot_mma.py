@@ -49,25 +49,18 @@ def test_the_kernel_keeps_its_wgmma_pipelined(monkeypatch, bits, gqa, step):
 
 @pytest.mark.parametrize("bits", (2, 4))
 def test_every_row_sums_the_pivots_and_row_0_joins_them(monkeypatch, bits):
-    """The block's A values (:func:`foscar.cute.pivot.block_element`) laid out as PTX's ``m64nNk16`` A fragment
-    (lane ``l`` of warp ``w``: rows ``16 w + l // 4 + 8 r``, tokens ``2 (l % 4) + c + 8 h`` for element ``c + 2 r +
-    4 h``), times an FP16 ``P'``: every row ``row0`` is ``sum_t c_h P'`` exactly (rows + 8 half of it), so the
+    """The block's A values laid out as PTX's ``m64nNk16`` A fragment (``_helpers.block_a_matrix``), times an FP16
+    ``P'``: every row ``row0`` is ``sum_t c_h P'`` exactly (rows + 8 half of it), so the
     threads of row 0 alone join them (warp 0's lanes 0-3, ``pivot_corrections``), each its column slots' elements:
     together every column of 32, once."""
     from foscar.cute.fragment import slot_column, slot_elements
-    from foscar.cute.pivot import block_element, sum_values
+    from _helpers import block_a_matrix
+    from foscar.cute.pivot import sum_values
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), **WITH):
         cfg = config_for(fmt, 32, 64, "e4m3", 1)
     assert cfg.pivot_mma and len(set(sum_values(cfg))) == 4
-    A = torch.full((64, 16), float("nan"), dtype=torch.float64)
-    for warp in range(4):
-        for lane in range(32):
-            for i in range(8):
-                row = 16 * warp + lane // 4 + 8 * ((i >> 1) & 1)
-                A[row, 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1)] = float(
-                    torch.tensor(block_element(sum_values(cfg), i), dtype=torch.float16))
-    assert not A.isnan().any()
+    A = block_a_matrix(cfg)
     c = torch.tensor(cfg.v_pivots, dtype=torch.float64)[(torch.arange(16) >= 8).long()]  # each token's half
     gen = torch.Generator().manual_seed(bits)
     p = (torch.rand(16, 32, generator=gen, dtype=torch.float64) * 2 ** 12).to(torch.float16).double()  # P'
