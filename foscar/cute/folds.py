@@ -530,7 +530,7 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     tiles = [regs] if regs_b is None else [regs, regs_b]
     for i in cutlass.range_constexpr(len(tiles)):
         build_vt_registers(cfg, wg.frags.tOrV_u32, tiles[i].vw)
-        if cutlass.const_expr(sums is not None and i == 0):
+        if cutlass.const_expr(sums is not None and i == 0):  # the pass's second tile takes them as they are
             set_sum_a(cfg, wg.frags.sum_a)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
