@@ -514,9 +514,7 @@ def v_acc_fold_product(cfg, wg, out: OutputAccumulator, regs, psum: list, al=Non
     ``al`` (by column slot) where given: ``s' (part - c sum P) + mid sum P`` (``psum``: :func:`p_column_sums`, or None:
     V^T's extra m64 block sums them beside the product, :mod:`foscar.cute.pivot`; ``c`` the middle code's operand). V^T
     by placement: the partial in the products' units, its scale ``s' v_unit``."""
-    accO = out.acc
-    tOrV = wg.frags.tOrV
-    tOrP = wg.frags.tOrP[0]
+    accO, tOrV, tOrP = out.acc, wg.frags.tOrV, wg.frags.tOrP[0]
     n_kb = cute.size(tOrV, mode=[2])
     accT = cute.make_rmem_tensor(accO.layout, Float32)
     # the first MMA overwrites them (pv_mma's overwrite) but at 8 columns of the tiled MMA, where zeros moved in take

@@ -68,8 +68,8 @@ def sum_values(cfg) -> tuple[float, float, float, float]:
     """The extra block's A value of each register (row ``row0``, ``row0 + 8``; token half 0, then half 1), in every
     row alike: a value ``x_h`` per token half and half of it. The pivot sums' ``x_h`` is the half's pivot ``c_h``,
     the column sums' ``1 / v_factors[h]``. Four distinct values (the halves' factors differ, ``config_for``; their
-    pivots with V^T placed from bit 0), so that four registers hold them: two copies of one register in a wgmma's A serialize every
-    wgmma of the kernel."""
+    pivots with V^T placed from bit 0), so that four registers hold them: two copies of one register in a wgmma's A
+    serialize every wgmma of the kernel."""
     x = cfg.v_pivots if cfg.pivot_mma else tuple(1.0 / f for f in cfg.v_factors)
     values = (x[0], x[0] / 2, x[1], x[1] / 2)
     assert len(set(values)) == 4, f"V^T's extra block takes token halves of unequal values, not {x}"
