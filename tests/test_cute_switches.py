@@ -39,7 +39,8 @@ def test_the_pending_switches_together_compile(monkeypatch, fmt_kw, gqa, k_opera
         assert cfg.start_prefetch and cfg.p_column_major and cfg.pair_p_scale == (fmt.v_axis == "token")
         assert cfg.pair_vote == (cfg.pair_p_scale and cfg.lazy_rescale)
         assert cfg.stacked_terms == cfg.shared_q_scale == (gqa * step > config.HEADS)
-        assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1)
+        assert cfg.pivot_mma == (cfg.cols > config.HEADS and fmt.v_axis == "token" and cfg.vc == 1
+                                 and (not cfg.wide or fmt.bits in config.OWN_WGMMA_BITS))  # three: own wgmma
         assert cfg.column_sum_mma == (fmt.v_axis == "channel")
         compile_stage1(cfg, warp_specialized=True, ctas_per_sm=ctas)
 
