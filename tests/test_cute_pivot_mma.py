@@ -50,11 +50,11 @@ def test_the_kernel_keeps_its_wgmma_pipelined(monkeypatch, bits, gqa, step):
 @pytest.mark.parametrize("bits", (2, 4))
 def test_every_row_sums_the_pivots_and_row_0_joins_them(monkeypatch, bits):
     """The block's A values laid out as PTX's ``m64nNk16`` A fragment (``_helpers.block_a_matrix``), times an FP16
-    ``P'``: every row ``row0`` is ``sum_t c_h P'`` exactly (rows + 8 half of it), so the
-    threads of row 0 alone join them (warp 0's lanes 0-3, ``pivot_corrections``), each its column slots' elements:
-    together every column of 32, once."""
-    from foscar.cute.fragment import slot_column, slot_elements
+    ``P'``: every row ``row0`` is ``sum_t c_h P'`` exactly (rows + 8 half of it), so the threads of row 0 alone join
+    them (warp 0's lanes 0-3, ``pivot_corrections``), each its column slots' elements: together every column of 32,
+    once."""
     from _helpers import block_a_matrix
+    from foscar.cute.fragment import slot_column, slot_elements
     from foscar.cute.pivot import sum_values
     fmt = foscar.KVFormat(bits=bits, head_dim=128, group_size=128)
     with cute_switches(monkeypatch, PIVOT_MMA_COLS=(32,), **WITH):
