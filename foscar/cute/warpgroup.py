@@ -515,10 +515,8 @@ class TileKernel:
         ``kb0`` on (the second tile of a pass: the tile's tokens); with two channel groups of a token-wise V
         each group's m64 blocks of V^T multiply its own P' (one MMA chain each). With ``wait`` False the MMAs are
         committed and left in flight."""
-        cfg = self.cfg
-        frags = wg.frags
+        cfg, frags, accO = self.cfg, wg.frags, out.acc
         tOrV = frags.tOrV
-        accO = out.acc
         if cutlass.const_expr(cfg.pivot_mma):
             set_sum_a(cfg, frags.sum_a)
         warpgroup.fence()
