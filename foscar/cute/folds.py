@@ -31,7 +31,7 @@ from .fold_terms import fold_q_terms
 from .operands import build_vt_registers
 from .operands_e4m3 import sum_q_terms, sum_term_blocks
 from .pivot import pivot_corrections, set_sum_a, sum_mma
-from .ptx import f16_pair, mul_f16_pairs
+from .ptx import f16_pair, f16_pair_word, mul_f16_pairs
 from .softmax import column_sums
 from .wgmma import pv_mma
 
@@ -444,15 +444,15 @@ def p_tilde(cfg, p: list) -> list:
     ``P~ / v_factors[h]`` is :func:`foscar.decode_folded`'s ``fp16(P)`` but below FP16's normal range."""
     f = cfg.v_factors
     if cutlass.const_expr(cfg.p_column_major and f != (1.0, 1.0)):
-        return scaled_pairs(p, [Uint32(f16_bits(x) * 0x00010001) if x != 1.0 else None for x in f])
+        return scaled_pairs(p, [Uint32(f16_power_word(x)) if x != 1.0 else None for x in f])
     return [Float16(x * f[row_half(e)] if f[row_half(e)] != 1.0 else x) for e, x in enumerate(p)]
 
 
-def f16_bits(x: float) -> int:
-    """The FP16 bit pattern of ``x`` (a power of two in FP16's normal range)."""
+def f16_power_word(x: float) -> int:
+    """:func:`~foscar.cute.ptx.f16_pair_word` of ``x``, a power of two in FP16's normal range."""
     m, e = math.frexp(x)
     assert m == 0.5 and -13 <= e <= 16, x
-    return (e + 14) << 10
+    return f16_pair_word(x)
 
 
 @cute.jit

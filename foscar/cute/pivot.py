@@ -16,13 +16,12 @@ constant in registers and its B the pass's ``P'`` (the same descriptors).
 """
 from __future__ import annotations
 
-import struct
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Uint32
 
 from .fragment import slot_elements
+from .ptx import f16_pair_word
 from .wgmma import mma_rs_into, opaque, p_descriptor, tiled_pv_mma
 
 
@@ -55,7 +54,7 @@ def set_sum_a(cfg, a: cute.Tensor):
     words = cute.recast_tensor(a, Uint32)
     values = sum_values(cfg)
     for j in cutlass.range_constexpr(4):  # register j: elements 2 j and 2 j + 1, one value
-        words[j] = opaque(Uint32(f16_word(block_element(values, 2 * j))))
+        words[j] = opaque(Uint32(f16_pair_word(block_element(values, 2 * j))))
 
 
 def a_fragment() -> cute.Tensor:
@@ -80,13 +79,6 @@ def block_element(values: tuple, i: int) -> float:
     """The A value of fragment element ``i`` (:func:`a_fragment`: bit 1 row + 8, bit 2 token half 1) of
     :func:`sum_values`' ``values``."""
     return values[((i >> 1) & 1) + 2 * ((i >> 2) & 1)]
-
-
-def f16_word(x: float) -> int:
-    """A 32-bit word of two FP16 halves, each ``x`` (exact in FP16)."""
-    bits = struct.unpack("<H", struct.pack("<e", x))[0]
-    assert struct.unpack("<e", struct.pack("<H", bits))[0] == x, x
-    return bits * 0x00010001
 
 
 @cute.jit

@@ -2,6 +2,8 @@
 opaque moves): one helper that every block goes through, its constraints read off the operands' types."""
 from __future__ import annotations
 
+import struct
+
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -9,6 +11,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 #: each DSL scalar type a block takes or returns: its LLVM type and its register constraint
 _KINDS = {Uint32: (T.i32, "r"), Int32: (T.i32, "r"), Int64: (T.i64, "l"), Float32: (T.f32, "f")}
 
+
+def f16_pair_word(x: float) -> int:
+    """A constant 32-bit word of two FP16 halves, each ``x`` (which FP16 must hold exactly), as ``f16x2``
+    instructions and a wgmma's A registers take it."""
+    bits = struct.unpack("<H", struct.pack("<e", x))[0]
+    assert struct.unpack("<e", struct.pack("<H", bits))[0] == x, x
+    return bits * 0x00010001
 
 def asm(result: type, args: list, body: str, *, side_effects: bool = False, memory: bool = False, loc=None,
         ip=None):
