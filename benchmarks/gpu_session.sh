@@ -534,7 +534,9 @@ SWEEPS
     timeout 150 python3 benchmarks/cluster_smoke.py --timeout 120 > "$OUT/cluster-smoke.log" 2>&1; cat "$OUT/cluster-smoke.log"
     grep -q "TIMEOUT\|rc [1-9]" "$OUT/cluster-smoke.log" || JOBS=${JOBS:-8} bash "$0" pending cluster-merge ;;
   fi-parts)  # fi-parts DIR: install FlashInfer from its wheel cut into parts (DIR/fi-part-*, joined in name order,
-             # carried over several calls: the wheel and the tree exceed one call's 64 MiB) and DIR's other wheels
+             # carried over several calls: the wheel and the tree exceed one call's 64 MiB) and DIR's other wheels.
+             # A call's carry can drop the parts an earlier call carried beside them: copy each call's parts to DIR
+             # (outside the tree, e.g. /tmp/fiw) in the call that carries them
     d="${2:?fi-parts needs the folder of the parts}"
     cat "$d"/fi-part-* > "$d/flashinfer_python-0.7.2.post1-py3-none-any.whl"
     python3 -m pip install -q --no-index --no-deps --no-compile "$d"/*.whl
