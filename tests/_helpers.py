@@ -115,6 +115,7 @@ def block_a_matrix(cfg):
     import torch
 
     from foscar.cute.pivot import block_element, sum_values
+    values = sum_values(cfg)
     A = torch.full((64, 16), float("nan"), dtype=torch.float64)
     for warp in range(4):
         for lane in range(32):
@@ -122,7 +123,7 @@ def block_a_matrix(cfg):
                 row = 16 * warp + lane // 4 + 8 * ((i >> 1) & 1)
                 k = 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1)
                 assert A[row, k].isnan()
-                A[row, k] = float(torch.tensor(block_element(sum_values(cfg), i), dtype=torch.float16))
+                A[row, k] = float(torch.tensor(block_element(values, i), dtype=torch.float16))
     assert not A.isnan().any()
     return A
 

@@ -19,6 +19,7 @@ def f16_pair_word(x: float) -> int:
     assert struct.unpack("<e", struct.pack("<H", bits))[0] == x, x
     return bits * 0x00010001
 
+
 def asm(result: type, args: list, body: str, *, side_effects: bool = False, memory: bool = False, loc=None,
         ip=None):
     """The value (of the DSL type ``result``) of the PTX ``body`` over ``args`` (DSL scalars, each of the type it
